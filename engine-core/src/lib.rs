@@ -1,0 +1,17 @@
+//! tether's portable engine: the Qwen3.5 dense hybrid (Gated DeltaNet + gated full attention),
+//! its checkpoint formats, the op-level `Backend` it runs on, the paged KV cache with exact
+//! page merging, and generation. Compiles for native targets and `wasm32-unknown-unknown`
+//! (file access and memory mapping are native-only).
+
+pub mod backend;
+pub mod config;
+pub mod error;
+pub mod kv;
+pub mod model;
+pub mod tensor;
+pub mod weights;
+
+pub use backend::{Backend, CpuBackend};
+pub use config::{LayerKind, ModelConfig};
+pub use error::{Error, Result};
+pub use model::{Logits, Model, State};

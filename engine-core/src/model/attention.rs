@@ -1,0 +1,109 @@
+//! Gated full attention: q (with a per-head output gate), k, v projections; per-head QK RMSNorm;
+//! partial RoPE; GQA causal softmax over the paged KV cache, merged page by page; sigmoid gate.
+
+use super::Loader;
+use crate::backend::{AttnShape, Backend};
+use crate::config::ModelConfig;
+use crate::error::Result;
+use crate::kv::{PagedKv, Partials};
+use crate::tensor::Matrix;
+
+pub(super) struct Attention {
+    /// `[nh * 2 * hd, H]`: per head, hd query rows then hd gate rows.
+    q_proj: Matrix,
+    k_proj: Matrix,
+    v_proj: Matrix,
+    o_proj: Matrix,
+    q_norm: Vec<f32>,
+    k_norm: Vec<f32>,
+    inv_freq: Vec<f32>,
+    shape: AttnShape,
+}
+
+impl Attention {
+    pub(super) fn load(c: &ModelConfig, ld: &Loader, p: &str) -> Result<Self> {
+        let (h, nh, nkv, hd) = (
+            c.hidden_size,
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.head_dim,
+        );
+        let rot = c.rotary_dim();
+        Ok(Attention {
+            q_proj: ld.matrix(&format!("{p}q_proj.weight"), nh * hd * 2, h)?,
+            k_proj: ld.matrix(&format!("{p}k_proj.weight"), nkv * hd, h)?,
+            v_proj: ld.matrix(&format!("{p}v_proj.weight"), nkv * hd, h)?,
+            o_proj: ld.matrix(&format!("{p}o_proj.weight"), h, nh * hd)?,
+            q_norm: ld.offset_norm(&format!("{p}q_norm.weight"), hd)?,
+            k_norm: ld.offset_norm(&format!("{p}k_norm.weight"), hd)?,
+            inv_freq: (0..rot / 2)
+                .map(|i| 1.0 / c.rope_theta.powf((2 * i) as f32 / rot as f32))
+                .collect(),
+            shape: AttnShape {
+                q_heads: nh,
+                kv_heads: nkv,
+                head_dim: hd,
+            },
+        })
+    }
+
+    pub(super) fn weight_bytes(&self) -> usize {
+        self.q_proj.nbytes() + self.k_proj.nbytes() + self.v_proj.nbytes() + self.o_proj.nbytes()
+    }
+
+    pub(super) fn forward(
+        &self,
+        be: &dyn Backend,
+        c: &ModelConfig,
+        x: &[f32],
+        positions: &[usize],
+        kv: &mut PagedKv,
+        out: &mut [f32],
+    ) {
+        let AttnShape {
+            q_heads: nh,
+            kv_heads: nkv,
+            head_dim: hd,
+        } = self.shape;
+        let t = positions.len();
+        let mut qg = vec![0.0f32; t * nh * 2 * hd];
+        be.matmul(x, &self.q_proj, &mut qg);
+        // Per head the projection holds [query | gate]; separate them.
+        let mut q = Vec::with_capacity(t * nh * hd);
+        let mut gate = Vec::with_capacity(t * nh * hd);
+        for head in qg.chunks(2 * hd) {
+            q.extend_from_slice(&head[..hd]);
+            gate.extend_from_slice(&head[hd..]);
+        }
+        let mut k = vec![0.0f32; t * nkv * hd];
+        let mut v = vec![0.0f32; t * nkv * hd];
+        be.matmul(x, &self.k_proj, &mut k);
+        be.matmul(x, &self.v_proj, &mut v);
+        be.rms_norm(&mut q, &self.q_norm, c.rms_norm_eps);
+        be.rms_norm(&mut k, &self.k_norm, c.rms_norm_eps);
+        be.rope(&mut q, hd, positions, &self.inv_freq);
+        be.rope(&mut k, hd, positions, &self.inv_freq);
+        kv.append(&k, &v);
+        let scale = 1.0 / (hd as f32).sqrt();
+        q.iter_mut().for_each(|v| *v *= scale);
+        let mut attn = attend(be, self.shape, &q, positions, kv).o;
+        be.sigmoid_mul(&mut attn, &gate);
+        be.matmul(&attn, &self.o_proj, out);
+    }
+}
+
+/// Attention of scaled queries over every page of `kv`, merged in page order.
+pub fn attend(
+    be: &dyn Backend,
+    shape: AttnShape,
+    q: &[f32],
+    positions: &[usize],
+    kv: &PagedKv,
+) -> Partials {
+    let last = positions.iter().copied().max().unwrap_or(0);
+    let mut acc = Partials::empty(positions.len() * shape.q_heads, shape.head_dim);
+    for page in kv.pages().iter().filter(|p| p.start <= last) {
+        acc.merge(&be.attend_page(shape, q, positions, page));
+    }
+    acc
+}

@@ -1,0 +1,269 @@
+//! The Qwen3.5 dense hybrid, written once in the backend's op vocabulary (see ../shared/MODEL.md):
+//!
+//! ```text
+//! x = embed[ids]
+//! for each layer:  h = x + mixer(norm_in(x));  x = h + mlp(norm_post(h))
+//! logits = lm_head(norm_final(x))
+//! ```
+//! `attention.rs` and `deltanet.rs` hold the two mixers; `state.rs` the per-sequence state.
+
+mod attention;
+mod deltanet;
+mod state;
+
+pub use state::{LayerState, State};
+
+use crate::backend::Backend;
+use crate::config::{LayerKind, ModelConfig};
+use crate::error::{Error, Result};
+use crate::tensor::{Matrix, Tensor};
+use crate::weights::TensorMap;
+
+use attention::Attention;
+use deltanet::DeltaNet;
+
+/// Which rows of the batch need logits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Logits {
+    /// Every row (`tether eval`).
+    All,
+    /// The last row only (prefill before sampling).
+    Last,
+    /// None (a prefill chunk that is followed by more).
+    None,
+}
+
+enum Mixer {
+    Attention(Attention),
+    DeltaNet(DeltaNet),
+}
+
+struct Mlp {
+    gate: Matrix,
+    up: Matrix,
+    down: Matrix,
+}
+
+struct Layer {
+    /// `1 + w` of the input RMSNorm (Qwen3.5 stores norm weights as offsets).
+    norm_in: Vec<f32>,
+    norm_post: Vec<f32>,
+    mixer: Mixer,
+    mlp: Mlp,
+}
+
+pub struct Model {
+    pub config: ModelConfig,
+    embed: Matrix,
+    lm_head: Matrix,
+    norm_final: Vec<f32>,
+    layers: Vec<Layer>,
+}
+
+/// Looks tensors up by name and checks their shapes, so a wrong checkpoint fails with the name
+/// and both shapes.
+pub(crate) struct Loader<'a> {
+    tensors: &'a TensorMap,
+}
+
+impl<'a> Loader<'a> {
+    fn tensor(&self, name: &str, shape: &[usize]) -> Result<&'a Tensor> {
+        let t = self
+            .tensors
+            .get(name)
+            .ok_or_else(|| Error::MissingTensor(name.to_string()))?;
+        if t.shape != shape {
+            return Err(Error::Shape {
+                name: name.to_string(),
+                expected: shape.to_vec(),
+                found: t.shape.clone(),
+            });
+        }
+        Ok(t)
+    }
+
+    pub(crate) fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Matrix> {
+        let t = self.tensor(name, &[rows, cols])?;
+        Ok(Matrix {
+            rows,
+            cols,
+            data: t.data.clone(),
+        })
+    }
+
+    pub(crate) fn vector(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
+        Ok(self.tensor(name, shape)?.data.to_f32_vec())
+    }
+
+    /// An RMSNorm weight stored as an offset, returned as the scale `1 + w`.
+    pub(crate) fn offset_norm(&self, name: &str, dim: usize) -> Result<Vec<f32>> {
+        Ok(self
+            .vector(name, &[dim])?
+            .into_iter()
+            .map(|w| 1.0 + w)
+            .collect())
+    }
+}
+
+impl Model {
+    /// Build the model from named tensors (text-only naming, see `weights::normalise_name`).
+    pub fn from_tensors(config: ModelConfig, tensors: &TensorMap) -> Result<Model> {
+        config.validate()?;
+        let c = &config;
+        let ld = Loader { tensors };
+        let (h, v) = (c.hidden_size, c.vocab_size);
+        let embed = ld.matrix("model.embed_tokens.weight", v, h)?;
+        let lm_head = if c.tie_word_embeddings {
+            embed.clone()
+        } else {
+            ld.matrix("lm_head.weight", v, h)?
+        };
+        let mut layers = Vec::with_capacity(c.num_hidden_layers);
+        for (i, kind) in c.layer_types.iter().enumerate() {
+            let p = format!("model.layers.{i}.");
+            let mixer = match kind {
+                LayerKind::FullAttention => {
+                    Mixer::Attention(Attention::load(c, &ld, &format!("{p}self_attn."))?)
+                }
+                LayerKind::LinearAttention => {
+                    Mixer::DeltaNet(DeltaNet::load(c, &ld, &format!("{p}linear_attn."))?)
+                }
+            };
+            let m = format!("{p}mlp.");
+            layers.push(Layer {
+                norm_in: ld.offset_norm(&format!("{p}input_layernorm.weight"), h)?,
+                norm_post: ld.offset_norm(&format!("{p}post_attention_layernorm.weight"), h)?,
+                mixer,
+                mlp: Mlp {
+                    gate: ld.matrix(&format!("{m}gate_proj.weight"), c.intermediate_size, h)?,
+                    up: ld.matrix(&format!("{m}up_proj.weight"), c.intermediate_size, h)?,
+                    down: ld.matrix(&format!("{m}down_proj.weight"), h, c.intermediate_size)?,
+                },
+            });
+        }
+        Ok(Model {
+            norm_final: ld.offset_norm("model.norm.weight", h)?,
+            embed,
+            lm_head,
+            layers,
+            config,
+        })
+    }
+
+    /// Load `config.json` and the safetensors of a checkpoint directory.
+    #[cfg(not(target_arch = "wasm32"))]
+    pub fn load_dir(dir: &std::path::Path) -> Result<Model> {
+        let path = dir.join("config.json");
+        let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
+        let config = ModelConfig::from_json_str(&text)?;
+        let tensors = crate::weights::load_dir(dir)?;
+        Model::from_tensors(config, &tensors)
+    }
+
+    /// A fresh per-sequence state (empty KV cache, zero recurrent and conv state).
+    pub fn new_state(&self, page_size: usize) -> State {
+        State::new(&self.config, page_size)
+    }
+
+    /// Bytes of weights as stored (tied embeddings counted once).
+    pub fn weight_bytes(&self) -> usize {
+        let mut n = self.embed.nbytes();
+        if !self.config.tie_word_embeddings {
+            n += self.lm_head.nbytes();
+        }
+        for l in &self.layers {
+            n += l.mlp.gate.nbytes() + l.mlp.up.nbytes() + l.mlp.down.nbytes();
+            n += match &l.mixer {
+                Mixer::Attention(a) => a.weight_bytes(),
+                Mixer::DeltaNet(d) => d.weight_bytes(),
+            };
+        }
+        n
+    }
+
+    pub fn weight_dtype(&self) -> crate::tensor::DType {
+        self.embed.dtype()
+    }
+
+    /// Run `tokens` at positions `state.pos ..`, advancing `state`; returns logits `[rows, vocab]`
+    /// for the rows `logits` asks for. If `trace` is given, the residual after each layer is
+    /// pushed to it (`[tokens, hidden]` per layer) to find the first layer that diverges.
+    pub fn forward(
+        &self,
+        be: &dyn Backend,
+        state: &mut State,
+        tokens: &[u32],
+        logits: Logits,
+        mut trace: Option<&mut Vec<Vec<f32>>>,
+    ) -> Result<Vec<f32>> {
+        let c = &self.config;
+        if tokens.is_empty() {
+            return Err(Error::Invalid("forward needs at least one token".into()));
+        }
+        if let Some(&id) = tokens.iter().find(|&&id| id as usize >= c.vocab_size) {
+            return Err(Error::TokenOutOfRange {
+                id,
+                vocab: c.vocab_size,
+            });
+        }
+        state.check_matches(c)?;
+        let h = c.hidden_size;
+        let t = tokens.len();
+        let positions: Vec<usize> = (state.pos..state.pos + t).collect();
+        let mut x = vec![0.0f32; t * h];
+        for (row, &id) in x.chunks_mut(h).zip(tokens) {
+            self.embed.row_f32(id as usize, row);
+        }
+        let mut normed = vec![0.0f32; t * h];
+        let mut y = vec![0.0f32; t * h];
+        for (layer, ls) in self.layers.iter().zip(state.layers.iter_mut()) {
+            normed.copy_from_slice(&x);
+            be.rms_norm(&mut normed, &layer.norm_in, c.rms_norm_eps);
+            match (&layer.mixer, ls) {
+                (Mixer::Attention(a), LayerState::Attention(kv)) => {
+                    a.forward(be, c, &normed, &positions, kv, &mut y)
+                }
+                (Mixer::DeltaNet(d), LayerState::DeltaNet(st)) => {
+                    d.forward(be, c, &normed, st, &mut y)
+                }
+                _ => unreachable!("State::check_matches verified the layer kinds"),
+            }
+            add(&mut x, &y);
+            normed.copy_from_slice(&x);
+            be.rms_norm(&mut normed, &layer.norm_post, c.rms_norm_eps);
+            layer.mlp.forward(be, &normed, &mut y);
+            add(&mut x, &y);
+            if let Some(tr) = trace.as_deref_mut() {
+                tr.push(x.clone());
+            }
+        }
+        state.pos += t;
+        let rows = match logits {
+            Logits::All => &mut x[..],
+            Logits::Last => &mut x[(t - 1) * h..],
+            Logits::None => return Ok(Vec::new()),
+        };
+        be.rms_norm(rows, &self.norm_final, c.rms_norm_eps);
+        let mut out = vec![0.0f32; rows.len() / h * c.vocab_size];
+        be.matmul(rows, &self.lm_head, &mut out);
+        Ok(out)
+    }
+}
+
+impl Mlp {
+    fn forward(&self, be: &dyn Backend, x: &[f32], out: &mut [f32]) {
+        let t = x.len() / self.gate.cols;
+        let mut gate = vec![0.0f32; t * self.gate.rows];
+        let mut up = vec![0.0f32; t * self.up.rows];
+        be.matmul(x, &self.gate, &mut gate);
+        be.matmul(x, &self.up, &mut up);
+        be.silu_mul(&mut gate, &up);
+        be.matmul(&gate, &self.down, out);
+    }
+}
+
+fn add(x: &mut [f32], y: &[f32]) {
+    for (a, b) in x.iter_mut().zip(y) {
+        *a += b;
+    }
+}

@@ -1,0 +1,82 @@
+//! Per-sequence state: a paged KV cache per full-attention layer, recurrent + conv state per
+//! DeltaNet layer. The KV grows with the context; the DeltaNet state has a fixed size.
+
+use crate::config::{LayerKind, ModelConfig};
+use crate::error::{Error, Result};
+use crate::kv::PagedKv;
+
+#[derive(Clone, Debug)]
+pub struct DeltaState {
+    /// Recurrent state `[v_heads, dk, dv]`.
+    pub s: Vec<f32>,
+    /// The last `kernel - 1` conv inputs `[kernel - 1, conv_dim]`.
+    pub conv: Vec<f32>,
+}
+
+#[derive(Clone, Debug)]
+pub enum LayerState {
+    Attention(PagedKv),
+    DeltaNet(DeltaState),
+}
+
+#[derive(Clone, Debug)]
+pub struct State {
+    /// Positions consumed so far (the next token's position).
+    pub pos: usize,
+    pub layers: Vec<LayerState>,
+}
+
+impl State {
+    pub fn new(c: &ModelConfig, page_size: usize) -> State {
+        let layers = c
+            .layer_types
+            .iter()
+            .map(|k| match k {
+                LayerKind::FullAttention => LayerState::Attention(PagedKv::new(
+                    page_size,
+                    c.num_key_value_heads,
+                    c.head_dim,
+                )),
+                LayerKind::LinearAttention => LayerState::DeltaNet(DeltaState {
+                    s: vec![
+                        0.0;
+                        c.linear_num_value_heads
+                            * c.linear_key_head_dim
+                            * c.linear_value_head_dim
+                    ],
+                    conv: vec![0.0; (c.linear_conv_kernel_dim - 1) * c.conv_dim()],
+                }),
+            })
+            .collect();
+        State { pos: 0, layers }
+    }
+
+    pub(crate) fn check_matches(&self, c: &ModelConfig) -> Result<()> {
+        let ok = self.layers.len() == c.layer_types.len()
+            && self.layers.iter().zip(&c.layer_types).all(|(s, k)| {
+                matches!(
+                    (s, k),
+                    (LayerState::Attention(_), LayerKind::FullAttention)
+                        | (LayerState::DeltaNet(_), LayerKind::LinearAttention)
+                )
+            });
+        if ok {
+            Ok(())
+        } else {
+            Err(Error::Invalid(
+                "sequence state was made for a different model".into(),
+            ))
+        }
+    }
+
+    /// Bytes held by KV caches.
+    pub fn kv_bytes(&self) -> usize {
+        self.layers
+            .iter()
+            .map(|l| match l {
+                LayerState::Attention(kv) => kv.bytes(),
+                LayerState::DeltaNet(_) => 0,
+            })
+            .sum()
+    }
+}
