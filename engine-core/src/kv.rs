@@ -5,6 +5,8 @@
 //! loss, always in page order, so the result does not depend on where a page was computed (host,
 //! helper, GPU). This file is the one place that merge is written.
 
+use crate::backend::{AttnShape, Backend};
+
 /// KV rows for positions `start .. start + len`, token-major: row `j` holds
 /// `[kv_heads, head_dim]` keys (values likewise).
 #[derive(Clone, Debug)]
@@ -121,37 +123,81 @@ impl Partials {
     pub fn rows(&self) -> usize {
         self.m.len()
     }
+}
 
-    /// Fold `next` (the following page) into `self`:
-    /// `M = max(m_a, m_b); o = (o_a l_a e^(m_a-M) + o_b l_b e^(m_b-M)) / (l_a e^(m_a-M) + l_b e^(m_b-M))`.
-    pub fn merge(&mut self, next: &Partials) {
-        assert_eq!(self.rows(), next.rows());
-        assert_eq!(self.head_dim, next.head_dim);
-        let d = self.head_dim;
-        for r in 0..self.rows() {
-            if next.l[r] == 0.0 {
-                continue;
-            }
-            if self.l[r] == 0.0 {
-                self.m[r] = next.m[r];
-                self.l[r] = next.l[r];
-                self.o[r * d..(r + 1) * d].copy_from_slice(&next.o[r * d..(r + 1) * d]);
-                continue;
-            }
-            let m = self.m[r].max(next.m[r]);
-            let a = self.l[r] * (self.m[r] - m).exp();
-            let b = next.l[r] * (next.m[r] - m).exp();
-            let (wa, wb) = (a / (a + b), b / (a + b));
-            for (x, y) in self.o[r * d..(r + 1) * d]
-                .iter_mut()
-                .zip(&next.o[r * d..(r + 1) * d])
-            {
-                *x = *x * wa + *y * wb;
-            }
-            self.m[r] = m;
-            self.l[r] = a + b;
+/// Merges page partials, in the order they are given, into one. Accumulates in f64 without
+/// renormalising at every step, so the result stays within ~1e-7 of attention over all keys
+/// at once even for thousands of pages:
+/// `M = max m_i; o = sum o_i l_i e^(m_i-M) / sum l_i e^(m_i-M)`.
+pub struct Merger {
+    head_dim: usize,
+    m: Vec<f32>,
+    l: Vec<f64>,
+    /// Unnormalised output, relative to the current `m`.
+    o: Vec<f64>,
+}
+
+impl Merger {
+    pub fn new(rows: usize, head_dim: usize) -> Self {
+        Merger {
+            head_dim,
+            m: vec![f32::NEG_INFINITY; rows],
+            l: vec![0.0; rows],
+            o: vec![0.0; rows * head_dim],
         }
     }
+
+    pub fn add(&mut self, p: &Partials) {
+        assert_eq!(self.m.len(), p.rows());
+        assert_eq!(self.head_dim, p.head_dim);
+        let d = self.head_dim;
+        for r in 0..self.m.len() {
+            if p.l[r] == 0.0 {
+                continue;
+            }
+            let o = &mut self.o[r * d..(r + 1) * d];
+            if p.m[r] > self.m[r] {
+                let rescale = (self.m[r] as f64 - p.m[r] as f64).exp();
+                o.iter_mut().for_each(|x| *x *= rescale);
+                self.l[r] *= rescale;
+                self.m[r] = p.m[r];
+            }
+            let w = p.l[r] as f64 * (p.m[r] as f64 - self.m[r] as f64).exp();
+            for (x, y) in o.iter_mut().zip(&p.o[r * d..(r + 1) * d]) {
+                *x += w * *y as f64;
+            }
+            self.l[r] += w;
+        }
+    }
+
+    pub fn finish(self) -> Partials {
+        let d = self.head_dim;
+        let mut o = vec![0.0f32; self.o.len()];
+        for (r, &l) in self.l.iter().enumerate() {
+            if l > 0.0 {
+                for (dst, src) in o[r * d..(r + 1) * d].iter_mut().zip(&self.o[r * d..(r + 1) * d]) {
+                    *dst = (src / l) as f32;
+                }
+            }
+        }
+        Partials {
+            head_dim: d,
+            o,
+            m: self.m,
+            l: self.l.iter().map(|&l| l as f32).collect(),
+        }
+    }
+}
+
+/// Attention of scaled queries `[t, q_heads, head_dim]` at absolute `positions` over every page
+/// of `kv` that any of them can see, merged in page order.
+pub fn attend(be: &dyn Backend, shape: AttnShape, q: &[f32], positions: &[usize], kv: &PagedKv) -> Partials {
+    let last = positions.iter().copied().max().unwrap_or(0);
+    let mut merger = Merger::new(positions.len() * shape.q_heads, shape.head_dim);
+    for page in kv.pages().iter().filter(|p| p.start <= last) {
+        merger.add(&be.attend_page(shape, q, positions, page));
+    }
+    merger.finish()
 }
 
 #[cfg(test)]

@@ -6,9 +6,12 @@
 pub mod backend;
 pub mod config;
 pub mod error;
+pub mod generate;
 pub mod kv;
 pub mod model;
+pub mod synth;
 pub mod tensor;
+pub mod tokenizer;
 pub mod weights;
 
 pub use backend::{Backend, CpuBackend};

@@ -108,32 +108,50 @@ pub fn load_dir(dir: &std::path::Path) -> Result<TensorMap> {
     Ok(out)
 }
 
-/// Write tensors as one safetensors file (sorted by name, as HF does).
+/// A tensor to write: any safetensors dtype (eval writes i64 ids beside f32 logits).
+pub struct RawTensor<'a> {
+    pub dtype: StDtype,
+    pub shape: Vec<usize>,
+    pub bytes: &'a [u8],
+}
+
+impl safetensors::View for &RawTensor<'_> {
+    fn dtype(&self) -> StDtype {
+        self.dtype
+    }
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    fn data(&self) -> std::borrow::Cow<'_, [u8]> {
+        std::borrow::Cow::Borrowed(self.bytes)
+    }
+    fn data_len(&self) -> usize {
+        self.bytes.len()
+    }
+}
+
+/// Write named tensors as one safetensors file.
+#[cfg(not(target_arch = "wasm32"))]
+pub fn save_raw(tensors: &[(String, RawTensor)], path: &std::path::Path) -> Result<()> {
+    let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
+    let views = tensors.iter().map(|(n, t)| (n.as_str(), t));
+    safetensors::serialize_to_file(views, Some(meta), path).map_err(|e| Error::Weights(format!("{}: {e}", path.display())))
+}
+
+/// Write model tensors as one safetensors file, sorted by name as HF does.
 #[cfg(not(target_arch = "wasm32"))]
 pub fn save_safetensors(tensors: &TensorMap, path: &std::path::Path) -> Result<()> {
-    struct View<'a>(&'a Tensor);
-    impl safetensors::View for View<'_> {
-        fn dtype(&self) -> StDtype {
-            match self.0.dtype() {
+    let mut raw: Vec<(String, RawTensor)> = tensors
+        .iter()
+        .map(|(n, t)| {
+            let dtype = match t.dtype() {
                 DType::F32 => StDtype::F32,
                 DType::BF16 => StDtype::BF16,
                 DType::F16 => StDtype::F16,
-            }
-        }
-        fn shape(&self) -> &[usize] {
-            &self.0.shape
-        }
-        fn data(&self) -> std::borrow::Cow<'_, [u8]> {
-            std::borrow::Cow::Borrowed(self.0.data.as_bytes())
-        }
-        fn data_len(&self) -> usize {
-            self.0.data.as_bytes().len()
-        }
-    }
-    let mut names: Vec<&String> = tensors.keys().collect();
-    names.sort();
-    let views = names.into_iter().map(|n| (n.as_str(), View(&tensors[n])));
-    let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
-    safetensors::serialize_to_file(views, Some(meta), path)
-        .map_err(|e| Error::Weights(format!("{}: {e}", path.display())))
+            };
+            (n.clone(), RawTensor { dtype, shape: t.shape.clone(), bytes: t.data.as_bytes() })
+        })
+        .collect();
+    raw.sort_by(|a, b| a.0.cmp(&b.0));
+    save_raw(&raw, path)
 }

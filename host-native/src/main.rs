@@ -1,1 +1,89 @@
-fn main() {}
+//! `tether`: the host command line.
+
+mod bench;
+mod eval;
+mod load;
+mod run;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "tether", version, about = "Run a Qwen3.5 hybrid model exactly, on this machine and (soon) a tethered helper")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Generate text from a prompt, streamed to stdout.
+    Run(run::Args),
+    /// Write reference-format logits and greedy ids for a list of token ids.
+    Eval(eval::Args),
+    /// Print the token ids of a text as a JSON array.
+    Tokenize(TokenizeArgs),
+    /// Measure prefill and decode speed and peak memory.
+    Bench(bench::Args),
+    /// Write a synthetic model (seeded random weights) as a HF-style directory.
+    Synth(SynthArgs),
+}
+
+#[derive(clap::Args)]
+struct TokenizeArgs {
+    /// A tokenizer.json file.
+    #[arg(long)]
+    tokenizer: std::path::PathBuf,
+    #[arg(long)]
+    text: String,
+}
+
+#[derive(clap::Args)]
+struct SynthArgs {
+    /// One of: tiny, qwen35-0.8b.
+    #[arg(long)]
+    preset: String,
+    #[arg(long)]
+    out: std::path::PathBuf,
+    #[command(flatten)]
+    synth: load::SynthOptions,
+    /// Copy this tokenizer.json into the directory (otherwise the model uses byte-level ids).
+    #[arg(long)]
+    tokenizer: Option<std::path::PathBuf>,
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Run(a) => run::run(a),
+        Command::Eval(a) => eval::run(a),
+        Command::Tokenize(a) => tokenize(a),
+        Command::Bench(a) => bench::run(a),
+        Command::Synth(a) => synth(a),
+    };
+    if let Err(e) = result {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn tokenize(a: TokenizeArgs) -> anyhow::Result<()> {
+    let tok = engine_core::tokenizer::Tokenizer::from_file(&a.tokenizer)?;
+    println!("{}", serde_json::to_string(&tok.encode(&a.text)?)?);
+    Ok(())
+}
+
+fn synth(a: SynthArgs) -> anyhow::Result<()> {
+    let (config, tensors) = load::synth_tensors(&a.preset, &a.synth)?;
+    engine_core::synth::write_hf_dir(&a.out, &config, &tensors, a.synth.dtype()?)?;
+    if let Some(t) = a.tokenizer {
+        let dst = a.out.join("tokenizer.json");
+        std::fs::copy(&t, &dst).map_err(|e| anyhow::anyhow!("copying {} to {}: {e}", t.display(), dst.display()))?;
+    }
+    eprintln!(
+        "wrote {} ({} layers, {} weights)",
+        a.out.display(),
+        config.num_hidden_layers,
+        a.synth.dtype()?.name()
+    );
+    Ok(())
+}

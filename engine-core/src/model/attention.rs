@@ -5,7 +5,7 @@ use super::Loader;
 use crate::backend::{AttnShape, Backend};
 use crate::config::ModelConfig;
 use crate::error::Result;
-use crate::kv::{PagedKv, Partials};
+use crate::kv::{attend, PagedKv};
 use crate::tensor::Matrix;
 
 pub(super) struct Attention {
@@ -90,20 +90,4 @@ impl Attention {
         be.sigmoid_mul(&mut attn, &gate);
         be.matmul(&attn, &self.o_proj, out);
     }
-}
-
-/// Attention of scaled queries over every page of `kv`, merged in page order.
-pub fn attend(
-    be: &dyn Backend,
-    shape: AttnShape,
-    q: &[f32],
-    positions: &[usize],
-    kv: &PagedKv,
-) -> Partials {
-    let last = positions.iter().copied().max().unwrap_or(0);
-    let mut acc = Partials::empty(positions.len() * shape.q_heads, shape.head_dim);
-    for page in kv.pages().iter().filter(|p| p.start <= last) {
-        acc.merge(&be.attend_page(shape, q, positions, page));
-    }
-    acc
 }

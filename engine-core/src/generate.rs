@@ -1,0 +1,232 @@
+//! Turning logits into tokens: the sampler (greedy, or temperature with top-k / top-p / min-p
+//! filters and a seeded RNG) and the prefill-then-decode loop shared by every front end.
+
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+
+use crate::backend::Backend;
+use crate::error::{Error, Result};
+use crate::model::{Logits, Model, State};
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct SamplingParams {
+    /// 0 means greedy (argmax; ties go to the lowest id, as torch's argmax).
+    pub temperature: f32,
+    /// Keep the k most likely tokens; 0 keeps all.
+    pub top_k: usize,
+    /// Keep the smallest set of most likely tokens whose probability reaches `top_p`.
+    pub top_p: f32,
+    /// Drop tokens less likely than `min_p` times the most likely one.
+    pub min_p: f32,
+    pub seed: u64,
+}
+
+impl SamplingParams {
+    pub fn greedy() -> Self {
+        SamplingParams {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            seed: 0,
+        }
+    }
+
+    pub fn validate(&self) -> Result<()> {
+        if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
+            return Err(Error::Invalid(format!("temperature must be >= 0, got {}", self.temperature)));
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return Err(Error::Invalid(format!("top_p must be in (0, 1], got {}", self.top_p)));
+        }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return Err(Error::Invalid(format!("min_p must be in [0, 1], got {}", self.min_p)));
+        }
+        Ok(())
+    }
+}
+
+pub fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &v) in logits.iter().enumerate() {
+        if v > logits[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+pub struct Sampler {
+    params: SamplingParams,
+    rng: SmallRng,
+}
+
+impl Sampler {
+    pub fn new(params: SamplingParams) -> Result<Self> {
+        params.validate()?;
+        let rng = SmallRng::seed_from_u64(params.seed);
+        Ok(Sampler { params, rng })
+    }
+
+    /// Filters apply after temperature scaling, in the order top-k, top-p, min-p (as HF does).
+    pub fn sample(&mut self, logits: &[f32]) -> u32 {
+        let p = &self.params;
+        if p.temperature == 0.0 {
+            return argmax(logits);
+        }
+        let mut cand: Vec<(u32, f32)> = logits.iter().enumerate().map(|(i, &l)| (i as u32, l)).collect();
+        let by_logit_desc = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+        if p.top_k > 0 && p.top_k < cand.len() {
+            cand.select_nth_unstable_by(p.top_k - 1, by_logit_desc);
+            cand.truncate(p.top_k);
+        }
+        cand.sort_unstable_by(by_logit_desc);
+        let max = cand[0].1 / p.temperature;
+        let mut probs: Vec<f32> = cand.iter().map(|c| (c.1 / p.temperature - max).exp()).collect();
+        let total: f32 = probs.iter().sum();
+        probs.iter_mut().for_each(|x| *x /= total);
+        let mut keep = probs.len();
+        if p.top_p < 1.0 {
+            let mut cum = 0.0;
+            for (i, &x) in probs.iter().enumerate() {
+                cum += x;
+                if cum >= p.top_p {
+                    keep = i + 1;
+                    break;
+                }
+            }
+        }
+        let floor = p.min_p * probs[0];
+        keep = probs[..keep].iter().take_while(|&&x| x >= floor).count().max(1);
+        let total: f32 = probs[..keep].iter().sum();
+        let mut r = self.rng.random::<f32>() * total;
+        for (i, &x) in probs[..keep].iter().enumerate() {
+            if r < x {
+                return cand[i].0;
+            }
+            r -= x;
+        }
+        cand[keep - 1].0
+    }
+}
+
+/// One sequence being generated: prefill the prompt, then draw tokens one at a time. A drawn
+/// token is fed to the model only when the next one is asked for, so the last token of a
+/// generation costs no forward pass.
+pub struct Generation<'a> {
+    model: &'a Model,
+    backend: &'a dyn Backend,
+    pub state: State,
+    sampler: Sampler,
+    stop: Vec<u32>,
+    logits: Vec<f32>,
+    pending: Option<u32>,
+}
+
+impl<'a> Generation<'a> {
+    pub fn new(model: &'a Model, backend: &'a dyn Backend, state: State, sampler: Sampler, stop: Vec<u32>) -> Self {
+        Generation {
+            model,
+            backend,
+            state,
+            sampler,
+            stop,
+            logits: Vec::new(),
+            pending: None,
+        }
+    }
+
+    /// Run the prompt in batches of `ubatch` tokens; only the last row's logits are computed.
+    pub fn prefill(&mut self, prompt: &[u32], ubatch: usize) -> Result<()> {
+        if prompt.is_empty() {
+            return Err(Error::Invalid("the prompt is empty".into()));
+        }
+        let chunks: Vec<&[u32]> = prompt.chunks(ubatch.max(1)).collect();
+        for (i, chunk) in chunks.iter().enumerate() {
+            let want = if i + 1 == chunks.len() { Logits::Last } else { Logits::None };
+            self.logits = self.model.forward(self.backend, &mut self.state, chunk, want, None)?;
+        }
+        self.pending = None;
+        Ok(())
+    }
+
+    /// The next token, or `None` at a stop token.
+    pub fn next_token(&mut self) -> Result<Option<u32>> {
+        if let Some(tok) = self.pending.take() {
+            self.logits = self.model.forward(self.backend, &mut self.state, &[tok], Logits::Last, None)?;
+        }
+        if self.logits.is_empty() {
+            return Err(Error::Invalid("next_token called before prefill".into()));
+        }
+        let tok = self.sampler.sample(&self.logits);
+        if self.stop.contains(&tok) {
+            return Ok(None);
+        }
+        self.pending = Some(tok);
+        Ok(Some(tok))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params(temperature: f32, top_k: usize, top_p: f32, min_p: f32) -> SamplingParams {
+        SamplingParams {
+            temperature,
+            top_k,
+            top_p,
+            min_p,
+            seed: 7,
+        }
+    }
+
+    #[test]
+    fn greedy_takes_first_maximum() {
+        let mut s = Sampler::new(SamplingParams::greedy()).unwrap();
+        assert_eq!(s.sample(&[0.0, 3.0, 3.0, -1.0]), 1);
+    }
+
+    #[test]
+    fn filters_restrict_the_candidates() {
+        let logits = [2.0, 1.9, 0.0, -5.0, 1.8];
+        for _ in 0..200 {
+            let t = Sampler::new(params(1.0, 2, 1.0, 0.0)).unwrap().sample(&logits);
+            assert!(t == 0 || t == 1);
+        }
+        // min_p 0.5: token 2 has p/p_max = e^-2 < 0.5, so only 0, 1, 4 remain.
+        let mut s = Sampler::new(params(1.0, 0, 1.0, 0.5)).unwrap();
+        for _ in 0..500 {
+            assert!([0, 1, 4].contains(&s.sample(&logits)));
+        }
+        // top_p tiny keeps the single most likely token.
+        let mut s = Sampler::new(params(1.0, 0, 1e-6, 0.0)).unwrap();
+        assert!((0..50).all(|_| s.sample(&logits) == 0));
+    }
+
+    #[test]
+    fn same_seed_same_draws_and_frequencies_follow_softmax() {
+        let logits = [0.0, (2.0f32).ln(), (3.0f32).ln()]; // probabilities 1/6, 2/6, 3/6
+        let draw = |seed| {
+            let mut s = Sampler::new(SamplingParams {
+                seed,
+                ..params(1.0, 0, 1.0, 0.0)
+            })
+            .unwrap();
+            (0..6000).map(|_| s.sample(&logits)).collect::<Vec<_>>()
+        };
+        let a = draw(1);
+        assert_eq!(a, draw(1));
+        let freq: Vec<f64> = (0..3).map(|i| a.iter().filter(|&&t| t == i).count() as f64 / 6000.0).collect();
+        for (f, want) in freq.iter().zip([1.0 / 6.0, 2.0 / 6.0, 3.0 / 6.0]) {
+            assert!((f - want).abs() < 0.03, "{freq:?}");
+        }
+    }
+
+    #[test]
+    fn bad_parameters_are_rejected() {
+        assert!(Sampler::new(params(-1.0, 0, 1.0, 0.0)).is_err());
+        assert!(Sampler::new(params(1.0, 0, 0.0, 0.0)).is_err());
+        assert!(Sampler::new(params(1.0, 0, 1.0, 2.0)).is_err());
+    }
+}

@@ -1,0 +1,222 @@
+//! Synthetic Qwen3.5 models: any config with seeded random weights, built in memory. Weights
+//! follow ../shared/oracle/make_fixture.py's scales (unit-variance embeddings, 1/sqrt(fan_in)
+//! Linear weights, decay parameters in the ranges real checkpoints use) so activations stay
+//! healthy through every layer and benchmarks exercise realistic numbers.
+
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+use rayon::prelude::*;
+
+use crate::config::{LayerKind, ModelConfig};
+use crate::error::{Error, Result};
+use crate::tensor::{DType, Data, Elems, Tensor};
+use crate::weights::TensorMap;
+
+/// Named shapes: `tiny` (the fixtures' shape) and `qwen35-0.8b` (the real 0.8B shape).
+pub const PRESETS: &[&str] = &["tiny", "qwen35-0.8b"];
+
+pub fn preset(name: &str) -> Result<ModelConfig> {
+    let base = |vocab, hidden, inter, layers, heads, kv, hd, lk, lv, ld, tie| ModelConfig {
+        vocab_size: vocab,
+        hidden_size: hidden,
+        intermediate_size: inter,
+        num_hidden_layers: layers,
+        num_attention_heads: heads,
+        num_key_value_heads: kv,
+        head_dim: hd,
+        linear_num_key_heads: lk,
+        linear_num_value_heads: lv,
+        linear_key_head_dim: ld,
+        linear_value_head_dim: ld,
+        linear_conv_kernel_dim: 4,
+        rms_norm_eps: 1e-6,
+        rope_theta: 1e7,
+        partial_rotary_factor: 0.25,
+        max_position_embeddings: 262_144,
+        tie_word_embeddings: tie,
+        layer_types: ModelConfig::interval_layer_types(layers, 4),
+        eos_token_ids: Vec::new(),
+    };
+    match name {
+        "tiny" => Ok(ModelConfig {
+            max_position_embeddings: 4096,
+            ..base(256, 64, 128, 8, 4, 2, 16, 2, 4, 16, false)
+        }),
+        "qwen35-0.8b" => Ok(ModelConfig {
+            eos_token_ids: vec![248_046],
+            ..base(248_320, 1024, 3584, 24, 8, 2, 256, 16, 16, 128, true)
+        }),
+        other => Err(Error::Invalid(format!(
+            "unknown preset `{other}` (known: {})",
+            PRESETS.join(", ")
+        ))),
+    }
+}
+
+/// Change the layer count, keeping the L L L F pattern.
+pub fn with_layers(mut c: ModelConfig, layers: usize) -> Result<ModelConfig> {
+    if layers == 0 {
+        return Err(Error::Invalid("a model needs at least one layer".into()));
+    }
+    c.num_hidden_layers = layers;
+    c.layer_types = ModelConfig::interval_layer_types(layers, 4);
+    Ok(c)
+}
+
+enum Init {
+    Normal { mean: f32, std: f32 },
+    Uniform { lo: f32, hi: f32 },
+}
+
+/// Values per RNG stream: each chunk has its own seed, so the weights do not depend on the
+/// number of threads.
+const CHUNK: usize = 1 << 20;
+
+/// `n` seeded values stored as `dtype`, generated a chunk at a time so no f32 copy of a large
+/// tensor is ever held (the 0.8B embedding alone would be 1 GB in f32).
+fn fill(name: &str, n: usize, init: &Init, seed: u64, dtype: DType) -> Data {
+    // FNV-1a of the name separates the tensors' streams.
+    let name_hash = name
+        .bytes()
+        .fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3));
+    let chunk_values = |i: usize, chunk: &mut [f32]| {
+        let mut rng = SmallRng::seed_from_u64(seed ^ name_hash ^ (i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15));
+        match *init {
+            Init::Uniform { lo, hi } => chunk.iter_mut().for_each(|v| *v = lo + (hi - lo) * rng.random::<f32>()),
+            Init::Normal { mean, std } => {
+                // Box-Muller: two normals per two uniforms.
+                for pair in chunk.chunks_mut(2) {
+                    let u1: f32 = rng.random::<f32>().max(f32::MIN_POSITIVE);
+                    let u2: f32 = rng.random();
+                    let r = (-2.0 * u1.ln()).sqrt();
+                    let (s, c) = (std::f32::consts::TAU * u2).sin_cos();
+                    pair[0] = mean + std * r * c;
+                    if let Some(v) = pair.get_mut(1) {
+                        *v = mean + std * r * s;
+                    }
+                }
+            }
+        }
+    };
+    fn build<T: bytemuck::Pod + Send>(n: usize, conv: impl Fn(f32) -> T + Sync, gen: impl Fn(usize, &mut [f32]) + Sync) -> Vec<T> {
+        let mut out = vec![T::zeroed(); n];
+        out.par_chunks_mut(CHUNK).enumerate().for_each(|(i, dst)| {
+            let mut buf = vec![0.0f32; dst.len()];
+            gen(i, &mut buf);
+            dst.iter_mut().zip(&buf).for_each(|(d, &v)| *d = conv(v));
+        });
+        out
+    }
+    match dtype {
+        DType::F32 => Data::F32(Elems::Owned(build(n, |v| v, chunk_values).into())),
+        DType::BF16 => Data::BF16(Elems::Owned(build(n, half::bf16::from_f32, chunk_values).into())),
+        DType::F16 => Data::F16(Elems::Owned(build(n, half::f16::from_f32, chunk_values).into())),
+    }
+}
+
+/// Every tensor of a Qwen3.5 text model with `config`'s shapes, seeded and stored as `dtype`.
+pub fn random_weights(c: &ModelConfig, dtype: DType, seed: u64) -> Result<TensorMap> {
+    c.validate()?;
+    let (h, i, v) = (c.hidden_size, c.intermediate_size, c.vocab_size);
+    let mut specs: Vec<(String, Vec<usize>, Init)> = Vec::new();
+    let linear = |name: String, out: usize, inp: usize| {
+        (
+            name,
+            vec![out, inp],
+            Init::Normal {
+                mean: 0.0,
+                std: 1.0 / (inp as f32).sqrt(),
+            },
+        )
+    };
+    let offset_norm = |name: String, d: usize| (name, vec![d], Init::Normal { mean: 0.0, std: 0.1 });
+    specs.push(("model.embed_tokens.weight".into(), vec![v, h], Init::Normal { mean: 0.0, std: 1.0 }));
+    if !c.tie_word_embeddings {
+        specs.push((
+            "lm_head.weight".into(),
+            vec![v, h],
+            Init::Normal {
+                mean: 0.0,
+                std: 2.0 / (h as f32).sqrt(),
+            },
+        ));
+    }
+    specs.push(offset_norm("model.norm.weight".into(), h));
+    for (l, kind) in c.layer_types.iter().enumerate() {
+        let p = format!("model.layers.{l}.");
+        specs.push(offset_norm(format!("{p}input_layernorm.weight"), h));
+        specs.push(offset_norm(format!("{p}post_attention_layernorm.weight"), h));
+        specs.push(linear(format!("{p}mlp.gate_proj.weight"), i, h));
+        specs.push(linear(format!("{p}mlp.up_proj.weight"), i, h));
+        specs.push(linear(format!("{p}mlp.down_proj.weight"), h, i));
+        match kind {
+            LayerKind::FullAttention => {
+                let (nh, nkv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
+                let a = format!("{p}self_attn.");
+                specs.push(linear(format!("{a}q_proj.weight"), nh * hd * 2, h));
+                specs.push(linear(format!("{a}k_proj.weight"), nkv * hd, h));
+                specs.push(linear(format!("{a}v_proj.weight"), nkv * hd, h));
+                specs.push(linear(format!("{a}o_proj.weight"), h, nh * hd));
+                specs.push(offset_norm(format!("{a}q_norm.weight"), hd));
+                specs.push(offset_norm(format!("{a}k_norm.weight"), hd));
+            }
+            LayerKind::LinearAttention => {
+                let a = format!("{p}linear_attn.");
+                let (hv, k, vd) = (c.linear_num_value_heads, c.linear_conv_kernel_dim, c.linear_value_dim());
+                specs.push(linear(format!("{a}in_proj_qkv.weight"), c.conv_dim(), h));
+                specs.push(linear(format!("{a}in_proj_z.weight"), vd, h));
+                specs.push(linear(format!("{a}in_proj_b.weight"), hv, h));
+                specs.push(linear(format!("{a}in_proj_a.weight"), hv, h));
+                specs.push(linear(format!("{a}out_proj.weight"), h, vd));
+                specs.push((
+                    format!("{a}conv1d.weight"),
+                    vec![c.conv_dim(), 1, k],
+                    Init::Normal {
+                        mean: 0.0,
+                        std: 1.0 / (k as f32).sqrt(),
+                    },
+                ));
+                specs.push((
+                    format!("{a}A_log"),
+                    vec![hv],
+                    Init::Uniform {
+                        lo: 0.02f32.ln(),
+                        hi: 2.0f32.ln(),
+                    },
+                ));
+                specs.push((format!("{a}dt_bias"), vec![hv], Init::Uniform { lo: -1.0, hi: 1.0 }));
+                // The gated norm's weight is used as is (not 1 + w): centre it on 1.
+                specs.push((
+                    format!("{a}norm.weight"),
+                    vec![c.linear_value_head_dim],
+                    Init::Normal { mean: 1.0, std: 0.1 },
+                ));
+            }
+        }
+    }
+    Ok(specs
+        .into_iter()
+        .map(|(name, shape, init)| {
+            let data = fill(&name, shape.iter().product(), &init, seed, dtype);
+            (name, Tensor { shape, data })
+        })
+        .collect())
+}
+
+/// Write `config.json` and `model.safetensors` so HF transformers and other engines can load
+/// the model.
+#[cfg(not(target_arch = "wasm32"))]
+pub fn write_hf_dir(dir: &std::path::Path, c: &ModelConfig, tensors: &TensorMap, dtype: DType) -> Result<()> {
+    std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+    let mut cfg = c.to_hf_json();
+    cfg["dtype"] = match dtype {
+        DType::F32 => "float32",
+        DType::BF16 => "bfloat16",
+        DType::F16 => "float16",
+    }
+    .into();
+    let path = dir.join("config.json");
+    let text = serde_json::to_string_pretty(&cfg).expect("a JSON value serialises");
+    std::fs::write(&path, text).map_err(|e| Error::io(&path, e))?;
+    crate::weights::save_safetensors(tensors, &dir.join("model.safetensors"))
+}

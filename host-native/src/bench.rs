@@ -1,0 +1,118 @@
+//! `tether bench`: prefill and decode throughput and peak resident memory, on a checkpoint or a
+//! synthetic preset. Timings come from wall-clock around whole forward passes.
+
+use std::time::Instant;
+
+use anyhow::{bail, Result};
+use engine_core::generate::argmax;
+use engine_core::{CpuBackend, Logits};
+
+use crate::load::{self, SynthOptions};
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// A checkpoint directory, or a preset (tiny, qwen35-0.8b).
+    #[arg(long)]
+    model: String,
+    #[arg(long, default_value_t = 512)]
+    prompt_tokens: usize,
+    #[arg(long, default_value_t = 64)]
+    gen: usize,
+    /// Context already in the cache before the timed prompt (not timed).
+    #[arg(long, default_value_t = 0)]
+    depth: usize,
+    #[arg(long, default_value_t = 512)]
+    ubatch: usize,
+    #[arg(long, default_value_t = 4096)]
+    page_size: usize,
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    json: bool,
+    #[command(flatten)]
+    synth: SynthOptions,
+}
+
+/// Peak resident set size of this process (Linux's VmHWM), if the platform reports it.
+fn peak_rss_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+pub fn run(a: Args) -> Result<()> {
+    if a.prompt_tokens == 0 {
+        bail!("--prompt-tokens must be at least 1");
+    }
+    load::init_threads(a.threads)?;
+    let model = load::load(&a.model, &a.synth, None)?.model;
+    let be = CpuBackend;
+    let v = model.config.vocab_size as u64;
+    // A fixed pseudo-random token stream (an LCG), the same on every run.
+    let mut x = 0x2545_f491_4f6c_dd1du64;
+    let mut next_id = || {
+        x = x.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+        ((x >> 33) % v) as u32
+    };
+    let depth: Vec<u32> = (0..a.depth).map(|_| next_id()).collect();
+    let prompt: Vec<u32> = (0..a.prompt_tokens).map(|_| next_id()).collect();
+    let mut state = model.new_state(a.page_size);
+    for chunk in depth.chunks(a.ubatch.max(1)) {
+        model.forward(&be, &mut state, chunk, Logits::None, None)?;
+    }
+    let t0 = Instant::now();
+    let chunks: Vec<&[u32]> = prompt.chunks(a.ubatch.max(1)).collect();
+    let mut logits = Vec::new();
+    for (i, c) in chunks.iter().enumerate() {
+        let want = if i + 1 == chunks.len() { Logits::Last } else { Logits::None };
+        logits = model.forward(&be, &mut state, c, want, None)?;
+    }
+    let prefill_s = t0.elapsed().as_secs_f64();
+    let t1 = Instant::now();
+    for _ in 0..a.gen {
+        logits = model.forward(&be, &mut state, &[argmax(&logits)], Logits::Last, None)?;
+    }
+    let decode_s = t1.elapsed().as_secs_f64();
+    let prefill_tok_s = a.prompt_tokens as f64 / prefill_s;
+    let decode_tok_s = if a.gen > 0 { a.gen as f64 / decode_s } else { 0.0 };
+    let weight_bytes = model.weight_bytes() as f64;
+    let threads = rayon::current_num_threads();
+    let peak = peak_rss_bytes();
+    if a.json {
+        let obj = serde_json::json!({
+            "model": a.model,
+            "weight_dtype": model.weight_dtype().name(),
+            "weight_bytes": weight_bytes as u64,
+            "threads": threads,
+            "depth": a.depth,
+            "prompt_tokens": a.prompt_tokens,
+            "gen_tokens": a.gen,
+            "prefill_tok_s": prefill_tok_s,
+            "decode_tok_s": decode_tok_s,
+            "decode_weight_gb_s": weight_bytes * decode_tok_s / 1e9,
+            "peak_rss_bytes": peak,
+        });
+        println!("{obj}");
+    } else {
+        println!(
+            "model {} ({} weights, {:.0} MB), {} threads, depth {}",
+            a.model,
+            model.weight_dtype().name(),
+            weight_bytes / 1e6,
+            threads,
+            a.depth
+        );
+        println!("| test | tokens | seconds | tok/s |");
+        println!("|---|---|---|---|");
+        println!("| prefill | {} | {:.3} | {:.2} |", a.prompt_tokens, prefill_s, prefill_tok_s);
+        println!("| decode | {} | {:.3} | {:.2} |", a.gen, decode_s, decode_tok_s);
+        println!(
+            "decode reads {:.1} GB/s of weights; peak RSS {}",
+            weight_bytes * decode_tok_s / 1e9,
+            peak.map_or("unknown".to_string(), |b| format!("{:.2} GB", b as f64 / 1e9))
+        );
+    }
+    Ok(())
+}

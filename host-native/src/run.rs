@@ -1,0 +1,102 @@
+//! `tether run`: prompt in, streamed text out, speed on stderr.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::Result;
+use engine_core::generate::{Generation, Sampler, SamplingParams};
+use engine_core::tokenizer::{ChatMessage, StreamDecoder};
+use engine_core::CpuBackend;
+
+use crate::load::{self, SynthOptions};
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// A Qwen3.5 checkpoint directory, or a preset (tiny, qwen35-0.8b).
+    #[arg(long)]
+    model: String,
+    #[arg(long)]
+    prompt: String,
+    #[arg(long, default_value_t = 128)]
+    max_tokens: usize,
+    /// 0 is greedy.
+    #[arg(long, default_value_t = 0.8)]
+    temperature: f32,
+    #[arg(long, default_value_t = 40)]
+    top_k: usize,
+    #[arg(long, default_value_t = 0.95)]
+    top_p: f32,
+    #[arg(long, default_value_t = 0.05)]
+    min_p: f32,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Send the prompt as is, without the chat template.
+    #[arg(long)]
+    raw: bool,
+    /// KV cache page size in positions.
+    #[arg(long, default_value_t = 4096)]
+    page_size: usize,
+    /// Prompt tokens per forward pass.
+    #[arg(long, default_value_t = 512)]
+    ubatch: usize,
+    #[arg(long)]
+    threads: Option<usize>,
+    /// A tokenizer.json to use instead of the model's.
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
+    #[command(flatten)]
+    synth: SynthOptions,
+}
+
+pub fn run(a: Args) -> Result<()> {
+    load::init_threads(a.threads)?;
+    let l = load::load(&a.model, &a.synth, a.tokenizer.as_deref())?;
+    let text = if a.raw || !l.tokenizer.has_chat_template() {
+        a.prompt.clone()
+    } else {
+        let msg = ChatMessage {
+            role: "user".into(),
+            content: a.prompt.clone(),
+        };
+        l.tokenizer.apply_chat_template(&[msg], true)?
+    };
+    let prompt = l.tokenizer.encode(&text)?;
+    let mut stop = l.model.config.eos_token_ids.clone();
+    stop.extend(["<|im_end|>", "<|endoftext|>"].iter().filter_map(|t| l.tokenizer.token_id(t)));
+    let sampler = Sampler::new(SamplingParams {
+        temperature: a.temperature,
+        top_k: a.top_k,
+        top_p: a.top_p,
+        min_p: a.min_p,
+        seed: a.seed,
+    })?;
+    let be = CpuBackend;
+    let mut generation = Generation::new(&l.model, &be, l.model.new_state(a.page_size), sampler, stop);
+    let t0 = Instant::now();
+    generation.prefill(&prompt, a.ubatch)?;
+    let prefill_s = t0.elapsed().as_secs_f64();
+    let mut decoder = StreamDecoder::new(&l.tokenizer);
+    let mut out = std::io::stdout().lock();
+    let t1 = Instant::now();
+    let mut n = 0;
+    while n < a.max_tokens {
+        let Some(tok) = generation.next_token()? else { break };
+        n += 1;
+        write!(out, "{}", decoder.push(tok)?)?;
+        out.flush()?;
+    }
+    writeln!(out, "{}", decoder.finish()?)?;
+    let decode_s = t1.elapsed().as_secs_f64();
+    eprintln!(
+        "[{}] prompt {} tokens in {:.2}s ({:.1} tok/s); generated {} tokens in {:.2}s ({:.1} tok/s)",
+        l.source,
+        prompt.len(),
+        prefill_s,
+        prompt.len() as f64 / prefill_s,
+        n,
+        decode_s,
+        n as f64 / decode_s.max(1e-9)
+    );
+    Ok(())
+}
