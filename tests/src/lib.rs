@@ -3,15 +3,20 @@
 use std::collections::HashMap;
 use std::path::PathBuf;
 
-/// `../shared/fixtures` relative to the workspace root, or `$TETHER_FIXTURES`.
+/// The reference fixtures: `$TETHER_FIXTURES`, else `../shared/fixtures` beside the checkout,
+/// else `/work/shared/fixtures` (where a clone made elsewhere, as CI's is, finds them).
 pub fn fixtures_dir() -> PathBuf {
     if let Ok(d) = std::env::var("TETHER_FIXTURES") {
         return PathBuf::from(d);
     }
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures")
+    let beside = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures");
+    if beside.is_dir() {
+        return beside;
+    }
+    PathBuf::from("/work/shared/fixtures")
 }
 
-/// A reference tensor as f32 (or i64 ids as f32-free `Vec<i64>` via [`ids`]).
+/// The tensors of a reference (or `tether eval`) file: f32 tensors and i64 token ids.
 pub struct Reference {
     pub tensors: HashMap<String, (Vec<usize>, Vec<u8>, safetensors::Dtype)>,
 }
@@ -20,8 +25,12 @@ impl Reference {
     pub fn load(fixture: &str) -> Reference {
         let path = fixtures_dir().join(fixture).join("reference.safetensors");
         let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-        let st =
-            safetensors::SafeTensors::deserialize(&bytes).expect("reference.safetensors parses");
+        Reference::from_bytes(&bytes)
+    }
+
+    /// Any safetensors file (e.g. what `tether eval` wrote).
+    pub fn from_bytes(bytes: &[u8]) -> Reference {
+        let st = safetensors::SafeTensors::deserialize(bytes).expect("a valid safetensors file");
         let tensors = st
             .tensors()
             .into_iter()

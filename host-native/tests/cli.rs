@@ -1,0 +1,110 @@
+//! The `tether` binary as a user runs it.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use tests::{fixtures_dir, max_abs_diff, Reference};
+
+fn tether(args: &[&str]) -> std::process::Output {
+    let out = Command::new(env!("CARGO_BIN_EXE_tether")).args(args).output().unwrap();
+    assert!(
+        out.status.success(),
+        "tether {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("tether-cli-{}-{name}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn read_eval(path: &PathBuf) -> Reference {
+    Reference::from_bytes(&std::fs::read(path).unwrap())
+}
+
+#[test]
+fn eval_reproduces_the_fixture() {
+    let r = Reference::load("tiny_fp32_T150");
+    let dir = scratch("eval");
+    let ids: Vec<String> = r.ids("prompt_ids").iter().map(u32::to_string).collect();
+    std::fs::write(dir.join("ids.txt"), ids.join(", ")).unwrap();
+    let out = dir.join("out.safetensors");
+    let model = fixtures_dir().join("tiny_fp32_T150");
+    tether(&[
+        "eval",
+        "--model",
+        model.to_str().unwrap(),
+        "--ids-file",
+        dir.join("ids.txt").to_str().unwrap(),
+        "--gen",
+        "20",
+        "--out",
+        out.to_str().unwrap(),
+        "--page-size",
+        "64",
+    ]);
+    let got = read_eval(&out);
+    assert_eq!(got.ids("gen_ids"), r.ids("gen_ids"));
+    for name in ["prefill_logits", "gen_logits"] {
+        let (shape, want) = r.f32(name);
+        let (got_shape, got) = got.f32(name);
+        assert_eq!(got_shape, shape, "{name}");
+        let d = max_abs_diff(&got, &want);
+        assert!(d < 1e-4, "{name} differs by {d}");
+    }
+}
+
+#[test]
+fn synth_writes_a_directory_that_loads_back_identically() {
+    let dir = scratch("synth");
+    let model = dir.join("model");
+    tether(&["synth", "--preset", "tiny", "--out", model.to_str().unwrap(), "--dtype", "f16", "--layers", "4"]);
+    let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(model.join("config.json")).unwrap()).unwrap();
+    assert_eq!(cfg["num_hidden_layers"], 4);
+    std::fs::write(dir.join("ids.txt"), "1 2 3 4 5 6 7 8").unwrap();
+    let ids = dir.join("ids.txt");
+    let (a, b) = (dir.join("a.safetensors"), dir.join("b.safetensors"));
+    let common = ["--ids-file", ids.to_str().unwrap(), "--gen", "4", "--dtype", "f16", "--layers", "4"];
+    tether(&[&["eval", "--model", model.to_str().unwrap(), "--out", a.to_str().unwrap()], &common[..]].concat());
+    tether(&[&["eval", "--model", "tiny", "--out", b.to_str().unwrap()], &common[..]].concat());
+    let (a, b) = (read_eval(&a), read_eval(&b));
+    assert_eq!(a.f32("prefill_logits"), b.f32("prefill_logits"));
+    assert_eq!(a.ids("gen_ids"), b.ids("gen_ids"));
+}
+
+#[test]
+fn tokenize_prints_the_reference_ids() {
+    let samples: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixtures_dir().join("tokenizer/samples.json")).unwrap()).unwrap();
+    let s = &samples["samples"][0];
+    let tok = fixtures_dir().join("tokenizer/tokenizer.json");
+    let out = tether(&["tokenize", "--tokenizer", tok.to_str().unwrap(), "--text", s["text"].as_str().unwrap()]);
+    let ids: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(ids, s["ids"]);
+}
+
+#[test]
+fn run_streams_greedy_text_and_bench_reports_json() {
+    let out = tether(&["run", "--model", "tiny", "--prompt", "hello", "--max-tokens", "8", "--temperature", "0"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("prompt 5 tokens"), "{err}");
+    let out = tether(&["bench", "--model", "tiny", "--prompt-tokens", "16", "--gen", "4", "--threads", "1", "--json"]);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    for key in ["prefill_tok_s", "decode_tok_s", "peak_rss_bytes"] {
+        assert!(v[key].as_f64().is_some_and(|x| x > 0.0), "{key} in {v}");
+    }
+}
+
+#[test]
+fn bad_arguments_fail_with_a_message() {
+    let out = Command::new(env!("CARGO_BIN_EXE_tether"))
+        .args(["run", "--model", "no-such-model", "--prompt", "x"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("not a directory, nor a preset"), "{err}");
+}
