@@ -210,7 +210,7 @@ impl ModelConfig {
                 "rotary dim {rot} (head_dim x partial_rotary_factor) must be even and <= head_dim"
             ));
         }
-        if !(self.rope_theta > 0.0) {
+        if self.rope_theta.is_nan() || self.rope_theta <= 0.0 {
             return err("rope_theta must be positive".into());
         }
         Ok(())

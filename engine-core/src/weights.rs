@@ -4,8 +4,6 @@
 //! their vision tower and MTP head are skipped.
 
 use std::collections::HashMap;
-use std::sync::Arc;
-
 use safetensors::{Dtype as StDtype, SafeTensors};
 
 use crate::error::{Error, Result};
@@ -103,7 +101,7 @@ pub fn load_dir(dir: &std::path::Path) -> Result<TensorMap> {
         // that maps them is loaded (a file changed underneath by another process is the
         // documented hazard of every mmap-based loader).
         let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(&path, e))?;
-        add_safetensors(Arc::new(map), &path.display().to_string(), &mut out)?;
+        add_safetensors(std::sync::Arc::new(map), &path.display().to_string(), &mut out)?;
     }
     Ok(out)
 }

@@ -67,7 +67,7 @@ pub fn load(spec: &str, o: &SynthOptions, tokenizer: Option<&Path>) -> Result<Lo
         );
     };
     let tokenizer = match (tokenizer, dir_tok) {
-        (Some(path), _) => Tokenizer::from_file(path)?,
+        (Some(path), _) => tokenizer_file(path)?,
         (None, Some(t)) => t,
         (None, None) => Tokenizer::byte_level(model.config.vocab_size),
     };
@@ -90,4 +90,10 @@ pub fn init_threads(threads: Option<usize>) -> Result<()> {
             .context("building the thread pool")?;
     }
     Ok(())
+}
+
+/// A lone `tokenizer.json` (no chat template beside it: prompts fall back to ChatML).
+pub fn tokenizer_file(path: &Path) -> Result<Tokenizer> {
+    let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+    Tokenizer::from_bytes(&bytes, None).with_context(|| format!("loading {}", path.display()))
 }

@@ -67,7 +67,7 @@ fn main() {
 }
 
 fn tokenize(a: TokenizeArgs) -> anyhow::Result<()> {
-    let tok = engine_core::tokenizer::Tokenizer::from_file(&a.tokenizer)?;
+    let tok = load::tokenizer_file(&a.tokenizer)?;
     println!("{}", serde_json::to_string(&tok.encode(&a.text)?)?);
     Ok(())
 }

@@ -52,7 +52,9 @@ pub struct Args {
 pub fn run(a: Args) -> Result<()> {
     load::init_threads(a.threads)?;
     let l = load::load(&a.model, &a.synth, a.tokenizer.as_deref())?;
-    let text = if a.raw || !l.tokenizer.has_chat_template() {
+    // A vocabulary without chat markers (the presets' byte-level one) gets the prompt as is.
+    let chat = !a.raw && l.tokenizer.token_id("<|im_start|>").is_some();
+    let text = if !chat {
         a.prompt.clone()
     } else {
         let msg = ChatMessage {
