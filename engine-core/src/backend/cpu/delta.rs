@@ -8,6 +8,7 @@
 
 use rayon::prelude::*;
 
+use super::matmul::dot;
 use crate::backend::{DeltaInputs, DeltaShape};
 
 pub const CHUNK: usize = 64;
@@ -39,10 +40,6 @@ impl Head<'_> {
     fn beta(&self, i: usize) -> f32 {
         self.x.beta[i * self.s.v_heads + self.h]
     }
-}
-
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    a.iter().zip(b).map(|(x, y)| x * y).sum()
 }
 
 /// `acc += a * row` over dv.
