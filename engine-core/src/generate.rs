@@ -34,13 +34,22 @@ impl SamplingParams {
 
     pub fn validate(&self) -> Result<()> {
         if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
-            return Err(Error::Invalid(format!("temperature must be >= 0, got {}", self.temperature)));
+            return Err(Error::Invalid(format!(
+                "temperature must be >= 0, got {}",
+                self.temperature
+            )));
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
-            return Err(Error::Invalid(format!("top_p must be in (0, 1], got {}", self.top_p)));
+            return Err(Error::Invalid(format!(
+                "top_p must be in (0, 1], got {}",
+                self.top_p
+            )));
         }
         if !(0.0..=1.0).contains(&self.min_p) {
-            return Err(Error::Invalid(format!("min_p must be in [0, 1], got {}", self.min_p)));
+            return Err(Error::Invalid(format!(
+                "min_p must be in [0, 1], got {}",
+                self.min_p
+            )));
         }
         Ok(())
     }
@@ -74,15 +83,23 @@ impl Sampler {
         if p.temperature == 0.0 {
             return argmax(logits);
         }
-        let mut cand: Vec<(u32, f32)> = logits.iter().enumerate().map(|(i, &l)| (i as u32, l)).collect();
-        let by_logit_desc = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+        let mut cand: Vec<(u32, f32)> = logits
+            .iter()
+            .enumerate()
+            .map(|(i, &l)| (i as u32, l))
+            .collect();
+        let by_logit_desc =
+            |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
         if p.top_k > 0 && p.top_k < cand.len() {
             cand.select_nth_unstable_by(p.top_k - 1, by_logit_desc);
             cand.truncate(p.top_k);
         }
         cand.sort_unstable_by(by_logit_desc);
         let max = cand[0].1 / p.temperature;
-        let mut probs: Vec<f32> = cand.iter().map(|c| (c.1 / p.temperature - max).exp()).collect();
+        let mut probs: Vec<f32> = cand
+            .iter()
+            .map(|c| (c.1 / p.temperature - max).exp())
+            .collect();
         let total: f32 = probs.iter().sum();
         probs.iter_mut().for_each(|x| *x /= total);
         let mut keep = probs.len();
@@ -97,7 +114,11 @@ impl Sampler {
             }
         }
         let floor = p.min_p * probs[0];
-        keep = probs[..keep].iter().take_while(|&&x| x >= floor).count().max(1);
+        keep = probs[..keep]
+            .iter()
+            .take_while(|&&x| x >= floor)
+            .count()
+            .max(1);
         let total: f32 = probs[..keep].iter().sum();
         let mut r = self.rng.random::<f32>() * total;
         for (i, &x) in probs[..keep].iter().enumerate() {
@@ -124,7 +145,13 @@ pub struct Generation<'a> {
 }
 
 impl<'a> Generation<'a> {
-    pub fn new(model: &'a Model, backend: &'a dyn Backend, state: State, sampler: Sampler, stop: Vec<u32>) -> Self {
+    pub fn new(
+        model: &'a Model,
+        backend: &'a dyn Backend,
+        state: State,
+        sampler: Sampler,
+        stop: Vec<u32>,
+    ) -> Self {
         Generation {
             model,
             backend,
@@ -143,8 +170,14 @@ impl<'a> Generation<'a> {
         }
         let chunks: Vec<&[u32]> = prompt.chunks(ubatch.max(1)).collect();
         for (i, chunk) in chunks.iter().enumerate() {
-            let want = if i + 1 == chunks.len() { Logits::Last } else { Logits::None };
-            self.logits = self.model.forward(self.backend, &mut self.state, chunk, want, None)?;
+            let want = if i + 1 == chunks.len() {
+                Logits::Last
+            } else {
+                Logits::None
+            };
+            self.logits = self
+                .model
+                .forward(self.backend, &mut self.state, chunk, want, None)?;
         }
         self.pending = None;
         Ok(())
@@ -153,7 +186,9 @@ impl<'a> Generation<'a> {
     /// The next token, or `None` at a stop token.
     pub fn next_token(&mut self) -> Result<Option<u32>> {
         if let Some(tok) = self.pending.take() {
-            self.logits = self.model.forward(self.backend, &mut self.state, &[tok], Logits::Last, None)?;
+            self.logits =
+                self.model
+                    .forward(self.backend, &mut self.state, &[tok], Logits::Last, None)?;
         }
         if self.logits.is_empty() {
             return Err(Error::Invalid("next_token called before prefill".into()));
@@ -191,7 +226,9 @@ mod tests {
     fn filters_restrict_the_candidates() {
         let logits = [2.0, 1.9, 0.0, -5.0, 1.8];
         for _ in 0..200 {
-            let t = Sampler::new(params(1.0, 2, 1.0, 0.0)).unwrap().sample(&logits);
+            let t = Sampler::new(params(1.0, 2, 1.0, 0.0))
+                .unwrap()
+                .sample(&logits);
             assert!(t == 0 || t == 1);
         }
         // min_p 0.5: token 2 has p/p_max = e^-2 < 0.5, so only 0, 1, 4 remain.
@@ -217,7 +254,9 @@ mod tests {
         };
         let a = draw(1);
         assert_eq!(a, draw(1));
-        let freq: Vec<f64> = (0..3).map(|i| a.iter().filter(|&&t| t == i).count() as f64 / 6000.0).collect();
+        let freq: Vec<f64> = (0..3)
+            .map(|i| a.iter().filter(|&&t| t == i).count() as f64 / 6000.0)
+            .collect();
         for (f, want) in freq.iter().zip([1.0 / 6.0, 2.0 / 6.0, 3.0 / 6.0]) {
             assert!((f - want).abs() < 0.03, "{freq:?}");
         }

@@ -175,7 +175,10 @@ impl Merger {
         let mut o = vec![0.0f32; self.o.len()];
         for (r, &l) in self.l.iter().enumerate() {
             if l > 0.0 {
-                for (dst, src) in o[r * d..(r + 1) * d].iter_mut().zip(&self.o[r * d..(r + 1) * d]) {
+                for (dst, src) in o[r * d..(r + 1) * d]
+                    .iter_mut()
+                    .zip(&self.o[r * d..(r + 1) * d])
+                {
                     *dst = (src / l) as f32;
                 }
             }
@@ -191,7 +194,13 @@ impl Merger {
 
 /// Attention of scaled queries `[t, q_heads, head_dim]` at absolute `positions` over every page
 /// of `kv` that any of them can see, merged in page order.
-pub fn attend(be: &dyn Backend, shape: AttnShape, q: &[f32], positions: &[usize], kv: &PagedKv) -> Partials {
+pub fn attend(
+    be: &dyn Backend,
+    shape: AttnShape,
+    q: &[f32],
+    positions: &[usize],
+    kv: &PagedKv,
+) -> Partials {
     let last = positions.iter().copied().max().unwrap_or(0);
     let mut merger = Merger::new(positions.len() * shape.q_heads, shape.head_dim);
     for page in kv.pages().iter().filter(|p| p.start <= last) {

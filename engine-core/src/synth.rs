@@ -76,13 +76,17 @@ const CHUNK: usize = 1 << 20;
 /// tensor is ever held (the 0.8B embedding alone would be 1 GB in f32).
 fn fill(name: &str, n: usize, init: &Init, seed: u64, dtype: DType) -> Data {
     // FNV-1a of the name separates the tensors' streams.
-    let name_hash = name
-        .bytes()
-        .fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3));
+    let name_hash = name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
+    });
     let chunk_values = |i: usize, chunk: &mut [f32]| {
-        let mut rng = SmallRng::seed_from_u64(seed ^ name_hash ^ (i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15));
+        let mut rng = SmallRng::seed_from_u64(
+            seed ^ name_hash ^ (i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15),
+        );
         match *init {
-            Init::Uniform { lo, hi } => chunk.iter_mut().for_each(|v| *v = lo + (hi - lo) * rng.random::<f32>()),
+            Init::Uniform { lo, hi } => chunk
+                .iter_mut()
+                .for_each(|v| *v = lo + (hi - lo) * rng.random::<f32>()),
             Init::Normal { mean, std } => {
                 // Box-Muller: two normals per two uniforms.
                 for pair in chunk.chunks_mut(2) {
@@ -98,7 +102,11 @@ fn fill(name: &str, n: usize, init: &Init, seed: u64, dtype: DType) -> Data {
             }
         }
     };
-    fn build<T: bytemuck::Pod + Send>(n: usize, conv: impl Fn(f32) -> T + Sync, gen: impl Fn(usize, &mut [f32]) + Sync) -> Vec<T> {
+    fn build<T: bytemuck::Pod + Send>(
+        n: usize,
+        conv: impl Fn(f32) -> T + Sync,
+        gen: impl Fn(usize, &mut [f32]) + Sync,
+    ) -> Vec<T> {
         let mut out = vec![T::zeroed(); n];
         out.par_chunks_mut(CHUNK).enumerate().for_each(|(i, dst)| {
             let mut buf = vec![0.0f32; dst.len()];
@@ -109,8 +117,12 @@ fn fill(name: &str, n: usize, init: &Init, seed: u64, dtype: DType) -> Data {
     }
     match dtype {
         DType::F32 => Data::F32(Elems::Owned(build(n, |v| v, chunk_values).into())),
-        DType::BF16 => Data::BF16(Elems::Owned(build(n, half::bf16::from_f32, chunk_values).into())),
-        DType::F16 => Data::F16(Elems::Owned(build(n, half::f16::from_f32, chunk_values).into())),
+        DType::BF16 => Data::BF16(Elems::Owned(
+            build(n, half::bf16::from_f32, chunk_values).into(),
+        )),
+        DType::F16 => Data::F16(Elems::Owned(
+            build(n, half::f16::from_f32, chunk_values).into(),
+        )),
     }
 }
 
@@ -129,8 +141,24 @@ pub fn random_weights(c: &ModelConfig, dtype: DType, seed: u64) -> Result<Tensor
             },
         )
     };
-    let offset_norm = |name: String, d: usize| (name, vec![d], Init::Normal { mean: 0.0, std: 0.1 });
-    specs.push(("model.embed_tokens.weight".into(), vec![v, h], Init::Normal { mean: 0.0, std: 1.0 }));
+    let offset_norm = |name: String, d: usize| {
+        (
+            name,
+            vec![d],
+            Init::Normal {
+                mean: 0.0,
+                std: 0.1,
+            },
+        )
+    };
+    specs.push((
+        "model.embed_tokens.weight".into(),
+        vec![v, h],
+        Init::Normal {
+            mean: 0.0,
+            std: 1.0,
+        },
+    ));
     if !c.tie_word_embeddings {
         specs.push((
             "lm_head.weight".into(),
@@ -145,7 +173,10 @@ pub fn random_weights(c: &ModelConfig, dtype: DType, seed: u64) -> Result<Tensor
     for (l, kind) in c.layer_types.iter().enumerate() {
         let p = format!("model.layers.{l}.");
         specs.push(offset_norm(format!("{p}input_layernorm.weight"), h));
-        specs.push(offset_norm(format!("{p}post_attention_layernorm.weight"), h));
+        specs.push(offset_norm(
+            format!("{p}post_attention_layernorm.weight"),
+            h,
+        ));
         specs.push(linear(format!("{p}mlp.gate_proj.weight"), i, h));
         specs.push(linear(format!("{p}mlp.up_proj.weight"), i, h));
         specs.push(linear(format!("{p}mlp.down_proj.weight"), h, i));
@@ -162,7 +193,11 @@ pub fn random_weights(c: &ModelConfig, dtype: DType, seed: u64) -> Result<Tensor
             }
             LayerKind::LinearAttention => {
                 let a = format!("{p}linear_attn.");
-                let (hv, k, vd) = (c.linear_num_value_heads, c.linear_conv_kernel_dim, c.linear_value_dim());
+                let (hv, k, vd) = (
+                    c.linear_num_value_heads,
+                    c.linear_conv_kernel_dim,
+                    c.linear_value_dim(),
+                );
                 specs.push(linear(format!("{a}in_proj_qkv.weight"), c.conv_dim(), h));
                 specs.push(linear(format!("{a}in_proj_z.weight"), vd, h));
                 specs.push(linear(format!("{a}in_proj_b.weight"), hv, h));
@@ -184,12 +219,19 @@ pub fn random_weights(c: &ModelConfig, dtype: DType, seed: u64) -> Result<Tensor
                         hi: 2.0f32.ln(),
                     },
                 ));
-                specs.push((format!("{a}dt_bias"), vec![hv], Init::Uniform { lo: -1.0, hi: 1.0 }));
+                specs.push((
+                    format!("{a}dt_bias"),
+                    vec![hv],
+                    Init::Uniform { lo: -1.0, hi: 1.0 },
+                ));
                 // The gated norm's weight is used as is (not 1 + w): centre it on 1.
                 specs.push((
                     format!("{a}norm.weight"),
                     vec![c.linear_value_head_dim],
-                    Init::Normal { mean: 1.0, std: 0.1 },
+                    Init::Normal {
+                        mean: 1.0,
+                        std: 0.1,
+                    },
                 ));
             }
         }
@@ -206,7 +248,12 @@ pub fn random_weights(c: &ModelConfig, dtype: DType, seed: u64) -> Result<Tensor
 /// Write `config.json` and `model.safetensors` so HF transformers and other engines can load
 /// the model.
 #[cfg(not(target_arch = "wasm32"))]
-pub fn write_hf_dir(dir: &std::path::Path, c: &ModelConfig, tensors: &TensorMap, dtype: DType) -> Result<()> {
+pub fn write_hf_dir(
+    dir: &std::path::Path,
+    c: &ModelConfig,
+    tensors: &TensorMap,
+    dtype: DType,
+) -> Result<()> {
     std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
     let mut cfg = c.to_hf_json();
     cfg["dtype"] = match dtype {

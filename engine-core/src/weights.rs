@@ -3,8 +3,8 @@
 //! (`model.layers.N.*`); multimodal checkpoints' `model.language_model.*` prefix is stripped and
 //! their vision tower and MTP head are skipped.
 
-use std::collections::HashMap;
 use safetensors::{Dtype as StDtype, SafeTensors};
+use std::collections::HashMap;
 
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Data, Elems, SharedBytes, Tensor};
@@ -101,7 +101,11 @@ pub fn load_dir(dir: &std::path::Path) -> Result<TensorMap> {
         // that maps them is loaded (a file changed underneath by another process is the
         // documented hazard of every mmap-based loader).
         let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(&path, e))?;
-        add_safetensors(std::sync::Arc::new(map), &path.display().to_string(), &mut out)?;
+        add_safetensors(
+            std::sync::Arc::new(map),
+            &path.display().to_string(),
+            &mut out,
+        )?;
     }
     Ok(out)
 }
@@ -133,7 +137,8 @@ impl safetensors::View for &RawTensor<'_> {
 pub fn save_raw(tensors: &[(String, RawTensor)], path: &std::path::Path) -> Result<()> {
     let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
     let views = tensors.iter().map(|(n, t)| (n.as_str(), t));
-    safetensors::serialize_to_file(views, Some(meta), path).map_err(|e| Error::Weights(format!("{}: {e}", path.display())))
+    safetensors::serialize_to_file(views, Some(meta), path)
+        .map_err(|e| Error::Weights(format!("{}: {e}", path.display())))
 }
 
 /// Write model tensors as one safetensors file, sorted by name as HF does.
@@ -147,7 +152,14 @@ pub fn save_safetensors(tensors: &TensorMap, path: &std::path::Path) -> Result<(
                 DType::BF16 => StDtype::BF16,
                 DType::F16 => StDtype::F16,
             };
-            (n.clone(), RawTensor { dtype, shape: t.shape.clone(), bytes: t.data.as_bytes() })
+            (
+                n.clone(),
+                RawTensor {
+                    dtype,
+                    shape: t.shape.clone(),
+                    bytes: t.data.as_bytes(),
+                },
+            )
         })
         .collect();
     raw.sort_by(|a, b| a.0.cmp(&b.0));

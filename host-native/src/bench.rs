@@ -53,7 +53,9 @@ pub fn run(a: Args) -> Result<()> {
     // A fixed pseudo-random token stream (an LCG), the same on every run.
     let mut x = 0x2545_f491_4f6c_dd1du64;
     let mut next_id = || {
-        x = x.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+        x = x
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
         ((x >> 33) % v) as u32
     };
     let depth: Vec<u32> = (0..a.depth).map(|_| next_id()).collect();
@@ -66,7 +68,11 @@ pub fn run(a: Args) -> Result<()> {
     let chunks: Vec<&[u32]> = prompt.chunks(a.ubatch.max(1)).collect();
     let mut logits = Vec::new();
     for (i, c) in chunks.iter().enumerate() {
-        let want = if i + 1 == chunks.len() { Logits::Last } else { Logits::None };
+        let want = if i + 1 == chunks.len() {
+            Logits::Last
+        } else {
+            Logits::None
+        };
         logits = model.forward(&be, &mut state, c, want, None)?;
     }
     let prefill_s = t0.elapsed().as_secs_f64();
@@ -76,7 +82,11 @@ pub fn run(a: Args) -> Result<()> {
     }
     let decode_s = t1.elapsed().as_secs_f64();
     let prefill_tok_s = a.prompt_tokens as f64 / prefill_s;
-    let decode_tok_s = if a.gen > 0 { a.gen as f64 / decode_s } else { 0.0 };
+    let decode_tok_s = if a.gen > 0 {
+        a.gen as f64 / decode_s
+    } else {
+        0.0
+    };
     let weight_bytes = model.weight_bytes() as f64;
     let threads = rayon::current_num_threads();
     let peak = peak_rss_bytes();
@@ -106,12 +116,21 @@ pub fn run(a: Args) -> Result<()> {
         );
         println!("| test | tokens | seconds | tok/s |");
         println!("|---|---|---|---|");
-        println!("| prefill | {} | {:.3} | {:.2} |", a.prompt_tokens, prefill_s, prefill_tok_s);
-        println!("| decode | {} | {:.3} | {:.2} |", a.gen, decode_s, decode_tok_s);
+        println!(
+            "| prefill | {} | {:.3} | {:.2} |",
+            a.prompt_tokens, prefill_s, prefill_tok_s
+        );
+        println!(
+            "| decode | {} | {:.3} | {:.2} |",
+            a.gen, decode_s, decode_tok_s
+        );
         println!(
             "decode reads {:.1} GB/s of weights; peak RSS {}",
             weight_bytes * decode_tok_s / 1e9,
-            peak.map_or("unknown".to_string(), |b| format!("{:.2} GB", b as f64 / 1e9))
+            peak.map_or("unknown".to_string(), |b| format!(
+                "{:.2} GB",
+                b as f64 / 1e9
+            ))
         );
     }
     Ok(())

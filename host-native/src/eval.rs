@@ -35,13 +35,17 @@ pub struct Args {
 fn parse_ids(text: &str) -> Result<Vec<u32>> {
     text.split(|c: char| c.is_whitespace() || c == ',' || c == '[' || c == ']')
         .filter(|s| !s.is_empty())
-        .map(|s| s.parse::<u32>().with_context(|| format!("`{s}` is not a token id")))
+        .map(|s| {
+            s.parse::<u32>()
+                .with_context(|| format!("`{s}` is not a token id"))
+        })
         .collect()
 }
 
 pub fn run(a: Args) -> Result<()> {
     load::init_threads(a.threads)?;
-    let text = std::fs::read_to_string(&a.ids_file).with_context(|| format!("reading {}", a.ids_file.display()))?;
+    let text = std::fs::read_to_string(&a.ids_file)
+        .with_context(|| format!("reading {}", a.ids_file.display()))?;
     let ids = parse_ids(&text).with_context(|| format!("{}", a.ids_file.display()))?;
     if ids.is_empty() {
         bail!("{}: no token ids", a.ids_file.display());
@@ -63,12 +67,38 @@ pub fn run(a: Args) -> Result<()> {
         }
     }
     let tensors = vec![
-        ("gen_ids".to_string(), RawTensor { dtype: Dtype::I64, shape: vec![a.gen], bytes: bytemuck::cast_slice(&gen_ids) }),
-        ("gen_logits".to_string(), RawTensor { dtype: Dtype::F32, shape: vec![a.gen, v], bytes: bytemuck::cast_slice(&gen_logits) }),
-        ("prefill_logits".to_string(), RawTensor { dtype: Dtype::F32, shape: vec![ids.len(), v], bytes: bytemuck::cast_slice(&prefill) }),
+        (
+            "gen_ids".to_string(),
+            RawTensor {
+                dtype: Dtype::I64,
+                shape: vec![a.gen],
+                bytes: bytemuck::cast_slice(&gen_ids),
+            },
+        ),
+        (
+            "gen_logits".to_string(),
+            RawTensor {
+                dtype: Dtype::F32,
+                shape: vec![a.gen, v],
+                bytes: bytemuck::cast_slice(&gen_logits),
+            },
+        ),
+        (
+            "prefill_logits".to_string(),
+            RawTensor {
+                dtype: Dtype::F32,
+                shape: vec![ids.len(), v],
+                bytes: bytemuck::cast_slice(&prefill),
+            },
+        ),
     ];
     save_raw(&tensors, &a.out)?;
-    eprintln!("wrote {} ({} prompt tokens, {} generated)", a.out.display(), ids.len(), a.gen);
+    eprintln!(
+        "wrote {} ({} prompt tokens, {} generated)",
+        a.out.display(),
+        ids.len(),
+        a.gen
+    );
     Ok(())
 }
 
@@ -76,7 +106,10 @@ pub fn run(a: Args) -> Result<()> {
 mod tests {
     #[test]
     fn ids_parse_from_whitespace_commas_and_json() {
-        assert_eq!(super::parse_ids("1 2,3\n[4, 5]").unwrap(), vec![1, 2, 3, 4, 5]);
+        assert_eq!(
+            super::parse_ids("1 2,3\n[4, 5]").unwrap(),
+            vec![1, 2, 3, 4, 5]
+        );
         assert!(super::parse_ids("1 x").is_err());
     }
 }

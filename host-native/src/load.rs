@@ -50,7 +50,8 @@ pub struct Loaded {
 pub fn load(spec: &str, o: &SynthOptions, tokenizer: Option<&Path>) -> Result<Loaded> {
     let dir = PathBuf::from(spec);
     let (model, dir_tok) = if dir.is_dir() {
-        let model = Model::load_dir(&dir).with_context(|| format!("loading model from {}", dir.display()))?;
+        let model = Model::load_dir(&dir)
+            .with_context(|| format!("loading model from {}", dir.display()))?;
         let tok = if dir.join("tokenizer.json").exists() {
             Some(Tokenizer::from_dir(&dir)?)
         } else {

@@ -8,7 +8,11 @@ mod run;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "tether", version, about = "Run a Qwen3.5 hybrid model exactly, on this machine and (soon) a tethered helper")]
+#[command(
+    name = "tether",
+    version,
+    about = "Run a Qwen3.5 hybrid model exactly, on this machine and (soon) a tethered helper"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -77,7 +81,8 @@ fn synth(a: SynthArgs) -> anyhow::Result<()> {
     engine_core::synth::write_hf_dir(&a.out, &config, &tensors, a.synth.dtype()?)?;
     if let Some(t) = a.tokenizer {
         let dst = a.out.join("tokenizer.json");
-        std::fs::copy(&t, &dst).map_err(|e| anyhow::anyhow!("copying {} to {}: {e}", t.display(), dst.display()))?;
+        std::fs::copy(&t, &dst)
+            .map_err(|e| anyhow::anyhow!("copying {} to {}: {e}", t.display(), dst.display()))?;
     }
     eprintln!(
         "wrote {} ({} layers, {} weights)",

@@ -65,7 +65,11 @@ pub fn run(a: Args) -> Result<()> {
     };
     let prompt = l.tokenizer.encode(&text)?;
     let mut stop = l.model.config.eos_token_ids.clone();
-    stop.extend(["<|im_end|>", "<|endoftext|>"].iter().filter_map(|t| l.tokenizer.token_id(t)));
+    stop.extend(
+        ["<|im_end|>", "<|endoftext|>"]
+            .iter()
+            .filter_map(|t| l.tokenizer.token_id(t)),
+    );
     let sampler = Sampler::new(SamplingParams {
         temperature: a.temperature,
         top_k: a.top_k,
@@ -74,7 +78,8 @@ pub fn run(a: Args) -> Result<()> {
         seed: a.seed,
     })?;
     let be = CpuBackend;
-    let mut generation = Generation::new(&l.model, &be, l.model.new_state(a.page_size), sampler, stop);
+    let mut generation =
+        Generation::new(&l.model, &be, l.model.new_state(a.page_size), sampler, stop);
     let t0 = Instant::now();
     generation.prefill(&prompt, a.ubatch)?;
     let prefill_s = t0.elapsed().as_secs_f64();
@@ -83,7 +88,9 @@ pub fn run(a: Args) -> Result<()> {
     let t1 = Instant::now();
     let mut n = 0;
     while n < a.max_tokens {
-        let Some(tok) = generation.next_token()? else { break };
+        let Some(tok) = generation.next_token()? else {
+            break;
+        };
         n += 1;
         write!(out, "{}", decoder.push(tok)?)?;
         out.flush()?;

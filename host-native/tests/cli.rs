@@ -6,7 +6,10 @@ use std::process::Command;
 use tests::{fixtures_dir, max_abs_diff, Reference};
 
 fn tether(args: &[&str]) -> std::process::Output {
-    let out = Command::new(env!("CARGO_BIN_EXE_tether")).args(args).output().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_tether"))
+        .args(args)
+        .output()
+        .unwrap();
     assert!(
         out.status.success(),
         "tether {args:?} failed: {}",
@@ -61,15 +64,53 @@ fn eval_reproduces_the_fixture() {
 fn synth_writes_a_directory_that_loads_back_identically() {
     let dir = scratch("synth");
     let model = dir.join("model");
-    tether(&["synth", "--preset", "tiny", "--out", model.to_str().unwrap(), "--dtype", "f16", "--layers", "4"]);
-    let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(model.join("config.json")).unwrap()).unwrap();
+    tether(&[
+        "synth",
+        "--preset",
+        "tiny",
+        "--out",
+        model.to_str().unwrap(),
+        "--dtype",
+        "f16",
+        "--layers",
+        "4",
+    ]);
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(model.join("config.json")).unwrap()).unwrap();
     assert_eq!(cfg["num_hidden_layers"], 4);
     std::fs::write(dir.join("ids.txt"), "1 2 3 4 5 6 7 8").unwrap();
     let ids = dir.join("ids.txt");
     let (a, b) = (dir.join("a.safetensors"), dir.join("b.safetensors"));
-    let common = ["--ids-file", ids.to_str().unwrap(), "--gen", "4", "--dtype", "f16", "--layers", "4"];
-    tether(&[&["eval", "--model", model.to_str().unwrap(), "--out", a.to_str().unwrap()], &common[..]].concat());
-    tether(&[&["eval", "--model", "tiny", "--out", b.to_str().unwrap()], &common[..]].concat());
+    let common = [
+        "--ids-file",
+        ids.to_str().unwrap(),
+        "--gen",
+        "4",
+        "--dtype",
+        "f16",
+        "--layers",
+        "4",
+    ];
+    tether(
+        &[
+            &[
+                "eval",
+                "--model",
+                model.to_str().unwrap(),
+                "--out",
+                a.to_str().unwrap(),
+            ],
+            &common[..],
+        ]
+        .concat(),
+    );
+    tether(
+        &[
+            &["eval", "--model", "tiny", "--out", b.to_str().unwrap()],
+            &common[..],
+        ]
+        .concat(),
+    );
     let (a, b) = (read_eval(&a), read_eval(&b));
     assert_eq!(a.f32("prefill_logits"), b.f32("prefill_logits"));
     assert_eq!(a.ids("gen_ids"), b.ids("gen_ids"));
@@ -77,21 +118,50 @@ fn synth_writes_a_directory_that_loads_back_identically() {
 
 #[test]
 fn tokenize_prints_the_reference_ids() {
-    let samples: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(fixtures_dir().join("tokenizer/samples.json")).unwrap()).unwrap();
+    let samples: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures_dir().join("tokenizer/samples.json")).unwrap(),
+    )
+    .unwrap();
     let s = &samples["samples"][0];
     let tok = fixtures_dir().join("tokenizer/tokenizer.json");
-    let out = tether(&["tokenize", "--tokenizer", tok.to_str().unwrap(), "--text", s["text"].as_str().unwrap()]);
+    let out = tether(&[
+        "tokenize",
+        "--tokenizer",
+        tok.to_str().unwrap(),
+        "--text",
+        s["text"].as_str().unwrap(),
+    ]);
     let ids: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(ids, s["ids"]);
 }
 
 #[test]
 fn run_streams_greedy_text_and_bench_reports_json() {
-    let out = tether(&["run", "--model", "tiny", "--prompt", "hello", "--max-tokens", "8", "--temperature", "0"]);
+    let out = tether(&[
+        "run",
+        "--model",
+        "tiny",
+        "--prompt",
+        "hello",
+        "--max-tokens",
+        "8",
+        "--temperature",
+        "0",
+    ]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("prompt 5 tokens"), "{err}");
-    let out = tether(&["bench", "--model", "tiny", "--prompt-tokens", "16", "--gen", "4", "--threads", "1", "--json"]);
+    let out = tether(&[
+        "bench",
+        "--model",
+        "tiny",
+        "--prompt-tokens",
+        "16",
+        "--gen",
+        "4",
+        "--threads",
+        "1",
+        "--json",
+    ]);
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     for key in ["prefill_tok_s", "decode_tok_s", "peak_rss_bytes"] {
         assert!(v[key].as_f64().is_some_and(|x| x > 0.0), "{key} in {v}");

@@ -45,25 +45,39 @@ fn sharded_multimodal_layout_loads_the_same_model() {
             bytes: &fake_vision,
         },
     ));
-    weight_map.insert("model.visual.blocks.0.attn.qkv.weight".into(), "model-00001-of-00002.safetensors".into());
+    weight_map.insert(
+        "model.visual.blocks.0.attn.qkv.weight".into(),
+        "model-00001-of-00002.safetensors".into(),
+    );
     for (i, shard) in shards.iter().enumerate() {
-        save_raw(shard, &dir.join(format!("model-0000{}-of-00002.safetensors", i + 1))).unwrap();
+        save_raw(
+            shard,
+            &dir.join(format!("model-0000{}-of-00002.safetensors", i + 1)),
+        )
+        .unwrap();
     }
     let index = serde_json::json!({"metadata": {}, "weight_map": weight_map});
     std::fs::write(dir.join("model.safetensors.index.json"), index.to_string()).unwrap();
     // Nested config with rope parameters at the text level instead of in rope_parameters.
-    let mut text: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
-    let rope = text.as_object_mut().unwrap().remove("rope_parameters").unwrap();
+    let mut text: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    let rope = text
+        .as_object_mut()
+        .unwrap()
+        .remove("rope_parameters")
+        .unwrap();
     text["rope_theta"] = rope["rope_theta"].clone();
     text["partial_rotary_factor"] = rope["partial_rotary_factor"].clone();
     text.as_object_mut().unwrap().remove("layer_types"); // the interval rule gives the same pattern
-    let cfg = serde_json::json!({"model_type": "qwen3_5", "text_config": text, "vision_config": {}});
+    let cfg =
+        serde_json::json!({"model_type": "qwen3_5", "text_config": text, "vision_config": {}});
     std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
 
     let prompt = [5u32, 17, 99, 250, 3, 3, 42];
     let run = |m: &Model| {
         let mut st = m.new_state(4);
-        m.forward(&CpuBackend, &mut st, &prompt, Logits::All, None).unwrap()
+        m.forward(&CpuBackend, &mut st, &prompt, Logits::All, None)
+            .unwrap()
     };
     let a = run(&Model::load_dir(&src).unwrap());
     let b = run(&Model::load_dir(&dir).unwrap());

@@ -14,14 +14,18 @@ fn load(fixture: &str) -> (Model, Reference) {
 fn greedy(model: &Model, prompt: &[u32], n: usize, page_size: usize) -> (Vec<u32>, Vec<f32>) {
     let be = CpuBackend;
     let mut st = model.new_state(page_size);
-    let mut logits = model.forward(&be, &mut st, prompt, Logits::Last, None).unwrap();
+    let mut logits = model
+        .forward(&be, &mut st, prompt, Logits::Last, None)
+        .unwrap();
     let (mut ids, mut all) = (Vec::new(), Vec::new());
     for i in 0..n {
         all.extend_from_slice(&logits);
         let next = argmax(&logits);
         ids.push(next);
         if i + 1 < n {
-            logits = model.forward(&be, &mut st, &[next], Logits::Last, None).unwrap();
+            logits = model
+                .forward(&be, &mut st, &[next], Logits::Last, None)
+                .unwrap();
         }
     }
     (ids, all)
@@ -30,7 +34,13 @@ fn greedy(model: &Model, prompt: &[u32], n: usize, page_size: usize) -> (Vec<u32
 fn argmax(v: &[f32]) -> u32 {
     v.iter()
         .enumerate()
-        .fold((0, f32::NEG_INFINITY), |(bi, bv), (i, &x)| if x > bv { (i, x) } else { (bi, bv) })
+        .fold((0, f32::NEG_INFINITY), |(bi, bv), (i, &x)| {
+            if x > bv {
+                (i, x)
+            } else {
+                (bi, bv)
+            }
+        })
         .0 as u32
 }
 
@@ -41,7 +51,9 @@ fn fp32_prefill_logits_and_layers_match_reference() {
         let prompt = r.ids("prompt_ids");
         let mut trace = Vec::new();
         let mut st = model.new_state(16);
-        let logits = model.forward(&CpuBackend, &mut st, &prompt, Logits::All, Some(&mut trace)).unwrap();
+        let logits = model
+            .forward(&CpuBackend, &mut st, &prompt, Logits::All, Some(&mut trace))
+            .unwrap();
         // Per layer first, so a failure names the first layer that diverges.
         let (shape, layers) = r.f32("prefill_layer_outputs");
         let per_layer = shape[1] * shape[2];
@@ -73,7 +85,11 @@ fn fp32_tokenwise_path_matches_reference() {
         let mut st = model.new_state(7);
         let mut logits = Vec::new();
         for &id in &r.ids("prompt_ids") {
-            logits.extend(model.forward(&CpuBackend, &mut st, &[id], Logits::Last, None).unwrap());
+            logits.extend(
+                model
+                    .forward(&CpuBackend, &mut st, &[id], Logits::Last, None)
+                    .unwrap(),
+            );
         }
         let d = max_abs_diff(&logits, &r.f32("tokenwise_logits").1);
         assert!(d < 1e-4, "{f}: token-by-token logits differ by {d}");
@@ -99,9 +115,15 @@ fn bf16_greedy_tokens_match_reference_while_its_margin_is_resolvable() {
             s[0] - s[1] > 0.0625
         })
         .count();
-    assert!(resolvable >= 8, "the fixture changed: only {resolvable} resolvable steps");
+    assert!(
+        resolvable >= 8,
+        "the fixture changed: only {resolvable} resolvable steps"
+    );
     let (ids, logits) = greedy(&model, &r.ids("prompt_ids"), resolvable, 4096);
     assert_eq!(ids, want[..resolvable]);
     let d = max_abs_diff(&logits, &ref_logits[..resolvable * v]);
-    assert!(d < 0.5, "bf16 logits differ by {d}, more than bf16 rounding explains");
+    assert!(
+        d < 0.5,
+        "bf16 logits differ by {d}, more than bf16 rounding explains"
+    );
 }

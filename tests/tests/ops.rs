@@ -55,11 +55,17 @@ fn chunked_and_recurrent_delta_rule_agree() {
             beta: &beta,
         };
         let (mut st_c, mut st_r) = (s0.clone(), s0.clone());
-        let (mut o_c, mut o_r) = (vec![0.0; t * s.v_heads * s.dv], vec![0.0; t * s.v_heads * s.dv]);
+        let (mut o_c, mut o_r) = (
+            vec![0.0; t * s.v_heads * s.dv],
+            vec![0.0; t * s.v_heads * s.dv],
+        );
         CpuBackend.delta_rule_chunked(s, x(), &mut st_c, &mut o_c);
         CpuBackend.delta_rule_recurrent(s, x(), &mut st_r, &mut o_r);
         let (dout, dstate) = (max_abs_diff(&o_c, &o_r), max_abs_diff(&st_c, &st_r));
-        assert!(dout < 1e-5 && dstate < 1e-5, "t={t}: out diff {dout}, state diff {dstate}");
+        assert!(
+            dout < 1e-5 && dstate < 1e-5,
+            "t={t}: out diff {dout}, state diff {dstate}"
+        );
     }
 }
 
@@ -73,13 +79,21 @@ fn unpaged(shape: AttnShape, q: &[f32], pos: &[usize], k: &[f32], v: &[f32]) -> 
             let kvh = h / (shape.q_heads / shape.kv_heads);
             let qh = &q[(t * shape.q_heads + h) * d..][..d];
             let scores: Vec<f64> = (0..=p)
-                .map(|j| qh.iter().zip(&k[j * row + kvh * d..][..d]).map(|(a, b)| (a * b) as f64).sum())
+                .map(|j| {
+                    qh.iter()
+                        .zip(&k[j * row + kvh * d..][..d])
+                        .map(|(a, b)| (a * b) as f64)
+                        .sum()
+                })
                 .collect();
             let mx = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
             let w: Vec<f64> = scores.iter().map(|s| (s - mx).exp()).collect();
             let sum: f64 = w.iter().sum();
             for (j, wj) in w.iter().enumerate() {
-                for (o, vv) in out[(t * shape.q_heads + h) * d..][..d].iter_mut().zip(&v[j * row + kvh * d..][..d]) {
+                for (o, vv) in out[(t * shape.q_heads + h) * d..][..d]
+                    .iter_mut()
+                    .zip(&v[j * row + kvh * d..][..d])
+                {
                     *o += (wj / sum * *vv as f64) as f32;
                 }
             }
@@ -104,7 +118,8 @@ fn paged_attention_equals_unpaged_for_any_page_size() {
     // 1/sqrt(head_dim) as the model scales them.
     let all: Vec<usize> = (0..n).collect();
     let mut q = rng.normal_vec(n * shape.q_heads * shape.head_dim);
-    q.iter_mut().for_each(|x| *x /= (shape.head_dim as f32).sqrt());
+    q.iter_mut()
+        .for_each(|x| *x /= (shape.head_dim as f32).sqrt());
     let qd = shape.q_heads * shape.head_dim;
     let paged = |page: usize, q: &[f32], pos: &[usize]| {
         let mut kv = PagedKv::new(page, shape.kv_heads, shape.head_dim);
@@ -115,11 +130,17 @@ fn paged_attention_equals_unpaged_for_any_page_size() {
     // One page holding every key is plain attention; it must match the definition (in f64).
     let whole = paged(n, &q, &all);
     let d = max_abs_diff(&whole, &unpaged(shape, &q, &all, &k, &v));
-    assert!(d < 1e-5, "single-page attention differs from the definition by {d}");
+    assert!(
+        d < 1e-5,
+        "single-page attention differs from the definition by {d}"
+    );
     for page in [1, 7, 64, 4096] {
         let d = max_abs_diff(&paged(page, &q, &all), &whole);
         assert!(d < 1e-6, "page size {page}: prefill differs by {d}");
-        let d = max_abs_diff(&paged(page, &q[(n - 1) * qd..], &[n - 1]), &whole[(n - 1) * qd..]);
+        let d = max_abs_diff(
+            &paged(page, &q[(n - 1) * qd..], &[n - 1]),
+            &whole[(n - 1) * qd..],
+        );
         assert!(d < 1e-6, "page size {page}: decode differs by {d}");
     }
 }
