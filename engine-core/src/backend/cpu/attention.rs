@@ -6,6 +6,7 @@ use super::matmul::dot;
 use crate::backend::AttnShape;
 use crate::kv::{KvPage, Partials};
 
+/// One task per (query row, head): a decode step (one row) still uses every thread.
 pub fn attend_page(shape: AttnShape, q: &[f32], q_pos: &[usize], page: &KvPage) -> Partials {
     let AttnShape {
         q_heads,
@@ -14,45 +15,37 @@ pub fn attend_page(shape: AttnShape, q: &[f32], q_pos: &[usize], page: &KvPage) 
     } = shape;
     let group = q_heads / kv_heads;
     let kv_row = kv_heads * d;
-    let t = q_pos.len();
-    assert_eq!(q.len(), t * q_heads * d);
-    let mut p = Partials::empty(t * q_heads, d);
-    p.o.par_chunks_mut(q_heads * d)
-        .zip(p.m.par_chunks_mut(q_heads))
-        .zip(p.l.par_chunks_mut(q_heads))
+    assert_eq!(q.len(), q_pos.len() * q_heads * d);
+    let mut p = Partials::empty(q_pos.len() * q_heads, d);
+    p.o.par_chunks_mut(d)
+        .zip(p.m.par_iter_mut())
+        .zip(p.l.par_iter_mut())
         .enumerate()
-        .for_each(|(row, ((o, m), l))| {
+        .for_each(|(i, ((o, m), l))| {
+            let (row, h) = (i / q_heads, i % q_heads);
             // Keys at positions start..start+n are visible to this query.
             let n = (q_pos[row] + 1).saturating_sub(page.start).min(page.len);
             if n == 0 {
                 return;
             }
-            let mut scores = vec![0.0f32; n];
-            for h in 0..q_heads {
-                let kvh = h / group;
-                let qh = &q[(row * q_heads + h) * d..(row * q_heads + h + 1) * d];
-                for (j, s) in scores.iter_mut().enumerate() {
-                    *s = dot(
-                        qh,
-                        &page.k[j * kv_row + kvh * d..j * kv_row + (kvh + 1) * d],
-                    );
+            let off = (h / group) * d;
+            let qh = &q[i * d..(i + 1) * d];
+            let scores: Vec<f32> = (0..n)
+                .map(|j| dot(qh, &page.k[j * kv_row + off..j * kv_row + off + d]))
+                .collect();
+            let mx = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let mut sum = 0.0;
+            for (j, s) in scores.iter().enumerate() {
+                let e = (s - mx).exp();
+                sum += e;
+                for (a, b) in o.iter_mut().zip(&page.v[j * kv_row + off..j * kv_row + off + d]) {
+                    *a += e * b;
                 }
-                let mx = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let oh = &mut o[h * d..(h + 1) * d];
-                let mut sum = 0.0;
-                for (j, s) in scores.iter().enumerate() {
-                    let e = (s - mx).exp();
-                    sum += e;
-                    let v = &page.v[j * kv_row + kvh * d..j * kv_row + (kvh + 1) * d];
-                    for (a, b) in oh.iter_mut().zip(v) {
-                        *a += e * b;
-                    }
-                }
-                let inv = 1.0 / sum;
-                oh.iter_mut().for_each(|a| *a *= inv);
-                m[h] = mx;
-                l[h] = sum;
             }
+            let inv = 1.0 / sum;
+            o.iter_mut().for_each(|a| *a *= inv);
+            *m = mx;
+            *l = sum;
         });
     p
 }
