@@ -45,10 +45,6 @@ impl PagedKv {
         self.len == 0
     }
 
-    pub fn page_size(&self) -> usize {
-        self.page_size
-    }
-
     pub fn pages(&self) -> &[KvPage] {
         &self.pages
     }

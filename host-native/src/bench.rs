@@ -103,6 +103,7 @@ pub fn run(a: Args) -> Result<()> {
             "decode_tok_s": decode_tok_s,
             "decode_weight_gb_s": weight_bytes * decode_tok_s / 1e9,
             "peak_rss_bytes": peak,
+            "kv_cache_bytes": state.kv_bytes(),
         });
         println!("{obj}");
     } else {
@@ -125,8 +126,9 @@ pub fn run(a: Args) -> Result<()> {
             a.gen, decode_s, decode_tok_s
         );
         println!(
-            "decode reads {:.1} GB/s of weights; peak RSS {}",
+            "decode reads {:.1} GB/s of weights; KV cache {:.1} MB; peak RSS {}",
             weight_bytes * decode_tok_s / 1e9,
+            state.kv_bytes() as f64 / 1e6,
             peak.map_or("unknown".to_string(), |b| format!(
                 "{:.2} GB",
                 b as f64 / 1e9
