@@ -9,6 +9,7 @@ pub mod error;
 pub mod generate;
 pub mod kv;
 pub mod model;
+pub mod protocol;
 pub mod synth;
 pub mod tensor;
 pub mod tokenizer;

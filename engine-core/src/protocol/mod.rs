@@ -1,0 +1,6 @@
+//! The wire protocol between a host and a helper: pure (bytes in, typed messages out), so it
+//! runs in the browser and can be fuzzed. See docs/PROTOCOL.md.
+
+pub mod header;
+
+pub use header::{peek_type, MsgType, HEADER_LEN, MAGIC, PROTOCOL_VERSION};
