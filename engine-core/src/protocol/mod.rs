@@ -2,5 +2,9 @@
 //! runs in the browser and can be fuzzed. See docs/PROTOCOL.md.
 
 pub mod header;
+pub mod message;
+pub mod tensor;
 
 pub use header::{peek_type, MsgType, HEADER_LEN, MAGIC, PROTOCOL_VERSION};
+pub use message::{decode, encode, Configure, Intro, Message, ProtocolError, Role};
+pub use tensor::{TensorDesc, WireDtype, WireTensor};
