@@ -31,6 +31,9 @@ pub enum Error {
     Template(String),
     #[error("invalid argument: {0}")]
     Invalid(String),
+    /// The helper failed, vanished or answered out of protocol.
+    #[error("helper: {0}")]
+    Remote(String),
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -6,6 +6,7 @@
 //! helper, GPU). This file is the one place that merge is written.
 
 use crate::backend::{AttnShape, Backend};
+use crate::error::{Error, Result};
 
 /// KV rows for positions `start .. start + len`, token-major: row `j` holds
 /// `[kv_heads, head_dim]` keys (values likewise).
@@ -17,13 +18,25 @@ pub struct KvPage {
     pub v: Vec<f32>,
 }
 
-/// One layer's cache: pages of `page_size` positions, the last one possibly partial.
+/// One layer's cache: pages of `page_size` positions, the last one possibly partial. The
+/// oldest `remote_len` positions (whole pages) may have moved to a [`RemoteKv`].
 #[derive(Clone, Debug)]
 pub struct PagedKv {
     page_size: usize,
     row: usize,
     pages: Vec<KvPage>,
     len: usize,
+    remote_len: usize,
+}
+
+/// Where KV pages that left this device are kept and attended (a helper over a link). Pages
+/// keep their boundaries wherever they live, so the partials, and their merge in page order,
+/// are the same computation as on the host.
+pub trait RemoteKv: Send {
+    /// Keep `page` of `layer`; it is the oldest page still on this device.
+    fn store(&mut self, layer: usize, page: &KvPage) -> Result<()>;
+    /// One partial per page of `layer` the remote holds, in page order.
+    fn attend(&mut self, layer: usize, shape: AttnShape, q: &[f32], positions: &[usize]) -> Result<Vec<Partials>>;
 }
 
 impl PagedKv {
@@ -34,7 +47,28 @@ impl PagedKv {
             row: kv_heads * head_dim,
             pages: Vec::new(),
             len: 0,
+            remote_len: 0,
         }
+    }
+
+    /// Positions `0 .. remote_len()` live on the remote.
+    pub fn remote_len(&self) -> usize {
+        self.remote_len
+    }
+
+    /// Positions held on this device.
+    pub fn local_len(&self) -> usize {
+        self.len - self.remote_len
+    }
+
+    /// Remove the oldest local page if it is full, for moving it to the remote.
+    pub fn pop_full_page(&mut self) -> Option<KvPage> {
+        if self.pages.first()?.len < self.page_size {
+            return None;
+        }
+        let page = self.pages.remove(0);
+        self.remote_len += page.len;
+        Some(page)
     }
 
     pub fn len(&self) -> usize {
@@ -80,10 +114,17 @@ impl PagedKv {
         }
     }
 
-    /// Drop every position `>= len` (rewinding a sequence).
-    pub fn truncate(&mut self, len: usize) {
+    /// Drop every position `>= len` (rewinding a sequence). Positions held remotely cannot be
+    /// dropped here.
+    pub fn truncate(&mut self, len: usize) -> Result<()> {
+        if len < self.remote_len {
+            return Err(Error::Invalid(format!(
+                "cannot rewind to {len}: positions below {} live on the helper",
+                self.remote_len
+            )));
+        }
         if len >= self.len {
-            return;
+            return Ok(());
         }
         self.pages.retain(|p| p.start < len);
         if let Some(p) = self.pages.last_mut() {
@@ -92,6 +133,7 @@ impl PagedKv {
             p.v.truncate(p.len * self.row);
         }
         self.len = len;
+        Ok(())
     }
 }
 
@@ -189,20 +231,39 @@ impl Merger {
 }
 
 /// Attention of scaled queries `[t, q_heads, head_dim]` at absolute `positions` over every page
-/// of `kv` that any of them can see, merged in page order.
+/// of `kv` that any of them can see, merged in page order: the remote's pages (the oldest)
+/// first, then the local ones.
 pub fn attend(
     be: &dyn Backend,
     shape: AttnShape,
     q: &[f32],
     positions: &[usize],
     kv: &PagedKv,
-) -> Partials {
+    remote: Option<(usize, &mut dyn RemoteKv)>,
+) -> Result<Partials> {
     let last = positions.iter().copied().max().unwrap_or(0);
-    let mut merger = Merger::new(positions.len() * shape.q_heads, shape.head_dim);
+    let rows = positions.len() * shape.q_heads;
+    let mut merger = Merger::new(rows, shape.head_dim);
+    if kv.remote_len > 0 {
+        let (layer, remote) = remote.ok_or_else(|| {
+            Error::Invalid("this sequence's oldest KV pages are on a helper that is not connected".into())
+        })?;
+        for p in remote.attend(layer, shape, q, positions)? {
+            if p.rows() != rows || p.head_dim != shape.head_dim {
+                return Err(Error::Remote(format!(
+                    "helper returned partials for {} rows of width {}, expected {rows} of {}",
+                    p.rows(),
+                    p.head_dim,
+                    shape.head_dim
+                )));
+            }
+            merger.add(&p);
+        }
+    }
     for page in kv.pages().iter().filter(|p| p.start <= last) {
         merger.add(&be.attend_page(shape, q, positions, page));
     }
-    merger.finish()
+    Ok(merger.finish())
 }
 
 #[cfg(test)]
@@ -219,7 +280,7 @@ mod tests {
         let starts: Vec<(usize, usize)> = kv.pages().iter().map(|p| (p.start, p.len)).collect();
         assert_eq!(starts, vec![(0, 3), (3, 3), (6, 1)]);
         assert_eq!(kv.pages()[1].k, rows[6..12].to_vec());
-        kv.truncate(4);
+        kv.truncate(4).unwrap();
         let starts: Vec<(usize, usize)> = kv.pages().iter().map(|p| (p.start, p.len)).collect();
         assert_eq!(starts, vec![(0, 3), (3, 1)]);
         kv.append(&rows[8..10], &rows[8..10]);

@@ -125,7 +125,7 @@ fn paged_attention_equals_unpaged_for_any_page_size() {
         let mut kv = PagedKv::new(page, shape.kv_heads, shape.head_dim);
         kv.append(&k[..37 * row], &v[..37 * row]);
         kv.append(&k[37 * row..], &v[37 * row..]);
-        attend(&CpuBackend, shape, q, pos, &kv).o
+        attend(&CpuBackend, shape, q, pos, &kv, None).unwrap().o
     };
     // One page holding every key is plain attention; it must match the definition (in f64).
     let whole = paged(n, &q, &all);

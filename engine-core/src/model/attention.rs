@@ -5,7 +5,7 @@ use super::Loader;
 use crate::backend::{AttnShape, Backend};
 use crate::config::ModelConfig;
 use crate::error::Result;
-use crate::kv::{attend, PagedKv};
+use crate::kv::{attend, PagedKv, RemoteKv};
 use crate::tensor::Matrix;
 
 pub(super) struct Attention {
@@ -58,8 +58,9 @@ impl Attention {
         x: &[f32],
         positions: &[usize],
         kv: &mut PagedKv,
+        remote: Option<(usize, &mut dyn RemoteKv)>,
         out: &mut [f32],
-    ) {
+    ) -> Result<()> {
         let AttnShape {
             q_heads: nh,
             kv_heads: nkv,
@@ -86,8 +87,9 @@ impl Attention {
         kv.append(&k, &v);
         let scale = 1.0 / (hd as f32).sqrt();
         q.iter_mut().for_each(|v| *v *= scale);
-        let mut attn = attend(be, self.shape, &q, positions, kv).o;
+        let mut attn = attend(be, self.shape, &q, positions, kv, remote)?.o;
         be.sigmoid_mul(&mut attn, &gate);
         be.matmul(&attn, &self.o_proj, out);
+        Ok(())
     }
 }

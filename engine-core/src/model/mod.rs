@@ -16,6 +16,7 @@ pub use state::{LayerState, State};
 use crate::backend::Backend;
 use crate::config::{LayerKind, ModelConfig};
 use crate::error::{Error, Result};
+use crate::kv::RemoteKv;
 use crate::tensor::{Matrix, Tensor};
 use crate::weights::TensorMap;
 
@@ -194,8 +195,17 @@ impl Model {
         state: &mut State,
         tokens: &[u32],
         logits: Logits,
-        mut trace: Option<&mut Vec<Vec<f32>>>,
+        trace: Option<&mut Vec<Vec<f32>>>,
     ) -> Result<Vec<f32>> {
+        let mut x = self.embed(tokens)?;
+        let pos = state.pos;
+        self.run_layers(be, state, &mut x, pos, 0..self.layers.len(), trace)?;
+        state.pos += tokens.len();
+        Ok(self.head(be, &mut x, logits))
+    }
+
+    /// Embedding rows `[tokens, hidden]`; rejects ids outside the vocabulary.
+    pub fn embed(&self, tokens: &[u32]) -> Result<Vec<f32>> {
         let c = &self.config;
         if tokens.is_empty() {
             return Err(Error::Invalid("forward needs at least one token".into()));
@@ -206,47 +216,77 @@ impl Model {
                 vocab: c.vocab_size,
             });
         }
-        state.check_matches(c)?;
-        let h = c.hidden_size;
-        let t = tokens.len();
-        let positions: Vec<usize> = (state.pos..state.pos + t).collect();
-        let mut x = vec![0.0f32; t * h];
-        for (row, &id) in x.chunks_mut(h).zip(tokens) {
+        let mut x = vec![0.0f32; tokens.len() * c.hidden_size];
+        for (row, &id) in x.chunks_mut(c.hidden_size).zip(tokens) {
             self.embed.row_f32(id as usize, row);
         }
-        let mut normed = vec![0.0f32; t * h];
-        let mut y = vec![0.0f32; t * h];
-        for (layer, ls) in self.layers.iter().zip(state.layers.iter_mut()) {
-            normed.copy_from_slice(&x);
+        Ok(x)
+    }
+
+    /// Advance the residual rows `x` (positions `pos ..`) through `layers`, updating those
+    /// layers' state. The seam of a split: host and helper each run a range of layers on the
+    /// same rows. `state.pos` is left to the caller.
+    pub fn run_layers(
+        &self,
+        be: &dyn Backend,
+        state: &mut State,
+        x: &mut [f32],
+        pos: usize,
+        layers: std::ops::Range<usize>,
+        mut trace: Option<&mut Vec<Vec<f32>>>,
+    ) -> Result<()> {
+        let c = &self.config;
+        state.check_matches(c)?;
+        if layers.end > self.layers.len() || x.len() % c.hidden_size != 0 {
+            return Err(Error::Invalid(format!(
+                "run_layers({layers:?}) on {} values: the model has {} layers of width {}",
+                x.len(),
+                self.layers.len(),
+                c.hidden_size
+            )));
+        }
+        let t = x.len() / c.hidden_size;
+        let positions: Vec<usize> = (pos..pos + t).collect();
+        let mut normed = vec![0.0f32; x.len()];
+        let mut y = vec![0.0f32; x.len()];
+        for i in layers {
+            let layer = &self.layers[i];
+            normed.copy_from_slice(x);
             be.rms_norm(&mut normed, &layer.norm_in, c.rms_norm_eps);
-            match (&layer.mixer, ls) {
+            match (&layer.mixer, &mut state.layers[i]) {
                 (Mixer::Attention(a), LayerState::Attention(kv)) => {
-                    a.forward(be, c, &normed, &positions, kv, &mut y)
+                    let remote = state.remote.as_deref_mut().map(|r| (i, r as &mut dyn RemoteKv));
+                    a.forward(be, c, &normed, &positions, kv, remote, &mut y)?
                 }
-                (Mixer::DeltaNet(d), LayerState::DeltaNet(st)) => {
-                    d.forward(be, c, &normed, st, &mut y)
-                }
+                (Mixer::DeltaNet(d), LayerState::DeltaNet(st)) => d.forward(be, c, &normed, st, &mut y),
                 _ => unreachable!("State::check_matches verified the layer kinds"),
             }
-            add(&mut x, &y);
-            normed.copy_from_slice(&x);
+            add(x, &y);
+            normed.copy_from_slice(x);
             be.rms_norm(&mut normed, &layer.norm_post, c.rms_norm_eps);
             layer.mlp.forward(be, &normed, &mut y);
-            add(&mut x, &y);
+            add(x, &y);
             if let Some(tr) = trace.as_deref_mut() {
-                tr.push(x.clone());
+                tr.push(x.to_vec());
             }
         }
-        state.pos += t;
+        Ok(())
+    }
+
+    /// Final norm and output projection of the rows `logits` asks for.
+    pub fn head(&self, be: &dyn Backend, x: &mut [f32], logits: Logits) -> Vec<f32> {
+        let c = &self.config;
+        let h = c.hidden_size;
+        let n = x.len();
         let rows = match logits {
             Logits::All => &mut x[..],
-            Logits::Last => &mut x[(t - 1) * h..],
-            Logits::None => return Ok(Vec::new()),
+            Logits::Last => &mut x[n - h..],
+            Logits::None => return Vec::new(),
         };
         be.rms_norm(rows, &self.norm_final, c.rms_norm_eps);
         let mut out = vec![0.0f32; rows.len() / h * c.vocab_size];
         be.matmul(rows, &self.lm_head, &mut out);
-        Ok(out)
+        out
     }
 }
 

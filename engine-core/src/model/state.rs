@@ -3,7 +3,7 @@
 
 use crate::config::{LayerKind, ModelConfig};
 use crate::error::{Error, Result};
-use crate::kv::PagedKv;
+use crate::kv::{PagedKv, RemoteKv};
 
 #[derive(Clone, Debug)]
 pub struct DeltaState {
@@ -19,11 +19,12 @@ pub enum LayerState {
     DeltaNet(DeltaState),
 }
 
-#[derive(Clone, Debug)]
 pub struct State {
     /// Positions consumed so far (the next token's position).
     pub pos: usize,
     pub layers: Vec<LayerState>,
+    /// Where this sequence's oldest KV pages go once the host's budget is full.
+    pub remote: Option<Box<dyn RemoteKv>>,
 }
 
 impl State {
@@ -48,7 +49,32 @@ impl State {
                 }),
             })
             .collect();
-        State { pos: 0, layers }
+        State {
+            pos: 0,
+            layers,
+            remote: None,
+        }
+    }
+
+    /// Move the oldest whole KV pages of every full-attention layer to the remote until at most
+    /// `host_tokens` positions per layer stay here (a partial page never moves). Returns the
+    /// number of pages moved per layer.
+    pub fn offload(&mut self, host_tokens: usize) -> Result<usize> {
+        let Some(remote) = self.remote.as_deref_mut() else {
+            return Err(Error::Invalid("no helper to offload KV pages to".into()));
+        };
+        let mut moved = 0;
+        for (i, layer) in self.layers.iter_mut().enumerate() {
+            let LayerState::Attention(kv) = layer else { continue };
+            let mut n = 0;
+            while kv.local_len() > host_tokens {
+                let Some(page) = kv.pop_full_page() else { break };
+                remote.store(i, &page)?;
+                n += 1;
+            }
+            moved = moved.max(n);
+        }
+        Ok(moved)
     }
 
     pub(crate) fn check_matches(&self, c: &ModelConfig) -> Result<()> {
