@@ -8,6 +8,7 @@ pub mod config;
 pub mod error;
 pub mod generate;
 pub mod kv;
+pub mod link;
 pub mod model;
 pub mod protocol;
 pub mod synth;

@@ -1,0 +1,463 @@
+//! The production link: one WebSocket over plain TCP, each frame one binary message. WebSocket
+//! because a browser helper can speak it too; no TLS because the link is a cable or a LAN.
+//!
+//! tungstenite's `WebSocket` is one object for both directions, so after the handshake the
+//! connection is driven by two: the handshake's (which keeps any bytes read past the HTTP
+//! response) on a reader thread, and one over a clone of the TCP stream on a writer thread.
+//! Sending a big ubatch then never waits for, or stalls, an incoming reply. This is sound only
+//! while the reader never writes: tungstenite writes from `read` just to answer a ping or a
+//! close, so the reader stops at either and the protocol's own Ping/Pong frames do liveness.
+
+use std::io::ErrorKind;
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::thread;
+use std::time::Duration;
+
+use tungstenite::error::{CapacityError, ProtocolError};
+use tungstenite::handshake::{HandshakeError, HandshakeRole};
+use tungstenite::http::Uri;
+use tungstenite::protocol::{Role, WebSocketConfig};
+use tungstenite::{Message, WebSocket};
+
+use super::{Link, LinkError, LinkSender};
+
+/// A peer that connects but never completes the HTTP upgrade must not hang `accept` forever.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Why the writer thread stopped, for the `send` that finds it gone.
+type Failure = Arc<Mutex<Option<String>>>;
+
+/// Limits both a single WebSocket frame and a reassembled message to the link's frame limit;
+/// tungstenite checks a frame's announced length before reserving memory for it, and a
+/// fragmented message's length before appending each fragment.
+fn config(max_frame: usize) -> WebSocketConfig {
+    WebSocketConfig::default()
+        .max_frame_size(Some(max_frame))
+        .max_message_size(Some(max_frame))
+}
+
+fn link_error(err: tungstenite::Error, peer: SocketAddr) -> LinkError {
+    use tungstenite::Error as E;
+    match err {
+        E::ConnectionClosed
+        | E::AlreadyClosed
+        | E::Protocol(ProtocolError::ResetWithoutClosingHandshake) => {
+            LinkError::Closed(format!("{peer} went away"))
+        }
+        E::Io(e)
+            if matches!(
+                e.kind(),
+                ErrorKind::ConnectionReset
+                    | ErrorKind::ConnectionAborted
+                    | ErrorKind::BrokenPipe
+                    | ErrorKind::UnexpectedEof
+            ) =>
+        {
+            LinkError::Closed(format!("{peer}: {e}"))
+        }
+        E::Capacity(CapacityError::MessageTooLong { size, max_size }) => LinkError::TooLarge {
+            len: size,
+            limit: max_size,
+        },
+        other => LinkError::Io(format!("{peer}: {other}")),
+    }
+}
+
+fn handshake_error<R: HandshakeRole>(err: HandshakeError<R>, peer: SocketAddr) -> LinkError {
+    match err {
+        HandshakeError::Interrupted(_) => LinkError::Io(format!(
+            "WebSocket handshake with {peer} did not finish within {HANDSHAKE_TIMEOUT:?}"
+        )),
+        HandshakeError::Failure(e) => link_error(e, peer),
+    }
+}
+
+fn io_error(what: String) -> impl FnOnce(std::io::Error) -> LinkError {
+    move |e| LinkError::Io(format!("{what}: {e}"))
+}
+
+/// Returns the clone the writer will own; the original goes to the handshake.
+fn prepare(stream: &TcpStream, peer: SocketAddr) -> Result<TcpStream, LinkError> {
+    // Frames are whole messages already; Nagle would hold back the tail of each.
+    stream
+        .set_nodelay(true)
+        .map_err(io_error(format!("TCP_NODELAY on {peer}")))?;
+    stream
+        .set_read_timeout(Some(HANDSHAKE_TIMEOUT))
+        .and_then(|()| stream.set_write_timeout(Some(HANDSHAKE_TIMEOUT)))
+        .map_err(io_error(format!("timeouts on {peer}")))?;
+    stream
+        .try_clone()
+        .map_err(io_error(format!("cloning the socket of {peer}")))
+}
+
+/// Opens a link to a helper's [`WsListener`]. `max_frame` bounds frames both ways.
+pub fn connect(url: &str, max_frame: usize) -> Result<WsLink, LinkError> {
+    let uri: Uri = url
+        .parse()
+        .map_err(|e| LinkError::Io(format!("link URL {url}: {e}")))?;
+    if uri.scheme_str() != Some("ws") {
+        return Err(LinkError::Io(format!(
+            "link URL {url}: only ws:// is supported"
+        )));
+    }
+    let host = uri
+        .host()
+        .ok_or_else(|| LinkError::Io(format!("link URL {url}: no host")))?;
+    // An IPv6 host comes bracketed, as written in the URL.
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    let stream = TcpStream::connect((host, uri.port_u16().unwrap_or(80)))
+        .map_err(io_error(format!("connecting to {url}")))?;
+    let peer = stream
+        .peer_addr()
+        .map_err(io_error(format!("connecting to {url}")))?;
+    let writer = prepare(&stream, peer)?;
+    let (reader, _response) =
+        tungstenite::client::client_with_config(url, stream, Some(config(max_frame)))
+            .map_err(|e| handshake_error(e, peer))?;
+    WsLink::start(reader, writer, Role::Client, max_frame, peer)
+}
+
+/// Where a helper waits for its host.
+pub struct WsListener {
+    listener: TcpListener,
+    local_addr: SocketAddr,
+    max_frame: usize,
+}
+
+impl WsListener {
+    /// `addr` as for [`TcpListener::bind`], e.g. `0.0.0.0:7878`, or port 0 for any free port.
+    pub fn bind(addr: &str, max_frame: usize) -> Result<WsListener, LinkError> {
+        let listener = TcpListener::bind(addr).map_err(io_error(format!("binding {addr}")))?;
+        let local_addr = listener
+            .local_addr()
+            .map_err(io_error(format!("binding {addr}")))?;
+        Ok(WsListener {
+            listener,
+            local_addr,
+            max_frame,
+        })
+    }
+
+    /// The bound address, with the port the system chose for port 0.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    /// Waits for the next connection and completes its WebSocket handshake. An error concerns
+    /// that connection only; the listener can accept again.
+    pub fn accept(&self) -> Result<WsLink, LinkError> {
+        let (stream, peer) = self
+            .listener
+            .accept()
+            .map_err(io_error(format!("accepting on {}", self.local_addr)))?;
+        let writer = prepare(&stream, peer)?;
+        let reader = tungstenite::accept_with_config(stream, Some(config(self.max_frame)))
+            .map_err(|e| handshake_error(e, peer))?;
+        WsLink::start(reader, writer, Role::Server, self.max_frame, peer)
+    }
+}
+
+/// One end of a WebSocket link. Dropping it sends the frames still queued, then a Close, then
+/// shuts the socket, so the peer's `recv` reports [`LinkError::Closed`].
+pub struct WsLink {
+    out: WsSender,
+    incoming: Receiver<Result<Vec<u8>, LinkError>>,
+    peer: SocketAddr,
+}
+
+#[derive(Clone)]
+struct WsSender {
+    queue: Sender<Vec<u8>>,
+    max_frame: usize,
+    failure: Failure,
+}
+
+impl LinkSender for WsSender {
+    fn send(&mut self, frame: Vec<u8>) -> Result<(), LinkError> {
+        if frame.len() > self.max_frame {
+            return Err(LinkError::TooLarge {
+                len: frame.len(),
+                limit: self.max_frame,
+            });
+        }
+        self.queue.send(frame).map_err(|_| {
+            let why = self
+                .failure
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .clone();
+            LinkError::Closed(why.unwrap_or_else(|| "WebSocket writer stopped".into()))
+        })
+    }
+}
+
+impl WsLink {
+    fn start(
+        mut reader: WebSocket<TcpStream>,
+        writer: TcpStream,
+        role: Role,
+        max_frame: usize,
+        peer: SocketAddr,
+    ) -> Result<WsLink, LinkError> {
+        // Both halves share one socket, so this clears the handshake's timeouts for both.
+        let socket = reader.get_mut();
+        socket
+            .set_read_timeout(None)
+            .and_then(|()| socket.set_write_timeout(None))
+            .map_err(io_error(format!("timeouts on {peer}")))?;
+        let mut writer = WebSocket::from_raw_socket(writer, role, Some(config(max_frame)));
+
+        let (in_tx, incoming) = mpsc::channel();
+        thread::Builder::new()
+            .name(format!("ws-reader-{peer}"))
+            .spawn(move || {
+                let end = read_frames(&mut reader, &in_tx, peer);
+                // Ignored: the local end may be gone already, which is what ended the loop.
+                let _ = in_tx.send(Err(end));
+                // Stops the writer too, and tells the peer that nothing more will be read.
+                let _ = reader.get_ref().shutdown(Shutdown::Both);
+            })
+            .map_err(io_error(format!("starting the reader for {peer}")))?;
+
+        let (queue, frames) = mpsc::channel();
+        let failure = Failure::default();
+        let why = failure.clone();
+        thread::Builder::new()
+            .name(format!("ws-writer-{peer}"))
+            .spawn(move || {
+                if let Err(e) = write_frames(&mut writer, &frames) {
+                    let err = link_error(e, peer);
+                    *why.lock().unwrap_or_else(PoisonError::into_inner) = Some(err.to_string());
+                }
+                // Wakes the reader blocked in `read` once the local end is dropped.
+                let _ = writer.get_ref().shutdown(Shutdown::Both);
+            })
+            .map_err(io_error(format!("starting the writer for {peer}")))?;
+
+        Ok(WsLink {
+            out: WsSender {
+                queue,
+                max_frame,
+                failure,
+            },
+            incoming,
+            peer,
+        })
+    }
+
+    pub fn peer_addr(&self) -> SocketAddr {
+        self.peer
+    }
+
+    fn ended(&self) -> LinkError {
+        LinkError::Closed(format!("link to {} ended", self.peer))
+    }
+}
+
+/// Forwards binary messages until something ends the link, and returns what did.
+fn read_frames(
+    ws: &mut WebSocket<TcpStream>,
+    frames: &Sender<Result<Vec<u8>, LinkError>>,
+    peer: SocketAddr,
+) -> LinkError {
+    loop {
+        match ws.read() {
+            Ok(Message::Binary(bytes)) => {
+                if frames.send(Ok(Vec::from(bytes))).is_err() {
+                    return LinkError::Closed("the local end was dropped".into());
+                }
+            }
+            // Unsolicited pongs are allowed and need no answer.
+            Ok(Message::Pong(_)) => {}
+            Ok(Message::Close(_)) => return LinkError::Closed(format!("{peer} closed the link")),
+            Ok(Message::Ping(_)) => {
+                return LinkError::Io(format!(
+                "{peer} sent a WebSocket ping; this link answers only the protocol's Ping frames"
+            ))
+            }
+            Ok(other) => {
+                return LinkError::Io(format!(
+                    "{peer} sent a non-binary message ({} bytes); link frames are binary",
+                    other.len()
+                ))
+            }
+            Err(e) => return link_error(e, peer),
+        }
+    }
+}
+
+/// Writes frames until every sending handle is dropped, then closes the WebSocket.
+fn write_frames(
+    ws: &mut WebSocket<TcpStream>,
+    frames: &Receiver<Vec<u8>>,
+) -> tungstenite::Result<()> {
+    while let Ok(frame) = frames.recv() {
+        ws.write(Message::Binary(frame.into()))?;
+        // Frames queued meanwhile share one flush, so small ones share TCP segments.
+        for frame in frames.try_iter() {
+            ws.write(Message::Binary(frame.into()))?;
+        }
+        ws.flush()?;
+    }
+    ws.close(None)
+}
+
+impl Link for WsLink {
+    fn send(&mut self, frame: Vec<u8>) -> Result<(), LinkError> {
+        self.out.send(frame)
+    }
+
+    fn recv(&mut self) -> Result<Vec<u8>, LinkError> {
+        self.incoming.recv().unwrap_or_else(|_| Err(self.ended()))
+    }
+
+    fn recv_timeout(&mut self, timeout: Duration) -> Result<Option<Vec<u8>>, LinkError> {
+        match self.incoming.recv_timeout(timeout) {
+            Ok(frame) => frame.map(Some),
+            Err(RecvTimeoutError::Timeout) => Ok(None),
+            Err(RecvTimeoutError::Disconnected) => Err(self.ended()),
+        }
+    }
+
+    fn sender(&self) -> Box<dyn LinkSender> {
+        Box::new(self.out.clone())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write;
+
+    use super::*;
+
+    const WAIT: Duration = Duration::from_secs(5);
+
+    /// A server end and a client end over loopback.
+    fn connected(server_max: usize, client_max: usize) -> (WsLink, WsLink) {
+        let listener = WsListener::bind("127.0.0.1:0", server_max).unwrap();
+        let url = format!("ws://{}/", listener.local_addr());
+        thread::scope(|s| {
+            let server = s.spawn(|| listener.accept().unwrap());
+            let client = connect(&url, client_max).unwrap();
+            (server.join().unwrap(), client)
+        })
+    }
+
+    /// A server end and a bare tungstenite client, to send what a `WsLink` never would.
+    fn raw_client(server_max: usize) -> (WsLink, WebSocket<TcpStream>) {
+        let listener = WsListener::bind("127.0.0.1:0", server_max).unwrap();
+        let addr = listener.local_addr();
+        thread::scope(|s| {
+            let server = s.spawn(|| listener.accept().unwrap());
+            let stream = TcpStream::connect(addr).unwrap();
+            let (client, _) = tungstenite::client(format!("ws://{addr}/"), stream).unwrap();
+            (server.join().unwrap(), client)
+        })
+    }
+
+    fn numbered(i: usize) -> Vec<u8> {
+        let mut f = vec![i as u8; 16 + (i * 10_007) % 200_000];
+        f[..4].copy_from_slice(&(i as u32).to_le_bytes());
+        f
+    }
+
+    fn exchange(link: &mut WsLink, n: usize) {
+        let mut side = link.sender();
+        let sending = thread::spawn(move || {
+            for i in 0..n {
+                side.send(numbered(i)).unwrap();
+            }
+        });
+        for i in 0..n {
+            assert_eq!(
+                link.recv_timeout(WAIT).unwrap().unwrap(),
+                numbered(i),
+                "frame {i}"
+            );
+        }
+        sending.join().unwrap();
+    }
+
+    #[test]
+    fn frames_cross_both_ways_at_once() {
+        let (mut server, mut client) = connected(1 << 20, 1 << 20);
+        let far = thread::spawn(move || {
+            exchange(&mut client, 40);
+            client
+        });
+        exchange(&mut server, 40);
+        let mut client = far.join().unwrap();
+        assert!(matches!(
+            client.send(vec![0; (1 << 20) + 1]),
+            Err(LinkError::TooLarge { len, limit: 1_048_576 }) if len == (1 << 20) + 1
+        ));
+        client.send(vec![1, 2, 3]).unwrap();
+        assert_eq!(server.recv().unwrap(), vec![1, 2, 3]);
+    }
+
+    #[test]
+    fn an_oversized_incoming_frame_is_refused_before_allocation() {
+        let (mut server, mut client) = raw_client(1024);
+        // A final binary frame, masked, announcing 2^40 bytes: were it allocated first, the
+        // test would abort instead of failing cleanly.
+        let mut header = vec![0x82, 0x80 | 127];
+        header.extend_from_slice(&(1u64 << 40).to_be_bytes());
+        header.extend_from_slice(&[1, 2, 3, 4]);
+        client.get_mut().write_all(&header).unwrap();
+        assert!(matches!(
+            server.recv_timeout(WAIT),
+            Err(LinkError::TooLarge { len, limit: 1024 }) if len == 1 << 40
+        ));
+
+        // A message just over the limit from a well-behaved peer with a larger limit.
+        let (mut server, mut client) = connected(1024, 1 << 20);
+        client.send(vec![0; 1025]).unwrap();
+        assert!(matches!(
+            server.recv_timeout(WAIT),
+            Err(LinkError::TooLarge { .. })
+        ));
+        // The refusing side shut the connection, so the sender learns too.
+        assert!(matches!(
+            client.recv_timeout(WAIT),
+            Err(LinkError::Closed(_))
+        ));
+    }
+
+    #[test]
+    fn a_text_message_is_a_protocol_error() {
+        let (mut server, mut client) = raw_client(1024);
+        client.send(Message::text("hello")).unwrap();
+        assert!(matches!(server.recv_timeout(WAIT), Err(LinkError::Io(_))));
+    }
+
+    #[test]
+    fn dropping_or_losing_the_peer_closes_the_link() {
+        let (mut server, client) = connected(1024, 1024);
+        let mut side = client.sender();
+        side.send(vec![9]).unwrap();
+        drop(client);
+        side.send(vec![10]).unwrap();
+        drop(side);
+        assert_eq!(server.recv_timeout(WAIT).unwrap(), Some(vec![9]));
+        assert_eq!(server.recv_timeout(WAIT).unwrap(), Some(vec![10]));
+        assert!(matches!(
+            server.recv_timeout(WAIT),
+            Err(LinkError::Closed(_))
+        ));
+        assert!(matches!(
+            server.recv_timeout(WAIT),
+            Err(LinkError::Closed(_))
+        ));
+
+        // A peer that vanishes without a Close (a killed process) reads as closed too.
+        let (mut server, client) = raw_client(1024);
+        drop(client);
+        assert!(matches!(
+            server.recv_timeout(WAIT),
+            Err(LinkError::Closed(_))
+        ));
+    }
+}
