@@ -198,14 +198,20 @@ impl ModelConfig {
                 self.num_hidden_layers
             ));
         }
-        if self.num_attention_heads % self.num_key_value_heads != 0 {
+        if !self
+            .num_attention_heads
+            .is_multiple_of(self.num_key_value_heads)
+        {
             return err("num_attention_heads must be a multiple of num_key_value_heads".into());
         }
-        if self.linear_num_value_heads % self.linear_num_key_heads != 0 {
+        if !self
+            .linear_num_value_heads
+            .is_multiple_of(self.linear_num_key_heads)
+        {
             return err("linear_num_value_heads must be a multiple of linear_num_key_heads".into());
         }
         let rot = self.rotary_dim();
-        if rot % 2 != 0 || rot > self.head_dim {
+        if !rot.is_multiple_of(2) || rot > self.head_dim {
             return err(format!(
                 "rotary dim {rot} (head_dim x partial_rotary_factor) must be even and <= head_dim"
             ));

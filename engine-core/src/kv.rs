@@ -36,7 +36,13 @@ pub trait RemoteKv: Send {
     /// Keep `page` of `layer`; it is the oldest page still on this device.
     fn store(&mut self, layer: usize, page: &KvPage) -> Result<()>;
     /// One partial per page of `layer` the remote holds, in page order.
-    fn attend(&mut self, layer: usize, shape: AttnShape, q: &[f32], positions: &[usize]) -> Result<Vec<Partials>>;
+    fn attend(
+        &mut self,
+        layer: usize,
+        shape: AttnShape,
+        q: &[f32],
+        positions: &[usize],
+    ) -> Result<Vec<Partials>>;
 }
 
 impl PagedKv {
@@ -246,7 +252,9 @@ pub fn attend(
     let mut merger = Merger::new(rows, shape.head_dim);
     if kv.remote_len > 0 {
         let (layer, remote) = remote.ok_or_else(|| {
-            Error::Invalid("this sequence's oldest KV pages are on a helper that is not connected".into())
+            Error::Invalid(
+                "this sequence's oldest KV pages are on a helper that is not connected".into(),
+            )
         })?;
         for p in remote.attend(layer, shape, q, positions)? {
             if p.rows() != rows || p.head_dim != shape.head_dim {

@@ -6,11 +6,13 @@
 pub mod backend;
 pub mod config;
 pub mod error;
+pub mod fingerprint;
 pub mod generate;
 pub mod kv;
 pub mod link;
 pub mod model;
 pub mod protocol;
+pub mod remote;
 pub mod synth;
 pub mod tensor;
 pub mod tokenizer;

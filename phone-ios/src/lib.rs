@@ -1,3 +1,7 @@
-//! The helper side of tether: the portable runtime, the `tether-helper` binary and the iOS
-//! shell. Empty until the split lands (issue 3); it already depends on `engine-core` so the
-//! helper shares the host's model code from the first line it gets.
+//! The helper side of tether: the portable runtime (`runtime`), and the `tether-helper`
+//! binary that serves it over WebSocket. The iOS shell and the Metal / Core ML paths come with
+//! later issues.
+
+pub mod runtime;
+
+pub use runtime::{Helper, HelperOptions, SessionEnd};

@@ -2,7 +2,8 @@
 //! allocates by a length it announces.
 
 use engine_core::protocol::{
-    decode, encode, Configure, Intro, Message, MsgType, ProtocolError, Role, WireDtype, WireTensor, HEADER_LEN,
+    decode, encode, Configure, Intro, Message, MsgType, ProtocolError, Role, WireDtype, WireTensor,
+    HEADER_LEN,
 };
 use proptest::prelude::*;
 
@@ -28,73 +29,128 @@ fn arb_dtype() -> impl Strategy<Value = WireDtype> {
 }
 
 fn arb_message() -> impl Strategy<Value = Message> {
-    let intro = (any::<u64>(), any::<bool>(), "[a-z0-9]{0,16}").prop_map(|(mem, helper, fp)| Intro {
-        version: 1,
-        fingerprint: fp,
-        role: if helper { Role::Helper } else { Role::Host },
-        mem_offer: mem,
-        backends: vec!["cpu".into()],
-        max_frame: 1 << 20,
-    });
+    let intro =
+        (any::<u64>(), any::<bool>(), "[a-z0-9]{0,16}").prop_map(|(mem, helper, fp)| Intro {
+            version: 1,
+            fingerprint: fp,
+            role: if helper { Role::Helper } else { Role::Host },
+            mem_offer: mem,
+            backends: vec!["cpu".into()],
+            max_frame: 1 << 20,
+        });
     prop_oneof![
         intro.clone().prop_map(Message::Hello),
         intro.prop_map(Message::Welcome),
-        (any::<u32>(), any::<u32>(), any::<u32>()).prop_map(|(a, b, c)| Message::Configure(Configure {
-            first_layer: a,
-            end_layer: b,
-            page_size: c
-        })),
-        (any::<u64>(), any::<u64>(), 1..5usize, 1..9usize, arb_dtype(), any::<u32>()).prop_map(
-            |(seq, pos, rows, w, dt, s)| Message::PrefillChunk {
+        (any::<u32>(), any::<u32>(), any::<u32>()).prop_map(|(a, b, c)| Message::Configure(
+            Configure {
+                first_layer: a,
+                end_layer: b,
+                page_size: c
+            }
+        )),
+        (
+            any::<u64>(),
+            any::<u64>(),
+            1..5usize,
+            1..9usize,
+            arb_dtype(),
+            any::<u32>()
+        )
+            .prop_map(|(seq, pos, rows, w, dt, s)| Message::PrefillChunk {
                 seq,
                 pos,
                 residual: tensor(dt, vec![rows, w], s)
-            }
-        ),
-        (any::<u64>(), 0..3usize, 0..3usize, 1..4usize, any::<u32>()).prop_map(|(seq, nkv, nd, rows, s)| {
-            Message::ChunkState {
-                seq,
-                pos: 7,
-                kv_layers: (0..nkv as u32).collect(),
-                kv: (0..nkv)
-                    .map(|i| (tensor(WireDtype::F32, vec![rows, 4], s + i as u32), tensor(WireDtype::F32, vec![rows, 4], s)))
-                    .collect(),
-                delta_layers: (0..nd as u32).map(|x| x + 10).collect(),
-                states: (0..nd)
-                    .map(|i| (tensor(WireDtype::F32, vec![2, 3, 3], s ^ i as u32), tensor(WireDtype::F32, vec![3, 5], s)))
-                    .collect(),
-            }
-        }),
-        (any::<u64>(), any::<u32>(), any::<u64>(), 1..6usize, any::<u32>(), any::<bool>()).prop_map(
-            |(seq, layer, start, rows, s, append)| {
-                let (k, v) = (tensor(WireDtype::F32, vec![rows, 8], s), tensor(WireDtype::F32, vec![rows, 8], !s));
-                if append {
-                    Message::KvAppend { seq, layer, start, k, v }
-                } else {
-                    Message::KvRows { seq, layer, start, k, v }
+            }),
+        (any::<u64>(), 0..3usize, 0..3usize, 1..4usize, any::<u32>()).prop_map(
+            |(seq, nkv, nd, rows, s)| {
+                Message::ChunkState {
+                    seq,
+                    pos: 7,
+                    kv_layers: (0..nkv as u32).collect(),
+                    kv: (0..nkv)
+                        .map(|i| {
+                            (
+                                tensor(WireDtype::F32, vec![rows, 4], s + i as u32),
+                                tensor(WireDtype::F32, vec![rows, 4], s),
+                            )
+                        })
+                        .collect(),
+                    delta_layers: (0..nd as u32).map(|x| x + 10).collect(),
+                    states: (0..nd)
+                        .map(|i| {
+                            (
+                                tensor(WireDtype::F32, vec![2, 3, 3], s ^ i as u32),
+                                tensor(WireDtype::F32, vec![3, 5], s),
+                            )
+                        })
+                        .collect(),
                 }
             }
         ),
+        (
+            any::<u64>(),
+            any::<u32>(),
+            any::<u64>(),
+            1..6usize,
+            any::<u32>(),
+            any::<bool>()
+        )
+            .prop_map(|(seq, layer, start, rows, s, append)| {
+                let (k, v) = (
+                    tensor(WireDtype::F32, vec![rows, 8], s),
+                    tensor(WireDtype::F32, vec![rows, 8], !s),
+                );
+                if append {
+                    Message::KvAppend {
+                        seq,
+                        layer,
+                        start,
+                        k,
+                        v,
+                    }
+                } else {
+                    Message::KvRows {
+                        seq,
+                        layer,
+                        start,
+                        k,
+                        v,
+                    }
+                }
+            }),
         (any::<u64>(), any::<u64>()).prop_map(|(seq, len)| Message::KvTruncate { seq, len }),
-        (any::<u64>(), any::<u32>(), any::<u64>(), any::<u64>()).prop_map(|(seq, layer, start, len)| Message::KvFetch {
-            seq,
-            layer,
-            start,
-            len
-        }),
-        (any::<u64>(), any::<u32>(), proptest::collection::vec(any::<u64>(), 1..4), any::<u32>()).prop_map(
-            |(seq, layer, positions, s)| {
-                let q = tensor(WireDtype::F32, vec![positions.len(), 2, 4], s);
-                Message::AttnQuery { seq, layer, positions, q }
+        (any::<u64>(), any::<u32>(), any::<u64>(), any::<u64>()).prop_map(
+            |(seq, layer, start, len)| Message::KvFetch {
+                seq,
+                layer,
+                start,
+                len
             }
         ),
-        (any::<u64>(), 1..4usize, 1..5usize, any::<u32>()).prop_map(|(seq, pages, rows, s)| Message::AttnPartials {
-            seq,
-            layer: 3,
-            page_starts: (0..pages as u64).map(|p| p * 64).collect(),
-            o: tensor(WireDtype::F32, vec![pages, rows, 4], s),
-            m: tensor(WireDtype::F32, vec![pages, rows], s + 1),
-            l: tensor(WireDtype::F32, vec![pages, rows], s + 2),
+        (
+            any::<u64>(),
+            any::<u32>(),
+            proptest::collection::vec(any::<u64>(), 1..4),
+            any::<u32>()
+        )
+            .prop_map(|(seq, layer, positions, s)| {
+                let q = tensor(WireDtype::F32, vec![positions.len(), 2, 4], s);
+                Message::AttnQuery {
+                    seq,
+                    layer,
+                    positions,
+                    q,
+                }
+            }),
+        (any::<u64>(), 1..4usize, 1..5usize, any::<u32>()).prop_map(|(seq, pages, rows, s)| {
+            Message::AttnPartials {
+                seq,
+                layer: 3,
+                page_starts: (0..pages as u64).map(|p| p * 64).collect(),
+                o: tensor(WireDtype::F32, vec![pages, rows, 4], s),
+                m: tensor(WireDtype::F32, vec![pages, rows], s + 1),
+                l: tensor(WireDtype::F32, vec![pages, rows], s + 2),
+            }
         }),
         proptest::collection::btree_map("[a-z_]{1,8}", any::<u64>(), 0..4).prop_map(Message::Stats),
         any::<u64>().prop_map(|nonce| Message::Ping { nonce }),
@@ -148,7 +204,8 @@ fn kv_append() -> Vec<u8> {
 /// Rewrite a frame's metadata (keeping its data section) and fix the header's lengths.
 fn with_meta(frame: &[u8], edit: impl Fn(&mut serde_json::Value)) -> Vec<u8> {
     let meta_len = u32::from_le_bytes(frame[8..12].try_into().unwrap()) as usize;
-    let mut meta: serde_json::Value = serde_json::from_slice(&frame[HEADER_LEN..HEADER_LEN + meta_len]).unwrap();
+    let mut meta: serde_json::Value =
+        serde_json::from_slice(&frame[HEADER_LEN..HEADER_LEN + meta_len]).unwrap();
     edit(&mut meta);
     let meta = serde_json::to_vec(&meta).unwrap();
     let mut out = frame[..HEADER_LEN].to_vec();
@@ -184,12 +241,17 @@ fn header_problems_are_named() {
     assert_eq!(decode(&bad, LIMIT), Err(ProtocolError::UnknownType(200)));
     let mut bad = frame.clone();
     bad.push(0);
-    assert_eq!(decode(&bad, LIMIT), Err(ProtocolError::TrailingBytes { extra: 1 }));
+    assert_eq!(
+        decode(&bad, LIMIT),
+        Err(ProtocolError::TrailingBytes { extra: 1 })
+    );
 }
 
 #[test]
 fn a_huge_declared_shape_is_an_error_not_an_allocation() {
-    let bad = with_meta(&kv_append(), |m| m["tensors"][0]["shape"] = serde_json::json!([1u64 << 40, 1u64 << 30]));
+    let bad = with_meta(&kv_append(), |m| {
+        m["tensors"][0]["shape"] = serde_json::json!([1u64 << 40, 1u64 << 30])
+    });
     let err = decode(&bad, LIMIT).unwrap_err().to_string();
     assert!(err.contains("does not fit"), "{err}");
 }
@@ -198,7 +260,16 @@ fn a_huge_declared_shape_is_an_error_not_an_allocation() {
 fn wrong_dtype_is_an_error() {
     let bad = with_meta(&kv_append(), |m| m["tensors"][0]["dtype"] = "f64".into());
     let err = decode(&bad, LIMIT).unwrap_err();
-    assert!(matches!(err, ProtocolError::Meta { msg: MsgType::KvAppend, .. }), "{err}");
+    assert!(
+        matches!(
+            err,
+            ProtocolError::Meta {
+                msg: MsgType::KvAppend,
+                ..
+            }
+        ),
+        "{err}"
+    );
 }
 
 #[test]
@@ -207,12 +278,18 @@ fn tensors_must_match_the_message() {
     let bad = with_meta(&kv_append(), |m| {
         m["tensors"][0]["shape"] = serde_json::json!([4, 2]);
     });
-    assert!(decode(&bad, LIMIT).unwrap_err().to_string().contains("k and v"));
+    assert!(decode(&bad, LIMIT)
+        .unwrap_err()
+        .to_string()
+        .contains("k and v"));
     // Data bytes that no tensor describes.
     let bad = with_meta(&kv_append(), |m| {
         m["tensors"][1]["shape"] = serde_json::json!([1, 4]);
     });
-    assert!(decode(&bad, LIMIT).unwrap_err().to_string().contains("not described"));
+    assert!(decode(&bad, LIMIT)
+        .unwrap_err()
+        .to_string()
+        .contains("not described"));
     // A query whose row count differs from its positions.
     let q = encode(
         1,
@@ -224,5 +301,8 @@ fn tensors_must_match_the_message() {
         },
     );
     let bad = with_meta(&q, |m| m["positions"] = serde_json::json!([1]));
-    assert!(decode(&bad, LIMIT).unwrap_err().to_string().contains("positions"));
+    assert!(decode(&bad, LIMIT)
+        .unwrap_err()
+        .to_string()
+        .contains("positions"));
 }

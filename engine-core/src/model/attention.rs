@@ -17,6 +17,7 @@ pub(super) struct Attention {
     q_norm: Vec<f32>,
     k_norm: Vec<f32>,
     inv_freq: Vec<f32>,
+    eps: f32,
     shape: AttnShape,
 }
 
@@ -39,6 +40,7 @@ impl Attention {
             inv_freq: (0..rot / 2)
                 .map(|i| 1.0 / c.rope_theta.powf((2 * i) as f32 / rot as f32))
                 .collect(),
+            eps: c.rms_norm_eps,
             shape: AttnShape {
                 q_heads: nh,
                 kv_heads: nkv,
@@ -54,7 +56,6 @@ impl Attention {
     pub(super) fn forward(
         &self,
         be: &dyn Backend,
-        c: &ModelConfig,
         x: &[f32],
         positions: &[usize],
         kv: &mut PagedKv,
@@ -80,8 +81,8 @@ impl Attention {
         let mut v = vec![0.0f32; t * nkv * hd];
         be.matmul(x, &self.k_proj, &mut k);
         be.matmul(x, &self.v_proj, &mut v);
-        be.rms_norm(&mut q, &self.q_norm, c.rms_norm_eps);
-        be.rms_norm(&mut k, &self.k_norm, c.rms_norm_eps);
+        be.rms_norm(&mut q, &self.q_norm, self.eps);
+        be.rms_norm(&mut k, &self.k_norm, self.eps);
         be.rope(&mut q, hd, positions, &self.inv_freq);
         be.rope(&mut k, hd, positions, &self.inv_freq);
         kv.append(&k, &v);

@@ -55,6 +55,8 @@ struct Layer {
 
 pub struct Model {
     pub config: ModelConfig,
+    /// Identity for the host-helper handshake (`fingerprint::model_fingerprint`).
+    pub fingerprint: String,
     embed: Matrix,
     lm_head: Matrix,
     norm_final: Vec<f32>,
@@ -143,6 +145,7 @@ impl Model {
             });
         }
         Ok(Model {
+            fingerprint: crate::fingerprint::model_fingerprint(&config, tensors),
             norm_final: ld.offset_norm("model.norm.weight", h)?,
             embed,
             lm_head,
@@ -237,7 +240,7 @@ impl Model {
     ) -> Result<()> {
         let c = &self.config;
         state.check_matches(c)?;
-        if layers.end > self.layers.len() || x.len() % c.hidden_size != 0 {
+        if layers.end > self.layers.len() || !x.len().is_multiple_of(c.hidden_size) {
             return Err(Error::Invalid(format!(
                 "run_layers({layers:?}) on {} values: the model has {} layers of width {}",
                 x.len(),
@@ -255,10 +258,15 @@ impl Model {
             be.rms_norm(&mut normed, &layer.norm_in, c.rms_norm_eps);
             match (&layer.mixer, &mut state.layers[i]) {
                 (Mixer::Attention(a), LayerState::Attention(kv)) => {
-                    let remote = state.remote.as_deref_mut().map(|r| (i, r as &mut dyn RemoteKv));
-                    a.forward(be, c, &normed, &positions, kv, remote, &mut y)?
+                    let remote = state
+                        .remote
+                        .as_deref_mut()
+                        .map(|r| (i, r as &mut dyn RemoteKv));
+                    a.forward(be, &normed, &positions, kv, remote, &mut y)?
                 }
-                (Mixer::DeltaNet(d), LayerState::DeltaNet(st)) => d.forward(be, c, &normed, st, &mut y),
+                (Mixer::DeltaNet(d), LayerState::DeltaNet(st)) => {
+                    d.forward(be, c, &normed, st, &mut y)
+                }
                 _ => unreachable!("State::check_matches verified the layer kinds"),
             }
             add(x, &y);

@@ -65,10 +65,14 @@ impl State {
         };
         let mut moved = 0;
         for (i, layer) in self.layers.iter_mut().enumerate() {
-            let LayerState::Attention(kv) = layer else { continue };
+            let LayerState::Attention(kv) = layer else {
+                continue;
+            };
             let mut n = 0;
             while kv.local_len() > host_tokens {
-                let Some(page) = kv.pop_full_page() else { break };
+                let Some(page) = kv.pop_full_page() else {
+                    break;
+                };
                 remote.store(i, &page)?;
                 n += 1;
             }

@@ -72,7 +72,11 @@ pub enum Message {
     Welcome(Intro),
     Configure(Configure),
     /// Residual rows `[rows, hidden]` entering layer `first_layer` for positions `pos ..`.
-    PrefillChunk { seq: u64, pos: u64, residual: WireTensor },
+    PrefillChunk {
+        seq: u64,
+        pos: u64,
+        residual: WireTensor,
+    },
     /// The helper's new KV rows `[rows, kv_heads * head_dim]` per full-attention layer it runs
     /// (`kv_layers[i]` owns `kv[i]`), and at batch end its DeltaNet states (`delta_layers[i]`
     /// owns `states[i] = (s [v_heads, dk, dv], conv [kernel - 1, conv_dim])`).
@@ -85,21 +89,62 @@ pub enum Message {
         states: Vec<(WireTensor, WireTensor)>,
     },
     /// KV rows `[rows, kv_heads * head_dim]` of one layer at positions `start ..`.
-    KvAppend { seq: u64, layer: u32, start: u64, k: WireTensor, v: WireTensor },
-    KvTruncate { seq: u64, len: u64 },
-    KvFetch { seq: u64, layer: u32, start: u64, len: u64 },
-    KvRows { seq: u64, layer: u32, start: u64, k: WireTensor, v: WireTensor },
+    KvAppend {
+        seq: u64,
+        layer: u32,
+        start: u64,
+        k: WireTensor,
+        v: WireTensor,
+    },
+    KvTruncate {
+        seq: u64,
+        len: u64,
+    },
+    KvFetch {
+        seq: u64,
+        layer: u32,
+        start: u64,
+        len: u64,
+    },
+    KvRows {
+        seq: u64,
+        layer: u32,
+        start: u64,
+        k: WireTensor,
+        v: WireTensor,
+    },
     /// Scaled queries `[t, q_heads, head_dim]` of one layer at absolute `positions`.
-    AttnQuery { seq: u64, layer: u32, positions: Vec<u64>, q: WireTensor },
+    AttnQuery {
+        seq: u64,
+        layer: u32,
+        positions: Vec<u64>,
+        q: WireTensor,
+    },
     /// One partial per page the helper holds, in page order: `o [pages, t * q_heads, head_dim]`,
     /// `m` and `l` `[pages, t * q_heads]`; `page_starts[i]` is page i's first position.
-    AttnPartials { seq: u64, layer: u32, page_starts: Vec<u64>, o: WireTensor, m: WireTensor, l: WireTensor },
+    AttnPartials {
+        seq: u64,
+        layer: u32,
+        page_starts: Vec<u64>,
+        o: WireTensor,
+        m: WireTensor,
+        l: WireTensor,
+    },
     Stats(BTreeMap<String, u64>),
-    Ping { nonce: u64 },
-    Pong { nonce: u64 },
+    Ping {
+        nonce: u64,
+    },
+    Pong {
+        nonce: u64,
+    },
     Ack,
-    Error { code: String, message: String },
-    Bye { reason: String },
+    Error {
+        code: String,
+        message: String,
+    },
+    Bye {
+        reason: String,
+    },
 }
 
 /// Metadata of each message type: the typed fields plus the tensor descriptions.
@@ -223,7 +268,13 @@ impl Message {
         match self {
             Message::Hello(i) | Message::Welcome(i) => (v(i), vec![]),
             Message::Configure(c) => (v(c), vec![]),
-            Message::PrefillChunk { seq, pos, residual } => (v(SeqPos { seq: *seq, pos: *pos }), vec![residual]),
+            Message::PrefillChunk { seq, pos, residual } => (
+                v(SeqPos {
+                    seq: *seq,
+                    pos: *pos,
+                }),
+                vec![residual],
+            ),
             Message::ChunkState {
                 seq,
                 pos,
@@ -240,7 +291,20 @@ impl Message {
                 }),
                 kv.iter().chain(states).flat_map(|(a, b)| [a, b]).collect(),
             ),
-            Message::KvAppend { seq, layer, start, k, v: vv } | Message::KvRows { seq, layer, start, k, v: vv } => (
+            Message::KvAppend {
+                seq,
+                layer,
+                start,
+                k,
+                v: vv,
+            }
+            | Message::KvRows {
+                seq,
+                layer,
+                start,
+                k,
+                v: vv,
+            } => (
                 v(LayerRows {
                     seq: *seq,
                     layer: *layer,
@@ -248,8 +312,19 @@ impl Message {
                 }),
                 vec![k, vv],
             ),
-            Message::KvTruncate { seq, len } => (v(Truncate { seq: *seq, len: *len }), vec![]),
-            Message::KvFetch { seq, layer, start, len } => (
+            Message::KvTruncate { seq, len } => (
+                v(Truncate {
+                    seq: *seq,
+                    len: *len,
+                }),
+                vec![],
+            ),
+            Message::KvFetch {
+                seq,
+                layer,
+                start,
+                len,
+            } => (
                 v(Fetch {
                     seq: *seq,
                     layer: *layer,
@@ -258,7 +333,12 @@ impl Message {
                 }),
                 vec![],
             ),
-            Message::AttnQuery { seq, layer, positions, q } => (
+            Message::AttnQuery {
+                seq,
+                layer,
+                positions,
+                q,
+            } => (
                 v(Query {
                     seq: *seq,
                     layer: *layer,
@@ -281,8 +361,15 @@ impl Message {
                 }),
                 vec![o, m, l],
             ),
-            Message::Stats(s) => (v(StatsMeta { counters: s.clone() }), vec![]),
-            Message::Ping { nonce } | Message::Pong { nonce } => (v(Nonce { nonce: *nonce }), vec![]),
+            Message::Stats(s) => (
+                v(StatsMeta {
+                    counters: s.clone(),
+                }),
+                vec![],
+            ),
+            Message::Ping { nonce } | Message::Pong { nonce } => {
+                (v(Nonce { nonce: *nonce }), vec![])
+            }
             Message::Ack => (v(Empty {}), vec![]),
             Message::Error { code, message } => (
                 v(ErrorMeta {
@@ -291,7 +378,12 @@ impl Message {
                 }),
                 vec![],
             ),
-            Message::Bye { reason } => (v(ByeMeta { reason: reason.clone() }), vec![]),
+            Message::Bye { reason } => (
+                v(ByeMeta {
+                    reason: reason.clone(),
+                }),
+                vec![],
+            ),
         }
     }
 }
@@ -302,7 +394,10 @@ pub fn encode(req: u32, msg: &Message) -> Vec<u8> {
     let descs: Vec<TensorDesc> = tensors.iter().map(|t| t.desc()).collect();
     if let serde_json::Value::Object(map) = &mut meta {
         if !descs.is_empty() {
-            map.insert("tensors".into(), serde_json::to_value(&descs).expect("descriptors serialise"));
+            map.insert(
+                "tensors".into(),
+                serde_json::to_value(&descs).expect("descriptors serialise"),
+            );
         }
     }
     let meta = serde_json::to_vec(&meta).expect("metadata serialises");
@@ -339,7 +434,10 @@ impl<'a> TensorReader<'a> {
         let mut at = 0usize;
         for (i, d) in descs.into_iter().enumerate() {
             if d.shape.len() > 4 {
-                return Err(err(format!("tensor {i} has rank {} (at most 4)", d.shape.len())));
+                return Err(err(format!(
+                    "tensor {i} has rank {} (at most 4)",
+                    d.shape.len()
+                )));
             }
             let elems = d
                 .shape
@@ -359,9 +457,16 @@ impl<'a> TensorReader<'a> {
             at += elems;
         }
         if at != data.len() {
-            return Err(err(format!("{} data bytes are not described by any tensor", data.len() - at)));
+            return Err(err(format!(
+                "{} data bytes are not described by any tensor",
+                data.len() - at
+            )));
         }
-        Ok(TensorReader { msg, descs: out, next: 0 })
+        Ok(TensorReader {
+            msg,
+            descs: out,
+            next: 0,
+        })
     }
 
     fn expect_count(&self, n: usize) -> Result<(), ProtocolError> {
@@ -397,7 +502,10 @@ fn check_rows(msg: MsgType, k: &WireTensor, v: &WireTensor) -> Result<(), Protoc
     if k.shape.len() != 2 || k.shape != v.shape {
         return Err(shape_err(
             msg,
-            format!("k and v must be [rows, width] of one shape, got {:?} and {:?}", k.shape, v.shape),
+            format!(
+                "k and v must be [rows, width] of one shape, got {:?} and {:?}",
+                k.shape, v.shape
+            ),
         ));
     }
     Ok(())
@@ -428,7 +536,10 @@ pub fn decode(frame: &[u8], max_frame: usize) -> Result<(u32, Message), Protocol
     let (meta_len, data_len) = (u32_at(frame, 8), u32_at(frame, 12));
     let need = HEADER_LEN + meta_len + data_len;
     if frame.len() < need {
-        return Err(ProtocolError::Truncated { need, have: frame.len() });
+        return Err(ProtocolError::Truncated {
+            need,
+            have: frame.len(),
+        });
     }
     if frame.len() > need {
         return Err(ProtocolError::TrailingBytes {
@@ -441,7 +552,10 @@ pub fn decode(frame: &[u8], max_frame: usize) -> Result<(u32, Message), Protocol
         if descs.is_empty() {
             Ok(())
         } else {
-            Err(shape_err(msg, format!("carries {} tensors, expected none", descs.len())))
+            Err(shape_err(
+                msg,
+                format!("carries {} tensors, expected none", descs.len()),
+            ))
         }
     };
     // Messages without tensors must not carry data either.
@@ -450,7 +564,10 @@ pub fn decode(frame: &[u8], max_frame: usize) -> Result<(u32, Message), Protocol
             let m: Meta<$t> = meta(msg, meta_bytes)?;
             no_tensors(&m.tensors)?;
             if !data.is_empty() {
-                return Err(shape_err(msg, format!("{} data bytes, expected none", data.len())));
+                return Err(shape_err(
+                    msg,
+                    format!("{} data bytes, expected none", data.len()),
+                ));
             }
             m.body
         }};
@@ -461,7 +578,10 @@ pub fn decode(frame: &[u8], max_frame: usize) -> Result<(u32, Message), Protocol
         MsgType::Configure => Message::Configure(plain!(Configure)),
         MsgType::KvTruncate => {
             let b = plain!(Truncate);
-            Message::KvTruncate { seq: b.seq, len: b.len }
+            Message::KvTruncate {
+                seq: b.seq,
+                len: b.len,
+            }
         }
         MsgType::KvFetch => {
             let b = plain!(Fetch);
@@ -499,7 +619,10 @@ pub fn decode(frame: &[u8], max_frame: usize) -> Result<(u32, Message), Protocol
             r.expect_count(1)?;
             let residual = r.take();
             if residual.shape.len() != 2 {
-                return Err(shape_err(msg, format!("residual must be [rows, hidden], got {:?}", residual.shape)));
+                return Err(shape_err(
+                    msg,
+                    format!("residual must be [rows, hidden], got {:?}", residual.shape),
+                ));
             }
             Message::PrefillChunk {
                 seq: m.body.seq,
@@ -513,11 +636,16 @@ pub fn decode(frame: &[u8], max_frame: usize) -> Result<(u32, Message), Protocol
             let mut r = TensorReader::new(msg, m.tensors, data)?;
             let pairs = b.kv_layers.len().checked_add(b.delta_layers.len());
             r.expect_count(pairs.and_then(|p| p.checked_mul(2)).unwrap_or(usize::MAX))?;
-            let kv: Vec<(WireTensor, WireTensor)> = b.kv_layers.iter().map(|_| (r.take(), r.take())).collect();
+            let kv: Vec<(WireTensor, WireTensor)> =
+                b.kv_layers.iter().map(|_| (r.take(), r.take())).collect();
             for (k, v) in &kv {
                 check_rows(msg, k, v)?;
             }
-            let states = b.delta_layers.iter().map(|_| (r.take(), r.take())).collect();
+            let states = b
+                .delta_layers
+                .iter()
+                .map(|_| (r.take(), r.take()))
+                .collect();
             Message::ChunkState {
                 seq: b.seq,
                 pos: b.pos,

@@ -1,0 +1,197 @@
+//! The host's end of a helper link: handshake, then the requests a sequence makes of the
+//! helper's KV pages. Requests are answered in order on one link, so a request waits for the
+//! reply with its id; anything else is a protocol violation that ends the session.
+
+use crate::backend::AttnShape;
+use crate::error::{Error, Result};
+use crate::kv::{KvPage, Partials, RemoteKv};
+use crate::link::{Link, LinkError};
+use crate::model::Model;
+use crate::protocol::{
+    decode, encode, Configure, Intro, Message, Role, WireTensor, PROTOCOL_VERSION,
+};
+
+/// Frames up to this size by default: one 4096-position KV page of the 27B model (4 KV heads
+/// of 256) is 32 MiB for K and V together.
+pub const DEFAULT_MAX_FRAME: usize = 256 << 20;
+
+impl From<LinkError> for Error {
+    fn from(e: LinkError) -> Self {
+        Error::Remote(e.to_string())
+    }
+}
+
+pub struct HelperClient {
+    link: Box<dyn Link>,
+    next_req: u32,
+    seq: u64,
+    max_frame: usize,
+    /// What the helper said of itself.
+    pub helper: Intro,
+}
+
+impl HelperClient {
+    /// Introduce this host (the model's fingerprint), check the helper runs the same model, and
+    /// assign it its part.
+    pub fn connect(
+        link: Box<dyn Link>,
+        model: &Model,
+        configure: Configure,
+        max_frame: usize,
+    ) -> Result<Self> {
+        let mut c = HelperClient {
+            link,
+            next_req: 0,
+            seq: 0,
+            max_frame,
+            helper: Intro {
+                version: PROTOCOL_VERSION,
+                fingerprint: String::new(),
+                role: Role::Helper,
+                mem_offer: 0,
+                backends: Vec::new(),
+                max_frame: 0,
+            },
+        };
+        let hello = Message::Hello(Intro {
+            version: PROTOCOL_VERSION,
+            fingerprint: model.fingerprint.clone(),
+            role: Role::Host,
+            mem_offer: 0,
+            backends: vec!["cpu".into()],
+            max_frame: max_frame as u64,
+        });
+        match c.request(hello)? {
+            Message::Welcome(intro) if intro.fingerprint == model.fingerprint => c.helper = intro,
+            Message::Welcome(intro) => {
+                return Err(Error::Remote(format!(
+                    "the helper runs a different model (fingerprint {}, ours {})",
+                    intro.fingerprint, model.fingerprint
+                )))
+            }
+            other => return Err(unexpected("Welcome", &other)),
+        }
+        c.max_frame = c.max_frame.min(c.helper.max_frame as usize);
+        match c.request(Message::Configure(configure))? {
+            Message::Ack => Ok(c),
+            other => Err(unexpected("Ack", &other)),
+        }
+    }
+
+    /// Send `msg` and wait for its reply; an `Error` reply becomes `Error::Remote`.
+    fn request(&mut self, msg: Message) -> Result<Message> {
+        let req = self.next_req;
+        self.next_req = self.next_req.wrapping_add(1);
+        let frame = encode(req, &msg);
+        if frame.len() > self.max_frame {
+            return Err(Error::Remote(format!(
+                "a {:?} of {} bytes exceeds the agreed frame limit of {} (raise --max-frame on both sides)",
+                msg.msg_type(),
+                frame.len(),
+                self.max_frame
+            )));
+        }
+        self.link.send(frame)?;
+        let reply = self.link.recv()?;
+        let (id, reply) = decode(&reply, self.max_frame)
+            .map_err(|e| Error::Remote(format!("bad frame from helper: {e}")))?;
+        if id != req {
+            return Err(Error::Remote(format!(
+                "reply to request {id} while waiting for {req}"
+            )));
+        }
+        match reply {
+            Message::Error { code, message } => Err(Error::Remote(format!("{code}: {message}"))),
+            other => Ok(other),
+        }
+    }
+
+    pub fn ping(&mut self) -> Result<()> {
+        match self.request(Message::Ping { nonce: 7 })? {
+            Message::Pong { nonce: 7 } => Ok(()),
+            other => Err(unexpected("Pong", &other)),
+        }
+    }
+
+    /// Tell the helper this host is done (it then waits for the next host).
+    pub fn bye(mut self) -> Result<()> {
+        let frame = encode(
+            self.next_req,
+            &Message::Bye {
+                reason: "done".into(),
+            },
+        );
+        self.link.send(frame)?;
+        Ok(())
+    }
+}
+
+fn unexpected(want: &str, got: &Message) -> Error {
+    Error::Remote(format!(
+        "expected {want}, the helper sent {:?}",
+        got.msg_type()
+    ))
+}
+
+impl RemoteKv for HelperClient {
+    fn store(&mut self, layer: usize, page: &KvPage) -> Result<()> {
+        let width = page.k.len() / page.len.max(1);
+        let msg = Message::KvAppend {
+            seq: self.seq,
+            layer: layer as u32,
+            start: page.start as u64,
+            k: WireTensor::f32(vec![page.len, width], page.k.clone()),
+            v: WireTensor::f32(vec![page.len, width], page.v.clone()),
+        };
+        match self.request(msg)? {
+            Message::Ack => Ok(()),
+            other => Err(unexpected("Ack", &other)),
+        }
+    }
+
+    fn attend(
+        &mut self,
+        layer: usize,
+        shape: AttnShape,
+        q: &[f32],
+        positions: &[usize],
+    ) -> Result<Vec<Partials>> {
+        let msg = Message::AttnQuery {
+            seq: self.seq,
+            layer: layer as u32,
+            positions: positions.iter().map(|&p| p as u64).collect(),
+            q: WireTensor::f32(
+                vec![positions.len(), shape.q_heads, shape.head_dim],
+                q.to_vec(),
+            ),
+        };
+        match self.request(msg)? {
+            Message::AttnPartials {
+                o,
+                m,
+                l,
+                page_starts,
+                ..
+            } => {
+                let rows = positions.len() * shape.q_heads;
+                let d = shape.head_dim;
+                if o.shape != [page_starts.len(), rows, d] {
+                    return Err(Error::Remote(format!(
+                        "partials of shape {:?}, expected [{}, {rows}, {d}]",
+                        o.shape,
+                        page_starts.len()
+                    )));
+                }
+                Ok((0..page_starts.len())
+                    .map(|p| Partials {
+                        head_dim: d,
+                        o: o.data[p * rows * d..(p + 1) * rows * d].to_vec(),
+                        m: m.data[p * rows..(p + 1) * rows].to_vec(),
+                        l: l.data[p * rows..(p + 1) * rows].to_vec(),
+                    })
+                    .collect())
+            }
+            other => Err(unexpected("AttnPartials", &other)),
+        }
+    }
+}

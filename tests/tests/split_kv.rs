@@ -1,0 +1,268 @@
+//! KV-page offload: a host with a small KV budget moves its oldest pages to a helper and gets
+//! the same tokens, and bit-identical logits, as the host alone.
+
+use engine_core::link::{pair, Link};
+use engine_core::protocol::{decode, encode, Configure, Intro, Message, Role, PROTOCOL_VERSION};
+use engine_core::remote::{HelperClient, DEFAULT_MAX_FRAME};
+use engine_core::{CpuBackend, Logits, Model};
+use phone_ios::{Helper, HelperOptions, SessionEnd};
+use tests::{fixtures_dir, Reference};
+
+fn model(fixture: &str) -> Model {
+    Model::load_dir(&fixtures_dir().join(fixture)).unwrap()
+}
+
+fn opts() -> HelperOptions {
+    HelperOptions {
+        mem_budget: 1 << 30,
+        max_frame: DEFAULT_MAX_FRAME,
+    }
+}
+
+/// Prompt, then greedy decode of `n` tokens; with `budget`, pages past it go to a helper on
+/// an in-memory link. Returns every step's logits (last prompt row first) and the ids.
+fn run(
+    m: &Model,
+    prompt: &[u32],
+    n: usize,
+    page: usize,
+    budget: Option<usize>,
+    ubatch: usize,
+) -> (Vec<Vec<f32>>, Vec<u32>) {
+    std::thread::scope(|scope| {
+        let mut st = m.new_state(page);
+        if budget.is_some() {
+            let (host_end, mut helper_end) = pair();
+            scope.spawn(move || Helper::new(m, &CpuBackend, opts()).serve(&mut helper_end));
+            let cfg = Configure {
+                first_layer: 0,
+                end_layer: 0,
+                page_size: page as u32,
+            };
+            st.remote = Some(Box::new(
+                HelperClient::connect(Box::new(host_end), m, cfg, DEFAULT_MAX_FRAME).unwrap(),
+            ));
+        }
+        let mut logits = Vec::new();
+        for chunk in prompt.chunks(ubatch) {
+            logits = m
+                .forward(&CpuBackend, &mut st, chunk, Logits::Last, None)
+                .unwrap();
+            if let Some(b) = budget {
+                st.offload(b).unwrap();
+            }
+        }
+        let (mut all, mut ids) = (Vec::new(), Vec::new());
+        for _ in 0..n {
+            let next = engine_core::generate::argmax(&logits);
+            all.push(logits.clone());
+            ids.push(next);
+            logits = m
+                .forward(&CpuBackend, &mut st, &[next], Logits::Last, None)
+                .unwrap();
+            if let Some(b) = budget {
+                st.offload(b).unwrap();
+            }
+        }
+        if budget.is_some() {
+            let LayerKv { remote } = LayerKv::of(&st);
+            assert!(remote > 0, "the budget never pushed a page to the helper");
+        }
+        drop(st); // closes the link, ending the helper's session
+        (all, ids)
+    })
+}
+
+struct LayerKv {
+    remote: usize,
+}
+
+impl LayerKv {
+    fn of(st: &engine_core::State) -> LayerKv {
+        let remote = st
+            .layers
+            .iter()
+            .filter_map(|l| match l {
+                engine_core::model::LayerState::Attention(kv) => Some(kv.remote_len()),
+                _ => None,
+            })
+            .max()
+            .unwrap_or(0);
+        LayerKv { remote }
+    }
+}
+
+#[test]
+fn offloaded_pages_give_bit_identical_logits_and_reference_tokens() {
+    for fixture in ["tiny_fp32", "tiny_fp32_T150"] {
+        let m = model(fixture);
+        let r = Reference::load(fixture);
+        let prompt = r.ids("prompt_ids");
+        let want = r.ids("gen_ids");
+        for (page, budget, ubatch) in [(8, 16, 64), (7, 7, 5), (16, 32, 64), (1, 3, 32)] {
+            let (host_logits, host_ids) = run(&m, &prompt, want.len(), page, None, ubatch);
+            let (split_logits, split_ids) =
+                run(&m, &prompt, want.len(), page, Some(budget), ubatch);
+            assert_eq!(host_ids, want, "{fixture}: host alone");
+            assert_eq!(
+                split_ids, want,
+                "{fixture} page {page} budget {budget} ubatch {ubatch}"
+            );
+            assert!(
+                host_logits == split_logits,
+                "{fixture} page {page} budget {budget}: logits not bit-identical"
+            );
+        }
+    }
+}
+
+#[test]
+fn helper_refuses_a_host_with_another_model() {
+    let m = model("tiny_fp32");
+    let other = model("tiny_bf16");
+    std::thread::scope(|scope| {
+        let (host_end, mut helper_end) = pair();
+        let h = scope.spawn(move || Helper::new(&m, &CpuBackend, opts()).serve(&mut helper_end));
+        let cfg = Configure {
+            first_layer: 0,
+            end_layer: 0,
+            page_size: 4,
+        };
+        let err = HelperClient::connect(Box::new(host_end), &other, cfg, DEFAULT_MAX_FRAME)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            err.contains("fingerprint") && err.contains("different model"),
+            "{err}"
+        );
+        assert!(
+            matches!(h.join().unwrap(), SessionEnd::Refused(e) if e.starts_with("fingerprint"))
+        );
+    });
+}
+
+#[test]
+fn bad_requests_get_errors_and_leave_state_intact_bad_frames_end_the_session() {
+    let m = model("tiny_fp32");
+    std::thread::scope(|scope| {
+        let (mut host, mut helper_end) = pair();
+        let mr = &m;
+        let h = scope.spawn(move || Helper::new(mr, &CpuBackend, opts()).serve(&mut helper_end));
+        let mut ask = |req: u32, msg: Message| -> Message {
+            host.send(encode(req, &msg)).unwrap();
+            decode(&host.recv().unwrap(), 1 << 24).unwrap().1
+        };
+        let fp = m.fingerprint.clone();
+        assert!(matches!(
+            ask(
+                0,
+                Message::Hello(Intro {
+                    version: PROTOCOL_VERSION,
+                    fingerprint: fp,
+                    role: Role::Host,
+                    mem_offer: 0,
+                    backends: vec![],
+                    max_frame: 1 << 20
+                })
+            ),
+            Message::Welcome(_)
+        ));
+        let rows =
+            |n: usize| engine_core::protocol::WireTensor::f32(vec![n, 32], vec![0.5; n * 32]);
+        let append = |layer: u32, start: u64| Message::KvAppend {
+            seq: 0,
+            layer,
+            start,
+            k: rows(4),
+            v: rows(4),
+        };
+        // Before Configure: refused, named.
+        assert!(matches!(ask(1, append(3, 0)), Message::Error { code, .. } if code == "order"));
+        let cfg = Configure {
+            first_layer: 0,
+            end_layer: 0,
+            page_size: 4,
+        };
+        assert_eq!(ask(2, Message::Configure(cfg)), Message::Ack);
+        assert_eq!(ask(3, append(3, 0)), Message::Ack);
+        // Layer 2 is a DeltaNet layer, layer 99 does not exist, position 8 skips a page.
+        for (req, (layer, start, code)) in
+            [(2u32, 4u64, "layer"), (99, 4, "layer"), (3, 8, "order")]
+                .into_iter()
+                .enumerate()
+        {
+            match ask(10 + req as u32, append(layer, start)) {
+                Message::Error { code: c, message } => assert_eq!(c, code, "{message}"),
+                other => panic!("expected an error, got {other:?}"),
+            }
+        }
+        // The stored page is intact: a query over it still answers with one page.
+        let q = engine_core::protocol::WireTensor::f32(vec![1, 4, 16], vec![0.1; 64]);
+        match ask(
+            20,
+            Message::AttnQuery {
+                seq: 0,
+                layer: 3,
+                positions: vec![5],
+                q,
+            },
+        ) {
+            Message::AttnPartials { page_starts, .. } => assert_eq!(page_starts, vec![0]),
+            other => panic!("{other:?}"),
+        }
+        // A malformed frame ends the session with an error frame.
+        host.send(b"garbage that is not a frame".to_vec()).unwrap();
+        let (_, reply) = decode(&host.recv().unwrap(), 1 << 24).unwrap();
+        assert!(matches!(reply, Message::Error { code, .. } if code == "bad_frame"));
+        drop(host);
+        assert!(matches!(h.join().unwrap(), SessionEnd::Refused(_)));
+    });
+}
+
+/// A stand-in helper that completes the handshake and Configure, then vanishes.
+fn helper_that_vanishes(m: &Model, mut link: impl Link) {
+    for _ in 0..2 {
+        let (req, msg) = decode(&link.recv().unwrap(), 1 << 24).unwrap();
+        let reply = match msg {
+            Message::Hello(_) => Message::Welcome(Intro {
+                version: PROTOCOL_VERSION,
+                fingerprint: m.fingerprint.clone(),
+                role: Role::Helper,
+                mem_offer: 1 << 30,
+                backends: vec![],
+                max_frame: 1 << 24,
+            }),
+            _ => Message::Ack,
+        };
+        link.send(encode(req, &reply)).unwrap();
+    }
+}
+
+#[test]
+fn a_vanished_helper_fails_the_request_with_a_clear_error() {
+    let m = model("tiny_fp32");
+    let (host_end, helper_end) = pair();
+    let mr = &m;
+    let client = std::thread::scope(|scope| {
+        scope.spawn(move || helper_that_vanishes(mr, helper_end));
+        let cfg = Configure {
+            first_layer: 0,
+            end_layer: 0,
+            page_size: 4,
+        };
+        HelperClient::connect(Box::new(host_end), mr, cfg, DEFAULT_MAX_FRAME).unwrap()
+    });
+    let mut st = m.new_state(4);
+    st.remote = Some(Box::new(client));
+    m.forward(
+        &CpuBackend,
+        &mut st,
+        &[1, 2, 3, 4, 5, 6, 7, 8, 9],
+        Logits::Last,
+        None,
+    )
+    .unwrap();
+    let err = st.offload(2).unwrap_err().to_string();
+    assert!(err.starts_with("helper: link closed"), "{err}");
+}
