@@ -13,6 +13,7 @@ pub mod link;
 pub mod model;
 pub mod protocol;
 pub mod remote;
+pub mod source;
 pub mod synth;
 pub mod tensor;
 pub mod tokenizer;

@@ -7,6 +7,7 @@ use anyhow::{bail, Result};
 use engine_core::generate::argmax;
 use engine_core::{CpuBackend, Logits};
 
+use crate::helper::{stats_json, HelperArgs};
 use crate::load::{self, SynthOptions};
 
 #[derive(clap::Args)]
@@ -32,6 +33,8 @@ pub struct Args {
     json: bool,
     #[command(flatten)]
     synth: SynthOptions,
+    #[command(flatten)]
+    helper: HelperArgs,
 }
 
 /// Peak resident set size of this process (Linux's VmHWM), if the platform reports it.
@@ -61,6 +64,7 @@ pub fn run(a: Args) -> Result<()> {
     let depth: Vec<u32> = (0..a.depth).map(|_| next_id()).collect();
     let prompt: Vec<u32> = (0..a.prompt_tokens).map(|_| next_id()).collect();
     let mut state = model.new_state(a.page_size);
+    let link = a.helper.attach(&model, &mut state, a.page_size)?;
     for chunk in depth.chunks(a.ubatch.max(1)) {
         model.forward(&be, &mut state, chunk, Logits::None, None)?;
     }
@@ -104,6 +108,7 @@ pub fn run(a: Args) -> Result<()> {
             "decode_weight_gb_s": weight_bytes * decode_tok_s / 1e9,
             "peak_rss_bytes": peak,
             "kv_cache_bytes": state.kv_bytes(),
+            "link": link.as_ref().map(|l| stats_json(&l.snapshot())),
         });
         println!("{obj}");
     } else {

@@ -9,6 +9,7 @@ use engine_core::weights::{save_raw, RawTensor};
 use engine_core::{CpuBackend, Logits};
 use safetensors::Dtype;
 
+use crate::helper::HelperArgs;
 use crate::load::{self, SynthOptions};
 
 #[derive(clap::Args)]
@@ -30,6 +31,8 @@ pub struct Args {
     threads: Option<usize>,
     #[command(flatten)]
     synth: SynthOptions,
+    #[command(flatten)]
+    helper: HelperArgs,
 }
 
 fn parse_ids(text: &str) -> Result<Vec<u32>> {
@@ -54,6 +57,7 @@ pub fn run(a: Args) -> Result<()> {
     let be = CpuBackend;
     let v = model.config.vocab_size;
     let mut state = model.new_state(a.page_size);
+    a.helper.attach(&model, &mut state, a.page_size)?;
     let prefill = model.forward(&be, &mut state, &ids, Logits::All, None)?;
     let mut gen_ids: Vec<i64> = Vec::with_capacity(a.gen);
     let mut gen_logits: Vec<f32> = Vec::with_capacity(a.gen * v);

@@ -3,40 +3,10 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
-use engine_core::tensor::DType;
+use engine_core::source::load_model;
+pub use engine_core::source::SynthOptions;
 use engine_core::tokenizer::Tokenizer;
-use engine_core::weights::TensorMap;
-use engine_core::{synth, Model, ModelConfig};
-
-/// Options of a synthetic model (used when `--model` names a preset).
-#[derive(clap::Args, Clone, Debug)]
-pub struct SynthOptions {
-    /// Override the preset's layer count (the L L L F pattern is kept).
-    #[arg(long)]
-    pub layers: Option<usize>,
-    /// Storage dtype of synthetic weights: f32, bf16 or f16.
-    #[arg(long = "dtype", default_value = "bf16")]
-    pub weight_dtype: String,
-    /// Seed of synthetic weights.
-    #[arg(long, default_value_t = 0)]
-    pub weight_seed: u64,
-}
-
-impl SynthOptions {
-    pub fn dtype(&self) -> Result<DType> {
-        DType::parse(&self.weight_dtype)
-            .with_context(|| format!("--dtype {}: expected f32, bf16 or f16", self.weight_dtype))
-    }
-}
-
-pub fn synth_tensors(preset: &str, o: &SynthOptions) -> Result<(ModelConfig, TensorMap)> {
-    let mut config = synth::preset(preset)?;
-    if let Some(l) = o.layers {
-        config = synth::with_layers(config, l)?;
-    }
-    let tensors = synth::random_weights(&config, o.dtype()?, o.weight_seed)?;
-    Ok((config, tensors))
-}
+use engine_core::Model;
 
 pub struct Loaded {
     pub model: Model,
@@ -49,23 +19,11 @@ pub struct Loaded {
 /// `tokenizer` overrides the directory's tokenizer.json (or the presets' byte-level one).
 pub fn load(spec: &str, o: &SynthOptions, tokenizer: Option<&Path>) -> Result<Loaded> {
     let dir = PathBuf::from(spec);
-    let (model, dir_tok) = if dir.is_dir() {
-        let model = Model::load_dir(&dir)
-            .with_context(|| format!("loading model from {}", dir.display()))?;
-        let tok = if dir.join("tokenizer.json").exists() {
-            Some(Tokenizer::from_dir(&dir)?)
-        } else {
-            None
-        };
-        (model, tok)
-    } else if synth::PRESETS.contains(&spec) {
-        let (config, tensors) = synth_tensors(spec, o)?;
-        (Model::from_tensors(config, &tensors)?, None)
+    let model = load_model(spec, o).with_context(|| format!("loading model {spec}"))?;
+    let dir_tok = if dir.join("tokenizer.json").exists() {
+        Some(Tokenizer::from_dir(&dir)?)
     } else {
-        bail!(
-            "--model {spec}: not a directory, nor a preset ({})",
-            synth::PRESETS.join(", ")
-        );
+        None
     };
     let tokenizer = match (tokenizer, dir_tok) {
         (Some(path), _) => tokenizer_file(path)?,

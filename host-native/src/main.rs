@@ -2,6 +2,7 @@
 
 mod bench;
 mod eval;
+mod helper;
 mod load;
 mod run;
 
@@ -77,7 +78,7 @@ fn tokenize(a: TokenizeArgs) -> anyhow::Result<()> {
 }
 
 fn synth(a: SynthArgs) -> anyhow::Result<()> {
-    let (config, tensors) = load::synth_tensors(&a.preset, &a.synth)?;
+    let (config, tensors) = a.synth.tensors(&a.preset)?;
     engine_core::synth::write_hf_dir(&a.out, &config, &tensors, a.synth.dtype()?)?;
     if let Some(t) = a.tokenizer {
         let dst = a.out.join("tokenizer.json");

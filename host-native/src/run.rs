@@ -9,6 +9,7 @@ use engine_core::generate::{Generation, Sampler, SamplingParams};
 use engine_core::tokenizer::{ChatMessage, StreamDecoder};
 use engine_core::CpuBackend;
 
+use crate::helper::HelperArgs;
 use crate::load::{self, SynthOptions};
 
 #[derive(clap::Args)]
@@ -47,6 +48,8 @@ pub struct Args {
     tokenizer: Option<PathBuf>,
     #[command(flatten)]
     synth: SynthOptions,
+    #[command(flatten)]
+    helper: HelperArgs,
 }
 
 pub fn run(a: Args) -> Result<()> {
@@ -78,8 +81,9 @@ pub fn run(a: Args) -> Result<()> {
         seed: a.seed,
     })?;
     let be = CpuBackend;
-    let mut generation =
-        Generation::new(&l.model, &be, l.model.new_state(a.page_size), sampler, stop);
+    let mut state = l.model.new_state(a.page_size);
+    let link_stats = a.helper.attach(&l.model, &mut state, a.page_size)?;
+    let mut generation = Generation::new(&l.model, &be, state, sampler, stop);
     let t0 = Instant::now();
     generation.prefill(&prompt, a.ubatch)?;
     let prefill_s = t0.elapsed().as_secs_f64();
@@ -107,5 +111,15 @@ pub fn run(a: Args) -> Result<()> {
         decode_s,
         n as f64 / decode_s.max(1e-9)
     );
+    if let Some(stats) = link_stats {
+        let s = stats.snapshot();
+        eprintln!(
+            "link to helper: sent {} bytes in {} messages, received {} bytes in {} messages",
+            s.sent_total.bytes,
+            s.sent_total.messages,
+            s.received_total.bytes,
+            s.received_total.messages
+        );
+    }
     Ok(())
 }

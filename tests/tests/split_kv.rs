@@ -42,15 +42,13 @@ fn run(
             st.remote = Some(Box::new(
                 HelperClient::connect(Box::new(host_end), m, cfg, DEFAULT_MAX_FRAME).unwrap(),
             ));
+            st.host_kv_tokens = budget;
         }
         let mut logits = Vec::new();
         for chunk in prompt.chunks(ubatch) {
             logits = m
                 .forward(&CpuBackend, &mut st, chunk, Logits::Last, None)
                 .unwrap();
-            if let Some(b) = budget {
-                st.offload(b).unwrap();
-            }
         }
         let (mut all, mut ids) = (Vec::new(), Vec::new());
         for _ in 0..n {
@@ -60,9 +58,6 @@ fn run(
             logits = m
                 .forward(&CpuBackend, &mut st, &[next], Logits::Last, None)
                 .unwrap();
-            if let Some(b) = budget {
-                st.offload(b).unwrap();
-            }
         }
         if budget.is_some() {
             let LayerKv { remote } = LayerKv::of(&st);
@@ -255,14 +250,16 @@ fn a_vanished_helper_fails_the_request_with_a_clear_error() {
     });
     let mut st = m.new_state(4);
     st.remote = Some(Box::new(client));
-    m.forward(
-        &CpuBackend,
-        &mut st,
-        &[1, 2, 3, 4, 5, 6, 7, 8, 9],
-        Logits::Last,
-        None,
-    )
-    .unwrap();
-    let err = st.offload(2).unwrap_err().to_string();
+    st.host_kv_tokens = Some(2);
+    let err = m
+        .forward(
+            &CpuBackend,
+            &mut st,
+            &[1, 2, 3, 4, 5, 6, 7, 8, 9],
+            Logits::Last,
+            None,
+        )
+        .unwrap_err()
+        .to_string();
     assert!(err.starts_with("helper: link closed"), "{err}");
 }

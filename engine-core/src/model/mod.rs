@@ -204,6 +204,7 @@ impl Model {
         let pos = state.pos;
         self.run_layers(be, state, &mut x, pos, 0..self.layers.len(), trace)?;
         state.pos += tokens.len();
+        state.offload()?;
         Ok(self.head(be, &mut x, logits))
     }
 

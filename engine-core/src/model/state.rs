@@ -25,6 +25,9 @@ pub struct State {
     pub layers: Vec<LayerState>,
     /// Where this sequence's oldest KV pages go once the host's budget is full.
     pub remote: Option<Box<dyn RemoteKv>>,
+    /// KV positions per layer kept on this device when a remote is attached; whole pages past
+    /// it move to the remote after every forward pass.
+    pub host_kv_tokens: Option<usize>,
 }
 
 impl State {
@@ -53,15 +56,21 @@ impl State {
             pos: 0,
             layers,
             remote: None,
+            host_kv_tokens: None,
         }
     }
 
     /// Move the oldest whole KV pages of every full-attention layer to the remote until at most
-    /// `host_tokens` positions per layer stay here (a partial page never moves). Returns the
+    /// `host_kv_tokens` positions per layer stay here (a partial page never moves). Returns the
     /// number of pages moved per layer.
-    pub fn offload(&mut self, host_tokens: usize) -> Result<usize> {
+    pub fn offload(&mut self) -> Result<usize> {
+        let Some(host_tokens) = self.host_kv_tokens else {
+            return Ok(0);
+        };
         let Some(remote) = self.remote.as_deref_mut() else {
-            return Err(Error::Invalid("no helper to offload KV pages to".into()));
+            return Err(Error::Invalid(
+                "a host KV budget is set but no helper is attached".into(),
+            ));
         };
         let mut moved = 0;
         for (i, layer) in self.layers.iter_mut().enumerate() {

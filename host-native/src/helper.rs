@@ -1,0 +1,69 @@
+//! `--helper ws://ADDR`: tether a `tether-helper` to a sequence's state.
+
+use anyhow::{bail, Context, Result};
+use engine_core::link::{ws, LinkProfile, LinkStats, ShapedLink, StatsHandle};
+use engine_core::protocol::Configure;
+use engine_core::remote::{HelperClient, DEFAULT_MAX_FRAME};
+use engine_core::{Model, State};
+
+#[derive(clap::Args, Clone, Debug)]
+pub struct HelperArgs {
+    /// A running `tether-helper` to hold KV pages: ws://HOST:PORT.
+    #[arg(long)]
+    helper: Option<String>,
+    /// KV positions per full-attention layer kept on this host; older whole pages move to the
+    /// helper.
+    #[arg(long)]
+    host_kv_tokens: Option<usize>,
+    /// Shape the link to the helper like a real one (usb-c-10g, usb2, wifi) or leave it
+    /// (unlimited); bytes are counted by message type either way.
+    #[arg(long, default_value = "unlimited")]
+    link: String,
+    /// Largest frame, in bytes.
+    #[arg(long, default_value_t = DEFAULT_MAX_FRAME)]
+    max_frame: usize,
+}
+
+impl HelperArgs {
+    /// Connect to the helper (if one is named) and attach it to `state`; returns the link's
+    /// byte counters.
+    pub fn attach(
+        &self,
+        model: &Model,
+        state: &mut State,
+        page_size: usize,
+    ) -> Result<Option<StatsHandle>> {
+        let Some(url) = &self.helper else {
+            if self.host_kv_tokens.is_some() {
+                bail!("--host-kv-tokens needs --helper: there is nowhere to move pages to");
+            }
+            return Ok(None);
+        };
+        let profile = LinkProfile::preset(&self.link).with_context(|| {
+            format!(
+                "--link {}: known profiles are {}",
+                self.link,
+                LinkProfile::PRESETS.join(", ")
+            )
+        })?;
+        let ws = ws::connect(url, self.max_frame)
+            .with_context(|| format!("connecting to the helper at {url}"))?;
+        let link = ShapedLink::new(ws, profile);
+        let stats = link.stats_handle();
+        let configure = Configure {
+            first_layer: 0,
+            end_layer: 0,
+            page_size: u32::try_from(page_size).context("--page-size")?,
+        };
+        let client = HelperClient::connect(Box::new(link), model, configure, self.max_frame)
+            .with_context(|| format!("handshake with the helper at {url}"))?;
+        state.remote = Some(Box::new(client));
+        state.host_kv_tokens = self.host_kv_tokens;
+        Ok(Some(stats))
+    }
+}
+
+/// The link's traffic as JSON: bytes and messages by type, both directions.
+pub fn stats_json(stats: &LinkStats) -> serde_json::Value {
+    serde_json::to_value(stats).expect("link stats serialise")
+}

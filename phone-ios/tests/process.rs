@@ -1,0 +1,129 @@
+//! `tether-helper` as a separate process over WebSocket on loopback: the same tokens and
+//! bit-identical logits as the host alone, and a clear error when the process dies.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+
+use engine_core::link::ws;
+use engine_core::protocol::Configure;
+use engine_core::remote::{HelperClient, DEFAULT_MAX_FRAME};
+use engine_core::{CpuBackend, Logits, Model, State};
+use tests::{fixtures_dir, Reference};
+
+struct HelperProcess {
+    child: Child,
+    url: String,
+}
+
+impl HelperProcess {
+    fn start(model: &str) -> HelperProcess {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_tether-helper"))
+            .args([
+                "--listen",
+                "127.0.0.1:0",
+                "--model",
+                model,
+                "--threads",
+                "1",
+            ])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        let url = line
+            .split_whitespace()
+            .last()
+            .expect("the helper prints its address")
+            .to_string();
+        HelperProcess { child, url }
+    }
+
+    fn attach(&self, m: &Model, st: &mut State, page: usize, budget: usize) {
+        let link = ws::connect(&self.url, DEFAULT_MAX_FRAME).unwrap();
+        let cfg = Configure {
+            first_layer: 0,
+            end_layer: 0,
+            page_size: page as u32,
+        };
+        st.remote = Some(Box::new(
+            HelperClient::connect(Box::new(link), m, cfg, DEFAULT_MAX_FRAME).unwrap(),
+        ));
+        st.host_kv_tokens = Some(budget);
+    }
+}
+
+impl Drop for HelperProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn generate(
+    m: &Model,
+    st: &mut State,
+    prompt: &[u32],
+    n: usize,
+) -> engine_core::Result<(Vec<u32>, Vec<f32>)> {
+    let mut logits = m.forward(&CpuBackend, st, prompt, Logits::Last, None)?;
+    let (mut ids, mut all) = (Vec::new(), Vec::new());
+    for _ in 0..n {
+        let next = engine_core::generate::argmax(&logits);
+        ids.push(next);
+        all.extend_from_slice(&logits);
+        logits = m.forward(&CpuBackend, st, &[next], Logits::Last, None)?;
+    }
+    Ok((ids, all))
+}
+
+#[test]
+fn helper_process_gives_the_host_alone_result() {
+    let dir = fixtures_dir().join("tiny_fp32_T150");
+    let m = Model::load_dir(&dir).unwrap();
+    let r = Reference::load("tiny_fp32_T150");
+    let prompt = r.ids("prompt_ids");
+    let want = r.ids("gen_ids");
+    let helper = HelperProcess::start(dir.to_str().unwrap());
+    let (host_ids, host_logits) = generate(&m, &mut m.new_state(16), &prompt, want.len()).unwrap();
+    let mut st = m.new_state(16);
+    helper.attach(&m, &mut st, 16, 48);
+    let (ids, logits) = generate(&m, &mut st, &prompt, want.len()).unwrap();
+    assert_eq!(host_ids, want);
+    assert_eq!(ids, want);
+    assert!(
+        logits == host_logits,
+        "split logits are not bit-identical to the host's"
+    );
+}
+
+#[test]
+fn killing_the_helper_fails_only_the_sequence_that_needed_it() {
+    let dir = fixtures_dir().join("tiny_fp32");
+    let m = Model::load_dir(&dir).unwrap();
+    let mut helper = HelperProcess::start(dir.to_str().unwrap());
+    let mut st = m.new_state(8);
+    helper.attach(&m, &mut st, 8, 8);
+    m.forward(
+        &CpuBackend,
+        &mut st,
+        &(0..40).collect::<Vec<u32>>(),
+        Logits::Last,
+        None,
+    )
+    .unwrap();
+    helper.child.kill().unwrap();
+    helper.child.wait().unwrap();
+    let err = m
+        .forward(&CpuBackend, &mut st, &[1], Logits::Last, None)
+        .unwrap_err()
+        .to_string();
+    assert!(err.starts_with("helper: link closed"), "{err}");
+    // Everything else keeps working: a host-only sequence on the same model.
+    let r = Reference::load("tiny_fp32");
+    let (ids, _) = generate(&m, &mut m.new_state(8), &r.ids("prompt_ids"), 5).unwrap();
+    assert_eq!(ids, r.ids("gen_ids")[..5]);
+}
