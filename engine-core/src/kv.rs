@@ -7,6 +7,7 @@
 
 use crate::backend::{AttnShape, Backend};
 use crate::error::{Error, Result};
+use crate::remote::HelperClient;
 
 /// KV rows for positions `start .. start + len`, token-major: row `j` holds
 /// `[kv_heads, head_dim]` keys (values likewise).
@@ -19,7 +20,9 @@ pub struct KvPage {
 }
 
 /// One layer's cache: pages of `page_size` positions, the last one possibly partial. The
-/// oldest `remote_len` positions (whole pages) may have moved to a [`RemoteKv`].
+/// oldest `remote_len` positions (whole pages) may have moved to a helper; pages keep their
+/// boundaries wherever they live, so their partials, merged in page order, are the same
+/// computation as on the host.
 #[derive(Clone, Debug)]
 pub struct PagedKv {
     page_size: usize,
@@ -27,22 +30,6 @@ pub struct PagedKv {
     pages: Vec<KvPage>,
     len: usize,
     remote_len: usize,
-}
-
-/// Where KV pages that left this device are kept and attended (a helper over a link). Pages
-/// keep their boundaries wherever they live, so the partials, and their merge in page order,
-/// are the same computation as on the host.
-pub trait RemoteKv: Send {
-    /// Keep `page` of `layer`; it is the oldest page still on this device.
-    fn store(&mut self, layer: usize, page: &KvPage) -> Result<()>;
-    /// One partial per page of `layer` the remote holds, in page order.
-    fn attend(
-        &mut self,
-        layer: usize,
-        shape: AttnShape,
-        q: &[f32],
-        positions: &[usize],
-    ) -> Result<Vec<Partials>>;
 }
 
 impl PagedKv {
@@ -57,6 +44,11 @@ impl PagedKv {
         }
     }
 
+    /// Values per position: `kv_heads * head_dim`.
+    pub fn row_width(&self) -> usize {
+        self.row
+    }
+
     /// Positions `0 .. remote_len()` live on the remote.
     pub fn remote_len(&self) -> usize {
         self.remote_len
@@ -65,6 +57,32 @@ impl PagedKv {
     /// Positions held on this device.
     pub fn local_len(&self) -> usize {
         self.len - self.remote_len
+    }
+
+    /// K and V rows of positions `start .. start + len` held here, copied out `[len, row]`.
+    pub fn rows(&self, start: usize, len: usize) -> Result<(Vec<f32>, Vec<f32>)> {
+        if start < self.remote_len || start + len > self.len {
+            return Err(Error::Invalid(format!(
+                "KV rows {start}..{} are not all held here ({}..{})",
+                start + len,
+                self.remote_len,
+                self.len
+            )));
+        }
+        let (mut k, mut v) = (
+            Vec::with_capacity(len * self.row),
+            Vec::with_capacity(len * self.row),
+        );
+        for p in &self.pages {
+            let lo = start.max(p.start);
+            let hi = (start + len).min(p.start + p.len);
+            if lo < hi {
+                let r = (lo - p.start) * self.row..(hi - p.start) * self.row;
+                k.extend_from_slice(&p.k[r.clone()]);
+                v.extend_from_slice(&p.v[r]);
+            }
+        }
+        Ok((k, v))
     }
 
     /// Remove the oldest local page if it is full, for moving it to the remote.
@@ -245,7 +263,7 @@ pub fn attend(
     q: &[f32],
     positions: &[usize],
     kv: &PagedKv,
-    remote: Option<(usize, &mut dyn RemoteKv)>,
+    remote: Option<(usize, &mut HelperClient)>,
 ) -> Result<Partials> {
     let last = positions.iter().copied().max().unwrap_or(0);
     let rows = positions.len() * shape.q_heads;
@@ -256,7 +274,7 @@ pub fn attend(
                 "this sequence's oldest KV pages are on a helper that is not connected".into(),
             )
         })?;
-        for p in remote.attend(layer, shape, q, positions)? {
+        for p in remote.attend(layer, shape, q, positions, kv.remote_len)? {
             if p.rows() != rows || p.head_dim != shape.head_dim {
                 return Err(Error::Remote(format!(
                     "helper returned partials for {} rows of width {}, expected {rows} of {}",

@@ -4,7 +4,7 @@
 
 use crate::backend::AttnShape;
 use crate::error::{Error, Result};
-use crate::kv::{KvPage, Partials, RemoteKv};
+use crate::kv::{KvPage, Partials};
 use crate::link::{Link, LinkError};
 use crate::model::Model;
 use crate::protocol::{
@@ -133,8 +133,9 @@ fn unexpected(want: &str, got: &Message) -> Error {
     ))
 }
 
-impl RemoteKv for HelperClient {
-    fn store(&mut self, layer: usize, page: &KvPage) -> Result<()> {
+impl HelperClient {
+    /// Hand `page` of `layer` to the helper; it is the oldest page still on the host.
+    pub fn store(&mut self, layer: usize, page: &KvPage) -> Result<()> {
         let width = page.k.len() / page.len.max(1);
         let msg = Message::KvAppend {
             seq: self.seq,
@@ -149,17 +150,20 @@ impl RemoteKv for HelperClient {
         }
     }
 
-    fn attend(
+    /// One partial per page of `layer` the helper holds below position `end`, in page order.
+    pub fn attend(
         &mut self,
         layer: usize,
         shape: AttnShape,
         q: &[f32],
         positions: &[usize],
+        end: usize,
     ) -> Result<Vec<Partials>> {
         let msg = Message::AttnQuery {
             seq: self.seq,
             layer: layer as u32,
             positions: positions.iter().map(|&p| p as u64).collect(),
+            end: end as u64,
             q: WireTensor::f32(
                 vec![positions.len(), shape.q_heads, shape.head_dim],
                 q.to_vec(),

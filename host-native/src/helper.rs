@@ -57,7 +57,7 @@ impl HelperArgs {
         };
         let client = HelperClient::connect(Box::new(link), model, configure, self.max_frame)
             .with_context(|| format!("handshake with the helper at {url}"))?;
-        state.remote = Some(Box::new(client));
+        state.remote = Some(client);
         state.host_kv_tokens = self.host_kv_tokens;
         Ok(Some(stats))
     }

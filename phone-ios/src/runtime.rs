@@ -11,12 +11,13 @@
 use std::collections::BTreeMap;
 
 use engine_core::backend::{AttnShape, Backend};
-use engine_core::kv::KvPage;
+use engine_core::kv::{KvPage, PagedKv};
 use engine_core::link::{Link, LinkError};
+use engine_core::model::LayerState;
 use engine_core::protocol::{
     decode, encode, Configure, Intro, Message, Role, WireTensor, PROTOCOL_VERSION,
 };
-use engine_core::{LayerKind, Model};
+use engine_core::{LayerKind, Model, State};
 
 pub struct HelperOptions {
     /// Bytes of KV pages this helper keeps at most.
@@ -41,15 +42,18 @@ pub struct Helper<'a> {
     opts: HelperOptions,
 }
 
-/// The pages of one sequence and layer, oldest first.
-type Pages = Vec<KvPage>;
-
 struct Session {
     configure: Option<Configure>,
-    /// (sequence, layer) -> pages.
-    kv: BTreeMap<(u64, u32), Pages>,
-    bytes: u64,
+    /// Per sequence: the KV rows this helper holds (pages handed over by the host, and the
+    /// mirror of its prefill layers) and, for those layers, the DeltaNet state.
+    seqs: BTreeMap<u64, State>,
     counters: BTreeMap<String, u64>,
+}
+
+impl Session {
+    fn kv_bytes(&self) -> u64 {
+        self.seqs.values().map(|s| s.kv_bytes() as u64).sum()
+    }
 }
 
 /// A request that cannot be served: the reply is an Error frame with this code and message.
@@ -79,8 +83,7 @@ impl<'a> Helper<'a> {
     pub fn serve(&self, link: &mut dyn Link) -> SessionEnd {
         let mut s = Session {
             configure: None,
-            kv: BTreeMap::new(),
-            bytes: 0,
+            seqs: BTreeMap::new(),
             counters: BTreeMap::new(),
         };
         let mut greeted = false;
@@ -152,21 +155,49 @@ impl<'a> Helper<'a> {
 
     fn handle(&self, s: &mut Session, msg: Message) -> Result<Message, Refusal> {
         let c = &self.model.config;
-        match msg {
-            Message::Configure(cfg) => {
-                let n = c.num_hidden_layers as u32;
-                if cfg.first_layer > cfg.end_layer || cfg.end_layer > n || cfg.page_size == 0 {
-                    return Err(Refusal(
-                        "configure",
-                        format!(
-                            "layers {}..{} of {n} with page size {}",
-                            cfg.first_layer, cfg.end_layer, cfg.page_size
-                        ),
-                    ));
-                }
-                s.configure = Some(cfg);
-                Ok(Message::Ack)
+        if let Message::Configure(cfg) = &msg {
+            let n = c.num_hidden_layers as u32;
+            if cfg.first_layer > cfg.end_layer || cfg.end_layer > n || cfg.page_size == 0 {
+                return Err(Refusal(
+                    "configure",
+                    format!(
+                        "layers {}..{} of {n} with page size {}",
+                        cfg.first_layer, cfg.end_layer, cfg.page_size
+                    ),
+                ));
             }
+            // A new assignment starts from nothing: held rows were laid out for the old one.
+            s.seqs.clear();
+            s.configure = Some(cfg.clone());
+            return Ok(Message::Ack);
+        }
+        match msg {
+            Message::Ping { nonce } => return Ok(Message::Pong { nonce }),
+            Message::Stats(_) => {
+                let mut counters = s.counters.clone();
+                counters.insert("kv_bytes".into(), s.kv_bytes());
+                return Ok(Message::Stats(counters));
+            }
+            _ => {}
+        }
+        let cfg = s
+            .configure
+            .clone()
+            .ok_or_else(|| Refusal("order", format!("{:?} before Configure", msg.msg_type())))?;
+        let page_size = cfg.page_size as usize;
+        let budget = self.opts.mem_budget;
+        let used = s.kv_bytes();
+        let charge = |rows: usize, layers: usize| -> Result<(), Refusal> {
+            let bytes = (rows * layers * c.num_key_value_heads * c.head_dim * 8) as u64;
+            if used + bytes > budget {
+                return Err(Refusal(
+                    "memory",
+                    format!("{used} + {bytes} bytes exceeds this helper's budget of {budget}"),
+                ));
+            }
+            Ok(())
+        };
+        match msg {
             Message::KvAppend {
                 seq,
                 layer,
@@ -174,53 +205,32 @@ impl<'a> Helper<'a> {
                 k,
                 v,
             } => {
-                let page_size = s
-                    .configure
-                    .as_ref()
-                    .ok_or_else(|| Refusal("order", "KvAppend before Configure".into()))?
-                    .page_size;
                 self.check_full_layer(layer)?;
                 let width = c.num_key_value_heads * c.head_dim;
                 let rows = k.shape[0];
-                if k.shape[1] != width || rows == 0 || rows > page_size as usize {
+                if k.shape[1] != width
+                    || rows == 0
+                    || rows > page_size
+                    || start as usize % page_size != 0
+                {
                     return Err(Refusal(
                         "shape",
-                        format!("KV rows {:?}: expected [1..={page_size}, {width}]", k.shape),
+                        format!("KV page at {start} of shape {:?}: expected a page start and [1..={page_size}, {width}]", k.shape),
                     ));
                 }
-                let pages = s.kv.entry((seq, layer)).or_default();
-                let next = pages.last().map_or(0, |p| p.start + p.len);
-                if start as usize != next || !next.is_multiple_of(page_size as usize) {
-                    return Err(Refusal(
-                        "order",
-                        format!(
-                            "layer {layer} page at {start}: the next page must start at {next}"
-                        ),
-                    ));
-                }
-                let bytes = (k.data.len() + v.data.len()) as u64 * 4;
-                if s.bytes + bytes > self.opts.mem_budget {
-                    return Err(Refusal(
-                        "memory",
-                        format!(
-                            "{} + {bytes} bytes exceeds this helper's budget of {}",
-                            s.bytes, self.opts.mem_budget
-                        ),
-                    ));
-                }
-                s.bytes += bytes;
-                pages.push(KvPage {
-                    start: next,
-                    len: rows,
-                    k: k.data,
-                    v: v.data,
-                });
+                charge(rows, 1)?;
+                let st = s
+                    .seqs
+                    .entry(seq)
+                    .or_insert_with(|| self.model.new_state(page_size));
+                append_rows(kv_of(st, layer), layer, start as usize, &k.data, &v.data)?;
                 Ok(Message::Ack)
             }
             Message::AttnQuery {
                 seq,
                 layer,
                 positions,
+                end,
                 q,
             } => {
                 self.check_full_layer(layer)?;
@@ -238,11 +248,29 @@ impl<'a> Helper<'a> {
                         ),
                     ));
                 }
+                let st = s
+                    .seqs
+                    .get_mut(&seq)
+                    .ok_or_else(|| Refusal("missing", format!("no KV held for sequence {seq}")))?;
+                let kv = kv_of(st, layer);
+                if end as usize > kv.len() {
+                    return Err(Refusal(
+                        "missing",
+                        format!(
+                            "layer {layer}: asked to attend up to {end}, this helper holds {}",
+                            kv.len()
+                        ),
+                    ));
+                }
                 let pos: Vec<usize> = positions.iter().map(|&p| p as usize).collect();
-                let pages: &[KvPage] = s.kv.get(&(seq, layer)).map_or(&[], |p| p.as_slice());
+                let pages: Vec<&KvPage> = kv
+                    .pages()
+                    .iter()
+                    .filter(|p| (p.start as u64) < end)
+                    .collect();
                 let rows = pos.len() * shape.q_heads;
                 let (mut o, mut m, mut l) = (Vec::new(), Vec::new(), Vec::new());
-                for page in pages {
+                for page in &pages {
                     let p = self.backend.attend_page(shape, &q.data, &pos, page);
                     o.extend(p.o);
                     m.extend(p.m);
@@ -258,35 +286,147 @@ impl<'a> Helper<'a> {
                     l: WireTensor::f32(vec![n, rows], l),
                 })
             }
-            Message::KvTruncate { seq, len } => {
-                let len = len as usize;
-                for ((_, _), pages) in s.kv.range_mut((seq, 0)..=(seq, u32::MAX)) {
-                    pages.retain(|p| p.start < len);
-                    if let Some(p) = pages.last_mut() {
-                        if p.start + p.len > len {
-                            let row = p.k.len() / p.len;
-                            p.len = len - p.start;
-                            p.k.truncate(p.len * row);
-                            p.v.truncate(p.len * row);
-                        }
+            Message::PrefillChunk {
+                seq,
+                pos,
+                want_state,
+                residual,
+            } => {
+                let layers = cfg.first_layer as usize..cfg.end_layer as usize;
+                if layers.is_empty() {
+                    return Err(Refusal(
+                        "configure",
+                        "no prefill layers are assigned to this helper".into(),
+                    ));
+                }
+                if residual.shape[1] != c.hidden_size {
+                    return Err(Refusal(
+                        "shape",
+                        format!(
+                            "residual {:?}: expected [rows, {}]",
+                            residual.shape, c.hidden_size
+                        ),
+                    ));
+                }
+                let rows = residual.shape[0];
+                let full: Vec<u32> = layers
+                    .clone()
+                    .filter(|&l| c.layer_types[l] == LayerKind::FullAttention)
+                    .map(|l| l as u32)
+                    .collect();
+                charge(rows, full.len())?;
+                let st = s
+                    .seqs
+                    .entry(seq)
+                    .or_insert_with(|| self.model.new_state(page_size));
+                if pos as usize != st.pos {
+                    return Err(Refusal(
+                        "order",
+                        format!(
+                            "prefill chunk at {pos}, this helper's mirror is at {}",
+                            st.pos
+                        ),
+                    ));
+                }
+                let mut x = residual.data;
+                self.model
+                    .run_layers(self.backend, st, &mut x, pos as usize, layers.clone(), None)
+                    .map_err(|e| Refusal("prefill", e.to_string()))?;
+                st.pos += rows;
+                let width = c.num_key_value_heads * c.head_dim;
+                let mut kv = Vec::new();
+                for &l in &full {
+                    let (k, v) = kv_of(st, l)
+                        .rows(pos as usize, rows)
+                        .map_err(|e| Refusal("prefill", e.to_string()))?;
+                    kv.push((
+                        WireTensor::f32(vec![rows, width], k),
+                        WireTensor::f32(vec![rows, width], v),
+                    ));
+                }
+                let (delta_layers, states) = if want_state {
+                    delta_states(self.model, st, layers)
+                } else {
+                    (vec![], vec![])
+                };
+                Ok(Message::ChunkState {
+                    seq,
+                    pos,
+                    kv_layers: full,
+                    kv,
+                    delta_layers,
+                    states,
+                })
+            }
+            Message::ChunkState {
+                seq,
+                pos,
+                kv_layers,
+                kv,
+                delta_layers,
+                states,
+            } => {
+                // The host brings this helper's mirror up to date: rows and states it produced
+                // since the mirror's watermark.
+                let rows = kv.first().map_or(0, |(k, _)| k.shape[0]);
+                let width = c.num_key_value_heads * c.head_dim;
+                if kv.iter().any(|(k, _)| k.shape != [rows, width]) {
+                    return Err(Refusal(
+                        "shape",
+                        format!("mirror rows must all be [{rows}, {width}]"),
+                    ));
+                }
+                charge(rows, kv_layers.len())?;
+                for &l in kv_layers.iter().chain(&delta_layers) {
+                    if !(cfg.first_layer..cfg.end_layer).contains(&l) {
+                        return Err(Refusal(
+                            "layer",
+                            format!("layer {l} is not one of this helper's prefill layers"),
+                        ));
                     }
                 }
-                s.bytes =
-                    s.kv.values()
-                        .flatten()
-                        .map(|p| (p.k.len() + p.v.len()) as u64 * 4)
-                        .sum();
+                let st = s
+                    .seqs
+                    .entry(seq)
+                    .or_insert_with(|| self.model.new_state(page_size));
+                for (&l, (k, v)) in kv_layers.iter().zip(&kv) {
+                    self.check_full_layer(l)?;
+                    append_rows(kv_of(st, l), l, pos as usize, &k.data, &v.data)?;
+                }
+                for (&l, (sv, conv)) in delta_layers.iter().zip(states) {
+                    let LayerState::DeltaNet(d) = &mut st.layers[l as usize] else {
+                        return Err(Refusal(
+                            "layer",
+                            format!("layer {l} is not a DeltaNet layer"),
+                        ));
+                    };
+                    if sv.data.len() != d.s.len() || conv.data.len() != d.conv.len() {
+                        return Err(Refusal(
+                            "shape",
+                            format!("layer {l}: DeltaNet state of the wrong size"),
+                        ));
+                    }
+                    d.s = sv.data;
+                    d.conv = conv.data;
+                }
+                st.pos = pos as usize + rows;
                 Ok(Message::Ack)
             }
-            Message::Ping { nonce } => Ok(Message::Pong { nonce }),
-            Message::Stats(_) => {
-                let mut counters = s.counters.clone();
-                counters.insert("kv_bytes".into(), s.bytes);
-                Ok(Message::Stats(counters))
+            Message::KvTruncate { seq, len } => {
+                if let Some(st) = s.seqs.get_mut(&seq) {
+                    for l in &mut st.layers {
+                        if let LayerState::Attention(kv) = l {
+                            kv.truncate(len as usize)
+                                .map_err(|e| Refusal("truncate", e.to_string()))?;
+                        }
+                    }
+                    st.pos = st.pos.min(len as usize);
+                }
+                Ok(Message::Ack)
             }
             other => Err(Refusal(
                 "unsupported",
-                format!("{:?} is not served by this helper yet", other.msg_type()),
+                format!("{:?} is not served by this helper", other.msg_type()),
             )),
         }
     }
@@ -307,6 +447,68 @@ impl<'a> Helper<'a> {
             )),
         }
     }
+}
+
+/// The paged KV of a layer already checked to be full attention.
+fn kv_of(st: &mut State, layer: u32) -> &mut PagedKv {
+    match &mut st.layers[layer as usize] {
+        LayerState::Attention(kv) => kv,
+        LayerState::DeltaNet(_) => unreachable!("checked to be a full-attention layer"),
+    }
+}
+
+/// Append rows for positions `start ..`, skipping the ones already held (the mirror may have
+/// computed rows the host later hands over as a page).
+fn append_rows(
+    kv: &mut PagedKv,
+    layer: u32,
+    start: usize,
+    k: &[f32],
+    v: &[f32],
+) -> Result<(), Refusal> {
+    let width = kv.row_width();
+    let rows = k.len() / width;
+    let have = kv.len();
+    if start > have {
+        return Err(Refusal(
+            "order",
+            format!("layer {layer}: rows at {start} would leave a gap after the {have} held"),
+        ));
+    }
+    let skip = (have - start).min(rows);
+    kv.append(&k[skip * width..], &v[skip * width..]);
+    Ok(())
+}
+
+/// DeltaNet states of `layers`, in the protocol's layout.
+fn delta_states(
+    model: &Model,
+    st: &State,
+    layers: std::ops::Range<usize>,
+) -> (Vec<u32>, Vec<(WireTensor, WireTensor)>) {
+    let c = &model.config;
+    let mut ids = Vec::new();
+    let mut out = Vec::new();
+    for l in layers {
+        if let LayerState::DeltaNet(d) = &st.layers[l] {
+            ids.push(l as u32);
+            out.push((
+                WireTensor::f32(
+                    vec![
+                        c.linear_num_value_heads,
+                        c.linear_key_head_dim,
+                        c.linear_value_head_dim,
+                    ],
+                    d.s.clone(),
+                ),
+                WireTensor::f32(
+                    vec![c.linear_conv_kernel_dim - 1, c.conv_dim()],
+                    d.conv.clone(),
+                ),
+            ));
+        }
+    }
+    (ids, out)
 }
 
 fn send(link: &mut dyn Link, req: u32, msg: Message) -> Result<(), LinkError> {

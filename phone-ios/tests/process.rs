@@ -49,9 +49,7 @@ impl HelperProcess {
             end_layer: 0,
             page_size: page as u32,
         };
-        st.remote = Some(Box::new(
-            HelperClient::connect(Box::new(link), m, cfg, DEFAULT_MAX_FRAME).unwrap(),
-        ));
+        st.remote = Some(HelperClient::connect(Box::new(link), m, cfg, DEFAULT_MAX_FRAME).unwrap());
         st.host_kv_tokens = Some(budget);
     }
 }

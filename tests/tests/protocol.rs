@@ -59,6 +59,7 @@ fn arb_message() -> impl Strategy<Value = Message> {
             .prop_map(|(seq, pos, rows, w, dt, s)| Message::PrefillChunk {
                 seq,
                 pos,
+                want_state: seq % 2 == 0,
                 residual: tensor(dt, vec![rows, w], s)
             }),
         (any::<u64>(), 0..3usize, 0..3usize, 1..4usize, any::<u32>()).prop_map(
@@ -139,6 +140,7 @@ fn arb_message() -> impl Strategy<Value = Message> {
                     seq,
                     layer,
                     positions,
+                    end: 64,
                     q,
                 }
             }),
@@ -297,6 +299,7 @@ fn tensors_must_match_the_message() {
             seq: 0,
             layer: 3,
             positions: vec![1, 2],
+            end: 0,
             q: tensor(WireDtype::F32, vec![2, 2, 4], 0),
         },
     );

@@ -39,9 +39,8 @@ fn run(
                 end_layer: 0,
                 page_size: page as u32,
             };
-            st.remote = Some(Box::new(
-                HelperClient::connect(Box::new(host_end), m, cfg, DEFAULT_MAX_FRAME).unwrap(),
-            ));
+            st.remote =
+                Some(HelperClient::connect(Box::new(host_end), m, cfg, DEFAULT_MAX_FRAME).unwrap());
             st.host_kv_tokens = budget;
         }
         let mut logits = Vec::new();
@@ -200,6 +199,7 @@ fn bad_requests_get_errors_and_leave_state_intact_bad_frames_end_the_session() {
                 seq: 0,
                 layer: 3,
                 positions: vec![5],
+                end: 4,
                 q,
             },
         ) {
@@ -249,7 +249,7 @@ fn a_vanished_helper_fails_the_request_with_a_clear_error() {
         HelperClient::connect(Box::new(host_end), mr, cfg, DEFAULT_MAX_FRAME).unwrap()
     });
     let mut st = m.new_state(4);
-    st.remote = Some(Box::new(client));
+    st.remote = Some(client);
     st.host_kv_tokens = Some(2);
     let err = m
         .forward(

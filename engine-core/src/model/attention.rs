@@ -5,7 +5,8 @@ use super::Loader;
 use crate::backend::{AttnShape, Backend};
 use crate::config::ModelConfig;
 use crate::error::Result;
-use crate::kv::{attend, PagedKv, RemoteKv};
+use crate::kv::{attend, PagedKv};
+use crate::remote::HelperClient;
 use crate::tensor::Matrix;
 
 pub(super) struct Attention {
@@ -59,7 +60,7 @@ impl Attention {
         x: &[f32],
         positions: &[usize],
         kv: &mut PagedKv,
-        remote: Option<(usize, &mut dyn RemoteKv)>,
+        remote: Option<(usize, &mut HelperClient)>,
         out: &mut [f32],
     ) -> Result<()> {
         let AttnShape {

@@ -16,7 +16,6 @@ pub use state::{LayerState, State};
 use crate::backend::Backend;
 use crate::config::{LayerKind, ModelConfig};
 use crate::error::{Error, Result};
-use crate::kv::RemoteKv;
 use crate::tensor::{Matrix, Tensor};
 use crate::weights::TensorMap;
 
@@ -259,10 +258,7 @@ impl Model {
             be.rms_norm(&mut normed, &layer.norm_in, c.rms_norm_eps);
             match (&layer.mixer, &mut state.layers[i]) {
                 (Mixer::Attention(a), LayerState::Attention(kv)) => {
-                    let remote = state
-                        .remote
-                        .as_deref_mut()
-                        .map(|r| (i, r as &mut dyn RemoteKv));
+                    let remote = state.remote.as_mut().map(|r| (i, r));
                     a.forward(be, &normed, &positions, kv, remote, &mut y)?
                 }
                 (Mixer::DeltaNet(d), LayerState::DeltaNet(st)) => {

@@ -3,7 +3,8 @@
 
 use crate::config::{LayerKind, ModelConfig};
 use crate::error::{Error, Result};
-use crate::kv::{PagedKv, RemoteKv};
+use crate::kv::PagedKv;
+use crate::remote::HelperClient;
 
 #[derive(Clone, Debug)]
 pub struct DeltaState {
@@ -24,7 +25,7 @@ pub struct State {
     pub pos: usize,
     pub layers: Vec<LayerState>,
     /// Where this sequence's oldest KV pages go once the host's budget is full.
-    pub remote: Option<Box<dyn RemoteKv>>,
+    pub remote: Option<HelperClient>,
     /// KV positions per layer kept on this device when a remote is attached; whole pages past
     /// it move to the remote after every forward pass.
     pub host_kv_tokens: Option<usize>,
@@ -67,7 +68,7 @@ impl State {
         let Some(host_tokens) = self.host_kv_tokens else {
             return Ok(0);
         };
-        let Some(remote) = self.remote.as_deref_mut() else {
+        let Some(remote) = self.remote.as_mut() else {
             return Err(Error::Invalid(
                 "a host KV budget is set but no helper is attached".into(),
             ));

@@ -71,10 +71,13 @@ pub enum Message {
     Hello(Intro),
     Welcome(Intro),
     Configure(Configure),
-    /// Residual rows `[rows, hidden]` entering layer `first_layer` for positions `pos ..`.
+    /// Residual rows `[rows, hidden]` entering layer `first_layer` for positions `pos ..`;
+    /// `want_state` asks for the DeltaNet states after this chunk (the batch's last for the
+    /// helper).
     PrefillChunk {
         seq: u64,
         pos: u64,
+        want_state: bool,
         residual: WireTensor,
     },
     /// The helper's new KV rows `[rows, kv_heads * head_dim]` per full-attention layer it runs
@@ -113,11 +116,13 @@ pub enum Message {
         k: WireTensor,
         v: WireTensor,
     },
-    /// Scaled queries `[t, q_heads, head_dim]` of one layer at absolute `positions`.
+    /// Scaled queries `[t, q_heads, head_dim]` of one layer at absolute `positions`, over the
+    /// helper's pages below position `end` (the ones the host has handed over).
     AttnQuery {
         seq: u64,
         layer: u32,
         positions: Vec<u64>,
+        end: u64,
         q: WireTensor,
     },
     /// One partial per page the helper holds, in page order: `o [pages, t * q_heads, head_dim]`,
@@ -157,9 +162,10 @@ struct Meta<T> {
 }
 
 #[derive(Serialize, Deserialize)]
-struct SeqPos {
+struct ChunkMeta {
     seq: u64,
     pos: u64,
+    want_state: bool,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -196,6 +202,7 @@ struct Query {
     seq: u64,
     layer: u32,
     positions: Vec<u64>,
+    end: u64,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -268,10 +275,16 @@ impl Message {
         match self {
             Message::Hello(i) | Message::Welcome(i) => (v(i), vec![]),
             Message::Configure(c) => (v(c), vec![]),
-            Message::PrefillChunk { seq, pos, residual } => (
-                v(SeqPos {
+            Message::PrefillChunk {
+                seq,
+                pos,
+                want_state,
+                residual,
+            } => (
+                v(ChunkMeta {
                     seq: *seq,
                     pos: *pos,
+                    want_state: *want_state,
                 }),
                 vec![residual],
             ),
@@ -337,12 +350,14 @@ impl Message {
                 seq,
                 layer,
                 positions,
+                end,
                 q,
             } => (
                 v(Query {
                     seq: *seq,
                     layer: *layer,
                     positions: positions.clone(),
+                    end: *end,
                 }),
                 vec![q],
             ),
@@ -614,7 +629,7 @@ pub fn decode(frame: &[u8], max_frame: usize) -> Result<(u32, Message), Protocol
             reason: plain!(ByeMeta).reason,
         },
         MsgType::PrefillChunk => {
-            let m: Meta<SeqPos> = meta(msg, meta_bytes)?;
+            let m: Meta<ChunkMeta> = meta(msg, meta_bytes)?;
             let mut r = TensorReader::new(msg, m.tensors, data)?;
             r.expect_count(1)?;
             let residual = r.take();
@@ -627,6 +642,7 @@ pub fn decode(frame: &[u8], max_frame: usize) -> Result<(u32, Message), Protocol
             Message::PrefillChunk {
                 seq: m.body.seq,
                 pos: m.body.pos,
+                want_state: m.body.want_state,
                 residual,
             }
         }
@@ -699,6 +715,7 @@ pub fn decode(frame: &[u8], max_frame: usize) -> Result<(u32, Message), Protocol
                 seq: m.body.seq,
                 layer: m.body.layer,
                 positions: m.body.positions,
+                end: m.body.end,
                 q,
             }
         }
