@@ -211,7 +211,7 @@ impl<'a> Helper<'a> {
                 if k.shape[1] != width
                     || rows == 0
                     || rows > page_size
-                    || start as usize % page_size != 0
+                    || !(start as usize).is_multiple_of(page_size)
                 {
                     return Err(Refusal(
                         "shape",
