@@ -7,6 +7,7 @@ use rand::{Rng, SeedableRng};
 use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::model::{Logits, Model, State};
+use crate::split::{self, SplitPlan, SplitReport};
 
 #[derive(Clone, Debug, PartialEq)]
 pub struct SamplingParams {
@@ -163,24 +164,17 @@ impl<'a> Generation<'a> {
         }
     }
 
-    /// Run the prompt in batches of `ubatch` tokens; only the last row's logits are computed.
-    pub fn prefill(&mut self, prompt: &[u32], ubatch: usize) -> Result<()> {
+    /// Run the prompt in ubatches (split with the state's helper when `plan` says so); only
+    /// the last row's logits are computed.
+    pub fn prefill(&mut self, prompt: &[u32], plan: &SplitPlan) -> Result<SplitReport> {
         if prompt.is_empty() {
             return Err(Error::Invalid("the prompt is empty".into()));
         }
-        let chunks: Vec<&[u32]> = prompt.chunks(ubatch.max(1)).collect();
-        for (i, chunk) in chunks.iter().enumerate() {
-            let want = if i + 1 == chunks.len() {
-                Logits::Last
-            } else {
-                Logits::None
-            };
-            self.logits = self
-                .model
-                .forward(self.backend, &mut self.state, chunk, want, None)?;
-        }
+        let (logits, report) =
+            split::prefill(self.model, self.backend, &mut self.state, prompt, plan)?;
+        self.logits = logits;
         self.pending = None;
-        Ok(())
+        Ok(report)
     }
 
     /// The next token, or `None` at a stop token.

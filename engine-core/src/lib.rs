@@ -14,6 +14,7 @@ pub mod model;
 pub mod protocol;
 pub mod remote;
 pub mod source;
+pub mod split;
 pub mod synth;
 pub mod tensor;
 pub mod tokenizer;

@@ -15,6 +15,9 @@ use crate::protocol::{
 /// of 256) is 32 MiB for K and V together.
 pub const DEFAULT_MAX_FRAME: usize = 256 << 20;
 
+/// Replies held for later requests at most (a pipeline keeps one per ubatch in flight).
+const MAX_EARLY: usize = 4096;
+
 impl From<LinkError> for Error {
     fn from(e: LinkError) -> Self {
         Error::Remote(e.to_string())
@@ -28,6 +31,13 @@ pub struct HelperClient {
     max_frame: usize,
     /// What the helper said of itself.
     pub helper: Intro,
+    /// The layers the helper runs in a split prefill (empty: KV pages only).
+    pub prefill_layers: std::ops::Range<usize>,
+    /// The helper's mirror of its prefill layers holds rows and state for positions below this.
+    pub mirror_pos: usize,
+    /// Replies that arrived while a later request was awaited: a pipelined
+    /// prefill chunk's reply can come in while the host waits for an attention query.
+    early: std::collections::BTreeMap<u32, Vec<u8>>,
 }
 
 impl HelperClient {
@@ -44,6 +54,9 @@ impl HelperClient {
             next_req: 0,
             seq: 0,
             max_frame,
+            prefill_layers: configure.first_layer as usize..configure.end_layer as usize,
+            mirror_pos: 0,
+            early: Default::default(),
             helper: Intro {
                 version: PROTOCOL_VERSION,
                 fingerprint: String::new(),
@@ -80,9 +93,16 @@ impl HelperClient {
 
     /// Send `msg` and wait for its reply; an `Error` reply becomes `Error::Remote`.
     fn request(&mut self, msg: Message) -> Result<Message> {
+        let req = self.send(&msg)?;
+        self.reply(req)
+    }
+
+    /// Queue `msg` without waiting; returns its request id for [`Self::reply`]. Replies come
+    /// back in request order, so a pipeline sends ahead and collects later.
+    pub fn send(&mut self, msg: &Message) -> Result<u32> {
         let req = self.next_req;
         self.next_req = self.next_req.wrapping_add(1);
-        let frame = encode(req, &msg);
+        let frame = encode(req, msg);
         if frame.len() > self.max_frame {
             return Err(Error::Remote(format!(
                 "a {:?} of {} bytes exceeds the agreed frame limit of {} (raise --max-frame on both sides)",
@@ -92,18 +112,40 @@ impl HelperClient {
             )));
         }
         self.link.send(frame)?;
-        let reply = self.link.recv()?;
-        let (id, reply) = decode(&reply, self.max_frame)
+        Ok(req)
+    }
+
+    /// The reply to request `req`. The helper answers in request order, so replies to requests
+    /// sent before `req` may arrive first; they are kept for their own `reply` call.
+    pub fn reply(&mut self, req: u32) -> Result<Message> {
+        let frame = match self.early.remove(&req) {
+            Some(f) => f,
+            None => loop {
+                let f = self.link.recv()?;
+                let id = crate::protocol::message::request_id(&f).ok_or_else(|| {
+                    Error::Remote("a frame without a header from the helper".into())
+                })?;
+                if id == req {
+                    break f;
+                }
+                if self.early.len() >= MAX_EARLY || id.wrapping_sub(req) < u32::MAX / 2 {
+                    return Err(Error::Remote(format!(
+                        "reply to request {id} while waiting for {req}"
+                    )));
+                }
+                self.early.insert(id, f);
+            },
+        };
+        let (_, reply) = decode(&frame, self.max_frame)
             .map_err(|e| Error::Remote(format!("bad frame from helper: {e}")))?;
-        if id != req {
-            return Err(Error::Remote(format!(
-                "reply to request {id} while waiting for {req}"
-            )));
-        }
         match reply {
             Message::Error { code, message } => Err(Error::Remote(format!("{code}: {message}"))),
             other => Ok(other),
         }
+    }
+
+    pub fn seq(&self) -> u64 {
+        self.seq
     }
 
     pub fn ping(&mut self) -> Result<()> {
@@ -126,7 +168,7 @@ impl HelperClient {
     }
 }
 
-fn unexpected(want: &str, got: &Message) -> Error {
+pub(crate) fn unexpected(want: &str, got: &Message) -> Error {
     Error::Remote(format!(
         "expected {want}, the helper sent {:?}",
         got.msg_type()

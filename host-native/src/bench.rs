@@ -5,6 +5,8 @@ use std::time::Instant;
 
 use anyhow::{bail, Result};
 use engine_core::generate::argmax;
+use engine_core::model::LayerState;
+use engine_core::split::{minimum, prefill};
 use engine_core::{CpuBackend, Logits};
 
 use crate::helper::{stats_json, HelperArgs};
@@ -68,23 +70,55 @@ pub fn run(a: Args) -> Result<()> {
     for chunk in depth.chunks(a.ubatch.max(1)) {
         model.forward(&be, &mut state, chunk, Logits::None, None)?;
     }
-    let t0 = Instant::now();
-    let chunks: Vec<&[u32]> = prompt.chunks(a.ubatch.max(1)).collect();
-    let mut logits = Vec::new();
-    for (i, c) in chunks.iter().enumerate() {
-        let want = if i + 1 == chunks.len() {
-            Logits::Last
-        } else {
-            Logits::None
-        };
-        logits = model.forward(&be, &mut state, c, want, None)?;
+    if let Some(l) = &link {
+        l.reset();
     }
+    let remote_len = |st: &engine_core::State| {
+        st.layers
+            .iter()
+            .find_map(|l| match l {
+                LayerState::Attention(kv) => Some(kv.remote_len()),
+                LayerState::DeltaNet(_) => None,
+            })
+            .unwrap_or(0)
+    };
+    let c = &model.config;
+    let moved_before = remote_len(&state);
+    let t0 = Instant::now();
+    let (mut logits, split) = prefill(&model, &be, &mut state, &prompt, &a.helper.plan(a.ubatch))?;
     let prefill_s = t0.elapsed().as_secs_f64();
+    let prefill_link = link.as_ref().map(|l| {
+        let stats = l.snapshot();
+        l.reset();
+        stats
+    });
+    // During the prefill the remote pages are those moved before it; the host's layers attend
+    // over them for every row, the tail's only for the rows it ran itself.
+    let pages = moved_before / a.page_size;
+    let n = c.num_hidden_layers;
+    let prefill_min = state.remote.as_ref().map_or(0, |r| {
+        let tail = r.prefill_layers.clone();
+        let host_rows = a.prompt_tokens - split.rows_on_helper;
+        minimum::prefill(
+            c,
+            tail.clone(),
+            split.rows_on_helper,
+            split.synced_rows,
+            split.mirror_synced,
+        ) + minimum::offload(c, remote_len(&state) - moved_before)
+            + minimum::attend(c, 0..tail.start, a.prompt_tokens, pages)
+            + minimum::attend(c, tail.start..n, host_rows, pages)
+    });
+    let mut decode_min = 0;
     let t1 = Instant::now();
     for _ in 0..a.gen {
+        let before = remote_len(&state);
         logits = model.forward(&be, &mut state, &[argmax(&logits)], Logits::Last, None)?;
+        decode_min += minimum::attend(c, 0..n, 1, before / a.page_size)
+            + minimum::offload(c, remote_len(&state) - before);
     }
     let decode_s = t1.elapsed().as_secs_f64();
+    let decode_link = link.as_ref().map(|l| l.snapshot());
     let prefill_tok_s = a.prompt_tokens as f64 / prefill_s;
     let decode_tok_s = if a.gen > 0 {
         a.gen as f64 / decode_s
@@ -108,7 +142,14 @@ pub fn run(a: Args) -> Result<()> {
             "decode_weight_gb_s": weight_bytes * decode_tok_s / 1e9,
             "peak_rss_bytes": peak,
             "kv_cache_bytes": state.kv_bytes(),
-            "link": link.as_ref().map(|l| stats_json(&l.snapshot())),
+            "split_ubatches_on_helper": split.on_helper,
+            "split_fallback": split.fallback,
+            "link_prefill": prefill_link.as_ref().map(stats_json),
+            "link_decode": decode_link.as_ref().map(stats_json),
+            "link_bytes_per_prefill_token": prefill_link.as_ref().map(|s| s.sent_total.bytes + s.received_total.bytes).map(|b| b as f64 / a.prompt_tokens as f64),
+            "link_min_bytes_per_prefill_token": link.as_ref().map(|_| prefill_min as f64 / a.prompt_tokens as f64),
+            "link_bytes_per_decode_token": decode_link.as_ref().filter(|_| a.gen > 0).map(|s| (s.sent_total.bytes + s.received_total.bytes) as f64 / a.gen as f64),
+            "link_min_bytes_per_decode_token": link.as_ref().filter(|_| a.gen > 0).map(|_| decode_min as f64 / a.gen as f64),
         });
         println!("{obj}");
     } else {

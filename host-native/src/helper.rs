@@ -4,6 +4,7 @@ use anyhow::{bail, Context, Result};
 use engine_core::link::{ws, LinkProfile, LinkStats, ShapedLink, StatsHandle};
 use engine_core::protocol::Configure;
 use engine_core::remote::{HelperClient, DEFAULT_MAX_FRAME};
+use engine_core::split::{default_split_layer, SplitPlan};
 use engine_core::{Model, State};
 
 #[derive(clap::Args, Clone, Debug)]
@@ -22,6 +23,16 @@ pub struct HelperArgs {
     /// Largest frame, in bytes.
     #[arg(long, default_value_t = DEFAULT_MAX_FRAME)]
     max_frame: usize,
+    /// First layer the helper runs in a split prefill (a multiple of 4); the default gives it
+    /// the last ~3/8 of the layers; the model's layer count disables the split.
+    #[arg(long)]
+    split_layer: Option<usize>,
+    /// Prompts of at most this many tokens prefill on the host alone.
+    #[arg(long, default_value_t = 512)]
+    split_min: usize,
+    /// Tokens per ubatch of a split prefill.
+    #[arg(long, default_value_t = 256)]
+    split_ubatch: usize,
 }
 
 impl HelperArgs {
@@ -50,9 +61,14 @@ impl HelperArgs {
             .with_context(|| format!("connecting to the helper at {url}"))?;
         let link = ShapedLink::new(ws, profile);
         let stats = link.stats_handle();
+        let n = model.config.num_hidden_layers;
+        let split = self.split_layer.unwrap_or_else(|| default_split_layer(n));
+        if split > n || (!split.is_multiple_of(4) && split != n) {
+            bail!("--split-layer {split}: must be a multiple of 4 (a whole L L L F cycle) and at most {n}");
+        }
         let configure = Configure {
-            first_layer: 0,
-            end_layer: 0,
+            first_layer: split as u32,
+            end_layer: n as u32,
             page_size: u32::try_from(page_size).context("--page-size")?,
         };
         let client = HelperClient::connect(Box::new(link), model, configure, self.max_frame)
@@ -60,6 +76,23 @@ impl HelperArgs {
         state.remote = Some(client);
         state.host_kv_tokens = self.host_kv_tokens;
         Ok(Some(stats))
+    }
+}
+
+impl HelperArgs {
+    /// How `run` and `bench` prefill: split when a helper is attached, else in `ubatch` chunks.
+    pub fn plan(&self, ubatch: usize) -> SplitPlan {
+        if self.helper.is_some() {
+            SplitPlan {
+                min_tokens: self.split_min,
+                ubatch: self.split_ubatch,
+            }
+        } else {
+            SplitPlan {
+                min_tokens: usize::MAX,
+                ubatch,
+            }
+        }
     }
 }
 

@@ -85,7 +85,7 @@ pub fn run(a: Args) -> Result<()> {
     let link_stats = a.helper.attach(&l.model, &mut state, a.page_size)?;
     let mut generation = Generation::new(&l.model, &be, state, sampler, stop);
     let t0 = Instant::now();
-    generation.prefill(&prompt, a.ubatch)?;
+    let split = generation.prefill(&prompt, &a.helper.plan(a.ubatch))?;
     let prefill_s = t0.elapsed().as_secs_f64();
     let mut decoder = StreamDecoder::new(&l.tokenizer);
     let mut out = std::io::stdout().lock();
@@ -111,6 +111,16 @@ pub fn run(a: Args) -> Result<()> {
         decode_s,
         n as f64 / decode_s.max(1e-9)
     );
+    if split.on_helper > 0 || split.fallback.is_some() {
+        eprintln!(
+            "split prefill: {} of {} ubatches ran their tail layers on the helper{}",
+            split.on_helper,
+            split.ubatches,
+            split.fallback.map_or(String::new(), |f| format!(
+                "; the helper failed ({f}) and the host redid them"
+            ))
+        );
+    }
     if let Some(stats) = link_stats {
         let s = stats.snapshot();
         eprintln!(

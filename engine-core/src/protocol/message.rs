@@ -431,6 +431,11 @@ pub fn encode(req: u32, msg: &Message) -> Vec<u8> {
     out
 }
 
+/// The request id of a frame, read from its header without decoding the rest.
+pub fn request_id(frame: &[u8]) -> Option<u32> {
+    (frame.len() >= HEADER_LEN && frame[..2] == MAGIC).then(|| u32_at(frame, 4) as u32)
+}
+
 fn u32_at(b: &[u8], at: usize) -> usize {
     u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]]) as usize
 }

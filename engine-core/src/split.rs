@@ -1,0 +1,386 @@
+//! Pipelined split prefill: a long prompt streams in ubatches through the host's layers
+//! `[0, L)` and the helper's `[L, N)`. The host never waits for the helper to start the next
+//! ubatch; the helper returns each ubatch's new KV rows of its full-attention layers and, after
+//! the batch's second-to-last ubatch, its DeltaNet states. The last ubatch runs wholly on the
+//! host (its first L layers while the helper finishes, the rest once the helper's state is
+//! merged), so vocabulary-sized logits never cross the link.
+//!
+//! The helper keeps a mirror of its layers across turns; before a batch the host pushes only
+//! the rows and state it produced since the mirror's watermark. If the helper fails mid-batch
+//! the host reruns its layers for the whole batch from the residuals it kept, and the request
+//! completes with the same tokens.
+
+use crate::backend::Backend;
+use crate::config::LayerKind;
+use crate::error::{Error, Result};
+use crate::model::{LayerState, Logits, Model, State};
+use crate::protocol::{Message, WireTensor};
+use crate::remote::unexpected;
+
+/// How prompts are split between host and helper.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SplitPlan {
+    /// Prompts of at most this many tokens run on the host alone (the link would cost more
+    /// than it saves).
+    pub min_tokens: usize,
+    /// Tokens per ubatch.
+    pub ubatch: usize,
+}
+
+impl Default for SplitPlan {
+    fn default() -> Self {
+        SplitPlan {
+            min_tokens: 512,
+            ubatch: 256,
+        }
+    }
+}
+
+/// The helper's share of the layers by default: the last ~3/8, cut on a 4-layer cycle
+/// boundary (40 of 64 on the host for the 27B), so DeltaNet state never splits mid-cycle.
+pub fn default_split_layer(layers: usize) -> usize {
+    let host = (layers * 5).div_ceil(8);
+    (host.div_ceil(4) * 4).min(layers)
+}
+
+/// What happened to a split prefill.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SplitReport {
+    pub ubatches: usize,
+    /// Ubatches whose tail layers ran on the helper, and their rows.
+    pub on_helper: usize,
+    pub rows_on_helper: usize,
+    /// KV rows pushed to bring the helper's mirror up to date (with the DeltaNet states, when
+    /// `mirror_synced`).
+    pub synced_rows: usize,
+    pub mirror_synced: bool,
+    /// Why the host had to run the batch alone, if it did.
+    pub fallback: Option<String>,
+}
+
+/// Prefill `tokens` at `state.pos`, split with `state.remote` when the plan says so; returns
+/// the last row's logits. Without a helper (or for a short prompt) this is a plain prefill in
+/// ubatches.
+pub fn prefill(
+    model: &Model,
+    be: &dyn Backend,
+    state: &mut State,
+    tokens: &[u32],
+    plan: &SplitPlan,
+) -> Result<(Vec<f32>, SplitReport)> {
+    let ubatch = plan.ubatch.max(1);
+    let chunks: Vec<&[u32]> = tokens.chunks(ubatch).collect();
+    let mut report = SplitReport {
+        ubatches: chunks.len(),
+        on_helper: 0,
+        rows_on_helper: 0,
+        synced_rows: 0,
+        mirror_synced: false,
+        fallback: None,
+    };
+    let split = state
+        .remote
+        .as_ref()
+        .is_some_and(|c| !c.prefill_layers.is_empty())
+        && tokens.len() > plan.min_tokens
+        && chunks.len() > 1;
+    if !split {
+        let mut logits = Vec::new();
+        for (i, c) in chunks.iter().enumerate() {
+            let want = if i + 1 == chunks.len() {
+                Logits::Last
+            } else {
+                Logits::None
+            };
+            logits = model.forward(be, state, c, want, None)?;
+        }
+        return Ok((logits, report));
+    }
+    let tail = state
+        .remote
+        .as_ref()
+        .expect("checked above")
+        .prefill_layers
+        .clone();
+    let n = model.config.num_hidden_layers;
+    let start = state.pos;
+    let at = |i: usize| start + i * ubatch;
+    let (last, head) = chunks.split_last().expect("more than one chunk");
+    // Layer-L residuals of the ubatches handed to the helper, kept until the batch completes so
+    // the host can redo them alone.
+    let mut sent: Vec<Vec<f32>> = Vec::with_capacity(head.len());
+    let mut reqs = Vec::with_capacity(head.len());
+    let mut x_last = model.embed(last)?;
+    let mut last_head_done = false;
+    let pipelined = (|| -> Result<()> {
+        if let Some(rows) = sync_mirror(state)? {
+            report.synced_rows = rows;
+            report.mirror_synced = true;
+        }
+        for (i, c) in head.iter().enumerate() {
+            let mut x = model.embed(c)?;
+            model.run_layers(be, state, &mut x, at(i), 0..tail.start, None)?;
+            sent.push(x.clone());
+            let msg = Message::PrefillChunk {
+                seq: 0,
+                pos: at(i) as u64,
+                want_state: i + 1 == head.len(),
+                residual: WireTensor::f32(vec![c.len(), model.config.hidden_size], x),
+            };
+            reqs.push(state.remote.as_mut().expect("checked above").send(&msg)?);
+        }
+        // The host's share of the last ubatch overlaps the helper's work on the ones before.
+        model.run_layers(be, state, &mut x_last, at(head.len()), 0..tail.start, None)?;
+        last_head_done = true;
+        collect(model, state, &reqs, start, &tail)
+    })();
+    match pipelined {
+        Ok(()) => {
+            report.on_helper = head.len();
+            report.rows_on_helper =
+                sent.iter().map(|x| x.len()).sum::<usize>() / model.config.hidden_size;
+            state.remote.as_mut().expect("checked above").mirror_pos = at(head.len());
+        }
+        Err(e) => {
+            report.fallback = Some(e.to_string());
+            let holds_pages = state
+                .layers
+                .iter()
+                .any(|l| matches!(l, LayerState::Attention(kv) if kv.remote_len() > 0));
+            state.remote = None;
+            if holds_pages {
+                return Err(Error::Remote(format!(
+                    "{e}; the helper held this sequence's oldest KV pages, so it cannot go on"
+                )));
+            }
+            // Rerun the batch here: drop any rows the helper's replies added, run the tail
+            // layers over the kept residuals, then whole ubatches that were never sent.
+            for l in tail.clone() {
+                if let LayerState::Attention(kv) = &mut state.layers[l] {
+                    kv.truncate(start)?;
+                }
+            }
+            for (i, x) in sent.iter_mut().enumerate() {
+                model.run_layers(be, state, x, at(i), tail.clone(), None)?;
+            }
+            for (i, c) in head.iter().enumerate().skip(sent.len()) {
+                let mut x = model.embed(c)?;
+                model.run_layers(be, state, &mut x, at(i), 0..n, None)?;
+            }
+            if !last_head_done {
+                model.run_layers(be, state, &mut x_last, at(head.len()), 0..tail.start, None)?;
+            }
+        }
+    }
+    model.run_layers(be, state, &mut x_last, at(head.len()), tail.start..n, None)?;
+    state.pos = start + tokens.len();
+    state.offload()?;
+    Ok((model.head(be, &mut x_last, Logits::Last), report))
+}
+
+fn full_layers(model: &Model, layers: &std::ops::Range<usize>) -> Vec<usize> {
+    layers
+        .clone()
+        .filter(|&l| model.config.layer_types[l] == LayerKind::FullAttention)
+        .collect()
+}
+
+/// Bring the helper's mirror of its layers up to `state.pos`: the KV rows the host produced
+/// since the watermark (rows already handed over as pages are there) and the DeltaNet states.
+/// Returns the KV rows pushed, or `None` if the mirror was current.
+fn sync_mirror(state: &mut State) -> Result<Option<usize>> {
+    let client = state.remote.as_ref().expect("a helper is attached");
+    let (from, to) = (client.mirror_pos, state.pos);
+    if from >= to {
+        return Ok(None);
+    }
+    let tail = client.prefill_layers.clone();
+    let (mut kv_layers, mut kv, mut delta_layers, mut states) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let mut rows_from = from;
+    for l in tail {
+        match &state.layers[l] {
+            LayerState::Attention(cache) => {
+                rows_from = from.max(cache.remote_len());
+                let (k, v) = cache.rows(rows_from, to - rows_from)?;
+                let shape = vec![to - rows_from, cache.row_width()];
+                kv_layers.push(l as u32);
+                kv.push((WireTensor::f32(shape.clone(), k), WireTensor::f32(shape, v)));
+            }
+            LayerState::DeltaNet(d) => {
+                delta_layers.push(l as u32);
+                let n = d.s.len();
+                states.push((
+                    WireTensor::f32(vec![n], d.s.clone()),
+                    WireTensor::f32(vec![d.conv.len()], d.conv.clone()),
+                ));
+            }
+        }
+    }
+    let client = state.remote.as_mut().expect("a helper is attached");
+    let seq = client.seq();
+    let req = client.send(&Message::ChunkState {
+        seq,
+        pos: rows_from as u64,
+        kv_layers,
+        kv,
+        delta_layers,
+        states,
+    })?;
+    match client.reply(req)? {
+        Message::Ack => {
+            client.mirror_pos = to;
+            Ok(Some(to - rows_from))
+        }
+        other => Err(unexpected("Ack", &other)),
+    }
+}
+
+/// Apply the helper's replies, in order: each ubatch's KV rows of the tail's full layers, and
+/// after the last its DeltaNet states (applied only once every reply checked out).
+fn collect(
+    model: &Model,
+    state: &mut State,
+    reqs: &[u32],
+    start: usize,
+    tail: &std::ops::Range<usize>,
+) -> Result<()> {
+    let full = full_layers(model, tail);
+    let mut pos = start;
+    let mut final_states = None;
+    for &req in reqs {
+        let reply = state
+            .remote
+            .as_mut()
+            .expect("a helper is attached")
+            .reply(req)?;
+        let Message::ChunkState {
+            pos: p,
+            kv_layers,
+            kv,
+            delta_layers,
+            states,
+            ..
+        } = reply
+        else {
+            return Err(unexpected("ChunkState", &reply));
+        };
+        let layers: Vec<usize> = kv_layers.iter().map(|&l| l as usize).collect();
+        if p as usize != pos || layers != full {
+            return Err(Error::Remote(format!(
+                "chunk state for position {p} and layers {layers:?}, expected {pos} and {full:?}"
+            )));
+        }
+        let rows = kv.first().map_or(0, |(k, _)| k.shape[0]);
+        for (&l, (k, v)) in layers.iter().zip(&kv) {
+            let LayerState::Attention(cache) = &mut state.layers[l] else {
+                unreachable!("full layers")
+            };
+            if k.shape != [rows, cache.row_width()] || cache.len() != pos {
+                return Err(Error::Remote(format!(
+                    "layer {l}: KV rows {:?} at {pos} do not fit",
+                    k.shape
+                )));
+            }
+            cache.append(&k.data, &v.data);
+        }
+        pos += rows;
+        if !delta_layers.is_empty() {
+            final_states = Some((delta_layers, states));
+        }
+    }
+    let (ids, states) =
+        final_states.ok_or_else(|| Error::Remote("the helper sent no DeltaNet states".into()))?;
+    let mut checked = Vec::with_capacity(ids.len());
+    for (&l, (s, conv)) in ids.iter().zip(states) {
+        match state.layers.get(l as usize) {
+            Some(LayerState::DeltaNet(d))
+                if tail.contains(&(l as usize))
+                    && d.s.len() == s.data.len()
+                    && d.conv.len() == conv.data.len() =>
+            {
+                checked.push((l as usize, s.data, conv.data))
+            }
+            _ => {
+                return Err(Error::Remote(format!(
+                    "DeltaNet state for layer {l} does not fit"
+                )))
+            }
+        }
+    }
+    for (l, s, conv) in checked {
+        if let LayerState::DeltaNet(d) = &mut state.layers[l] {
+            d.s = s;
+            d.conv = conv;
+        }
+    }
+    Ok(())
+}
+
+/// The least a link can carry, in tensor bytes (f32), for the traffic a split causes; the
+/// benchmark compares what crossed with these.
+pub mod minimum {
+    use crate::config::{LayerKind, ModelConfig};
+
+    fn count(c: &ModelConfig, layers: std::ops::Range<usize>, kind: LayerKind) -> usize {
+        c.layer_types[layers].iter().filter(|&&k| k == kind).count()
+    }
+
+    fn kv_row(c: &ModelConfig) -> usize {
+        2 * c.num_key_value_heads * c.head_dim * 4
+    }
+
+    fn delta_state(c: &ModelConfig) -> usize {
+        let s = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim;
+        (s + (c.linear_conv_kernel_dim - 1) * c.conv_dim()) * 4
+    }
+
+    /// A split prefill: residual rows to the helper, their new KV rows of the tail's full
+    /// layers back, the tail's DeltaNet states once back and (if the mirror was behind) once
+    /// out, and the mirror sync's KV rows.
+    pub fn prefill(
+        c: &ModelConfig,
+        tail: std::ops::Range<usize>,
+        sent_rows: usize,
+        synced_rows: usize,
+        synced: bool,
+    ) -> u64 {
+        let full = count(c, tail.clone(), LayerKind::FullAttention);
+        let delta = count(c, tail, LayerKind::LinearAttention);
+        let states = if sent_rows > 0 { 1 } else { 0 } + usize::from(synced);
+        (sent_rows * c.hidden_size * 4
+            + (sent_rows + synced_rows) * full * kv_row(c)
+            + states * delta * delta_state(c)) as u64
+    }
+
+    /// Attention of `tokens` queries over remote pages in `layers`: the queries out and one
+    /// (o, m, l) per page back, for each full-attention layer (nothing without remote pages).
+    pub fn attend(
+        c: &ModelConfig,
+        layers: std::ops::Range<usize>,
+        tokens: usize,
+        remote_pages: usize,
+    ) -> u64 {
+        if remote_pages == 0 {
+            return 0;
+        }
+        let full = count(c, layers, LayerKind::FullAttention);
+        let rows = tokens * c.num_attention_heads;
+        (full * (rows * c.head_dim * 4 + remote_pages * rows * (c.head_dim + 2) * 4)) as u64
+    }
+
+    /// Moving `rows` positions of every full-attention layer to the helper.
+    pub fn offload(c: &ModelConfig, rows: usize) -> u64 {
+        (rows * count(c, 0..c.num_hidden_layers, LayerKind::FullAttention) * kv_row(c)) as u64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn split_layer_is_on_a_cycle_boundary() {
+        assert_eq!(super::default_split_layer(64), 40);
+        assert_eq!(super::default_split_layer(24), 16);
+        assert_eq!(super::default_split_layer(8), 8);
+    }
+}

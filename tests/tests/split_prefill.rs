@@ -1,0 +1,182 @@
+//! Pipelined split prefill: the helper runs the tail layers of every ubatch but the last, and
+//! the result is bit-identical to the host alone, across ubatch sizes, split points, turns,
+//! KV offload, and a helper that dies mid-batch.
+
+use engine_core::generate::argmax;
+use engine_core::link::{pair, Link, MemoryLink};
+use engine_core::protocol::Configure;
+use engine_core::remote::{HelperClient, DEFAULT_MAX_FRAME};
+use engine_core::split::{prefill, SplitPlan};
+use engine_core::{CpuBackend, Logits, Model, State};
+use phone_ios::{Helper, HelperOptions};
+use tests::{fixtures_dir, Reference};
+
+fn model(fixture: &str) -> Model {
+    Model::load_dir(&fixtures_dir().join(fixture)).unwrap()
+}
+
+fn attach(
+    m: &Model,
+    st: &mut State,
+    link: impl Link + 'static,
+    split: usize,
+    page: usize,
+    budget: Option<usize>,
+) {
+    let cfg = Configure {
+        first_layer: split as u32,
+        end_layer: m.config.num_hidden_layers as u32,
+        page_size: page as u32,
+    };
+    st.remote = Some(HelperClient::connect(Box::new(link), m, cfg, DEFAULT_MAX_FRAME).unwrap());
+    st.host_kv_tokens = budget;
+}
+
+/// Two turns: prompt 1, `gen` greedy tokens, prompt 2, `gen` more. Returns all logits.
+fn two_turns(
+    m: &Model,
+    st: &mut State,
+    p1: &[u32],
+    p2: &[u32],
+    gen: usize,
+    plan: &SplitPlan,
+) -> (Vec<Vec<f32>>, Vec<usize>) {
+    let mut out = Vec::new();
+    let mut on_helper = Vec::new();
+    for p in [p1, p2] {
+        let (mut logits, report) = prefill(m, &CpuBackend, st, p, plan).unwrap();
+        assert_eq!(report.fallback, None);
+        on_helper.push(report.on_helper);
+        for _ in 0..gen {
+            out.push(logits.clone());
+            logits = m
+                .forward(&CpuBackend, st, &[argmax(&logits)], Logits::Last, None)
+                .unwrap();
+        }
+        out.push(logits);
+    }
+    (out, on_helper)
+}
+
+fn serve(m: &Model, mut link: MemoryLink) {
+    Helper::new(
+        m,
+        &CpuBackend,
+        HelperOptions {
+            mem_budget: 1 << 30,
+            max_frame: DEFAULT_MAX_FRAME,
+        },
+    )
+    .serve(&mut link);
+}
+
+#[test]
+fn split_prefill_is_bit_identical_to_the_host_alone() {
+    let m = model("tiny_fp32_T150");
+    let r = Reference::load("tiny_fp32_T150");
+    let prompt = r.ids("prompt_ids");
+    let (p1, p2) = prompt.split_at(100);
+    // (ubatch, split layer, page size, host KV budget)
+    for (ubatch, split, page, budget) in [
+        (32, 4, 16, None),
+        (7, 4, 8, None),
+        (64, 4, 64, None),
+        (16, 4, 8, Some(24)),
+        (33, 0, 16, Some(40)),
+    ] {
+        let plan = SplitPlan {
+            min_tokens: 20,
+            ubatch,
+        };
+        let (want, _) = two_turns(&m, &mut m.new_state(page), p1, p2, 6, &plan);
+        std::thread::scope(|scope| {
+            let (host_end, helper_end) = pair();
+            scope.spawn(|| serve(&m, helper_end));
+            let mut st = m.new_state(page);
+            attach(&m, &mut st, host_end, split, page, budget);
+            let (got, on_helper) = two_turns(&m, &mut st, p1, p2, 6, &plan);
+            assert!(
+                on_helper[0] > 0 && (on_helper[1] > 0 || p2.len() <= ubatch),
+                "ubatch {ubatch}: the helper ran nothing ({on_helper:?})"
+            );
+            assert!(
+                got == want,
+                "ubatch {ubatch} split {split} page {page} budget {budget:?}: logits differ"
+            );
+        });
+    }
+    // And the reference's own greedy continuation of the whole prompt, split.
+    std::thread::scope(|scope| {
+        let (host_end, helper_end) = pair();
+        scope.spawn(|| serve(&m, helper_end));
+        let mut st = m.new_state(16);
+        attach(&m, &mut st, host_end, 4, 16, None);
+        let plan = SplitPlan {
+            min_tokens: 20,
+            ubatch: 40,
+        };
+        let (mut logits, _) = prefill(&m, &CpuBackend, &mut st, &prompt, &plan).unwrap();
+        let mut ids = Vec::new();
+        for _ in 0..r.ids("gen_ids").len() {
+            ids.push(argmax(&logits));
+            logits = m
+                .forward(
+                    &CpuBackend,
+                    &mut st,
+                    &[*ids.last().unwrap()],
+                    Logits::Last,
+                    None,
+                )
+                .unwrap();
+        }
+        assert_eq!(ids, r.ids("gen_ids"));
+    });
+}
+
+/// Forwards frames to a real helper until `frames` have gone to it, then drops the link:
+/// a helper that vanishes mid-batch.
+fn dying_helper(m: &Model, mut host_side: MemoryLink, frames: usize) {
+    let (mut to_helper, helper_end) = pair();
+    std::thread::scope(move |scope| {
+        scope.spawn(move || serve(m, helper_end));
+        for _ in 0..frames {
+            let Ok(f) = host_side.recv() else { break };
+            to_helper.send(f).unwrap();
+            let reply = to_helper.recv().unwrap();
+            host_side.send(reply).unwrap();
+        }
+        // Vanish: close both links (the helper's session then ends too).
+        drop(to_helper);
+        drop(host_side);
+    });
+}
+
+#[test]
+fn a_helper_that_dies_mid_batch_costs_time_not_tokens() {
+    let m = model("tiny_fp32_T150");
+    let prompt = Reference::load("tiny_fp32_T150").ids("prompt_ids");
+    let plan = SplitPlan {
+        min_tokens: 20,
+        ubatch: 16,
+    };
+    let (want, _) = prefill(&m, &CpuBackend, &mut m.new_state(16), &prompt, &plan).unwrap();
+    // 2 frames: Hello and Configure; then it dies after 0, 1 or 4 ubatches.
+    for frames in [2, 3, 6] {
+        std::thread::scope(|scope| {
+            let (host_end, relay) = pair();
+            scope.spawn(|| dying_helper(&m, relay, frames));
+            let mut st = m.new_state(16);
+            attach(&m, &mut st, host_end, 4, 16, None);
+            let (got, report) = prefill(&m, &CpuBackend, &mut st, &prompt, &plan).unwrap();
+            assert!(
+                report.fallback.is_some(),
+                "after {frames} frames the helper should have failed"
+            );
+            assert!(
+                got == want,
+                "after {frames} frames: logits differ from the host alone"
+            );
+            assert!(st.remote.is_none());
+        });
+    }
+}
