@@ -1,6 +1,7 @@
 //! `tether`: the host command line.
 
 mod bench;
+mod demo;
 mod eval;
 mod helper;
 mod load;
@@ -21,6 +22,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Tether a helper on loopback, run a long prompt split with it, check against the host alone.
+    Demo(demo::Args),
     /// Generate text from a prompt, streamed to stdout.
     Run(run::Args),
     /// Write reference-format logits and greedy ids for a list of token ids.
@@ -59,6 +62,7 @@ struct SynthArgs {
 fn main() {
     let cli = Cli::parse();
     let result = match cli.command {
+        Command::Demo(a) => demo::run(a),
         Command::Run(a) => run::run(a),
         Command::Eval(a) => eval::run(a),
         Command::Tokenize(a) => tokenize(a),

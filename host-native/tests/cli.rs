@@ -178,3 +178,39 @@ fn bad_arguments_fail_with_a_message() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("not a directory, nor a preset"), "{err}");
 }
+
+#[test]
+fn demo_splits_offloads_and_checks_against_the_host_alone() {
+    let out = tether(&[
+        "demo",
+        "--model",
+        "tiny",
+        "--layers",
+        "12",
+        "--dtype",
+        "f32",
+        "--prompt-tokens",
+        "700",
+        "--gen",
+        "4",
+        "--page-size",
+        "32",
+        "--host-kv-tokens",
+        "128",
+        "--link",
+        "unlimited",
+    ]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("check: tokens identical (4 generated), logits bit-identical"),
+        "{text}"
+    );
+    assert!(
+        text.contains("had layers 8..12 run on the helper"),
+        "{text}"
+    );
+    assert!(
+        text.contains("PrefillChunk") && text.contains("AttnPartials"),
+        "{text}"
+    );
+}
