@@ -11,6 +11,7 @@ pub mod generate;
 pub mod kv;
 pub mod link;
 pub mod model;
+pub mod plan;
 pub mod protocol;
 pub mod remote;
 pub mod source;

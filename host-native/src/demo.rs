@@ -6,9 +6,9 @@
 use std::io::Write;
 use std::time::Instant;
 
-use anyhow::{ensure, Context, Result};
+use anyhow::{ensure, Result};
 use engine_core::generate::argmax;
-use engine_core::link::{ws, LinkProfile, ShapedLink};
+use engine_core::link::{ws, ShapedLink};
 use engine_core::model::LayerState;
 use engine_core::protocol::Configure;
 use engine_core::remote::{HelperClient, DEFAULT_MAX_FRAME};
@@ -102,13 +102,7 @@ pub fn run(a: Args) -> Result<()> {
         split < n,
         "the model has too few layers ({n}) to split on a 4-layer cycle"
     );
-    let profile = LinkProfile::preset(&a.link).with_context(|| {
-        format!(
-            "--link {}: known profiles are {}",
-            a.link,
-            LinkProfile::PRESETS.join(", ")
-        )
-    })?;
+    let profile = crate::helper::link_profile(&a.link)?;
     let tokenizer = Tokenizer::byte_level(c.vocab_size);
     // A long prompt from text: the byte-level tokenizer turns each byte into a token.
     let text = "tether lends a small computer a second device's memory and compute. "

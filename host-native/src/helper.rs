@@ -2,6 +2,7 @@
 
 use anyhow::{bail, Context, Result};
 use engine_core::link::{ws, LinkProfile, LinkStats, ShapedLink, StatsHandle};
+use engine_core::plan::{Plan, PlanInput};
 use engine_core::protocol::Configure;
 use engine_core::remote::{HelperClient, DEFAULT_MAX_FRAME};
 use engine_core::split::{default_split_layer, SplitPlan};
@@ -50,13 +51,7 @@ impl HelperArgs {
             }
             return Ok(None);
         };
-        let profile = LinkProfile::preset(&self.link).with_context(|| {
-            format!(
-                "--link {}: known profiles are {}",
-                self.link,
-                LinkProfile::PRESETS.join(", ")
-            )
-        })?;
+        let profile = link_profile(&self.link)?;
         let ws = ws::connect(url, self.max_frame)
             .with_context(|| format!("connecting to the helper at {url}"))?;
         let link = ShapedLink::new(ws, profile);
@@ -80,6 +75,36 @@ impl HelperArgs {
 }
 
 impl HelperArgs {
+    /// The session plan for this host and, if one is named, the helper (asked for its offer).
+    pub fn session_plan(
+        &self,
+        model: &Model,
+        page_size: usize,
+        context: usize,
+        prompt: usize,
+    ) -> Result<Plan> {
+        let mut state = model.new_state(page_size);
+        self.attach(model, &mut state, page_size)?;
+        let n = model.config.num_hidden_layers;
+        let input = PlanInput {
+            context,
+            prompt,
+            page_size,
+            host_kv_tokens: self.host_kv_tokens,
+            helper_mem: state.remote.as_ref().map(|r| r.helper.mem_offer),
+            split_layer: self.split_layer.unwrap_or_else(|| default_split_layer(n)),
+            split_min: self.split_min,
+            split_ubatch: self.split_ubatch,
+            link: self
+                .helper
+                .as_ref()
+                .and_then(|_| LinkProfile::preset(&self.link))
+                .filter(|l| l.bandwidth_bps.is_finite())
+                .map(|l| (l.bandwidth_bps, l.latency.as_secs_f64())),
+        };
+        Ok(Plan::new(&model.config, &input))
+    }
+
     /// How `run` and `bench` prefill: split when a helper is attached, else in `ubatch` chunks.
     pub fn plan(&self, ubatch: usize) -> SplitPlan {
         if self.helper.is_some() {
@@ -94,6 +119,16 @@ impl HelperArgs {
             }
         }
     }
+}
+
+/// A link profile by name, for `--link`.
+pub fn link_profile(name: &str) -> Result<LinkProfile> {
+    LinkProfile::preset(name).with_context(|| {
+        format!(
+            "--link {name}: known profiles are {}",
+            LinkProfile::PRESETS.join(", ")
+        )
+    })
 }
 
 /// The link's traffic as JSON: bytes and messages by type, both directions.

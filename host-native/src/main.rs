@@ -34,6 +34,26 @@ enum Command {
     Bench(bench::Args),
     /// Write a synthetic model (seeded random weights) as a HF-style directory.
     Synth(SynthArgs),
+    /// Explain what would run where for a context, and what it costs on the link.
+    Plan(PlanArgs),
+}
+
+#[derive(clap::Args)]
+struct PlanArgs {
+    #[arg(long)]
+    model: String,
+    /// Context length to plan for, in tokens.
+    #[arg(long, default_value_t = 32768)]
+    context: usize,
+    /// Prompt length of the request to plan for.
+    #[arg(long, default_value_t = 2048)]
+    prompt_tokens: usize,
+    #[arg(long, default_value_t = 4096)]
+    page_size: usize,
+    #[command(flatten)]
+    synth: load::SynthOptions,
+    #[command(flatten)]
+    helper: helper::HelperArgs,
 }
 
 #[derive(clap::Args)]
@@ -68,6 +88,7 @@ fn main() {
         Command::Tokenize(a) => tokenize(a),
         Command::Bench(a) => bench::run(a),
         Command::Synth(a) => synth(a),
+        Command::Plan(a) => plan(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");
@@ -94,6 +115,17 @@ fn synth(a: SynthArgs) -> anyhow::Result<()> {
         a.out.display(),
         config.num_hidden_layers,
         a.synth.dtype()?.name()
+    );
+    Ok(())
+}
+
+fn plan(a: PlanArgs) -> anyhow::Result<()> {
+    let model = engine_core::source::load_model(&a.model, &a.synth)?;
+    print!(
+        "{}",
+        a.helper
+            .session_plan(&model, a.page_size, a.context, a.prompt_tokens)?
+            .text
     );
     Ok(())
 }
