@@ -59,12 +59,34 @@ impl PagedKv {
         self.len - self.remote_len
     }
 
+    /// Forget positions `>= len`, the remote's too (the caller truncates the remote). When
+    /// `len` falls inside a remote page, `refill` holds that page's rows below `len`, fetched
+    /// back so the page lives here again with its boundaries unchanged.
+    pub fn rewind(&mut self, len: usize, refill: Option<(Vec<f32>, Vec<f32>)>) -> Result<()> {
+        if len >= self.remote_len {
+            return self.truncate(len);
+        }
+        let start = len / self.page_size * self.page_size;
+        let (k, v) = refill.unwrap_or_default();
+        if k.len() != (len - start) * self.row || v.len() != k.len() {
+            return Err(Error::Invalid(format!(
+                "rewinding to {len} needs the rows {start}..{len} back, got {} values",
+                k.len()
+            )));
+        }
+        self.pages.clear();
+        self.remote_len = start;
+        self.len = start;
+        self.append(&k, &v);
+        Ok(())
+    }
+
     /// K and V rows of positions `start .. start + len` held here, copied out `[len, row]`.
     pub fn rows(&self, start: usize, len: usize) -> Result<(Vec<f32>, Vec<f32>)> {
-        if start < self.remote_len || start + len > self.len {
+        if start < self.remote_len || start.checked_add(len).is_none_or(|end| end > self.len) {
             return Err(Error::Invalid(format!(
                 "KV rows {start}..{} are not all held here ({}..{})",
-                start + len,
+                start.saturating_add(len),
                 self.remote_len,
                 self.len
             )));
@@ -97,6 +119,10 @@ impl PagedKv {
 
     pub fn len(&self) -> usize {
         self.len
+    }
+
+    pub fn page_size(&self) -> usize {
+        self.page_size
     }
 
     pub fn is_empty(&self) -> bool {

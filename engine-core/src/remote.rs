@@ -35,6 +35,9 @@ pub struct HelperClient {
     pub prefill_layers: std::ops::Range<usize>,
     /// The helper's mirror of its prefill layers holds rows and state for positions below this.
     pub mirror_pos: usize,
+    /// A rewind left the mirror's DeltaNet states at a later position than its rows: the next
+    /// split prefill must push the host's states even if no rows are new.
+    pub mirror_stale: bool,
     /// Replies that arrived while a later request was awaited: a pipelined
     /// prefill chunk's reply can come in while the host waits for an attention query.
     early: std::collections::BTreeMap<u32, Vec<u8>>,
@@ -56,6 +59,7 @@ impl HelperClient {
             max_frame,
             prefill_layers: configure.first_layer as usize..configure.end_layer as usize,
             mirror_pos: 0,
+            mirror_stale: false,
             early: Default::default(),
             helper: Intro {
                 version: PROTOCOL_VERSION,
@@ -188,6 +192,44 @@ impl HelperClient {
         };
         match self.request(msg)? {
             Message::Ack => Ok(()),
+            other => Err(unexpected("Ack", &other)),
+        }
+    }
+
+    /// KV rows `[len, kv_heads * head_dim]` of `layer` from position `start`, back from the helper.
+    pub fn fetch(
+        &mut self,
+        layer: usize,
+        start: usize,
+        len: usize,
+    ) -> Result<(Vec<f32>, Vec<f32>)> {
+        let msg = Message::KvFetch {
+            seq: self.seq,
+            layer: layer as u32,
+            start: start as u64,
+            len: len as u64,
+        };
+        match self.request(msg)? {
+            Message::KvRows { k, v, start: s, .. }
+                if s as usize == start && k.shape.first() == Some(&len) =>
+            {
+                Ok((k.data, v.data))
+            }
+            other => Err(unexpected("KvRows", &other)),
+        }
+    }
+
+    /// Drop every position `>= len` the helper holds for this sequence (pages and mirror).
+    pub fn truncate(&mut self, len: usize) -> Result<()> {
+        match self.request(Message::KvTruncate {
+            seq: self.seq,
+            len: len as u64,
+        })? {
+            Message::Ack => {
+                self.mirror_pos = self.mirror_pos.min(len);
+                self.mirror_stale = true;
+                Ok(())
+            }
             other => Err(unexpected("Ack", &other)),
         }
     }

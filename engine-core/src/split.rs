@@ -191,7 +191,7 @@ fn full_layers(model: &Model, layers: &std::ops::Range<usize>) -> Vec<usize> {
 fn sync_mirror(state: &mut State) -> Result<Option<usize>> {
     let client = state.remote.as_ref().expect("a helper is attached");
     let (from, to) = (client.mirror_pos, state.pos);
-    if from >= to {
+    if from >= to && !client.mirror_stale {
         return Ok(None);
     }
     let tail = client.prefill_layers.clone();
@@ -230,6 +230,7 @@ fn sync_mirror(state: &mut State) -> Result<Option<usize>> {
     match client.reply(req)? {
         Message::Ack => {
             client.mirror_pos = to;
+            client.mirror_stale = false;
             Ok(Some(to - rows_from))
         }
         other => Err(unexpected("Ack", &other)),

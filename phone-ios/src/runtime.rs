@@ -412,6 +412,30 @@ impl<'a> Helper<'a> {
                 st.pos = pos as usize + rows;
                 Ok(Message::Ack)
             }
+            Message::KvFetch {
+                seq,
+                layer,
+                start,
+                len,
+            } => {
+                self.check_full_layer(layer)?;
+                let st = s
+                    .seqs
+                    .get_mut(&seq)
+                    .ok_or_else(|| Refusal("missing", format!("no KV held for sequence {seq}")))?;
+                let kv = kv_of(st, layer);
+                let width = kv.row_width();
+                let (k, v) = kv
+                    .rows(start as usize, len as usize)
+                    .map_err(|e| Refusal("missing", e.to_string()))?;
+                Ok(Message::KvRows {
+                    seq,
+                    layer,
+                    start,
+                    k: WireTensor::f32(vec![len as usize, width], k),
+                    v: WireTensor::f32(vec![len as usize, width], v),
+                })
+            }
             Message::KvTruncate { seq, len } => {
                 if let Some(st) = s.seqs.get_mut(&seq) {
                     for l in &mut st.layers {

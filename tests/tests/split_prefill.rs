@@ -180,3 +180,50 @@ fn a_helper_that_dies_mid_batch_costs_time_not_tokens() {
         });
     }
 }
+
+/// Turn 1, checkpoint, turn 2a, rewind, turn 2b: the same logits as turn 1 then turn 2b on the
+/// host alone, with the cut inside a page that lives on the helper and on a page boundary.
+#[test]
+fn rewinding_an_edited_turn_matches_a_run_that_never_had_it() {
+    let m = model("tiny_fp32_T150");
+    let prompt = Reference::load("tiny_fp32_T150").ids("prompt_ids");
+    let (p1, rest) = prompt.split_at(70);
+    let (p2a, p2b) = rest.split_at(40);
+    let plan = SplitPlan {
+        min_tokens: 20,
+        ubatch: 16,
+    };
+    let turn = |st: &mut State, p: &[u32]| -> Vec<Vec<f32>> {
+        let (mut logits, _) = prefill(&m, &CpuBackend, st, p, &plan).unwrap();
+        let mut out = Vec::new();
+        for _ in 0..5 {
+            out.push(logits.clone());
+            logits = m
+                .forward(&CpuBackend, st, &[argmax(&logits)], Logits::Last, None)
+                .unwrap();
+        }
+        out.push(logits);
+        out
+    };
+    // (page size, budget): turn 1 ends at 75, inside page 64..80 on the helper (budget 8), or
+    // at a boundary of pages of 25 (75 = 3 x 25).
+    for (page, budget) in [(16, 8), (25, 10)] {
+        let mut host = m.new_state(page);
+        let want = [turn(&mut host, p1), turn(&mut host, p2b)].concat();
+        std::thread::scope(|scope| {
+            let (host_end, helper_end) = pair();
+            scope.spawn(|| serve(&m, helper_end));
+            let mut st = m.new_state(page);
+            attach(&m, &mut st, host_end, 4, page, Some(budget));
+            let mut got = turn(&mut st, p1);
+            let cp = st.checkpoint();
+            turn(&mut st, p2a);
+            st.rewind(&cp).unwrap();
+            got.extend(turn(&mut st, p2b));
+            assert!(
+                got == want,
+                "page {page} budget {budget}: logits after the rewind differ"
+            );
+        });
+    }
+}

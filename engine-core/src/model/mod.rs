@@ -11,7 +11,7 @@ mod attention;
 mod deltanet;
 mod state;
 
-pub use state::{LayerState, State};
+pub use state::{Checkpoint, LayerState, State};
 
 use crate::backend::Backend;
 use crate::config::{LayerKind, ModelConfig};

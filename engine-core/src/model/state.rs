@@ -14,6 +14,15 @@ pub struct DeltaState {
     pub conv: Vec<f32>,
 }
 
+/// A point a sequence can return to: the DeltaNet states at `pos` (KV rows are simply cut).
+/// The recurrent state cannot be rewound by position, so a session takes one where a rewind
+/// may land (the end of each turn).
+#[derive(Clone, Debug)]
+pub struct Checkpoint {
+    pub pos: usize,
+    delta: Vec<(usize, DeltaState)>,
+}
+
 #[derive(Clone, Debug)]
 pub enum LayerState {
     Attention(PagedKv),
@@ -59,6 +68,83 @@ impl State {
             remote: None,
             host_kv_tokens: None,
         }
+    }
+
+    pub fn checkpoint(&self) -> Checkpoint {
+        let delta = self
+            .layers
+            .iter()
+            .enumerate()
+            .filter_map(|(i, l)| match l {
+                LayerState::DeltaNet(d) => Some((i, d.clone())),
+                LayerState::Attention(_) => None,
+            })
+            .collect();
+        Checkpoint {
+            pos: self.pos,
+            delta,
+        }
+    }
+
+    /// Return to `cp` (an edited conversation): cut every KV cache (the helper's too) back to
+    /// its position and restore the DeltaNet states. Pages the cut falls into come back from the
+    /// helper whole, so page boundaries, and so results, stay those of an uncut run. On error
+    /// nothing here has changed.
+    pub fn rewind(&mut self, cp: &Checkpoint) -> Result<()> {
+        if cp.pos > self.pos
+            || cp.delta.len()
+                != self
+                    .layers
+                    .iter()
+                    .filter(|l| matches!(l, LayerState::DeltaNet(_)))
+                    .count()
+        {
+            return Err(Error::Invalid(format!(
+                "cannot rewind from position {} to a checkpoint at {} of another sequence or the future",
+                self.pos, cp.pos
+            )));
+        }
+        let len = cp.pos;
+        let mut refills = Vec::new();
+        let mut helper_len = len;
+        for (i, l) in self.layers.iter().enumerate() {
+            let LayerState::Attention(kv) = l else {
+                continue;
+            };
+            if len < kv.remote_len() {
+                let start = len / kv.page_size() * kv.page_size();
+                helper_len = start;
+                let remote = self.remote.as_mut().ok_or_else(|| {
+                    Error::Invalid(
+                        "the KV pages to rewind into are on a helper that is gone".into(),
+                    )
+                })?;
+                let rows = if len > start {
+                    Some(remote.fetch(i, start, len - start)?)
+                } else {
+                    None
+                };
+                refills.push((i, rows));
+            }
+        }
+        if let Some(remote) = self.remote.as_mut() {
+            remote.truncate(helper_len)?;
+        }
+        let mut refills = refills.into_iter().peekable();
+        for (i, l) in self.layers.iter_mut().enumerate() {
+            if let LayerState::Attention(kv) = l {
+                let refill = match refills.peek() {
+                    Some((j, _)) if *j == i => refills.next().and_then(|(_, r)| r),
+                    _ => None,
+                };
+                kv.rewind(len, refill)?;
+            }
+        }
+        for (i, d) in &cp.delta {
+            self.layers[*i] = LayerState::DeltaNet(d.clone());
+        }
+        self.pos = len;
+        Ok(())
     }
 
     /// Move the oldest whole KV pages of every full-attention layer to the remote until at most
