@@ -385,31 +385,54 @@ impl<'a> Helper<'a> {
                         ));
                     }
                 }
+                // Check everything before changing anything: a refused sync leaves the mirror
+                // as it was.
+                let end = (pos as usize).checked_add(rows).ok_or_else(|| {
+                    Refusal("order", format!("mirror position {pos} is out of range"))
+                })?;
+                let c = &self.model.config;
+                let state_len =
+                    c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim;
+                let conv_len = (c.linear_conv_kernel_dim - 1) * c.conv_dim();
+                for &l in &kv_layers {
+                    self.check_full_layer(l)?;
+                }
+                for (&l, (sv, conv)) in delta_layers.iter().zip(&states) {
+                    if c.layer_types[l as usize] != LayerKind::LinearAttention
+                        || sv.data.len() != state_len
+                        || conv.data.len() != conv_len
+                    {
+                        return Err(Refusal(
+                            "shape",
+                            format!("layer {l}: not a DeltaNet state of this model"),
+                        ));
+                    }
+                }
                 let st = s
                     .seqs
                     .entry(seq)
                     .or_insert_with(|| self.model.new_state(page_size));
+                for &l in &kv_layers {
+                    let have = kv_of(st, l).len();
+                    if pos as usize > have {
+                        return Err(Refusal(
+                            "order",
+                            format!(
+                                "layer {l}: rows at {pos} would leave a gap after the {have} held"
+                            ),
+                        ));
+                    }
+                }
                 for (&l, (k, v)) in kv_layers.iter().zip(&kv) {
-                    self.check_full_layer(l)?;
                     append_rows(kv_of(st, l), l, pos as usize, &k.data, &v.data)?;
                 }
                 for (&l, (sv, conv)) in delta_layers.iter().zip(states) {
-                    let LayerState::DeltaNet(d) = &mut st.layers[l as usize] else {
-                        return Err(Refusal(
-                            "layer",
-                            format!("layer {l} is not a DeltaNet layer"),
-                        ));
-                    };
-                    if sv.data.len() != d.s.len() || conv.data.len() != d.conv.len() {
-                        return Err(Refusal(
-                            "shape",
-                            format!("layer {l}: DeltaNet state of the wrong size"),
-                        ));
+                    if let LayerState::DeltaNet(d) = &mut st.layers[l as usize] {
+                        d.s = sv.data;
+                        d.conv = conv.data;
                     }
-                    d.s = sv.data;
-                    d.conv = conv.data;
                 }
-                st.pos = pos as usize + rows;
+                st.pos = end;
                 Ok(Message::Ack)
             }
             Message::KvFetch {

@@ -29,7 +29,11 @@ pub fn attend_page(shape: AttnShape, q: &[f32], q_pos: &[usize], page: &KvPage) 
     let t = q_pos.len();
     assert_eq!(q.len(), t * q_heads * d);
     // Keys at positions start..start+n are visible to a query at `pos`.
-    let visible = |pos: usize| (pos + 1).saturating_sub(page.start).min(page.len);
+    let visible = |pos: usize| {
+        pos.saturating_add(1)
+            .saturating_sub(page.start)
+            .min(page.len)
+    };
     let tasks: Vec<(usize, usize)> = (0..kv_heads)
         .flat_map(|kvh| (0..t).step_by(ROWS).map(move |r0| (kvh, r0)))
         .collect();
