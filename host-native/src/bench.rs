@@ -83,7 +83,8 @@ pub fn run(a: Args) -> Result<()> {
             .unwrap_or(0)
     };
     let c = &model.config;
-    let moved_before = remote_len(&state);
+    let (moved_before, pos_before) = (remote_len(&state), state.pos);
+    let split_ubatch = a.helper.plan(a.ubatch).ubatch.max(1);
     let t0 = Instant::now();
     let (mut logits, split) = prefill(&model, &be, &mut state, &prompt, &a.helper.plan(a.ubatch))?;
     let prefill_s = t0.elapsed().as_secs_f64();
@@ -94,20 +95,41 @@ pub fn run(a: Args) -> Result<()> {
     });
     // During the prefill the remote pages are those moved before it; the host's layers attend
     // over them for every row, the tail's only for the rows it ran itself.
-    let pages = moved_before / a.page_size;
     let n = c.num_hidden_layers;
     let prefill_min = state.remote.as_ref().map_or(0, |r| {
         let tail = r.prefill_layers.clone();
-        let host_rows = a.prompt_tokens - split.rows_on_helper;
-        minimum::prefill(
+        let moves = minimum::prefill(
             c,
             tail.clone(),
             split.rows_on_helper,
             split.synced_rows,
             split.mirror_synced,
-        ) + minimum::offload(c, remote_len(&state) - moved_before)
-            + minimum::attend(c, 0..tail.start, a.prompt_tokens, pages)
-            + minimum::attend(c, tail.start..n, host_rows, pages)
+        ) + minimum::offload(c, remote_len(&state) - moved_before);
+        let pages = moved_before / a.page_size;
+        if split.on_helper > 0 {
+            // A split prefill moves pages only at its end: every ubatch sees the pages moved
+            // before it, the host's layers for every row, the tail's for the rows it ran.
+            moves
+                + minimum::attend(c, 0..tail.start, a.prompt_tokens, pages)
+                + minimum::attend(
+                    c,
+                    tail.start..n,
+                    a.prompt_tokens - split.rows_on_helper,
+                    pages,
+                )
+        } else {
+            // Ubatch by ubatch on the host, pages moving after each one as the budget demands.
+            let budget = a.helper.host_kv_tokens().unwrap_or(usize::MAX);
+            let (mut remote, mut pos, mut attend) = (moved_before, pos_before, 0);
+            for chunk in prompt.chunks(split_ubatch) {
+                attend += minimum::attend(c, 0..n, chunk.len(), remote / a.page_size);
+                pos += chunk.len();
+                while pos - remote > budget && remote + a.page_size <= pos {
+                    remote += a.page_size;
+                }
+            }
+            moves + attend
+        }
     });
     let mut decode_min = 0;
     let t1 = Instant::now();

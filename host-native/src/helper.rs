@@ -105,6 +105,10 @@ impl HelperArgs {
         Ok(Plan::new(&model.config, &input))
     }
 
+    pub fn host_kv_tokens(&self) -> Option<usize> {
+        self.host_kv_tokens
+    }
+
     /// How `run` and `bench` prefill: split when a helper is attached, else in `ubatch` chunks.
     pub fn plan(&self, ubatch: usize) -> SplitPlan {
         if self.helper.is_some() {
