@@ -107,14 +107,15 @@ impl PagedKv {
         Ok((k, v))
     }
 
-    /// Remove the oldest local page if it is full, for moving it to the remote.
-    pub fn pop_full_page(&mut self) -> Option<KvPage> {
-        if self.pages.first()?.len < self.page_size {
-            return None;
-        }
+    /// The oldest local page, if it is full (the next to move to the remote).
+    pub fn oldest_full_page(&self) -> Option<&KvPage> {
+        self.pages.first().filter(|p| p.len == self.page_size)
+    }
+
+    /// Forget the oldest local page once the remote holds it.
+    pub fn drop_oldest_page(&mut self) {
         let page = self.pages.remove(0);
         self.remote_len += page.len;
-        Some(page)
     }
 
     pub fn len(&self) -> usize {

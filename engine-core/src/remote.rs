@@ -15,6 +15,9 @@ use crate::protocol::{
 /// of 256) is 32 MiB for K and V together.
 pub const DEFAULT_MAX_FRAME: usize = 256 << 20;
 
+/// How long a request waits for its reply before the helper counts as gone.
+const REPLY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(120);
+
 /// Replies held for later requests at most (a pipeline keeps one per ubatch in flight).
 const MAX_EARLY: usize = 4096;
 
@@ -125,7 +128,14 @@ impl HelperClient {
         let frame = match self.early.remove(&req) {
             Some(f) => f,
             None => loop {
-                let f = self.link.recv()?;
+                // A helper that stops answering without closing the link (a suspended phone)
+                // counts as gone, so the host falls back instead of waiting forever.
+                let f = self.link.recv_timeout(REPLY_TIMEOUT)?.ok_or_else(|| {
+                    Error::Remote(format!(
+                        "no reply to request {req} in {} s",
+                        REPLY_TIMEOUT.as_secs()
+                    ))
+                })?;
                 let id = crate::protocol::message::request_id(&f).ok_or_else(|| {
                     Error::Remote("a frame without a header from the helper".into())
                 })?;
@@ -146,6 +156,11 @@ impl HelperClient {
             Message::Error { code, message } => Err(Error::Remote(format!("{code}: {message}"))),
             other => Ok(other),
         }
+    }
+
+    /// The frame limit both sides agreed on.
+    pub fn max_frame(&self) -> usize {
+        self.max_frame
     }
 
     pub fn seq(&self) -> u64 {

@@ -78,11 +78,9 @@ pub fn prefill(
         mirror_synced: false,
         fallback: None,
     };
-    let split = state
-        .remote
-        .as_ref()
-        .is_some_and(|c| !c.prefill_layers.is_empty())
-        && tokens.len() > plan.min_tokens
+    let split = state.remote.as_ref().is_some_and(|c| {
+        !c.prefill_layers.is_empty() && c.prefill_layers.end == model.config.num_hidden_layers
+    }) && tokens.len() > plan.min_tokens
         && chunks.len() > 1;
     if !split {
         let mut logits = Vec::new();
@@ -122,7 +120,7 @@ pub fn prefill(
             model.run_layers(be, state, &mut x, at(i), 0..tail.start, None)?;
             sent.push(x.clone());
             let msg = Message::PrefillChunk {
-                seq: 0,
+                seq: state.remote.as_ref().expect("checked above").seq(),
                 pos: at(i) as u64,
                 want_state: i + 1 == head.len(),
                 residual: WireTensor::f32(vec![c.len(), model.config.hidden_size], x),
@@ -132,7 +130,8 @@ pub fn prefill(
         // The host's share of the last ubatch overlaps the helper's work on the ones before.
         model.run_layers(be, state, &mut x_last, at(head.len()), 0..tail.start, None)?;
         last_head_done = true;
-        collect(model, state, &reqs, start, &tail)
+        let lens: Vec<usize> = head.iter().map(|c| c.len()).collect();
+        collect(model, state, &reqs, &lens, start, &tail)
     })();
     match pipelined {
         Ok(()) => {
@@ -195,45 +194,62 @@ fn sync_mirror(state: &mut State) -> Result<Option<usize>> {
         return Ok(None);
     }
     let tail = client.prefill_layers.clone();
-    let (mut kv_layers, mut kv, mut delta_layers, mut states) =
-        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    // Rows already handed over as pages are on the helper; all full layers share remote_len.
     let mut rows_from = from;
-    for l in tail {
-        match &state.layers[l] {
-            LayerState::Attention(cache) => {
-                rows_from = from.max(cache.remote_len());
-                let (k, v) = cache.rows(rows_from, to - rows_from)?;
-                let shape = vec![to - rows_from, cache.row_width()];
-                kv_layers.push(l as u32);
-                kv.push((WireTensor::f32(shape.clone(), k), WireTensor::f32(shape, v)));
-            }
-            LayerState::DeltaNet(d) => {
-                delta_layers.push(l as u32);
-                let n = d.s.len();
-                states.push((
-                    WireTensor::f32(vec![n], d.s.clone()),
-                    WireTensor::f32(vec![d.conv.len()], d.conv.clone()),
-                ));
-            }
+    let mut row_bytes = 0;
+    for l in tail.clone() {
+        if let LayerState::Attention(cache) = &state.layers[l] {
+            rows_from = from.max(cache.remote_len());
+            row_bytes += 2 * cache.row_width() * 4;
         }
     }
-    let client = state.remote.as_mut().expect("a helper is attached");
-    let seq = client.seq();
-    let req = client.send(&Message::ChunkState {
-        seq,
-        pos: rows_from as u64,
-        kv_layers,
-        kv,
-        delta_layers,
-        states,
-    })?;
-    match client.reply(req)? {
-        Message::Ack => {
+    // Pieces that stay well inside the frame limit (a long decode can leave hundreds of MB
+    // behind the watermark); the DeltaNet states ride with the last piece.
+    let per_piece = (client.max_frame() / 2 / row_bytes.max(1)).max(1);
+    let mut at = rows_from;
+    loop {
+        let end = (at + per_piece).min(to);
+        let last = end == to;
+        let (mut kv_layers, mut kv, mut delta_layers, mut states) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for l in tail.clone() {
+            match &state.layers[l] {
+                LayerState::Attention(cache) => {
+                    let (k, v) = cache.rows(at, end - at)?;
+                    let shape = vec![end - at, cache.row_width()];
+                    kv_layers.push(l as u32);
+                    kv.push((WireTensor::f32(shape.clone(), k), WireTensor::f32(shape, v)));
+                }
+                LayerState::DeltaNet(d) if last => {
+                    delta_layers.push(l as u32);
+                    states.push((
+                        WireTensor::f32(vec![d.s.len()], d.s.clone()),
+                        WireTensor::f32(vec![d.conv.len()], d.conv.clone()),
+                    ));
+                }
+                LayerState::DeltaNet(_) => {}
+            }
+        }
+        let client = state.remote.as_mut().expect("a helper is attached");
+        let seq = client.seq();
+        let req = client.send(&Message::ChunkState {
+            seq,
+            pos: at as u64,
+            kv_layers,
+            kv,
+            delta_layers,
+            states,
+        })?;
+        match client.reply(req)? {
+            Message::Ack => {}
+            other => return Err(unexpected("Ack", &other)),
+        }
+        if last {
             client.mirror_pos = to;
             client.mirror_stale = false;
-            Ok(Some(to - rows_from))
+            return Ok(Some(to - rows_from));
         }
-        other => Err(unexpected("Ack", &other)),
+        at = end;
     }
 }
 
@@ -243,13 +259,19 @@ fn collect(
     model: &Model,
     state: &mut State,
     reqs: &[u32],
+    lens: &[usize],
     start: usize,
     tail: &std::ops::Range<usize>,
 ) -> Result<()> {
     let full = full_layers(model, tail);
+    let deltas: Vec<u32> = tail
+        .clone()
+        .filter(|&l| model.config.layer_types[l] == LayerKind::LinearAttention)
+        .map(|l| l as u32)
+        .collect();
     let mut pos = start;
     let mut final_states = None;
-    for &req in reqs {
+    for (i, (&req, &len)) in reqs.iter().zip(lens).enumerate() {
         let reply = state
             .remote
             .as_mut()
@@ -272,7 +294,14 @@ fn collect(
                 "chunk state for position {p} and layers {layers:?}, expected {pos} and {full:?}"
             )));
         }
-        let rows = kv.first().map_or(0, |(k, _)| k.shape[0]);
+        let rows = kv.first().map_or(len, |(k, _)| k.shape[0]);
+        // Only the batch's last reply carries states, all of the tail's DeltaNet layers.
+        let last = i + 1 == reqs.len();
+        if rows != len || (last && delta_layers != deltas) || (!last && !delta_layers.is_empty()) {
+            return Err(Error::Remote(format!(
+                "chunk state at {pos}: {rows} rows (expected {len}) and DeltaNet layers {delta_layers:?}"
+            )));
+        }
         for (&l, (k, v)) in layers.iter().zip(&kv) {
             let LayerState::Attention(cache) = &mut state.layers[l] else {
                 unreachable!("full layers")
@@ -286,7 +315,7 @@ fn collect(
             cache.append(&k.data, &v.data);
         }
         pos += rows;
-        if !delta_layers.is_empty() {
+        if last {
             final_states = Some((delta_layers, states));
         }
     }

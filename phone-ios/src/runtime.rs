@@ -19,6 +19,9 @@ use engine_core::protocol::{
 };
 use engine_core::{LayerKind, Model, State};
 
+/// Sequences one host may keep on this helper at once.
+const MAX_SEQS: usize = 64;
+
 pub struct HelperOptions {
     /// Bytes of KV pages this helper keeps at most.
     pub mem_budget: u64,
@@ -219,10 +222,7 @@ impl<'a> Helper<'a> {
                     ));
                 }
                 charge(rows, 1)?;
-                let st = s
-                    .seqs
-                    .entry(seq)
-                    .or_insert_with(|| self.model.new_state(page_size));
+                let st = self.seq_state(&mut s.seqs, seq, page_size)?;
                 append_rows(kv_of(st, layer), layer, start as usize, &k.data, &v.data)?;
                 Ok(Message::Ack)
             }
@@ -315,10 +315,17 @@ impl<'a> Helper<'a> {
                     .map(|l| l as u32)
                     .collect();
                 charge(rows, full.len())?;
-                let st = s
-                    .seqs
-                    .entry(seq)
-                    .or_insert_with(|| self.model.new_state(page_size));
+                let (at, held) = s.seqs.get_mut(&seq).map_or((0, 0), |st| {
+                    let held = full.iter().map(|&l| kv_of(st, l).len()).max().unwrap_or(0);
+                    (st.pos, held)
+                });
+                if pos as usize != at || held != at {
+                    return Err(Refusal(
+                        "order",
+                        format!("prefill chunk at {pos}, this helper's mirror is at {at} with {held} KV rows"),
+                    ));
+                }
+                let st = self.seq_state(&mut s.seqs, seq, page_size)?;
                 if pos as usize != st.pos {
                     return Err(Refusal(
                         "order",
@@ -394,8 +401,41 @@ impl<'a> Helper<'a> {
                 let state_len =
                     c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim;
                 let conv_len = (c.linear_conv_kernel_dim - 1) * c.conv_dim();
-                for &l in &kv_layers {
-                    self.check_full_layer(l)?;
+                let range = cfg.first_layer as usize..cfg.end_layer as usize;
+                let want = |kind: LayerKind| -> Vec<u32> {
+                    range
+                        .clone()
+                        .filter(|&l| c.layer_types[l] == kind)
+                        .map(|l| l as u32)
+                        .collect()
+                };
+                // Every piece carries all full layers' rows; the last also all DeltaNet states.
+                if kv_layers != want(LayerKind::FullAttention)
+                    || !(delta_layers.is_empty()
+                        || delta_layers == want(LayerKind::LinearAttention))
+                {
+                    return Err(Refusal(
+                        "layer",
+                        format!("a mirror sync must cover exactly this helper's layers {range:?}"),
+                    ));
+                }
+                if let Some(st) = s.seqs.get_mut(&seq) {
+                    for &l in &kv_layers {
+                        let have = kv_of(st, l).len();
+                        if pos as usize > have || have > end {
+                            return Err(Refusal(
+                                "order",
+                                format!(
+                                    "layer {l}: rows {pos}..{end} do not continue the {have} held"
+                                ),
+                            ));
+                        }
+                    }
+                } else if pos != 0 {
+                    return Err(Refusal(
+                        "order",
+                        format!("sequence {seq} is new here: a sync must start at 0, not {pos}"),
+                    ));
                 }
                 for (&l, (sv, conv)) in delta_layers.iter().zip(&states) {
                     if c.layer_types[l as usize] != LayerKind::LinearAttention
@@ -408,21 +448,7 @@ impl<'a> Helper<'a> {
                         ));
                     }
                 }
-                let st = s
-                    .seqs
-                    .entry(seq)
-                    .or_insert_with(|| self.model.new_state(page_size));
-                for &l in &kv_layers {
-                    let have = kv_of(st, l).len();
-                    if pos as usize > have {
-                        return Err(Refusal(
-                            "order",
-                            format!(
-                                "layer {l}: rows at {pos} would leave a gap after the {have} held"
-                            ),
-                        ));
-                    }
-                }
+                let st = self.seq_state(&mut s.seqs, seq, page_size)?;
                 for (&l, (k, v)) in kv_layers.iter().zip(&kv) {
                     append_rows(kv_of(st, l), l, pos as usize, &k.data, &v.data)?;
                 }
@@ -476,6 +502,25 @@ impl<'a> Helper<'a> {
                 format!("{:?} is not served by this helper", other.msg_type()),
             )),
         }
+    }
+
+    /// The state of sequence `seq`, made on first use; at most `MAX_SEQS` per session, since
+    /// each holds the DeltaNet state of every layer whatever a peer sends.
+    fn seq_state<'s>(
+        &self,
+        seqs: &'s mut BTreeMap<u64, State>,
+        seq: u64,
+        page_size: usize,
+    ) -> Result<&'s mut State, Refusal> {
+        if !seqs.contains_key(&seq) && seqs.len() >= MAX_SEQS {
+            return Err(Refusal(
+                "memory",
+                format!("this helper serves at most {MAX_SEQS} sequences per host"),
+            ));
+        }
+        Ok(seqs
+            .entry(seq)
+            .or_insert_with(|| self.model.new_state(page_size)))
     }
 
     fn check_full_layer(&self, layer: u32) -> Result<(), Refusal> {

@@ -227,3 +227,49 @@ fn rewinding_an_edited_turn_matches_a_run_that_never_had_it() {
         });
     }
 }
+
+/// A first turn too short to split leaves the helper's mirror far behind; with a small frame
+/// limit the sync goes in several pieces and the result is still the host's, bit for bit.
+#[test]
+fn a_mirror_far_behind_syncs_in_pieces() {
+    let m = model("tiny_fp32_T150");
+    let prompt = Reference::load("tiny_fp32_T150").ids("prompt_ids");
+    let (p1, p2) = prompt.split_at(70);
+    let plan = SplitPlan {
+        min_tokens: 60,
+        ubatch: 16,
+    };
+    let turns = |st: &mut State| -> Vec<Vec<f32>> {
+        let (a, r1) = prefill(
+            &m,
+            &CpuBackend,
+            st,
+            p1,
+            &SplitPlan {
+                min_tokens: 200,
+                ubatch: 16,
+            },
+        )
+        .unwrap();
+        let (b, r2) = prefill(&m, &CpuBackend, st, p2, &plan).unwrap();
+        assert_eq!(r1.on_helper, 0);
+        if st.remote.is_some() {
+            assert!(r2.on_helper > 0 && r2.synced_rows == 70, "{r2:?}");
+        }
+        vec![a, b]
+    };
+    let want = turns(&mut m.new_state(16));
+    std::thread::scope(|scope| {
+        let (host_end, helper_end) = pair();
+        scope.spawn(|| serve(&m, helper_end));
+        let mut st = m.new_state(16);
+        let cfg = Configure {
+            first_layer: 4,
+            end_layer: 8,
+            page_size: 16,
+        };
+        // 16 KiB frames: 32 rows of this model's tail KV per sync piece.
+        st.remote = Some(HelperClient::connect(Box::new(host_end), &m, cfg, 16 << 10).unwrap());
+        assert!(turns(&mut st) == want);
+    });
+}

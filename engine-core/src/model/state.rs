@@ -124,6 +124,14 @@ impl State {
                 } else {
                     None
                 };
+                // Check the rows before anything changes, here or on the helper.
+                if let Some((k, v)) = &rows {
+                    if k.len() != (len - start) * kv.row_width() || v.len() != k.len() {
+                        return Err(Error::Remote(format!(
+                            "layer {i}: the helper returned KV rows of the wrong size"
+                        )));
+                    }
+                }
                 refills.push((i, rows));
             }
         }
@@ -165,11 +173,14 @@ impl State {
                 continue;
             };
             let mut n = 0;
+            // The page leaves only once the helper has acknowledged it: a refusal (its memory
+            // budget) keeps it here.
             while kv.local_len() > host_tokens {
-                let Some(page) = kv.pop_full_page() else {
+                let Some(page) = kv.oldest_full_page() else {
                     break;
                 };
-                remote.store(i, &page)?;
+                remote.store(i, page)?;
+                kv.drop_oldest_page();
                 n += 1;
             }
             moved = moved.max(n);

@@ -554,7 +554,14 @@ pub fn decode(frame: &[u8], max_frame: usize) -> Result<(u32, Message), Protocol
     let msg = MsgType::from_code(frame[3]).ok_or(ProtocolError::UnknownType(frame[3]))?;
     let req = u32_at(frame, 4) as u32;
     let (meta_len, data_len) = (u32_at(frame, 8), u32_at(frame, 12));
-    let need = HEADER_LEN + meta_len + data_len;
+    // Checked: on a 32-bit target (wasm) two u32 lengths can overflow usize.
+    let need = HEADER_LEN
+        .checked_add(meta_len)
+        .and_then(|n| n.checked_add(data_len))
+        .ok_or(ProtocolError::TooLarge {
+            len: usize::MAX,
+            limit: max_frame,
+        })?;
     if frame.len() < need {
         return Err(ProtocolError::Truncated {
             need,
