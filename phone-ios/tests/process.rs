@@ -125,3 +125,46 @@ fn killing_the_helper_fails_only_the_sequence_that_needed_it() {
     let (ids, _) = generate(&m, &mut m.new_state(8), &r.ids("prompt_ids"), 5).unwrap();
     assert_eq!(ids, r.ids("gen_ids")[..5]);
 }
+
+#[test]
+fn killing_the_helper_process_during_a_split_prefill_costs_time_not_tokens() {
+    use engine_core::split::{prefill, SplitPlan};
+    let dir = fixtures_dir().join("tiny_fp32_T150");
+    let m = Model::load_dir(&dir).unwrap();
+    let prompt = Reference::load("tiny_fp32_T150").ids("prompt_ids");
+    let plan = SplitPlan {
+        min_tokens: 20,
+        ubatch: 8,
+    };
+    let (want, _) = prefill(&m, &CpuBackend, &mut m.new_state(16), &prompt, &plan).unwrap();
+    let mut fell_back = 0;
+    // The kill lands at different points of the batch (or after it): whenever it lands, the
+    // host finishes with the host-alone logits.
+    for delay_ms in [0u64, 5, 15, 40, 100] {
+        let mut helper = HelperProcess::start(dir.to_str().unwrap());
+        let link = ws::connect(&helper.url, DEFAULT_MAX_FRAME).unwrap();
+        let cfg = Configure {
+            first_layer: 4,
+            end_layer: 8,
+            page_size: 16,
+        };
+        let mut st = m.new_state(16);
+        st.remote =
+            Some(HelperClient::connect(Box::new(link), &m, cfg, DEFAULT_MAX_FRAME).unwrap());
+        let (got, report) = std::thread::scope(|scope| {
+            let child = &mut helper.child;
+            scope.spawn(move || {
+                std::thread::sleep(std::time::Duration::from_millis(delay_ms));
+                let _ = child.kill();
+                let _ = child.wait();
+            });
+            prefill(&m, &CpuBackend, &mut st, &prompt, &plan).unwrap()
+        });
+        assert!(
+            got == want,
+            "killed after {delay_ms} ms: logits differ ({report:?})"
+        );
+        fell_back += usize::from(report.fallback.is_some());
+    }
+    assert!(fell_back > 0, "no kill landed during a batch");
+}
