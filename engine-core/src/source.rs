@@ -3,6 +3,7 @@
 //! cannot drift apart.
 
 use crate::error::{Error, Result};
+#[cfg(not(target_arch = "wasm32"))]
 use crate::model::Model;
 use crate::synth;
 use crate::tensor::DType;

@@ -2,6 +2,7 @@
 
 use rayon::prelude::*;
 
+#[cfg(target_arch = "wasm32")]
 use super::matmul::dot;
 use crate::backend::AttnShape;
 use crate::kv::{KvPage, Partials};
@@ -43,49 +44,52 @@ pub fn attend_page(shape: AttnShape, q: &[f32], q_pos: &[usize], page: &KvPage) 
             let rows = ROWS.min(t - r0);
             let nq = rows * group;
             let off = kvh * d;
-            let key = |j: usize| &page.k[j * kv_row + off..j * kv_row + off + d];
-            let value = |j: usize| &page.v[j * kv_row + off..j * kv_row + off + d];
             let query = |i: usize| {
                 let (row, h) = (r0 + i / group, kvh * group + i % group);
                 &q[(row * q_heads + h) * d..(row * q_heads + h + 1) * d]
             };
             let n_of: Vec<usize> = (0..nq).map(|i| visible(q_pos[r0 + i / group])).collect();
             let n_max = n_of.iter().copied().max().unwrap_or(0);
-            let mut scores = vec![0.0f32; nq * n_max];
-            for j in 0..n_max {
-                let k = key(j);
-                for i in (0..nq).filter(|&i| j < n_of[i]) {
-                    scores[i * n_max + j] = dot(query(i), k);
-                }
-            }
             let mut b = Block {
                 o: vec![0.0; nq * d],
                 m: vec![f32::NEG_INFINITY; nq],
                 l: vec![0.0; nq],
             };
+            if n_max == 0 {
+                return b;
+            }
+            let qb: Vec<f32> = (0..nq).flat_map(query).copied().collect();
+            let keys = Strided {
+                data: &page.k[off..],
+                row: kv_row,
+                len: n_max,
+                width: d,
+            };
+            let values = Strided {
+                data: &page.v[off..],
+                ..keys
+            };
+            // scores[i, j] = q_i . k_j, then softmax over each query's visible keys; the
+            // weights of invisible keys are zero, so P V can run over all n_max keys.
+            let mut scores = vec![0.0f32; nq * n_max];
+            query_keys(&qb, keys, &mut scores);
             for i in 0..nq {
-                let s = &mut scores[i * n_max..i * n_max + n_of[i]];
-                if s.is_empty() {
+                let row = &mut scores[i * n_max..(i + 1) * n_max];
+                let (seen, hidden) = row.split_at_mut(n_of[i]);
+                hidden.iter_mut().for_each(|x| *x = 0.0);
+                if seen.is_empty() {
                     continue;
                 }
-                let mx = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let mx = seen.iter().copied().fold(f32::NEG_INFINITY, f32::max);
                 let mut sum = 0.0;
-                for x in s.iter_mut() {
+                for x in seen.iter_mut() {
                     *x = (*x - mx).exp();
                     sum += *x;
                 }
                 b.m[i] = mx;
                 b.l[i] = sum;
             }
-            for j in 0..n_max {
-                let v = value(j);
-                for i in (0..nq).filter(|&i| j < n_of[i]) {
-                    let e = scores[i * n_max + j];
-                    for (a, x) in b.o[i * d..(i + 1) * d].iter_mut().zip(v) {
-                        *a += e * x;
-                    }
-                }
-            }
+            weights_values(&scores, values, &mut b.o);
             for i in 0..nq {
                 if b.l[i] > 0.0 {
                     let inv = 1.0 / b.l[i];
@@ -105,4 +109,112 @@ pub fn attend_page(shape: AttnShape, q: &[f32], q_pos: &[usize], page: &KvPage) 
         }
     }
     p
+}
+
+/// `len` rows of `width` values, `row` apart (one KV head of a page's keys or values).
+#[derive(Clone, Copy)]
+struct Strided<'a> {
+    data: &'a [f32],
+    row: usize,
+    len: usize,
+    width: usize,
+}
+
+/// `scores[i, j] = q[i] . keys[j]` for `q` `[nq, width]`.
+#[cfg(not(target_arch = "wasm32"))]
+fn query_keys(q: &[f32], keys: Strided, scores: &mut [f32]) {
+    let nq = q.len() / keys.width;
+    assert!(
+        scores.len() == nq * keys.len && (keys.len - 1) * keys.row + keys.width <= keys.data.len()
+    );
+    // SAFETY: dst is `scores` [nq, len] row-major; lhs is `q` [nq, width] row-major; rhs reads
+    // element (c, j) at j * row + c, the last of which is inside `keys.data` (asserted above).
+    // Every buffer outlives the call and only dst is written.
+    unsafe {
+        gemm::gemm(
+            nq,
+            keys.len,
+            keys.width,
+            scores.as_mut_ptr(),
+            1,
+            keys.len as isize,
+            false,
+            q.as_ptr(),
+            1,
+            keys.width as isize,
+            keys.data.as_ptr(),
+            keys.row as isize,
+            1,
+            0.0,
+            1.0,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        )
+    }
+}
+
+/// `out[i] = sum_j weights[i, j] values[j]` for `weights` `[nq, len]`.
+#[cfg(not(target_arch = "wasm32"))]
+fn weights_values(weights: &[f32], values: Strided, out: &mut [f32]) {
+    let nq = weights.len() / values.len;
+    assert!(
+        out.len() == nq * values.width
+            && (values.len - 1) * values.row + values.width <= values.data.len()
+    );
+    // SAFETY: dst is `out` [nq, width] row-major; lhs is `weights` [nq, len] row-major; rhs
+    // reads element (j, c) at j * row + c, inside `values.data` (asserted above).
+    unsafe {
+        gemm::gemm(
+            nq,
+            values.width,
+            values.len,
+            out.as_mut_ptr(),
+            1,
+            values.width as isize,
+            false,
+            weights.as_ptr(),
+            1,
+            values.len as isize,
+            values.data.as_ptr(),
+            1,
+            values.row as isize,
+            0.0,
+            1.0,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        )
+    }
+}
+
+/// The portable forms (wasm32 has no `gemm`): one key or value row at a time against every
+/// query, so each row is read once.
+#[cfg(target_arch = "wasm32")]
+fn query_keys(q: &[f32], keys: Strided, scores: &mut [f32]) {
+    let d = keys.width;
+    for j in 0..keys.len {
+        let k = &keys.data[j * keys.row..j * keys.row + d];
+        for (i, qi) in q.chunks(d).enumerate() {
+            scores[i * keys.len + j] = dot(qi, k);
+        }
+    }
+}
+
+#[cfg(target_arch = "wasm32")]
+fn weights_values(weights: &[f32], values: Strided, out: &mut [f32]) {
+    let d = values.width;
+    for j in 0..values.len {
+        let v = &values.data[j * values.row..j * values.row + d];
+        for (i, o) in out.chunks_mut(d).enumerate() {
+            let w = weights[i * values.len + j];
+            if w != 0.0 {
+                for (a, x) in o.iter_mut().zip(v) {
+                    *a += w * x;
+                }
+            }
+        }
+    }
 }
