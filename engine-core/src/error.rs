@@ -34,6 +34,10 @@ pub enum Error {
     /// The helper failed, vanished or answered out of protocol.
     #[error("helper: {0}")]
     Remote(String),
+    /// The helper is there but would not serve a request (its memory budget, an order it
+    /// cannot follow); the link is still good.
+    #[error("helper refused: {code}: {message}")]
+    Refused { code: String, message: String },
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -153,7 +153,7 @@ impl HelperClient {
         let (_, reply) = decode(&frame, self.max_frame)
             .map_err(|e| Error::Remote(format!("bad frame from helper: {e}")))?;
         match reply {
-            Message::Error { code, message } => Err(Error::Remote(format!("{code}: {message}"))),
+            Message::Error { code, message } => Err(Error::Refused { code, message }),
             other => Ok(other),
         }
     }

@@ -110,6 +110,8 @@ pub fn prefill(
     let mut reqs = Vec::with_capacity(head.len());
     let mut x_last = model.embed(last)?;
     let mut last_head_done = false;
+    // Replies taken off the link so far; a refused batch drains the rest.
+    let mut replied = 0usize;
     let pipelined = (|| -> Result<()> {
         if let Some(rows) = sync_mirror(state)? {
             report.synced_rows = rows;
@@ -131,7 +133,7 @@ pub fn prefill(
         model.run_layers(be, state, &mut x_last, at(head.len()), 0..tail.start, None)?;
         last_head_done = true;
         let lens: Vec<usize> = head.iter().map(|c| c.len()).collect();
-        collect(model, state, &reqs, &lens, start, &tail)
+        collect(model, state, &reqs, &lens, start, &tail, &mut replied)
     })();
     match pipelined {
         Ok(()) => {
@@ -142,12 +144,23 @@ pub fn prefill(
         }
         Err(e) => {
             report.fallback = Some(e.to_string());
+            // A refusal leaves a working helper: take its outstanding replies off the link,
+            // cut its mirror back to the batch start, and keep it. Anything else: it is gone.
+            let kept = matches!(e, Error::Refused { .. })
+                && state.remote.as_mut().is_some_and(|client| {
+                    reqs[replied.min(reqs.len())..]
+                        .iter()
+                        .all(|&r| !matches!(client.reply(r), Err(Error::Remote(_))))
+                        && client.truncate(start).is_ok()
+                });
             let holds_pages = state
                 .layers
                 .iter()
                 .any(|l| matches!(l, LayerState::Attention(kv) if kv.remote_len() > 0));
-            state.remote = None;
-            if holds_pages {
+            if !kept {
+                state.remote = None;
+            }
+            if holds_pages && !kept {
                 return Err(Error::Remote(format!(
                     "{e}; the helper held this sequence's oldest KV pages, so it cannot go on"
                 )));
@@ -262,6 +275,7 @@ fn collect(
     lens: &[usize],
     start: usize,
     tail: &std::ops::Range<usize>,
+    replied: &mut usize,
 ) -> Result<()> {
     let full = full_layers(model, tail);
     let deltas: Vec<u32> = tail
@@ -276,7 +290,9 @@ fn collect(
             .remote
             .as_mut()
             .expect("a helper is attached")
-            .reply(req)?;
+            .reply(req);
+        *replied += 1;
+        let reply = reply?;
         let Message::ChunkState {
             pos: p,
             kv_layers,

@@ -273,3 +273,34 @@ fn a_mirror_far_behind_syncs_in_pieces() {
         assert!(turns(&mut st) == want);
     });
 }
+
+/// A helper that refuses (here: its memory budget is too small for the mirror) stays
+/// tethered; the host runs the batch alone with the same result.
+#[test]
+fn a_refusing_helper_stays_tethered_and_the_host_does_the_batch() {
+    let m = model("tiny_fp32_T150");
+    let prompt = Reference::load("tiny_fp32_T150").ids("prompt_ids");
+    let plan = SplitPlan {
+        min_tokens: 20,
+        ubatch: 16,
+    };
+    let (want, _) = prefill(&m, &CpuBackend, &mut m.new_state(16), &prompt, &plan).unwrap();
+    std::thread::scope(|scope| {
+        let (host_end, mut helper_end) = pair();
+        let mr = &m;
+        scope.spawn(move || {
+            let opts = HelperOptions {
+                mem_budget: 4096,
+                max_frame: DEFAULT_MAX_FRAME,
+            };
+            Helper::new(mr, &CpuBackend, opts).serve(&mut helper_end);
+        });
+        let mut st = m.new_state(16);
+        attach(&m, &mut st, host_end, 4, 16, None);
+        let (got, report) = prefill(&m, &CpuBackend, &mut st, &prompt, &plan).unwrap();
+        let why = report.fallback.clone().unwrap_or_default();
+        assert!(why.starts_with("helper refused: memory"), "{report:?}");
+        assert!(got == want);
+        st.remote.as_mut().expect("still tethered").ping().unwrap();
+    });
+}
