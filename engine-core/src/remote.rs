@@ -173,18 +173,6 @@ impl HelperClient {
             other => Err(unexpected("Pong", &other)),
         }
     }
-
-    /// Tell the helper this host is done (it then waits for the next host).
-    pub fn bye(mut self) -> Result<()> {
-        let frame = encode(
-            self.next_req,
-            &Message::Bye {
-                reason: "done".into(),
-            },
-        );
-        self.link.send(frame)?;
-        Ok(())
-    }
 }
 
 pub(crate) fn unexpected(want: &str, got: &Message) -> Error {

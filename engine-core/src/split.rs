@@ -153,10 +153,7 @@ pub fn prefill(
                         .all(|&r| !matches!(client.reply(r), Err(Error::Remote(_))))
                         && client.truncate(start).is_ok()
                 });
-            let holds_pages = state
-                .layers
-                .iter()
-                .any(|l| matches!(l, LayerState::Attention(kv) if kv.remote_len() > 0));
+            let holds_pages = state.remote_kv_len() > 0;
             if !kept {
                 state.remote = None;
             }

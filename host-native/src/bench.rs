@@ -5,7 +5,6 @@ use std::time::Instant;
 
 use anyhow::{bail, Result};
 use engine_core::generate::argmax;
-use engine_core::model::LayerState;
 use engine_core::split::{minimum, prefill};
 use engine_core::{CpuBackend, Logits};
 
@@ -73,17 +72,8 @@ pub fn run(a: Args) -> Result<()> {
     if let Some(l) = &link {
         l.reset();
     }
-    let remote_len = |st: &engine_core::State| {
-        st.layers
-            .iter()
-            .find_map(|l| match l {
-                LayerState::Attention(kv) => Some(kv.remote_len()),
-                LayerState::DeltaNet(_) => None,
-            })
-            .unwrap_or(0)
-    };
     let c = &model.config;
-    let (moved_before, pos_before) = (remote_len(&state), state.pos);
+    let (moved_before, pos_before) = (state.remote_kv_len(), state.pos);
     let split_ubatch = a.helper.plan(a.ubatch).ubatch.max(1);
     let t0 = Instant::now();
     let (mut logits, split) = prefill(&model, &be, &mut state, &prompt, &a.helper.plan(a.ubatch))?;
@@ -104,7 +94,7 @@ pub fn run(a: Args) -> Result<()> {
             split.rows_on_helper,
             split.synced_rows,
             split.mirror_synced,
-        ) + minimum::offload(c, remote_len(&state) - moved_before);
+        ) + minimum::offload(c, state.remote_kv_len() - moved_before);
         let pages = moved_before / a.page_size;
         if split.on_helper > 0 {
             // A split prefill moves pages only at its end: every ubatch sees the pages moved
@@ -134,10 +124,10 @@ pub fn run(a: Args) -> Result<()> {
     let mut decode_min = 0;
     let t1 = Instant::now();
     for _ in 0..a.gen {
-        let before = remote_len(&state);
+        let before = state.remote_kv_len();
         logits = model.forward(&be, &mut state, &[argmax(&logits)], Logits::Last, None)?;
         decode_min += minimum::attend(c, 0..n, 1, before / a.page_size)
-            + minimum::offload(c, remote_len(&state) - before);
+            + minimum::offload(c, state.remote_kv_len() - before);
     }
     let decode_s = t1.elapsed().as_secs_f64();
     let decode_link = link.as_ref().map(|l| l.snapshot());

@@ -9,7 +9,6 @@ use std::time::Instant;
 use anyhow::{ensure, Result};
 use engine_core::generate::argmax;
 use engine_core::link::{ws, ShapedLink};
-use engine_core::model::LayerState;
 use engine_core::protocol::Configure;
 use engine_core::remote::{HelperClient, DEFAULT_MAX_FRAME};
 use engine_core::source::{load_model, SynthOptions};
@@ -155,14 +154,7 @@ pub fn run(a: Args) -> Result<()> {
         );
         eprintln!("[demo] prompt: {} tokens; output:", prompt.len());
         let (run, report) = generate(&model, &mut st, &prompt, a.gen, &plan, Some(&tokenizer))?;
-        let remote_rows = st
-            .layers
-            .iter()
-            .find_map(|l| match l {
-                LayerState::Attention(kv) => Some((kv.remote_len(), kv.len())),
-                LayerState::DeltaNet(_) => None,
-            })
-            .unwrap_or((0, 0));
+        let remote_rows = (st.remote_kv_len(), st.pos);
         Ok((run, report, stats.snapshot(), remote_rows))
         // Dropping the state closes the link; the helper's session ends and its thread joins.
     })?;

@@ -58,16 +58,13 @@ fn two_turns(
     (out, on_helper)
 }
 
-fn serve(m: &Model, mut link: MemoryLink) {
-    Helper::new(
-        m,
-        &CpuBackend,
-        HelperOptions {
-            mem_budget: 1 << 30,
-            max_frame: DEFAULT_MAX_FRAME,
-        },
-    )
-    .serve(&mut link);
+/// A helper on this thread; `mem_budget` bytes of KV.
+fn serve(m: &Model, mut link: MemoryLink, mem_budget: u64) {
+    let opts = HelperOptions {
+        mem_budget,
+        max_frame: DEFAULT_MAX_FRAME,
+    };
+    Helper::new(m, &CpuBackend, opts).serve(&mut link);
 }
 
 #[test]
@@ -91,7 +88,7 @@ fn split_prefill_is_bit_identical_to_the_host_alone() {
         let (want, _) = two_turns(&m, &mut m.new_state(page), p1, p2, 6, &plan);
         std::thread::scope(|scope| {
             let (host_end, helper_end) = pair();
-            scope.spawn(|| serve(&m, helper_end));
+            scope.spawn(|| serve(&m, helper_end, 1 << 30));
             let mut st = m.new_state(page);
             attach(&m, &mut st, host_end, split, page, budget);
             let (got, on_helper) = two_turns(&m, &mut st, p1, p2, 6, &plan);
@@ -108,7 +105,7 @@ fn split_prefill_is_bit_identical_to_the_host_alone() {
     // And the reference's own greedy continuation of the whole prompt, split.
     std::thread::scope(|scope| {
         let (host_end, helper_end) = pair();
-        scope.spawn(|| serve(&m, helper_end));
+        scope.spawn(|| serve(&m, helper_end, 1 << 30));
         let mut st = m.new_state(16);
         attach(&m, &mut st, host_end, 4, 16, None);
         let plan = SplitPlan {
@@ -138,7 +135,7 @@ fn split_prefill_is_bit_identical_to_the_host_alone() {
 fn dying_helper(m: &Model, mut host_side: MemoryLink, frames: usize) {
     let (mut to_helper, helper_end) = pair();
     std::thread::scope(move |scope| {
-        scope.spawn(move || serve(m, helper_end));
+        scope.spawn(move || serve(m, helper_end, 1 << 30));
         for _ in 0..frames {
             let Ok(f) = host_side.recv() else { break };
             to_helper.send(f).unwrap();
@@ -212,7 +209,7 @@ fn rewinding_an_edited_turn_matches_a_run_that_never_had_it() {
         let want = [turn(&mut host, p1), turn(&mut host, p2b)].concat();
         std::thread::scope(|scope| {
             let (host_end, helper_end) = pair();
-            scope.spawn(|| serve(&m, helper_end));
+            scope.spawn(|| serve(&m, helper_end, 1 << 30));
             let mut st = m.new_state(page);
             attach(&m, &mut st, host_end, 4, page, Some(budget));
             let mut got = turn(&mut st, p1);
@@ -261,7 +258,7 @@ fn a_mirror_far_behind_syncs_in_pieces() {
     let want = turns(&mut m.new_state(16));
     std::thread::scope(|scope| {
         let (host_end, helper_end) = pair();
-        scope.spawn(|| serve(&m, helper_end));
+        scope.spawn(|| serve(&m, helper_end, 1 << 30));
         let mut st = m.new_state(16);
         let cfg = Configure {
             first_layer: 4,
@@ -286,15 +283,8 @@ fn a_refusing_helper_stays_tethered_and_the_host_does_the_batch() {
     };
     let (want, _) = prefill(&m, &CpuBackend, &mut m.new_state(16), &prompt, &plan).unwrap();
     std::thread::scope(|scope| {
-        let (host_end, mut helper_end) = pair();
-        let mr = &m;
-        scope.spawn(move || {
-            let opts = HelperOptions {
-                mem_budget: 4096,
-                max_frame: DEFAULT_MAX_FRAME,
-            };
-            Helper::new(mr, &CpuBackend, opts).serve(&mut helper_end);
-        });
+        let (host_end, helper_end) = pair();
+        scope.spawn(|| serve(&m, helper_end, 4096));
         let mut st = m.new_state(16);
         attach(&m, &mut st, host_end, 4, 16, None);
         let (got, report) = prefill(&m, &CpuBackend, &mut st, &prompt, &plan).unwrap();

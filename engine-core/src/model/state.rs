@@ -70,6 +70,18 @@ impl State {
         }
     }
 
+    /// Positions of every full-attention layer whose KV lives on the helper (pages move for
+    /// all layers together, so one number describes them all).
+    pub fn remote_kv_len(&self) -> usize {
+        self.layers
+            .iter()
+            .find_map(|l| match l {
+                LayerState::Attention(kv) => Some(kv.remote_len()),
+                LayerState::DeltaNet(_) => None,
+            })
+            .unwrap_or(0)
+    }
+
     pub fn checkpoint(&self) -> Checkpoint {
         let delta = self
             .layers

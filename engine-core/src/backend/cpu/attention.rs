@@ -2,6 +2,8 @@
 
 use rayon::prelude::*;
 
+#[cfg(not(target_arch = "wasm32"))]
+use super::gemm::{gemm_f32, View};
 #[cfg(target_arch = "wasm32")]
 use super::matmul::dot;
 use crate::backend::AttnShape;
@@ -127,30 +129,28 @@ fn query_keys(q: &[f32], keys: Strided, scores: &mut [f32]) {
     assert!(
         scores.len() == nq * keys.len && (keys.len - 1) * keys.row + keys.width <= keys.data.len()
     );
-    // SAFETY: dst is `scores` [nq, len] row-major; lhs is `q` [nq, width] row-major; rhs reads
-    // element (c, j) at j * row + c, the last of which is inside `keys.data` (asserted above).
-    // Every buffer outlives the call and only dst is written.
+    let lhs = View {
+        ptr: q.as_ptr(),
+        rs: keys.width,
+        cs: 1,
+    };
+    // Key j is column j of the right-hand side: element (c, j) at j * row + c.
+    let rhs = View {
+        ptr: keys.data.as_ptr(),
+        rs: 1,
+        cs: keys.row,
+    };
+    // SAFETY: `scores` is [nq, len], `q` [nq, width], and the last key element is inside
+    // `keys.data` (asserted above); only `scores` is written.
     unsafe {
-        gemm::gemm(
+        gemm_f32(
             nq,
             keys.len,
             keys.width,
             scores.as_mut_ptr(),
-            1,
-            keys.len as isize,
-            false,
-            q.as_ptr(),
-            1,
-            keys.width as isize,
-            keys.data.as_ptr(),
-            keys.row as isize,
-            1,
-            0.0,
-            1.0,
-            false,
-            false,
-            false,
-            gemm::Parallelism::None,
+            keys.len,
+            lhs,
+            rhs,
         )
     }
 }
@@ -163,29 +163,27 @@ fn weights_values(weights: &[f32], values: Strided, out: &mut [f32]) {
         out.len() == nq * values.width
             && (values.len - 1) * values.row + values.width <= values.data.len()
     );
-    // SAFETY: dst is `out` [nq, width] row-major; lhs is `weights` [nq, len] row-major; rhs
-    // reads element (j, c) at j * row + c, inside `values.data` (asserted above).
+    let lhs = View {
+        ptr: weights.as_ptr(),
+        rs: values.len,
+        cs: 1,
+    };
+    let rhs = View {
+        ptr: values.data.as_ptr(),
+        rs: values.row,
+        cs: 1,
+    };
+    // SAFETY: `out` is [nq, width], `weights` [nq, len], and the last value element is inside
+    // `values.data` (asserted above); only `out` is written.
     unsafe {
-        gemm::gemm(
+        gemm_f32(
             nq,
             values.width,
             values.len,
             out.as_mut_ptr(),
-            1,
-            values.width as isize,
-            false,
-            weights.as_ptr(),
-            1,
-            values.len as isize,
-            values.data.as_ptr(),
-            1,
-            values.row as isize,
-            0.0,
-            1.0,
-            false,
-            false,
-            false,
-            gemm::Parallelism::None,
+            values.width,
+            lhs,
+            rhs,
         )
     }
 }

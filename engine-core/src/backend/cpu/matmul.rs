@@ -346,6 +346,7 @@ mod avx2 {
 /// The prefill path: `gemm` on f32 copies of weight-row blocks (native only).
 #[cfg(not(target_arch = "wasm32"))]
 mod blocked {
+    use super::super::gemm::{gemm_f32, View};
     use std::cell::RefCell;
 
     use rayon::prelude::*;
@@ -413,28 +414,24 @@ mod blocked {
                 // SAFETY: dst is `out[.., o0..o0 + rows]` (t rows of stride n inside `out`, of
                 // length t * n), written by this task only; lhs is `x` as [t, k] row-major and
                 // rhs is the widened block read as [k, rows] (element (i, c) at c * k + i), both
-                // live and in bounds for the whole call. read_dst = false: dst is only written.
+                // live and in bounds for the whole call.
                 unsafe {
-                    gemm::gemm(
+                    gemm_f32(
                         t,
                         rows,
                         k,
                         dst.get().add(o0),
-                        1,
-                        n as isize,
-                        false,
-                        x.as_ptr(),
-                        1,
-                        k as isize,
-                        wb.as_ptr(),
-                        k as isize,
-                        1,
-                        0.0,
-                        1.0,
-                        false,
-                        false,
-                        false,
-                        gemm::Parallelism::None,
+                        n,
+                        View {
+                            ptr: x.as_ptr(),
+                            rs: k,
+                            cs: 1,
+                        },
+                        View {
+                            ptr: wb.as_ptr(),
+                            rs: 1,
+                            cs: k,
+                        },
                     );
                 }
             })

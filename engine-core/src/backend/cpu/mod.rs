@@ -4,6 +4,8 @@
 pub mod attention;
 pub mod convert;
 pub mod delta;
+#[cfg(not(target_arch = "wasm32"))]
+mod gemm;
 pub mod matmul;
 
 use rayon::prelude::*;
