@@ -281,42 +281,74 @@ impl Merger {
     }
 }
 
-/// Attention of scaled queries `[t, q_heads, head_dim]` at absolute `positions` over every page
-/// of `kv` that any of them can see, merged in page order: the remote's pages (the oldest)
-/// first, then the local ones.
-pub fn attend(
+/// Attention under way: the helper asked for its pages' partials, the host's pages done.
+/// Partials merge in page order (the helper's, the oldest, first) whatever finished first.
+pub struct PendingAttention {
+    rows: usize,
+    head_dim: usize,
+    /// The request for the helper's partials, if it holds pages of this layer.
+    remote: Option<u32>,
+    local: Vec<Partials>,
+}
+
+impl PendingAttention {
+    /// Whether the helper still owes its share.
+    pub fn awaits_helper(&self) -> bool {
+        self.remote.is_some()
+    }
+
+    /// Collect the helper's partials (from `remote`, the client the query went out on) and merge.
+    pub fn finish(self, remote: Option<&mut HelperClient>) -> Result<Partials> {
+        let mut merger = Merger::new(self.rows, self.head_dim);
+        if let Some(req) = self.remote {
+            let remote = remote.ok_or_else(|| {
+                Error::Remote("the helper attending this sequence's oldest pages is gone".into())
+            })?;
+            for p in remote.attend_reply(req, self.rows, self.head_dim)? {
+                merger.add(&p);
+            }
+        }
+        for p in &self.local {
+            merger.add(p);
+        }
+        Ok(merger.finish())
+    }
+}
+
+/// Start attention of scaled queries `[t, q_heads, head_dim]` at absolute `positions` over
+/// every page of `kv` that any of them can see: the query for the remote's pages goes out
+/// first, then this device attends its own while the remote works. The local pages are read
+/// now, so rows appended before [`PendingAttention::finish`] (a later ubatch's) are not seen.
+pub fn begin_attention(
     be: &dyn Backend,
     shape: AttnShape,
     q: &[f32],
     positions: &[usize],
     kv: &PagedKv,
     remote: Option<(usize, &mut HelperClient)>,
-) -> Result<Partials> {
+) -> Result<PendingAttention> {
     let last = positions.iter().copied().max().unwrap_or(0);
-    let rows = positions.len() * shape.q_heads;
-    let mut merger = Merger::new(rows, shape.head_dim);
-    if kv.remote_len > 0 {
-        let (layer, remote) = remote.ok_or_else(|| {
-            Error::Invalid(
+    let remote = match (kv.remote_len, remote) {
+        (0, _) => None,
+        (end, Some((layer, client))) => Some(client.attend_send(layer, shape, q, positions, end)?),
+        (_, None) => {
+            return Err(Error::Invalid(
                 "this sequence's oldest KV pages are on a helper that is not connected".into(),
-            )
-        })?;
-        for p in remote.attend(layer, shape, q, positions, kv.remote_len)? {
-            if p.rows() != rows || p.head_dim != shape.head_dim {
-                return Err(Error::Remote(format!(
-                    "helper returned partials for {} rows of width {}, expected {rows} of {}",
-                    p.rows(),
-                    p.head_dim,
-                    shape.head_dim
-                )));
-            }
-            merger.add(&p);
+            ))
         }
-    }
-    for page in kv.pages().iter().filter(|p| p.start <= last) {
-        merger.add(&be.attend_page(shape, q, positions, page));
-    }
-    Ok(merger.finish())
+    };
+    let local = kv
+        .pages()
+        .iter()
+        .filter(|p| p.start <= last)
+        .map(|page| be.attend_page(shape, q, positions, page))
+        .collect();
+    Ok(PendingAttention {
+        rows: positions.len() * shape.q_heads,
+        head_dim: shape.head_dim,
+        remote,
+        local,
+    })
 }
 
 #[cfg(test)]

@@ -20,6 +20,7 @@ pub struct PlanInput {
     pub split_layer: usize,
     pub split_min: usize,
     pub split_ubatch: usize,
+    pub interleave_from: usize,
     /// Link bandwidth in bits/s and one-way latency in seconds, if known.
     pub link: Option<(f64, f64)>,
 }
@@ -131,10 +132,29 @@ impl Plan {
                 p.context
             );
         }
-        let _ = writeln!(
-            t,
-            "past 65536 positions a prefill would interleave two half-ubatches with the helper's old-page attention: not implemented yet"
-        );
+        if helper && p.context > p.interleave_from {
+            let pages = p
+                .host_kv_tokens
+                .map_or(0, |b| p.context.saturating_sub(b) / p.page_size);
+            if pages > 0 {
+                let bytes = minimum::attend(c, 0..n, 2 * p.split_ubatch, pages) as f64;
+                let _ = writeln!(
+                    t,
+                    "prefill past position {}: ubatches of {} in staggered pairs; while the host runs one, the helper \
+                     attends the other's queries over the up to {pages} pages it holds: about {:.0} bytes per prompt token{}",
+                    p.interleave_from,
+                    p.split_ubatch,
+                    bytes / (2 * p.split_ubatch) as f64,
+                    link_time(p.link, bytes, 2 * full)
+                );
+            } else {
+                let _ = writeln!(
+                    t,
+                    "prefill past position {}: no pages on the helper to attend, so ubatches run one after another on the host",
+                    p.interleave_from
+                );
+            }
+        }
         Plan { text: t }
     }
 }
@@ -164,6 +184,7 @@ mod tests {
             split_layer: 16,
             split_min: 512,
             split_ubatch: 256,
+            interleave_from: 65536,
             link: Some((10e9, 50e-6)),
         }
     }
@@ -181,6 +202,10 @@ mod tests {
         // 100000 - 32768 = 67232 -> 16 whole pages of 4096 = 65536 positions on the helper.
         assert!(
             text.contains("positions 0..65536 (16 pages of 4096"),
+            "{text}"
+        );
+        assert!(
+            text.contains("prefill past position 65536: ubatches of 256 in staggered pairs"),
             "{text}"
         );
     }

@@ -237,16 +237,18 @@ impl HelperClient {
         }
     }
 
-    /// One partial per page of `layer` the helper holds below position `end`, in page order.
-    pub fn attend(
+    /// Ask for one partial per page of `layer` the helper holds below position `end`; the
+    /// answer is collected with [`Self::attend_reply`], so the host can attend its own pages (or
+    /// run another ubatch) while the helper works.
+    pub fn attend_send(
         &mut self,
         layer: usize,
         shape: AttnShape,
         q: &[f32],
         positions: &[usize],
         end: usize,
-    ) -> Result<Vec<Partials>> {
-        let msg = Message::AttnQuery {
+    ) -> Result<u32> {
+        self.send(&Message::AttnQuery {
             seq: self.seq,
             layer: layer as u32,
             positions: positions.iter().map(|&p| p as u64).collect(),
@@ -255,8 +257,17 @@ impl HelperClient {
                 vec![positions.len(), shape.q_heads, shape.head_dim],
                 q.to_vec(),
             ),
-        };
-        match self.request(msg)? {
+        })
+    }
+
+    /// The partials asked for by request `req`, for `rows` (query row, head) pairs, in page order.
+    pub fn attend_reply(
+        &mut self,
+        req: u32,
+        rows: usize,
+        head_dim: usize,
+    ) -> Result<Vec<Partials>> {
+        match self.reply(req)? {
             Message::AttnPartials {
                 o,
                 m,
@@ -264,8 +275,7 @@ impl HelperClient {
                 page_starts,
                 ..
             } => {
-                let rows = positions.len() * shape.q_heads;
-                let d = shape.head_dim;
+                let d = head_dim;
                 if o.shape != [page_starts.len(), rows, d] {
                     return Err(Error::Remote(format!(
                         "partials of shape {:?}, expected [{}, {rows}, {d}]",

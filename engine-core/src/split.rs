@@ -13,7 +13,7 @@
 use crate::backend::Backend;
 use crate::config::LayerKind;
 use crate::error::{Error, Result};
-use crate::model::{LayerState, Logits, Model, State};
+use crate::model::{LayerState, Logits, Model, Pass, State};
 use crate::protocol::{Message, WireTensor};
 use crate::remote::unexpected;
 
@@ -25,6 +25,9 @@ pub struct SplitPlan {
     pub min_tokens: usize,
     /// Tokens per ubatch.
     pub ubatch: usize,
+    /// Ubatches starting at or past this position run in staggered pairs: the host runs one
+    /// while the helper attends the other's queries over the old pages it holds.
+    pub interleave_from: usize,
 }
 
 impl Default for SplitPlan {
@@ -32,6 +35,7 @@ impl Default for SplitPlan {
         SplitPlan {
             min_tokens: 512,
             ubatch: 256,
+            interleave_from: 65536,
         }
     }
 }
@@ -44,12 +48,14 @@ pub fn default_split_layer(layers: usize) -> usize {
 }
 
 /// What happened to a split prefill.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct SplitReport {
     pub ubatches: usize,
     /// Ubatches whose tail layers ran on the helper, and their rows.
     pub on_helper: usize,
     pub rows_on_helper: usize,
+    /// Ubatches run in staggered pairs past `interleave_from` that waited on the helper's pages.
+    pub interleaved: usize,
     /// KV rows pushed to bring the helper's mirror up to date (with the DeltaNet states, when
     /// `mirror_synced`).
     pub synced_rows: usize,
@@ -58,9 +64,11 @@ pub struct SplitReport {
     pub fallback: Option<String>,
 }
 
-/// Prefill `tokens` at `state.pos`, split with `state.remote` when the plan says so; returns
-/// the last row's logits. Without a helper (or for a short prompt) this is a plain prefill in
-/// ubatches.
+/// Prefill `tokens` at `state.pos` in ubatches of `plan.ubatch`, with `state.remote` as the
+/// plan says, and return the last row's logits. Below `plan.interleave_from` a long enough
+/// prompt streams through a layer pipeline with the helper; from there on ubatches run in
+/// staggered pairs. Every ubatch computes exactly what it would on the host alone with the
+/// same ubatch size, so the logits are the same bits.
 pub fn prefill(
     model: &Model,
     be: &dyn Backend,
@@ -69,39 +77,120 @@ pub fn prefill(
     plan: &SplitPlan,
 ) -> Result<(Vec<f32>, SplitReport)> {
     let ubatch = plan.ubatch.max(1);
+    let start = state.pos;
     let chunks: Vec<&[u32]> = tokens.chunks(ubatch).collect();
     let mut report = SplitReport {
         ubatches: chunks.len(),
-        on_helper: 0,
-        rows_on_helper: 0,
-        synced_rows: 0,
-        mirror_synced: false,
-        fallback: None,
+        ..SplitReport::default()
     };
-    let split = state.remote.as_ref().is_some_and(|c| {
-        !c.prefill_layers.is_empty() && c.prefill_layers.end == model.config.num_hidden_layers
-    }) && tokens.len() > plan.min_tokens
-        && chunks.len() > 1;
-    if !split {
-        let mut logits = Vec::new();
-        for (i, c) in chunks.iter().enumerate() {
-            let want = if i + 1 == chunks.len() {
-                Logits::Last
-            } else {
-                Logits::None
-            };
-            logits = model.forward(be, state, c, want, None)?;
-        }
-        return Ok((logits, report));
+    let early = (0..chunks.len())
+        .take_while(|i| start + i * ubatch < plan.interleave_from)
+        .count();
+    let (early, late) = chunks.split_at(early);
+    let mut x = Vec::new();
+    if !early.is_empty() {
+        let pipeline = state.remote.as_ref().is_some_and(|c| {
+            !c.prefill_layers.is_empty() && c.prefill_layers.end == model.config.num_hidden_layers
+        }) && tokens.len() > plan.min_tokens
+            && early.len() > 1;
+        x = if pipeline {
+            pipelined(model, be, state, early, &mut report)?
+        } else {
+            plain(model, be, state, early)?
+        };
     }
+    if !late.is_empty() {
+        x = interleaved(model, be, state, late, &mut report)?;
+    }
+    Ok((model.head(be, &mut x, Logits::Last), report))
+}
+
+/// Ubatches one after another on the host (the helper only attends pages it holds); returns
+/// the last one's final residual.
+fn plain(
+    model: &Model,
+    be: &dyn Backend,
+    state: &mut State,
+    chunks: &[&[u32]],
+) -> Result<Vec<f32>> {
+    let mut x = Vec::new();
+    for c in chunks {
+        x = model.embed(c)?;
+        let pos = state.pos;
+        model.run_layers(
+            be,
+            state,
+            &mut x,
+            pos,
+            0..model.config.num_hidden_layers,
+            None,
+        )?;
+        state.pos += c.len();
+        state.offload()?;
+    }
+    Ok(x)
+}
+
+/// Ubatches in staggered pairs: whenever one stops at a full-attention layer for the helper's
+/// pages, the host runs the other up to the same layer. Both stop at the same layers (pages
+/// move between pairs only), so the second never overtakes the first and each sees exactly
+/// the rows and state it would on the host alone. Returns the last ubatch's final residual.
+fn interleaved(
+    model: &Model,
+    be: &dyn Backend,
+    state: &mut State,
+    chunks: &[&[u32]],
+    report: &mut SplitReport,
+) -> Result<Vec<f32>> {
+    let mut x = Vec::new();
+    for pair in chunks.chunks(2) {
+        let mut pos = state.pos;
+        let mut passes = Vec::with_capacity(2);
+        for c in pair {
+            passes.push(Pass::new(
+                model.embed(c)?,
+                pos,
+                0..model.config.num_hidden_layers,
+            ));
+            pos += c.len();
+        }
+        let mut waited = false;
+        while passes.iter().any(|p| !p.is_done()) {
+            for p in passes.iter_mut().filter(|p| !p.is_done()) {
+                model.advance(be, state, p, true, None)?;
+                waited |= p.is_waiting();
+            }
+        }
+        if waited {
+            report.interleaved += pair.len();
+        }
+        state.pos = pos;
+        state.offload()?;
+        x = passes.pop().expect("a pair has a ubatch").x;
+    }
+    Ok(x)
+}
+
+/// The layer pipeline over `chunks` (more than one): the host runs layers `[0, L)` of each
+/// ubatch and hands the residual on; the helper runs the rest of all but the last, which the
+/// host finishes itself. Returns the last ubatch's final residual.
+fn pipelined(
+    model: &Model,
+    be: &dyn Backend,
+    state: &mut State,
+    chunks: &[&[u32]],
+    report: &mut SplitReport,
+) -> Result<Vec<f32>> {
     let tail = state
         .remote
         .as_ref()
-        .expect("checked above")
+        .expect("the caller checked for a helper")
         .prefill_layers
         .clone();
     let n = model.config.num_hidden_layers;
     let start = state.pos;
+    let ubatch = chunks[0].len();
+    let total: usize = chunks.iter().map(|c| c.len()).sum();
     let at = |i: usize| start + i * ubatch;
     let (last, head) = chunks.split_last().expect("more than one chunk");
     // Layer-L residuals of the ubatches handed to the helper, kept until the batch completes so
@@ -182,9 +271,9 @@ pub fn prefill(
         }
     }
     model.run_layers(be, state, &mut x_last, at(head.len()), tail.start..n, None)?;
-    state.pos = start + tokens.len();
+    state.pos = start + total;
     state.offload()?;
-    Ok((model.head(be, &mut x_last, Logits::Last), report))
+    Ok(x_last)
 }
 
 fn full_layers(model: &Model, layers: &std::ops::Range<usize>) -> Vec<usize> {

@@ -111,10 +111,7 @@ pub fn run(a: Args) -> Result<()> {
         .into_iter()
         .take(a.prompt_tokens)
         .collect();
-    let plan = SplitPlan {
-        min_tokens: 512,
-        ubatch: 256,
-    };
+    let plan = SplitPlan::default();
 
     let listener = ws::WsListener::bind("127.0.0.1:0", DEFAULT_MAX_FRAME)?;
     let url = format!("ws://{}", listener.local_addr());

@@ -34,6 +34,10 @@ pub struct HelperArgs {
     /// Tokens per ubatch of a split prefill.
     #[arg(long, default_value_t = 256)]
     split_ubatch: usize,
+    /// From this position on, prefill ubatches run in staggered pairs: the host runs one while
+    /// the helper attends the other's queries over the old KV pages it holds.
+    #[arg(long, default_value_t = 65536)]
+    interleave_from: usize,
 }
 
 impl HelperArgs {
@@ -95,6 +99,7 @@ impl HelperArgs {
             split_layer: self.split_layer.unwrap_or_else(|| default_split_layer(n)),
             split_min: self.split_min,
             split_ubatch: self.split_ubatch,
+            interleave_from: self.interleave_from,
             link: self
                 .helper
                 .as_ref()
@@ -115,11 +120,13 @@ impl HelperArgs {
             SplitPlan {
                 min_tokens: self.split_min,
                 ubatch: self.split_ubatch,
+                interleave_from: self.interleave_from,
             }
         } else {
             SplitPlan {
                 min_tokens: usize::MAX,
                 ubatch,
+                interleave_from: usize::MAX,
             }
         }
     }

@@ -135,6 +135,7 @@ fn killing_the_helper_process_during_a_split_prefill_costs_time_not_tokens() {
     let plan = SplitPlan {
         min_tokens: 20,
         ubatch: 8,
+        ..SplitPlan::default()
     };
     let (want, _) = prefill(&m, &CpuBackend, &mut m.new_state(16), &prompt, &plan).unwrap();
     let mut fell_back = 0;

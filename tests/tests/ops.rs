@@ -2,7 +2,7 @@
 //! plain softmax over all keys whatever the page size.
 
 use engine_core::backend::{AttnShape, Backend, DeltaInputs, DeltaShape};
-use engine_core::kv::{attend, PagedKv};
+use engine_core::kv::{begin_attention, PagedKv};
 use engine_core::CpuBackend;
 use tests::max_abs_diff;
 
@@ -125,7 +125,10 @@ fn paged_attention_equals_unpaged_for_any_page_size() {
         let mut kv = PagedKv::new(page, shape.kv_heads, shape.head_dim);
         kv.append(&k[..37 * row], &v[..37 * row]);
         kv.append(&k[37 * row..], &v[37 * row..]);
-        attend(&CpuBackend, shape, q, pos, &kv, None).unwrap().o
+        begin_attention(&CpuBackend, shape, q, pos, &kv, None)
+            .and_then(|a| a.finish(None))
+            .unwrap()
+            .o
     };
     // One page holding every key is plain attention; it must match the definition (in f64).
     let whole = paged(n, &q, &all);

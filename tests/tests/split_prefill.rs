@@ -84,6 +84,7 @@ fn split_prefill_is_bit_identical_to_the_host_alone() {
         let plan = SplitPlan {
             min_tokens: 20,
             ubatch,
+            ..SplitPlan::default()
         };
         let (want, _) = two_turns(&m, &mut m.new_state(page), p1, p2, 6, &plan);
         std::thread::scope(|scope| {
@@ -111,6 +112,7 @@ fn split_prefill_is_bit_identical_to_the_host_alone() {
         let plan = SplitPlan {
             min_tokens: 20,
             ubatch: 40,
+            ..SplitPlan::default()
         };
         let (mut logits, _) = prefill(&m, &CpuBackend, &mut st, &prompt, &plan).unwrap();
         let mut ids = Vec::new();
@@ -155,6 +157,7 @@ fn a_helper_that_dies_mid_batch_costs_time_not_tokens() {
     let plan = SplitPlan {
         min_tokens: 20,
         ubatch: 16,
+        ..SplitPlan::default()
     };
     let (want, _) = prefill(&m, &CpuBackend, &mut m.new_state(16), &prompt, &plan).unwrap();
     // 2 frames: Hello and Configure; then it dies after 0, 1 or 4 ubatches.
@@ -189,6 +192,7 @@ fn rewinding_an_edited_turn_matches_a_run_that_never_had_it() {
     let plan = SplitPlan {
         min_tokens: 20,
         ubatch: 16,
+        ..SplitPlan::default()
     };
     let turn = |st: &mut State, p: &[u32]| -> Vec<Vec<f32>> {
         let (mut logits, _) = prefill(&m, &CpuBackend, st, p, &plan).unwrap();
@@ -235,6 +239,7 @@ fn a_mirror_far_behind_syncs_in_pieces() {
     let plan = SplitPlan {
         min_tokens: 60,
         ubatch: 16,
+        ..SplitPlan::default()
     };
     let turns = |st: &mut State| -> Vec<Vec<f32>> {
         let (a, r1) = prefill(
@@ -245,6 +250,7 @@ fn a_mirror_far_behind_syncs_in_pieces() {
             &SplitPlan {
                 min_tokens: 200,
                 ubatch: 16,
+                ..SplitPlan::default()
             },
         )
         .unwrap();
@@ -280,6 +286,7 @@ fn a_refusing_helper_stays_tethered_and_the_host_does_the_batch() {
     let plan = SplitPlan {
         min_tokens: 20,
         ubatch: 16,
+        ..SplitPlan::default()
     };
     let (want, _) = prefill(&m, &CpuBackend, &mut m.new_state(16), &prompt, &plan).unwrap();
     std::thread::scope(|scope| {
@@ -293,4 +300,77 @@ fn a_refusing_helper_stays_tethered_and_the_host_does_the_batch() {
         assert!(got == want);
         st.remote.as_mut().expect("still tethered").ping().unwrap();
     });
+}
+
+/// Past `interleave_from` ubatches run in staggered pairs while the helper attends the pages
+/// it holds: the same bits as the host alone with the same ubatch, whether the prompt starts
+/// below the threshold (layer pipeline first) or past it, with odd pair tails, and with or
+/// without a layer split.
+#[test]
+fn interleaved_prefill_past_the_threshold_is_bit_identical() {
+    let m = model("tiny_fp32_T150");
+    let prompt = Reference::load("tiny_fp32_T150").ids("prompt_ids");
+    let (p1, p2) = prompt.split_at(90);
+    // (ubatch, interleave_from, split layer, page, host KV budget)
+    for (ubatch, from, split, page, budget) in
+        [(8, 40, 4, 8, 16), (7, 0, 8, 4, 9), (16, 100, 4, 16, 16)]
+    {
+        let plan = SplitPlan {
+            min_tokens: 20,
+            ubatch,
+            interleave_from: from,
+        };
+        // The reference: plain forward passes, one ubatch after another, no split code.
+        let mut host = m.new_state(page);
+        let mut want = Vec::new();
+        for p in [p1, p2] {
+            let mut logits = Vec::new();
+            for c in p.chunks(ubatch) {
+                logits = m
+                    .forward(&CpuBackend, &mut host, c, Logits::Last, None)
+                    .unwrap();
+            }
+            for _ in 0..4 {
+                want.push(logits.clone());
+                logits = m
+                    .forward(
+                        &CpuBackend,
+                        &mut host,
+                        &[argmax(&logits)],
+                        Logits::Last,
+                        None,
+                    )
+                    .unwrap();
+            }
+            want.push(logits);
+        }
+        std::thread::scope(|scope| {
+            let (host_end, helper_end) = pair();
+            scope.spawn(|| serve(&m, helper_end, 1 << 30));
+            let mut st = m.new_state(page);
+            attach(&m, &mut st, host_end, split, page, Some(budget));
+            let mut got = Vec::new();
+            let mut interleaved = 0;
+            for p in [p1, p2] {
+                let (mut logits, report) = prefill(&m, &CpuBackend, &mut st, p, &plan).unwrap();
+                assert_eq!(report.fallback, None);
+                interleaved += report.interleaved;
+                for _ in 0..4 {
+                    got.push(logits.clone());
+                    logits = m
+                        .forward(&CpuBackend, &mut st, &[argmax(&logits)], Logits::Last, None)
+                        .unwrap();
+                }
+                got.push(logits);
+            }
+            assert!(
+                interleaved > 0,
+                "ubatch {ubatch} from {from}: nothing interleaved"
+            );
+            assert!(
+                got == want,
+                "ubatch {ubatch} from {from} split {split} page {page}: logits differ"
+            );
+        });
+    }
 }

@@ -5,7 +5,7 @@ use super::Loader;
 use crate::backend::{AttnShape, Backend};
 use crate::config::ModelConfig;
 use crate::error::Result;
-use crate::kv::{attend, PagedKv};
+use crate::kv::{begin_attention, PagedKv, PendingAttention};
 use crate::remote::HelperClient;
 use crate::tensor::Matrix;
 
@@ -54,15 +54,17 @@ impl Attention {
         self.q_proj.nbytes() + self.k_proj.nbytes() + self.v_proj.nbytes() + self.o_proj.nbytes()
     }
 
-    pub(super) fn forward(
+    /// The layer up to attention: project, norm and rotate q and k, append this step's K and V
+    /// rows to the cache, and start attention over it (helper pages and local ones). Returns the
+    /// output gate for [`Self::finish`].
+    pub(super) fn begin(
         &self,
         be: &dyn Backend,
         x: &[f32],
         positions: &[usize],
         kv: &mut PagedKv,
         remote: Option<(usize, &mut HelperClient)>,
-        out: &mut [f32],
-    ) -> Result<()> {
+    ) -> Result<(PendingAttention, Vec<f32>)> {
         let AttnShape {
             q_heads: nh,
             kv_heads: nkv,
@@ -89,9 +91,21 @@ impl Attention {
         kv.append(&k, &v);
         let scale = 1.0 / (hd as f32).sqrt();
         q.iter_mut().for_each(|v| *v *= scale);
-        let mut attn = attend(be, self.shape, &q, positions, kv, remote)?.o;
-        be.sigmoid_mul(&mut attn, &gate);
+        Ok((
+            begin_attention(be, self.shape, &q, positions, kv, remote)?,
+            gate,
+        ))
+    }
+
+    /// The rest of the layer once the attention output is merged: gate and output projection.
+    pub(super) fn finish(
+        &self,
+        be: &dyn Backend,
+        mut attn: Vec<f32>,
+        gate: &[f32],
+        out: &mut [f32],
+    ) {
+        be.sigmoid_mul(&mut attn, gate);
         be.matmul(&attn, &self.o_proj, out);
-        Ok(())
     }
 }

@@ -16,6 +16,7 @@ pub use state::{Checkpoint, LayerState, State};
 use crate::backend::Backend;
 use crate::config::{LayerKind, ModelConfig};
 use crate::error::{Error, Result};
+use crate::kv::PendingAttention;
 use crate::tensor::{Matrix, Tensor};
 use crate::weights::TensorMap;
 
@@ -31,6 +32,46 @@ pub enum Logits {
     Last,
     /// None (a prefill chunk that is followed by more).
     None,
+}
+
+/// Residual rows on their way through a range of layers ([`Model::advance`]). A pass can
+/// stop at a full-attention layer while the helper attends its pages, and resume later.
+pub struct Pass {
+    /// The residual rows `[tokens, hidden]`.
+    pub x: Vec<f32>,
+    pos: usize,
+    next: usize,
+    end: usize,
+    waiting: Option<Waiting>,
+}
+
+/// A full-attention layer whose helper partials are still to come.
+struct Waiting {
+    attention: PendingAttention,
+    gate: Vec<f32>,
+}
+
+impl Pass {
+    /// Rows `x` at positions `pos ..`, to run through `layers`.
+    pub fn new(x: Vec<f32>, pos: usize, layers: std::ops::Range<usize>) -> Pass {
+        Pass {
+            x,
+            pos,
+            next: layers.start,
+            end: layers.end,
+            waiting: None,
+        }
+    }
+
+    /// Whether every layer has run.
+    pub fn is_done(&self) -> bool {
+        self.next >= self.end
+    }
+
+    /// Whether the pass stopped to let the helper attend.
+    pub fn is_waiting(&self) -> bool {
+        self.waiting.is_some()
+    }
 }
 
 enum Mixer {
@@ -236,46 +277,103 @@ impl Model {
         x: &mut [f32],
         pos: usize,
         layers: std::ops::Range<usize>,
+        trace: Option<&mut Vec<Vec<f32>>>,
+    ) -> Result<()> {
+        let mut pass = Pass::new(x.to_vec(), pos, layers);
+        self.advance(be, state, &mut pass, false, trace)?;
+        x.copy_from_slice(&pass.x);
+        Ok(())
+    }
+
+    /// Run `pass` on through its layers. With `pause`, stop at a full-attention layer once
+    /// the helper has been asked for its pages' share (the host's own pages are done by then),
+    /// so the caller can advance another ubatch while the helper works; the next call collects
+    /// the helper's partials and goes on. If `trace` is given, the residual after each layer is
+    /// pushed to it (`[tokens, hidden]` per layer) to find the first layer that diverges.
+    pub fn advance(
+        &self,
+        be: &dyn Backend,
+        state: &mut State,
+        pass: &mut Pass,
+        pause: bool,
         mut trace: Option<&mut Vec<Vec<f32>>>,
     ) -> Result<()> {
         let c = &self.config;
         state.check_matches(c)?;
-        if layers.end > self.layers.len() || !x.len().is_multiple_of(c.hidden_size) {
+        if pass.end > self.layers.len() || !pass.x.len().is_multiple_of(c.hidden_size) {
             return Err(Error::Invalid(format!(
-                "run_layers({layers:?}) on {} values: the model has {} layers of width {}",
-                x.len(),
+                "layers ..{} on {} values: the model has {} layers of width {}",
+                pass.end,
+                pass.x.len(),
                 self.layers.len(),
                 c.hidden_size
             )));
         }
-        let t = x.len() / c.hidden_size;
-        let positions: Vec<usize> = (pos..pos + t).collect();
-        let mut normed = vec![0.0f32; x.len()];
-        let mut y = vec![0.0f32; x.len()];
-        for i in layers {
+        let positions: Vec<usize> = (pass.pos..pass.pos + pass.x.len() / c.hidden_size).collect();
+        let mut normed = vec![0.0f32; pass.x.len()];
+        let mut y = vec![0.0f32; pass.x.len()];
+        if let Some(w) = pass.waiting.take() {
+            let Mixer::Attention(a) = &self.layers[pass.next].mixer else {
+                unreachable!("a pass waits only at full-attention layers")
+            };
+            a.finish(
+                be,
+                w.attention.finish(state.remote.as_mut())?.o,
+                &w.gate,
+                &mut y,
+            );
+            self.close_layer(be, pass, &y, &mut normed, trace.as_deref_mut());
+        }
+        while pass.next < pass.end {
+            let i = pass.next;
             let layer = &self.layers[i];
-            normed.copy_from_slice(x);
+            normed.copy_from_slice(&pass.x);
             be.rms_norm(&mut normed, &layer.norm_in, c.rms_norm_eps);
             match (&layer.mixer, &mut state.layers[i]) {
                 (Mixer::Attention(a), LayerState::Attention(kv)) => {
                     let remote = state.remote.as_mut().map(|r| (i, r));
-                    a.forward(be, &normed, &positions, kv, remote, &mut y)?
+                    let (attention, gate) = a.begin(be, &normed, &positions, kv, remote)?;
+                    if pause && attention.awaits_helper() {
+                        pass.waiting = Some(Waiting { attention, gate });
+                        return Ok(());
+                    }
+                    a.finish(
+                        be,
+                        attention.finish(state.remote.as_mut())?.o,
+                        &gate,
+                        &mut y,
+                    );
                 }
                 (Mixer::DeltaNet(d), LayerState::DeltaNet(st)) => {
                     d.forward(be, c, &normed, st, &mut y)
                 }
                 _ => unreachable!("State::check_matches verified the layer kinds"),
             }
-            add(x, &y);
-            normed.copy_from_slice(x);
-            be.rms_norm(&mut normed, &layer.norm_post, c.rms_norm_eps);
-            layer.mlp.forward(be, &normed, &mut y);
-            add(x, &y);
-            if let Some(tr) = trace.as_deref_mut() {
-                tr.push(x.to_vec());
-            }
+            self.close_layer(be, pass, &y, &mut normed, trace.as_deref_mut());
         }
         Ok(())
+    }
+
+    /// Add the mixer's output `y` to the residual, then the MLP's; on to the next layer.
+    fn close_layer(
+        &self,
+        be: &dyn Backend,
+        pass: &mut Pass,
+        y: &[f32],
+        normed: &mut [f32],
+        trace: Option<&mut Vec<Vec<f32>>>,
+    ) {
+        let layer = &self.layers[pass.next];
+        add(&mut pass.x, y);
+        normed.copy_from_slice(&pass.x);
+        be.rms_norm(normed, &layer.norm_post, self.config.rms_norm_eps);
+        let mut out = vec![0.0f32; pass.x.len()];
+        layer.mlp.forward(be, normed, &mut out);
+        add(&mut pass.x, &out);
+        if let Some(tr) = trace {
+            tr.push(pass.x.clone());
+        }
+        pass.next += 1;
     }
 
     /// Final norm and output projection of the rows `logits` asks for.
