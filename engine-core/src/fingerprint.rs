@@ -6,6 +6,7 @@
 //! pages are all a memory-mapped checkpoint has to read.
 
 use crate::config::ModelConfig;
+use crate::tensor::Tensor;
 use crate::weights::TensorMap;
 
 /// 64-bit FNV-1a, run twice with different offsets for a 128-bit digest.
@@ -33,17 +34,31 @@ impl Fnv {
 const WINDOWS: usize = 32;
 const WINDOW: usize = 64;
 
-pub fn model_fingerprint(config: &ModelConfig, tensors: &TensorMap) -> String {
-    let mut h = Fnv::new();
-    h.update(
-        serde_json::to_string(config)
-            .expect("a config serialises")
-            .as_bytes(),
-    );
-    let mut names: Vec<&String> = tensors.keys().collect();
-    names.sort();
-    for name in names {
-        let t = &tensors[name];
+/// The digest built one tensor at a time, in name order, so a helper can fingerprint weights
+/// it generates and drops (it keeps only its layers).
+pub struct Fingerprinter {
+    h: Fnv,
+    last: Option<String>,
+}
+
+impl Fingerprinter {
+    pub fn new(config: &ModelConfig) -> Self {
+        let mut h = Fnv::new();
+        h.update(
+            serde_json::to_string(config)
+                .expect("a config serialises")
+                .as_bytes(),
+        );
+        Fingerprinter { h, last: None }
+    }
+
+    /// Add the next tensor; names must come in ascending order.
+    pub fn add(&mut self, name: &str, t: &Tensor) {
+        assert!(
+            self.last.as_deref().is_none_or(|l| l < name),
+            "tensors must be fingerprinted in name order"
+        );
+        let h = &mut self.h;
         h.update(name.as_bytes());
         h.update(t.dtype().name().as_bytes());
         for d in &t.shape {
@@ -56,8 +71,22 @@ pub fn model_fingerprint(config: &ModelConfig, tensors: &TensorMap) -> String {
             let at = span * i / WINDOWS;
             h.update(&bytes[at..(at + WINDOW).min(bytes.len())]);
         }
+        self.last = Some(name.to_string());
     }
-    h.hex()
+
+    pub fn finish(&self) -> String {
+        self.h.hex()
+    }
+}
+
+pub fn model_fingerprint(config: &ModelConfig, tensors: &TensorMap) -> String {
+    let mut f = Fingerprinter::new(config);
+    let mut names: Vec<&String> = tensors.keys().collect();
+    names.sort();
+    for name in names {
+        f.add(name, &tensors[name]);
+    }
+    f.finish()
 }
 
 #[cfg(test)]

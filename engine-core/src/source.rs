@@ -45,12 +45,18 @@ impl SynthOptions {
         })
     }
 
+    /// The preset's config, with the layer override.
+    pub fn config(&self, preset: &str) -> Result<ModelConfig> {
+        let config = synth::preset(preset)?;
+        match self.layers {
+            Some(l) => synth::with_layers(config, l),
+            None => Ok(config),
+        }
+    }
+
     /// The preset's config (with the layer override) and its seeded weights.
     pub fn tensors(&self, preset: &str) -> Result<(ModelConfig, TensorMap)> {
-        let mut config = synth::preset(preset)?;
-        if let Some(l) = self.layers {
-            config = synth::with_layers(config, l)?;
-        }
+        let config = self.config(preset)?;
         let tensors = synth::random_weights(&config, self.dtype()?, self.weight_seed)?;
         Ok((config, tensors))
     }
@@ -59,16 +65,94 @@ impl SynthOptions {
 /// `spec` is a checkpoint directory, or a preset name when no such directory exists.
 #[cfg(not(target_arch = "wasm32"))]
 pub fn load_model(spec: &str, o: &SynthOptions) -> Result<Model> {
-    let dir = std::path::Path::new(spec);
-    if dir.is_dir() {
-        Model::load_dir(dir)
-    } else if synth::PRESETS.contains(&spec) {
-        let (config, tensors) = o.tensors(spec)?;
-        Model::from_tensors(config, &tensors)
-    } else {
-        Err(Error::Invalid(format!(
-            "--model {spec}: not a directory, nor a preset ({})",
-            synth::PRESETS.join(", ")
-        )))
+    match Source::parse(spec)? {
+        Source::Dir(dir) => Model::load_dir(dir),
+        Source::Preset => {
+            let (config, tensors) = o.tensors(spec)?;
+            Model::from_tensors(config, &tensors)
+        }
+    }
+}
+
+/// `spec`'s config and whole-model fingerprint, with no layers built: what a helper shows in
+/// the handshake before a host assigns it layers. A checkpoint is only memory-mapped (the
+/// fingerprint reads samples of each tensor); a preset's tensors are generated one at a time
+/// and dropped.
+#[cfg(not(target_arch = "wasm32"))]
+pub fn load_identity(spec: &str, o: &SynthOptions) -> Result<Model> {
+    let (config, tensors, fingerprint) = match Source::parse(spec)? {
+        Source::Dir(dir) => {
+            let config = Model::read_config(dir)?;
+            let tensors = crate::weights::load_dir(dir)?;
+            let fp = crate::fingerprint::model_fingerprint(&config, &tensors);
+            (config, TensorMap::new(), fp)
+        }
+        Source::Preset => {
+            let config = o.config(spec)?;
+            let (_, fp) =
+                synth::random_weights_where(&config, o.dtype()?, o.weight_seed, &|_| false, true)?;
+            (
+                config,
+                TensorMap::new(),
+                fp.expect("asked for the fingerprint"),
+            )
+        }
+    };
+    Model::layers_only(config, &tensors, 0..0, fingerprint)
+}
+
+/// Only `layers` of `spec` (no embedding, no head): a helper's assignment. `fingerprint` is
+/// the whole model's, from [`load_identity`]. Other layers' weights are never read (a
+/// checkpoint is memory-mapped) or generated (a preset).
+#[cfg(not(target_arch = "wasm32"))]
+pub fn load_layers(
+    spec: &str,
+    o: &SynthOptions,
+    layers: std::ops::Range<usize>,
+    fingerprint: &str,
+) -> Result<Model> {
+    let (config, tensors) = match Source::parse(spec)? {
+        Source::Dir(dir) => (Model::read_config(dir)?, crate::weights::load_dir(dir)?),
+        Source::Preset => {
+            let config = o.config(spec)?;
+            let keep = |name: &str| layer_of(name).is_some_and(|l| layers.contains(&l));
+            let (tensors, _) =
+                synth::random_weights_where(&config, o.dtype()?, o.weight_seed, &keep, false)?;
+            (config, tensors)
+        }
+    };
+    Model::layers_only(config, &tensors, layers, fingerprint.to_string())
+}
+
+/// The layer a tensor belongs to, from its normalised name (`model.layers.N.`).
+#[cfg(not(target_arch = "wasm32"))]
+fn layer_of(name: &str) -> Option<usize> {
+    name.strip_prefix("model.layers.")?
+        .split('.')
+        .next()?
+        .parse()
+        .ok()
+}
+
+#[cfg(not(target_arch = "wasm32"))]
+enum Source<'a> {
+    Dir(&'a std::path::Path),
+    Preset,
+}
+
+#[cfg(not(target_arch = "wasm32"))]
+impl<'a> Source<'a> {
+    fn parse(spec: &'a str) -> Result<Self> {
+        let dir = std::path::Path::new(spec);
+        if dir.is_dir() {
+            Ok(Source::Dir(dir))
+        } else if synth::PRESETS.contains(&spec) {
+            Ok(Source::Preset)
+        } else {
+            Err(Error::Invalid(format!(
+                "--model {spec}: not a directory, nor a preset ({})",
+                synth::PRESETS.join(", ")
+            )))
+        }
     }
 }

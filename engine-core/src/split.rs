@@ -102,7 +102,7 @@ pub fn prefill(
     if !late.is_empty() {
         x = interleaved(model, be, state, late, &mut report)?;
     }
-    Ok((model.head(be, &mut x, Logits::Last), report))
+    Ok((model.head(be, &mut x, Logits::Last)?, report))
 }
 
 /// Ubatches one after another on the host (the helper only attends pages it holds); returns

@@ -9,6 +9,7 @@ use rayon::prelude::*;
 
 use crate::config::{LayerKind, ModelConfig};
 use crate::error::{Error, Result};
+use crate::fingerprint::Fingerprinter;
 use crate::tensor::{DType, Data, Elems, Tensor};
 use crate::weights::TensorMap;
 
@@ -128,6 +129,43 @@ fn fill(name: &str, n: usize, init: &Init, seed: u64, dtype: DType) -> Data {
 
 /// Every tensor of a Qwen3.5 text model with `config`'s shapes, seeded and stored as `dtype`.
 pub fn random_weights(c: &ModelConfig, dtype: DType, seed: u64) -> Result<TensorMap> {
+    Ok(random_weights_where(c, dtype, seed, &|_| true, false)?.0)
+}
+
+/// The tensors `keep` selects and, with `fingerprint`, the whole model's fingerprint. Each
+/// tensor has its own seeded stream, so any subset comes out the same as in the whole model;
+/// for the fingerprint every tensor is generated in name order and dropped unless kept, so a
+/// helper holds only its layers' weights yet knows the whole model's identity.
+pub fn random_weights_where(
+    c: &ModelConfig,
+    dtype: DType,
+    seed: u64,
+    keep: &dyn Fn(&str) -> bool,
+    fingerprint: bool,
+) -> Result<(TensorMap, Option<String>)> {
+    let mut specs = tensor_specs(c)?;
+    specs.sort_by(|a, b| a.0.cmp(&b.0));
+    let mut print = fingerprint.then(|| Fingerprinter::new(c));
+    let mut out = TensorMap::new();
+    for (name, shape, init) in specs {
+        let kept = keep(&name);
+        if !kept && print.is_none() {
+            continue;
+        }
+        let data = fill(&name, shape.iter().product(), &init, seed, dtype);
+        let t = Tensor { shape, data };
+        if let Some(p) = print.as_mut() {
+            p.add(&name, &t);
+        }
+        if kept {
+            out.insert(name, t);
+        }
+    }
+    Ok((out, print.map(|p| p.finish())))
+}
+
+/// Name, shape and initialisation of every tensor of a model with `c`'s shapes.
+fn tensor_specs(c: &ModelConfig) -> Result<Vec<(String, Vec<usize>, Init)>> {
     c.validate()?;
     let (h, i, v) = (c.hidden_size, c.intermediate_size, c.vocab_size);
     let mut specs: Vec<(String, Vec<usize>, Init)> = Vec::new();
@@ -236,13 +274,7 @@ pub fn random_weights(c: &ModelConfig, dtype: DType, seed: u64) -> Result<Tensor
             }
         }
     }
-    Ok(specs
-        .into_iter()
-        .map(|(name, shape, init)| {
-            let data = fill(&name, shape.iter().product(), &init, seed, dtype);
-            (name, Tensor { shape, data })
-        })
-        .collect())
+    Ok(specs)
 }
 
 /// Write `config.json` and `model.safetensors` so HF transformers and other engines can load

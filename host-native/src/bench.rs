@@ -143,7 +143,7 @@ pub fn run(a: Args) -> Result<()> {
     if a.json {
         let obj = serde_json::json!({
             "model": a.model,
-            "weight_dtype": model.weight_dtype().name(),
+            "weight_dtype": model.weight_dtype().map_or("none", |d| d.name()),
             "weight_bytes": weight_bytes as u64,
             "threads": threads,
             "depth": a.depth,
@@ -168,7 +168,7 @@ pub fn run(a: Args) -> Result<()> {
         println!(
             "model {} ({} weights, {:.0} MB), {} threads, depth {}",
             a.model,
-            model.weight_dtype().name(),
+            model.weight_dtype().map_or("none", |d| d.name()),
             weight_bytes / 1e6,
             threads,
             a.depth

@@ -4,4 +4,4 @@
 
 pub mod runtime;
 
-pub use runtime::{Helper, HelperOptions, SessionEnd};
+pub use runtime::{Helper, HelperOptions, LoadLayers, SessionEnd, Weights};

@@ -4,9 +4,9 @@ use anyhow::{bail, Context, Result};
 use clap::Parser;
 use engine_core::link::ws::WsListener;
 use engine_core::remote::DEFAULT_MAX_FRAME;
-use engine_core::source::{load_model, SynthOptions};
+use engine_core::source::{load_identity, load_layers, SynthOptions};
 use engine_core::CpuBackend;
-use phone_ios::{Helper, HelperOptions};
+use phone_ios::{Helper, HelperOptions, Weights};
 
 #[derive(Parser)]
 #[command(
@@ -65,8 +65,13 @@ fn run(a: Args) -> Result<()> {
             .num_threads(n)
             .build_global()?;
     }
-    let model =
-        load_model(&a.model, &a.synth).with_context(|| format!("loading model {}", a.model))?;
+    // Only the model's identity now; the layers a host assigns are built when it configures.
+    let identity =
+        load_identity(&a.model, &a.synth).with_context(|| format!("loading model {}", a.model))?;
+    let load = |layers: std::ops::Range<usize>| {
+        eprintln!("building layers {layers:?} of {}", a.model);
+        load_layers(&a.model, &a.synth, layers, &identity.fingerprint)
+    };
     let max_frame = usize::try_from(a.max_frame).context("--max-frame")?;
     let listener = WsListener::bind(&a.listen, max_frame)
         .with_context(|| format!("listening on {}", a.listen))?;
@@ -74,11 +79,14 @@ fn run(a: Args) -> Result<()> {
     println!("tether-helper listening on ws://{}", listener.local_addr());
     eprintln!(
         "model {} (fingerprint {}), KV budget {} bytes",
-        a.model, model.fingerprint, a.mem_budget
+        a.model, identity.fingerprint, a.mem_budget
     );
     let backend = CpuBackend;
-    let helper = Helper::new(
-        &model,
+    let helper = Helper::with_weights(
+        Weights::Assigned {
+            identity: &identity,
+            load: &load,
+        },
         &backend,
         HelperOptions {
             mem_budget: a.mem_budget,

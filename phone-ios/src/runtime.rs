@@ -9,6 +9,8 @@
 //! stored state intact.
 
 use std::collections::BTreeMap;
+use std::ops::Range;
+use std::sync::{Arc, Mutex};
 
 use engine_core::backend::{AttnShape, Backend};
 use engine_core::kv::{KvPage, PagedKv};
@@ -39,14 +41,33 @@ pub enum SessionEnd {
     Refused(String),
 }
 
+/// Builds the layers a host assigns (and nothing else) from the helper's checkpoint.
+pub type LoadLayers<'a> = dyn Fn(Range<usize>) -> engine_core::Result<Model> + Sync + 'a;
+
+/// The weights a helper runs its share of a split prefill with.
+pub enum Weights<'a> {
+    /// A whole model, whatever layers a host assigns.
+    Whole(&'a Model),
+    /// Only the layers a host assigns, built when it configures the session; `identity`
+    /// (config and the whole checkpoint's fingerprint, no layers) answers the handshake.
+    Assigned {
+        identity: &'a Model,
+        load: &'a LoadLayers<'a>,
+    },
+}
+
 pub struct Helper<'a> {
-    model: &'a Model,
+    weights: Weights<'a>,
+    /// The layers built for the last assignment, kept for the next host asking for them.
+    assigned: Mutex<Option<Arc<Model>>>,
     backend: &'a dyn Backend,
     opts: HelperOptions,
 }
 
 struct Session {
     configure: Option<Configure>,
+    /// The assigned layers (for `Weights::Assigned`).
+    layers: Option<Arc<Model>>,
     /// Per sequence: the KV rows this helper holds (pages handed over by the host, and the
     /// mirror of its prefill layers) and, for those layers, the DeltaNet state.
     seqs: BTreeMap<u64, State>,
@@ -63,18 +84,56 @@ impl Session {
 struct Refusal(&'static str, String);
 
 impl<'a> Helper<'a> {
+    /// A helper with a whole model.
     pub fn new(model: &'a Model, backend: &'a dyn Backend, opts: HelperOptions) -> Self {
+        Helper::with_weights(Weights::Whole(model), backend, opts)
+    }
+
+    pub fn with_weights(
+        weights: Weights<'a>,
+        backend: &'a dyn Backend,
+        opts: HelperOptions,
+    ) -> Self {
         Helper {
-            model,
+            weights,
+            assigned: Mutex::new(None),
             backend,
             opts,
         }
     }
 
+    /// Config and fingerprint: the model as the handshake knows it.
+    fn identity(&self) -> &Model {
+        match &self.weights {
+            Weights::Whole(m) => m,
+            Weights::Assigned { identity, .. } => identity,
+        }
+    }
+
+    /// The model that runs `layers` in this session, built now if the helper loads per
+    /// assignment and does not hold those layers yet.
+    fn load(&self, layers: Range<usize>) -> engine_core::Result<Option<Arc<Model>>> {
+        let Weights::Assigned { load, .. } = &self.weights else {
+            return Ok(None);
+        };
+        let mut held = self.assigned.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(m) = held.as_ref().filter(|m| {
+            let l = m.loaded_layers();
+            l.start <= layers.start && layers.end <= l.end
+        }) {
+            return Ok(Some(m.clone()));
+        }
+        // Drop the old layers before building the new ones.
+        *held = None;
+        let m = Arc::new(load(layers)?);
+        *held = Some(m.clone());
+        Ok(Some(m))
+    }
+
     fn intro(&self) -> Intro {
         Intro {
             version: PROTOCOL_VERSION,
-            fingerprint: self.model.fingerprint.clone(),
+            fingerprint: self.identity().fingerprint.clone(),
             role: Role::Helper,
             mem_offer: self.opts.mem_budget,
             backends: vec![self.backend.name().to_string()],
@@ -86,6 +145,7 @@ impl<'a> Helper<'a> {
     pub fn serve(&self, link: &mut dyn Link) -> SessionEnd {
         let mut s = Session {
             configure: None,
+            layers: None,
             seqs: BTreeMap::new(),
             counters: BTreeMap::new(),
         };
@@ -114,14 +174,14 @@ impl<'a> Helper<'a> {
                                 format!("protocol {} vs {PROTOCOL_VERSION}", intro.version),
                             );
                         }
-                        if intro.fingerprint != self.model.fingerprint {
+                        if intro.fingerprint != self.identity().fingerprint {
                             return refuse(
                                 link,
                                 req,
                                 "fingerprint",
                                 format!(
                                     "this helper runs a different model (fingerprint {}, the host's {})",
-                                    self.model.fingerprint, intro.fingerprint
+                                    self.identity().fingerprint, intro.fingerprint
                                 ),
                             );
                         }
@@ -157,7 +217,7 @@ impl<'a> Helper<'a> {
     }
 
     fn handle(&self, s: &mut Session, msg: Message) -> Result<Message, Refusal> {
-        let c = &self.model.config;
+        let c = &self.identity().config;
         if let Message::Configure(cfg) = &msg {
             let n = c.num_hidden_layers as u32;
             if cfg.first_layer > cfg.end_layer || cfg.end_layer > n || cfg.page_size == 0 {
@@ -171,6 +231,11 @@ impl<'a> Helper<'a> {
             }
             // A new assignment starts from nothing: held rows were laid out for the old one.
             s.seqs.clear();
+            s.configure = None;
+            s.layers = None;
+            s.layers = self
+                .load(cfg.first_layer as usize..cfg.end_layer as usize)
+                .map_err(|e| Refusal("configure", format!("loading the assigned layers: {e}")))?;
             s.configure = Some(cfg.clone());
             return Ok(Message::Ack);
         }
@@ -336,7 +401,9 @@ impl<'a> Helper<'a> {
                     ));
                 }
                 let mut x = residual.data;
-                self.model
+                s.layers
+                    .as_deref()
+                    .unwrap_or(self.identity())
                     .run_layers(self.backend, st, &mut x, pos as usize, layers.clone(), None)
                     .map_err(|e| Refusal("prefill", e.to_string()))?;
                 st.pos += rows;
@@ -352,7 +419,7 @@ impl<'a> Helper<'a> {
                     ));
                 }
                 let (delta_layers, states) = if want_state {
-                    delta_states(self.model, st, layers)
+                    delta_states(self.identity(), st, layers)
                 } else {
                     (vec![], vec![])
                 };
@@ -397,7 +464,7 @@ impl<'a> Helper<'a> {
                 let end = (pos as usize).checked_add(rows).ok_or_else(|| {
                     Refusal("order", format!("mirror position {pos} is out of range"))
                 })?;
-                let c = &self.model.config;
+                let c = &self.identity().config;
                 let state_len =
                     c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim;
                 let conv_len = (c.linear_conv_kernel_dim - 1) * c.conv_dim();
@@ -520,11 +587,11 @@ impl<'a> Helper<'a> {
         }
         Ok(seqs
             .entry(seq)
-            .or_insert_with(|| self.model.new_state(page_size)))
+            .or_insert_with(|| self.identity().new_state(page_size)))
     }
 
     fn check_full_layer(&self, layer: u32) -> Result<(), Refusal> {
-        match self.model.config.layer_types.get(layer as usize) {
+        match self.identity().config.layer_types.get(layer as usize) {
             Some(LayerKind::FullAttention) => Ok(()),
             Some(LayerKind::LinearAttention) => Err(Refusal(
                 "layer",
@@ -534,7 +601,7 @@ impl<'a> Helper<'a> {
                 "layer",
                 format!(
                     "layer {layer} does not exist (the model has {})",
-                    self.model.config.num_hidden_layers
+                    self.identity().config.num_hidden_layers
                 ),
             )),
         }

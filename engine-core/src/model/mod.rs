@@ -95,12 +95,20 @@ struct Layer {
 
 pub struct Model {
     pub config: ModelConfig,
-    /// Identity for the host-helper handshake (`fingerprint::model_fingerprint`).
+    /// Identity for the host-helper handshake (`fingerprint::model_fingerprint`), always of
+    /// the whole checkpoint.
     pub fingerprint: String,
+    /// The embedding and the head; a helper that runs only middle or tail layers has neither.
+    ends: Option<Ends>,
+    /// Layers built on this device (all of them, or a helper's share).
+    loaded: std::ops::Range<usize>,
+    layers: Vec<Option<Layer>>,
+}
+
+struct Ends {
     embed: Matrix,
     lm_head: Matrix,
     norm_final: Vec<f32>,
-    layers: Vec<Layer>,
 }
 
 /// Looks tensors up by name and checks their shapes, so a wrong checkpoint fails with the name
@@ -151,18 +159,62 @@ impl<'a> Loader<'a> {
 impl Model {
     /// Build the model from named tensors (text-only naming, see `weights::normalise_name`).
     pub fn from_tensors(config: ModelConfig, tensors: &TensorMap) -> Result<Model> {
+        let fingerprint = crate::fingerprint::model_fingerprint(&config, tensors);
+        let all = 0..config.num_hidden_layers;
+        Model::build(config, tensors, all, true, fingerprint)
+    }
+
+    /// Only `layers`, without embedding and head: what a helper runs. `tensors` need hold only
+    /// those layers; `fingerprint` is the whole checkpoint's, so the handshake still compares
+    /// whole models.
+    pub fn layers_only(
+        config: ModelConfig,
+        tensors: &TensorMap,
+        layers: std::ops::Range<usize>,
+        fingerprint: String,
+    ) -> Result<Model> {
+        if layers.start > layers.end || layers.end > config.num_hidden_layers {
+            return Err(Error::Invalid(format!(
+                "layers {layers:?} of a {}-layer model",
+                config.num_hidden_layers
+            )));
+        }
+        Model::build(config, tensors, layers, false, fingerprint)
+    }
+
+    fn build(
+        config: ModelConfig,
+        tensors: &TensorMap,
+        loaded: std::ops::Range<usize>,
+        with_ends: bool,
+        fingerprint: String,
+    ) -> Result<Model> {
         config.validate()?;
         let c = &config;
         let ld = Loader { tensors };
         let (h, v) = (c.hidden_size, c.vocab_size);
-        let embed = ld.matrix("model.embed_tokens.weight", v, h)?;
-        let lm_head = if c.tie_word_embeddings {
-            embed.clone()
+        let ends = if with_ends {
+            let embed = ld.matrix("model.embed_tokens.weight", v, h)?;
+            let lm_head = if c.tie_word_embeddings {
+                embed.clone()
+            } else {
+                ld.matrix("lm_head.weight", v, h)?
+            };
+            let norm_final = ld.offset_norm("model.norm.weight", h)?;
+            Some(Ends {
+                embed,
+                lm_head,
+                norm_final,
+            })
         } else {
-            ld.matrix("lm_head.weight", v, h)?
+            None
         };
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
         for (i, kind) in c.layer_types.iter().enumerate() {
+            if !loaded.contains(&i) {
+                layers.push(None);
+                continue;
+            }
             let p = format!("model.layers.{i}.");
             let mixer = match kind {
                 LayerKind::FullAttention => {
@@ -173,7 +225,7 @@ impl Model {
                 }
             };
             let m = format!("{p}mlp.");
-            layers.push(Layer {
+            layers.push(Some(Layer {
                 norm_in: ld.offset_norm(&format!("{p}input_layernorm.weight"), h)?,
                 norm_post: ld.offset_norm(&format!("{p}post_attention_layernorm.weight"), h)?,
                 mixer,
@@ -182,26 +234,55 @@ impl Model {
                     up: ld.matrix(&format!("{m}up_proj.weight"), c.intermediate_size, h)?,
                     down: ld.matrix(&format!("{m}down_proj.weight"), h, c.intermediate_size)?,
                 },
-            });
+            }));
         }
         Ok(Model {
-            fingerprint: crate::fingerprint::model_fingerprint(&config, tensors),
-            norm_final: ld.offset_norm("model.norm.weight", h)?,
-            embed,
-            lm_head,
+            fingerprint,
+            ends,
+            loaded,
             layers,
             config,
+        })
+    }
+
+    /// The layers built on this device.
+    pub fn loaded_layers(&self) -> std::ops::Range<usize> {
+        self.loaded.clone()
+    }
+
+    fn layer(&self, i: usize) -> Result<&Layer> {
+        self.layers.get(i).and_then(|l| l.as_ref()).ok_or_else(|| {
+            Error::Invalid(format!(
+                "layer {i} is not loaded on this device (it holds layers {:?} of {})",
+                self.loaded,
+                self.layers.len()
+            ))
+        })
+    }
+
+    fn ends(&self) -> Result<&Ends> {
+        self.ends.as_ref().ok_or_else(|| {
+            Error::Invalid(format!(
+                "this device holds only layers {:?}: no embedding or output head",
+                self.loaded
+            ))
         })
     }
 
     /// Load `config.json` and the safetensors of a checkpoint directory.
     #[cfg(not(target_arch = "wasm32"))]
     pub fn load_dir(dir: &std::path::Path) -> Result<Model> {
-        let path = dir.join("config.json");
-        let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
-        let config = ModelConfig::from_json_str(&text)?;
+        let config = Model::read_config(dir)?;
         let tensors = crate::weights::load_dir(dir)?;
         Model::from_tensors(config, &tensors)
+    }
+
+    /// A checkpoint directory's `config.json`.
+    #[cfg(not(target_arch = "wasm32"))]
+    pub fn read_config(dir: &std::path::Path) -> Result<ModelConfig> {
+        let path = dir.join("config.json");
+        let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
+        ModelConfig::from_json_str(&text)
     }
 
     /// A fresh per-sequence state (empty KV cache, zero recurrent and conv state).
@@ -211,11 +292,14 @@ impl Model {
 
     /// Bytes of weights as stored (tied embeddings counted once).
     pub fn weight_bytes(&self) -> usize {
-        let mut n = self.embed.nbytes();
-        if !self.config.tie_word_embeddings {
-            n += self.lm_head.nbytes();
+        let mut n = 0;
+        if let Some(e) = &self.ends {
+            n += e.embed.nbytes();
+            if !self.config.tie_word_embeddings {
+                n += e.lm_head.nbytes();
+            }
         }
-        for l in &self.layers {
+        for l in self.layers.iter().flatten() {
             n += l.mlp.gate.nbytes() + l.mlp.up.nbytes() + l.mlp.down.nbytes();
             n += match &l.mixer {
                 Mixer::Attention(a) => a.weight_bytes(),
@@ -225,8 +309,13 @@ impl Model {
         n
     }
 
-    pub fn weight_dtype(&self) -> crate::tensor::DType {
-        self.embed.dtype()
+    /// How the weights are stored (the MLP's, which every layer has).
+    pub fn weight_dtype(&self) -> Option<crate::tensor::DType> {
+        self.layers
+            .iter()
+            .flatten()
+            .next()
+            .map(|l| l.mlp.gate.dtype())
     }
 
     /// Run `tokens` at positions `state.pos ..`, advancing `state`; returns logits `[rows, vocab]`
@@ -245,7 +334,7 @@ impl Model {
         self.run_layers(be, state, &mut x, pos, 0..self.layers.len(), trace)?;
         state.pos += tokens.len();
         state.offload()?;
-        Ok(self.head(be, &mut x, logits))
+        self.head(be, &mut x, logits)
     }
 
     /// Embedding rows `[tokens, hidden]`; rejects ids outside the vocabulary.
@@ -260,9 +349,10 @@ impl Model {
                 vocab: c.vocab_size,
             });
         }
+        let embed = &self.ends()?.embed;
         let mut x = vec![0.0f32; tokens.len() * c.hidden_size];
         for (row, &id) in x.chunks_mut(c.hidden_size).zip(tokens) {
-            self.embed.row_f32(id as usize, row);
+            embed.row_f32(id as usize, row);
         }
         Ok(x)
     }
@@ -313,7 +403,7 @@ impl Model {
         let mut normed = vec![0.0f32; pass.x.len()];
         let mut y = vec![0.0f32; pass.x.len()];
         if let Some(w) = pass.waiting.take() {
-            let Mixer::Attention(a) = &self.layers[pass.next].mixer else {
+            let Mixer::Attention(a) = &self.layer(pass.next)?.mixer else {
                 unreachable!("a pass waits only at full-attention layers")
             };
             a.finish(
@@ -322,11 +412,11 @@ impl Model {
                 &w.gate,
                 &mut y,
             );
-            self.close_layer(be, pass, &y, &mut normed, trace.as_deref_mut());
+            self.close_layer(be, pass, &y, &mut normed, trace.as_deref_mut())?;
         }
         while pass.next < pass.end {
             let i = pass.next;
-            let layer = &self.layers[i];
+            let layer = self.layer(i)?;
             normed.copy_from_slice(&pass.x);
             be.rms_norm(&mut normed, &layer.norm_in, c.rms_norm_eps);
             match (&layer.mixer, &mut state.layers[i]) {
@@ -349,7 +439,7 @@ impl Model {
                 }
                 _ => unreachable!("State::check_matches verified the layer kinds"),
             }
-            self.close_layer(be, pass, &y, &mut normed, trace.as_deref_mut());
+            self.close_layer(be, pass, &y, &mut normed, trace.as_deref_mut())?;
         }
         Ok(())
     }
@@ -362,8 +452,8 @@ impl Model {
         y: &[f32],
         normed: &mut [f32],
         trace: Option<&mut Vec<Vec<f32>>>,
-    ) {
-        let layer = &self.layers[pass.next];
+    ) -> Result<()> {
+        let layer = self.layer(pass.next)?;
         add(&mut pass.x, y);
         normed.copy_from_slice(&pass.x);
         be.rms_norm(normed, &layer.norm_post, self.config.rms_norm_eps);
@@ -374,22 +464,24 @@ impl Model {
             tr.push(pass.x.clone());
         }
         pass.next += 1;
+        Ok(())
     }
 
     /// Final norm and output projection of the rows `logits` asks for.
-    pub fn head(&self, be: &dyn Backend, x: &mut [f32], logits: Logits) -> Vec<f32> {
+    pub fn head(&self, be: &dyn Backend, x: &mut [f32], logits: Logits) -> Result<Vec<f32>> {
         let c = &self.config;
         let h = c.hidden_size;
         let n = x.len();
         let rows = match logits {
             Logits::All => &mut x[..],
             Logits::Last => &mut x[n - h..],
-            Logits::None => return Vec::new(),
+            Logits::None => return Ok(Vec::new()),
         };
-        be.rms_norm(rows, &self.norm_final, c.rms_norm_eps);
+        let ends = self.ends()?;
+        be.rms_norm(rows, &ends.norm_final, c.rms_norm_eps);
         let mut out = vec![0.0f32; rows.len() / h * c.vocab_size];
-        be.matmul(rows, &self.lm_head, &mut out);
-        out
+        be.matmul(rows, &ends.lm_head, &mut out);
+        Ok(out)
     }
 }
 

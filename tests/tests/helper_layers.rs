@@ -1,0 +1,53 @@
+//! A helper builds only the layers a host assigns: from a checkpoint directory or a preset, the
+//! partial model has the whole model's fingerprint, runs its layers to the same bits as the
+//! whole model, and refuses clearly to run anything else.
+
+use engine_core::fingerprint::model_fingerprint;
+use engine_core::source::{load_identity, load_layers, load_model, SynthOptions};
+use engine_core::synth;
+use engine_core::tensor::DType;
+use engine_core::CpuBackend;
+use tests::fixtures_dir;
+
+#[test]
+fn a_subset_of_a_preset_is_the_same_tensors_and_fingerprint() {
+    let c = synth::preset("tiny").unwrap();
+    let whole = synth::random_weights(&c, DType::BF16, 3).unwrap();
+    let keep = |n: &str| n.starts_with("model.layers.5.");
+    let (part, print) = synth::random_weights_where(&c, DType::BF16, 3, &keep, true).unwrap();
+    assert_eq!(print.unwrap(), model_fingerprint(&c, &whole));
+    assert!(!part.is_empty() && part.keys().all(|n| keep(n)));
+    for (name, t) in &part {
+        assert_eq!(t.data.as_bytes(), whole[name].data.as_bytes(), "{name}");
+    }
+}
+
+#[test]
+fn assigned_layers_run_like_the_whole_model_and_nothing_else() {
+    let dir = fixtures_dir().join("tiny_fp32_T150");
+    let dir = dir.to_str().unwrap();
+    let o = SynthOptions::default();
+    for spec in [dir, "tiny"] {
+        let whole = load_model(spec, &o).unwrap();
+        let identity = load_identity(spec, &o).unwrap();
+        assert_eq!(identity.fingerprint, whole.fingerprint, "{spec}");
+        let part = load_layers(spec, &o, 4..8, &identity.fingerprint).unwrap();
+        assert_eq!(part.loaded_layers(), 4..8);
+        assert!(part.weight_bytes() < whole.weight_bytes() / 2, "{spec}");
+        // The same residual rows through layers 4..8, from the same state.
+        let h = whole.config.hidden_size;
+        let x0: Vec<f32> = (0..5 * h).map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0).collect();
+        let (mut a, mut b) = (x0.clone(), x0.clone());
+        let (mut sa, mut sb) = (whole.new_state(4), part.new_state(4));
+        whole.run_layers(&CpuBackend, &mut sa, &mut a, 0, 4..8, None).unwrap();
+        part.run_layers(&CpuBackend, &mut sb, &mut b, 0, 4..8, None).unwrap();
+        assert!(a == b, "{spec}: layers 4..8 differ");
+        let err = part
+            .run_layers(&CpuBackend, &mut sb, &mut b, 5, 3..4, None)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("layer 3 is not loaded"), "{err}");
+        let err = part.embed(&[1, 2]).unwrap_err().to_string();
+        assert!(err.contains("no embedding"), "{err}");
+    }
+}
