@@ -74,9 +74,10 @@ pub fn run(a: Args) -> Result<()> {
     }
     let c = &model.config;
     let (moved_before, pos_before) = (state.remote_kv_len(), state.pos);
-    let split_ubatch = a.helper.plan(a.ubatch).ubatch.max(1);
+    let plan = a.helper.plan(a.ubatch);
+    let split_ubatch = plan.ubatch.max(1);
     let t0 = Instant::now();
-    let (mut logits, split) = prefill(&model, &be, &mut state, &prompt, &a.helper.plan(a.ubatch))?;
+    let (mut logits, split) = prefill(&model, &be, &mut state, &prompt, &plan)?;
     let prefill_s = t0.elapsed().as_secs_f64();
     let prefill_link = link.as_ref().map(|l| {
         let stats = l.snapshot();
@@ -108,15 +109,21 @@ pub fn run(a: Args) -> Result<()> {
                     pages,
                 )
         } else {
-            // Ubatch by ubatch on the host, pages moving after each one as the budget demands.
+            // Ubatch by ubatch on the host (in pairs past interleave_from), pages moving after
+            // each step as the budget demands.
             let budget = a.helper.host_kv_tokens().unwrap_or(usize::MAX);
             let (mut remote, mut pos, mut attend) = (moved_before, pos_before, 0);
-            for chunk in prompt.chunks(split_ubatch) {
-                attend += minimum::attend(c, 0..n, chunk.len(), remote / a.page_size);
-                pos += chunk.len();
+            let chunks: Vec<usize> = prompt.chunks(split_ubatch).map(|c| c.len()).collect();
+            let mut i = 0;
+            while i < chunks.len() {
+                let step = if pos >= plan.interleave_from { 2 } else { 1 };
+                let rows: usize = chunks[i..(i + step).min(chunks.len())].iter().sum();
+                attend += minimum::attend(c, 0..n, rows, remote / a.page_size);
+                pos += rows;
                 while pos - remote > budget && remote + a.page_size <= pos {
                     remote += a.page_size;
                 }
+                i += step;
             }
             moves + attend
         }
@@ -155,6 +162,7 @@ pub fn run(a: Args) -> Result<()> {
             "peak_rss_bytes": peak,
             "kv_cache_bytes": state.kv_bytes(),
             "split_ubatches_on_helper": split.on_helper,
+            "split_ubatches_interleaved": split.interleaved,
             "split_fallback": split.fallback,
             "link_prefill": prefill_link.as_ref().map(stats_json),
             "link_decode": decode_link.as_ref().map(stats_json),

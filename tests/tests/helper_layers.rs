@@ -36,11 +36,16 @@ fn assigned_layers_run_like_the_whole_model_and_nothing_else() {
         assert!(part.weight_bytes() < whole.weight_bytes() / 2, "{spec}");
         // The same residual rows through layers 4..8, from the same state.
         let h = whole.config.hidden_size;
-        let x0: Vec<f32> = (0..5 * h).map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0).collect();
+        let x0: Vec<f32> = (0..5 * h)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0)
+            .collect();
         let (mut a, mut b) = (x0.clone(), x0.clone());
         let (mut sa, mut sb) = (whole.new_state(4), part.new_state(4));
-        whole.run_layers(&CpuBackend, &mut sa, &mut a, 0, 4..8, None).unwrap();
-        part.run_layers(&CpuBackend, &mut sb, &mut b, 0, 4..8, None).unwrap();
+        whole
+            .run_layers(&CpuBackend, &mut sa, &mut a, 0, 4..8, None)
+            .unwrap();
+        part.run_layers(&CpuBackend, &mut sb, &mut b, 0, 4..8, None)
+            .unwrap();
         assert!(a == b, "{spec}: layers 4..8 differ");
         let err = part
             .run_layers(&CpuBackend, &mut sb, &mut b, 5, 3..4, None)
