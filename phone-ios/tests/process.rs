@@ -169,3 +169,41 @@ fn killing_the_helper_process_during_a_split_prefill_costs_time_not_tokens() {
     }
     assert!(fell_back > 0, "no kill landed during a batch");
 }
+
+/// Over WebSocket to a real process: a prompt that is layer-pipelined up to position 64 and
+/// interleaved past it, with pages on the helper, gives the plain host-alone logits bit for bit.
+#[test]
+fn a_helper_process_splits_then_interleaves_bit_identically() {
+    use engine_core::split::{prefill, SplitPlan};
+    let dir = fixtures_dir().join("tiny_fp32_T150");
+    let m = Model::load_dir(&dir).unwrap();
+    let prompt = Reference::load("tiny_fp32_T150").ids("prompt_ids");
+    let mut host = m.new_state(8);
+    let mut want = Vec::new();
+    for c in prompt.chunks(8) {
+        want = m
+            .forward(&CpuBackend, &mut host, c, Logits::Last, None)
+            .unwrap();
+    }
+    let helper = HelperProcess::start(dir.to_str().unwrap());
+    let link = ws::connect(&helper.url, DEFAULT_MAX_FRAME).unwrap();
+    let cfg = Configure {
+        first_layer: 4,
+        end_layer: 8,
+        page_size: 8,
+    };
+    let mut st = m.new_state(8);
+    st.remote = Some(HelperClient::connect(Box::new(link), &m, cfg, DEFAULT_MAX_FRAME).unwrap());
+    st.host_kv_tokens = Some(16);
+    let plan = SplitPlan {
+        min_tokens: 20,
+        ubatch: 8,
+        interleave_from: 64,
+    };
+    let (got, report) = prefill(&m, &CpuBackend, &mut st, &prompt, &plan).unwrap();
+    assert!(report.on_helper > 0 && report.interleaved > 0, "{report:?}");
+    assert!(
+        got == want,
+        "logits differ from the host alone ({report:?})"
+    );
+}
