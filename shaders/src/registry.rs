@@ -65,12 +65,6 @@ pub enum WeightFormat {
 }
 
 impl WeightFormat {
-    pub const ALL: [WeightFormat; 3] = [
-        WeightFormat::F32,
-        WeightFormat::F16Packed,
-        WeightFormat::F16,
-    ];
-
     pub fn define(self) -> u32 {
         match self {
             WeightFormat::F32 => 0,

@@ -70,6 +70,9 @@ pub(super) enum Bind<'a> {
     Buffer(&'a wgpu::Buffer),
 }
 
+/// Kernel name, entry point, spec key.
+type PipelineKey = (&'static str, &'static str, String);
+
 struct Pipeline {
     pipeline: wgpu::ComputePipeline,
     layout: wgpu::BindGroupLayout,
@@ -97,7 +100,7 @@ pub struct Gpu {
     max_binding: u64,
     uniform_align: u64,
     pub(super) pool: Arc<BufferPool>,
-    pipelines: Mutex<HashMap<(&'static str, &'static str, String), Arc<Pipeline>>>,
+    pipelines: Mutex<HashMap<PipelineKey, Arc<Pipeline>>>,
     batch: Mutex<Batch>,
 }
 
@@ -319,16 +322,12 @@ impl Gpu {
             layout: &pipeline.layout,
             entries: &entries,
         });
-        let encoder = batch.encoder.get_or_insert_with(|| {
-            self.device
-                .create_command_encoder(&wgpu::CommandEncoderDescriptor {
-                    label: Some("tether batch"),
-                })
-        });
-        let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
-            label: Some(entry),
-            timestamp_writes: None,
-        });
+        let mut pass = self
+            .encoder(batch)
+            .begin_compute_pass(&wgpu::ComputePassDescriptor {
+                label: Some(entry),
+                timestamp_writes: None,
+            });
         pass.set_pipeline(&pipeline.pipeline);
         pass.set_bind_group(0, &bind_group, &[]);
         pass.dispatch_workgroups(groups[0], groups[1], 1);
@@ -340,12 +339,17 @@ impl Gpu {
         batch
             .keep
             .extend(tensors.iter().map(|t| t.pooled().clone()));
-        f(batch.encoder.get_or_insert_with(|| {
+        f(self.encoder(&mut batch));
+    }
+
+    /// The batch's command encoder, made on first use.
+    fn encoder<'b>(&self, batch: &'b mut Batch) -> &'b mut wgpu::CommandEncoder {
+        batch.encoder.get_or_insert_with(|| {
             self.device
                 .create_command_encoder(&wgpu::CommandEncoderDescriptor {
                     label: Some("tether batch"),
                 })
-        }));
+        })
     }
 
     /// Records a copy of `src` into `dst` at element `dst_offset`.

@@ -289,7 +289,7 @@ pub fn copy_cols(
     col0: usize,
     width: usize,
 ) -> GpuTensor {
-    assert!(col0 + width <= stride && src.len() % stride == 0);
+    assert!(col0 + width <= stride && src.len().is_multiple_of(stride));
     let out = gpu.alloc(src.len() / stride * width);
     elementwise(
         gpu,
@@ -465,16 +465,25 @@ impl GpuPartials {
     }
 }
 
+/// Query rows per `attn_prefill` workgroup (its `BQ`).
+const PREFILL_ROWS: usize = 8;
+
+/// Key ranges of `attn_decode`: `parts` ranges of `len` keys.
+struct Split {
+    parts: usize,
+    len: usize,
+}
+
+/// `attn_prefill` when `split` is `None`, else `attn_decode` writing `split.parts` stacked
+/// partials.
 fn attend(
     gpu: &Gpu,
-    entry: &'static str,
     shape: AttnShape,
     q: &GpuTensor,
     q_pos: &GpuTensor,
     page: &GpuKvPage,
     scale: f32,
-    splits: usize,
-    split_len: usize,
+    split: Option<Split>,
 ) -> GpuPartials {
     let AttnShape {
         q_heads,
@@ -485,14 +494,19 @@ fn attend(
     assert_eq!(q.len(), t * q_heads * d);
     assert!(page.k.len() >= page.len * kv_heads * d && page.v.len() == page.k.len());
     let rows = t * q_heads;
+    let (entry, splits, split_len, groups) = match split {
+        None => (
+            "attn_prefill",
+            1,
+            page.len,
+            grid(t.div_ceil(PREFILL_ROWS) * q_heads),
+        ),
+        Some(s) => ("attn_decode", s.parts, s.len, grid(rows * s.parts)),
+    };
     let out = GpuPartials::alloc(gpu, splits * rows, d);
     if rows == 0 {
         return out;
     }
-    let groups = match entry {
-        "attn_prefill" => grid(t.div_ceil(8) * q_heads),
-        _ => grid(rows * splits),
-    };
     gpu.dispatch(
         k("attention"),
         entry,
@@ -532,17 +546,7 @@ pub fn attend_page(
     page: &GpuKvPage,
     scale: f32,
 ) -> GpuPartials {
-    attend(
-        gpu,
-        "attn_prefill",
-        shape,
-        q,
-        q_pos,
-        page,
-        scale,
-        1,
-        page.len.max(1),
-    )
+    attend(gpu, shape, q, q_pos, page, scale, None)
 }
 
 /// The same partials for few query rows (decode): the page's keys are cut into ranges of
@@ -558,17 +562,11 @@ pub fn attend_page_split(
 ) -> GpuPartials {
     assert!(split_len > 0);
     let splits = page.len.div_ceil(split_len).max(1);
-    let parts = attend(
-        gpu,
-        "attn_decode",
-        shape,
-        q,
-        q_pos,
-        page,
-        scale,
-        splits,
-        split_len,
-    );
+    let split = Split {
+        parts: splits,
+        len: split_len,
+    };
+    let parts = attend(gpu, shape, q, q_pos, page, scale, Some(split));
     if splits == 1 {
         return parts;
     }
@@ -621,7 +619,7 @@ pub fn merge_partials(gpu: &Gpu, parts: &[&GpuPartials]) -> GpuPartials {
 /// Greedy sampling: the index of the largest value of each row of `x` (rows of `n`), lowest
 /// index on ties, as u32.
 pub fn argmax(gpu: &Gpu, x: &GpuTensor, n: usize) -> GpuTensor {
-    assert!(n > 0 && x.len() % n == 0);
+    assert!(n > 0 && x.len().is_multiple_of(n));
     let rows = x.len() / n;
     let out = gpu.alloc(rows);
     if rows > 0 {
