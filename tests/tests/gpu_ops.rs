@@ -658,3 +658,22 @@ fn argmax_matches_cpu_with_ties() {
         assert_eq!(got, want, "argmax {rows}x{n}");
     }
 }
+
+#[test]
+fn one_batch_of_many_dispatches_spans_uniform_chunks() {
+    // 600 dispatches in one submission: more than one 64 KiB chunk of 256-byte params slots,
+    // each dispatch reading the previous one's output.
+    let g = gpu();
+    let x: Vec<f32> = (0..37).map(|i| i as f32).collect();
+    let a = g.upload_f32(&x);
+    let one = g.upload_f32(&[1.0; 37]);
+    for i in 0..600 {
+        if i % 2 == 0 {
+            ops::add(g, &a, &one);
+        } else {
+            ops::scale(g, &a, 1.0);
+        }
+    }
+    let want: Vec<f32> = x.iter().map(|v| v + 300.0).collect();
+    check("600 dispatches", &down(&a), &want, 0.0);
+}
