@@ -6,6 +6,8 @@
 //! buffers behind the same op list.
 
 pub mod cpu;
+#[cfg(feature = "gpu")]
+pub mod gpu;
 
 pub use cpu::CpuBackend;
 

@@ -1,0 +1,636 @@
+//! One function per kernel, on device buffers. Each records its dispatches into the device's
+//! current batch (nothing runs until `Gpu::flush` or a download), so a caller can encode a
+//! whole forward pass and submit it once. Shapes follow the CPU ops of `backend::cpu`, which
+//! every function here is tested against (`tests/tests/gpu_ops.rs`); in-place CPU ops are
+//! in-place here too. Shape errors are programming errors and panic, as on the CPU.
+
+use shaders::{kernel, Kernel, Spec, WeightFormat};
+
+use super::context::{grid, Bind, Gpu};
+use super::tensor::{GpuMatrix, GpuTensor};
+use crate::backend::{AttnShape, DeltaShape};
+
+/// Threads per workgroup of the element-wise and row kernels (their `WG` default).
+const WG: usize = 64;
+
+/// Up to this many rows of `x`, [`matmul`] streams the weights once per row (`matvec`); from
+/// there the tiled kernel, which reuses each loaded weight for 16 rows, wins.
+pub const MATVEC_MAX_T: usize = 4;
+
+/// Output tile of the `matmul` kernel.
+const TILE: usize = 16;
+
+fn k(name: &str) -> &'static Kernel {
+    kernel(name).unwrap_or_else(|| panic!("no kernel {name}"))
+}
+
+fn f(x: f32) -> u32 {
+    x.to_bits()
+}
+
+fn u(x: usize) -> u32 {
+    u32::try_from(x).expect("size fits u32")
+}
+
+fn t_of(t: &GpuTensor) -> Bind<'_> {
+    Bind::Tensor(t)
+}
+
+fn weight_spec(format: WeightFormat) -> Spec {
+    Spec::new().with("W", format.define())
+}
+
+/// `out[t, c] = table[ids[t], c]`; `ids` are u32 token ids below `table.rows` (checked by the
+/// caller: an id outside the table leaves its row unwritten).
+pub fn embed(gpu: &Gpu, table: &GpuMatrix, ids: &GpuTensor) -> GpuTensor {
+    let out = gpu.alloc(ids.len() * table.cols);
+    if out.is_empty() {
+        return out;
+    }
+    for b in &table.blocks {
+        gpu.dispatch(
+            k("embed"),
+            "embed",
+            &weight_spec(table.format),
+            &[
+                u(ids.len()),
+                u(table.cols),
+                u(table.stride),
+                u(b.row0),
+                u(b.rows),
+            ],
+            &[
+                (1, Bind::Buffer(&b.buffer)),
+                (2, t_of(ids)),
+                (3, t_of(&out)),
+            ],
+            grid(out.len().div_ceil(WG)),
+        );
+    }
+    out
+}
+
+/// Which matmul kernel to run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MatmulKernel {
+    /// One workgroup per output element (decode).
+    Vector,
+    /// 16 x 16 output tiles (prefill).
+    Tiled,
+}
+
+/// `out[t, o] = sum_i x[t, i] * w[o, i]` (a Linear layer), the kernel picked by the number of
+/// rows of `x` (see [`MATVEC_MAX_T`]).
+pub fn matmul(gpu: &Gpu, x: &GpuTensor, w: &GpuMatrix) -> GpuTensor {
+    let t = x.len() / w.cols;
+    let which = if t <= MATVEC_MAX_T {
+        MatmulKernel::Vector
+    } else {
+        MatmulKernel::Tiled
+    };
+    matmul_with(gpu, x, w, which)
+}
+
+/// [`matmul`] with the kernel chosen by the caller; one dispatch per weight block, each
+/// writing its rows' columns of `out`.
+pub fn matmul_with(gpu: &Gpu, x: &GpuTensor, w: &GpuMatrix, which: MatmulKernel) -> GpuTensor {
+    assert_eq!(x.len() % w.cols, 0, "x is not [t, {}]", w.cols);
+    let t = x.len() / w.cols;
+    let out = gpu.alloc(t * w.rows);
+    if out.is_empty() {
+        return out;
+    }
+    for b in &w.blocks {
+        let params = [
+            u(t),
+            u(w.cols),
+            u(w.stride),
+            u(b.row0),
+            u(b.rows),
+            u(w.rows),
+        ];
+        let binds = [(1, Bind::Buffer(&b.buffer)), (2, t_of(x)), (3, t_of(&out))];
+        let spec = weight_spec(w.format);
+        match which {
+            MatmulKernel::Vector => gpu.dispatch(
+                k("matmul"),
+                "matvec",
+                &spec,
+                &params,
+                &binds,
+                grid(t * b.rows),
+            ),
+            MatmulKernel::Tiled => gpu.dispatch(
+                k("matmul"),
+                "matmul",
+                &spec,
+                &params,
+                &binds,
+                [u(b.rows.div_ceil(TILE)), u(t.div_ceil(TILE))],
+            ),
+        }
+    }
+    out
+}
+
+/// Norm of `rows` rows of `dim` values: one workgroup per row.
+fn norm(
+    gpu: &Gpu,
+    entry: &'static str,
+    x: &GpuTensor,
+    dim: usize,
+    params: [u32; 3],
+    binds: &[(u32, Bind)],
+) {
+    if x.is_empty() {
+        return;
+    }
+    assert_eq!(x.len() % dim, 0);
+    let rows = x.len() / dim;
+    gpu.dispatch(
+        k("norm"),
+        entry,
+        &Spec::new(),
+        &[u(rows), u(dim), params[0], params[1], params[2]],
+        binds,
+        grid(rows),
+    );
+}
+
+/// Each row of `x` (row length `w.len()`) becomes `x * rsqrt(mean(x^2) + eps) * (w + offset)`:
+/// offset 1 for a Qwen norm weight stored as an offset, 0 for a ready scale (the CPU op's).
+/// q/k norm is this op over rows of head_dim.
+pub fn rms_norm(gpu: &Gpu, x: &GpuTensor, w: &GpuTensor, eps: f32, offset: f32) {
+    norm(
+        gpu,
+        "rms_norm",
+        x,
+        w.len(),
+        [f(eps), f(offset), 0],
+        &[(1, t_of(w)), (2, t_of(x))],
+    );
+}
+
+/// Per row of `w.len()` values: `x = w * (x * rsqrt(mean(x^2) + eps)) * silu(z)`.
+pub fn gated_rms_norm(gpu: &Gpu, x: &GpuTensor, z: &GpuTensor, w: &GpuTensor, eps: f32) {
+    assert_eq!(x.len(), z.len());
+    norm(
+        gpu,
+        "gated_rms_norm",
+        x,
+        w.len(),
+        [f(eps), 0, 0],
+        &[(1, t_of(w)), (2, t_of(x)), (3, t_of(z))],
+    );
+}
+
+/// Each row of `dim` values becomes `x * rsqrt(sum(x^2) + eps) * scale`.
+pub fn l2_norm(gpu: &Gpu, x: &GpuTensor, dim: usize, eps: f32, scale: f32) {
+    norm(
+        gpu,
+        "l2_norm",
+        x,
+        dim,
+        [f(eps), 0, f(scale)],
+        &[(2, t_of(x))],
+    );
+}
+
+/// The `[t, half, 2]` (cos, sin) table [`rope`] reads, for rows at `positions`: computed on the
+/// host exactly as the CPU op does (GPU sin/cos lose accuracy far from zero).
+pub fn rope_table(positions: &[usize], inv_freq: &[f32]) -> Vec<f32> {
+    positions
+        .iter()
+        .flat_map(|&p| {
+            inv_freq.iter().flat_map(move |fr| {
+                let (s, c) = (p as f32 * fr).sin_cos();
+                [c, s]
+            })
+        })
+        .collect()
+}
+
+/// NeoX rotate-half RoPE, in place on `x` `[t, heads, head_dim]`, with the table of
+/// [`rope_table`] (`t * half * 2` values; the first `2 * half` dims of each head rotate).
+pub fn rope(gpu: &Gpu, x: &GpuTensor, head_dim: usize, cos_sin: &GpuTensor, t: usize) {
+    if x.is_empty() {
+        return;
+    }
+    let half = cos_sin.len() / (2 * t);
+    let heads = x.len() / (t * head_dim);
+    assert_eq!(x.len(), t * heads * head_dim);
+    assert!(2 * half <= head_dim && cos_sin.len() == t * half * 2);
+    gpu.dispatch(
+        k("rope"),
+        "rope",
+        &Spec::new(),
+        &[u(t), u(heads), u(head_dim), u(half)],
+        &[(1, t_of(cos_sin)), (2, t_of(x))],
+        grid((t * heads * half).div_ceil(WG)),
+    );
+}
+
+/// An element-wise entry over `n` elements.
+fn elementwise(gpu: &Gpu, entry: &'static str, n: usize, params: [u32; 4], binds: &[(u32, Bind)]) {
+    if n == 0 {
+        return;
+    }
+    gpu.dispatch(
+        k("elementwise"),
+        entry,
+        &Spec::new(),
+        &[u(n), params[0], params[1], params[2], params[3]],
+        binds,
+        grid(n.div_ceil(WG)),
+    );
+}
+
+/// `gate = silu(gate) * up` (SwiGLU).
+pub fn silu_mul(gpu: &Gpu, gate: &GpuTensor, up: &GpuTensor) {
+    assert_eq!(gate.len(), up.len());
+    elementwise(
+        gpu,
+        "silu_mul",
+        gate.len(),
+        [0; 4],
+        &[(1, t_of(gate)), (2, t_of(up))],
+    );
+}
+
+/// `x = x * sigmoid(gate)` (the attention output gate).
+pub fn sigmoid_mul(gpu: &Gpu, x: &GpuTensor, gate: &GpuTensor) {
+    assert_eq!(x.len(), gate.len());
+    elementwise(
+        gpu,
+        "sigmoid_mul",
+        x.len(),
+        [0; 4],
+        &[(1, t_of(x)), (2, t_of(gate))],
+    );
+}
+
+/// `a = a + b` (residuals).
+pub fn add(gpu: &Gpu, a: &GpuTensor, b: &GpuTensor) {
+    assert_eq!(a.len(), b.len());
+    elementwise(gpu, "add", a.len(), [0; 4], &[(1, t_of(a)), (2, t_of(b))]);
+}
+
+/// `a = a * s`.
+pub fn scale(gpu: &Gpu, a: &GpuTensor, s: f32) {
+    elementwise(gpu, "scale", a.len(), [0, 0, 0, f(s)], &[(1, t_of(a))]);
+}
+
+/// Columns `col0 .. col0 + width` of every row of `src` (rows of `stride` values), as a new
+/// `[rows, width]` tensor: q and its gate from the q projection, q/k/v from the conv output.
+pub fn copy_cols(
+    gpu: &Gpu,
+    src: &GpuTensor,
+    stride: usize,
+    col0: usize,
+    width: usize,
+) -> GpuTensor {
+    assert!(col0 + width <= stride && src.len().is_multiple_of(stride));
+    let out = gpu.alloc(src.len() / stride * width);
+    elementwise(
+        gpu,
+        "copy_cols",
+        out.len(),
+        [u(width), u(stride), u(col0), 0],
+        &[(1, t_of(src)), (3, t_of(&out))],
+    );
+    out
+}
+
+/// DeltaNet's gates, in place on rows of `heads` values: `a` becomes the log decay
+/// `g = neg_a * softplus(a + dt_bias)` and `b` becomes `beta = sigmoid(b)`. `params` is
+/// `[neg_a | dt_bias]` (`neg_a = -exp(A_log)`), `2 * heads` values.
+pub fn delta_gates(gpu: &Gpu, a: &GpuTensor, b: &GpuTensor, params: &GpuTensor) {
+    assert_eq!(a.len(), b.len());
+    let heads = params.len() / 2;
+    assert_eq!(a.len() % heads, 0);
+    elementwise(
+        gpu,
+        "delta_gates",
+        a.len(),
+        [u(heads), 0, 0, 0],
+        &[(1, t_of(a)), (2, t_of(b)), (4, t_of(params))],
+    );
+}
+
+/// Depthwise causal conv then SiLU of `u` `[t, channels]`; returns the output and advances
+/// `history` (`[kernel - 1, channels]`, the previous inputs). `weight` is `[channels, kernel]`
+/// with tap `kernel - 1` on the current token. Serves prefill and a decode step (t = 1).
+pub fn causal_conv_silu(
+    gpu: &Gpu,
+    u_in: &GpuTensor,
+    history: &GpuTensor,
+    weight: &GpuTensor,
+    kernel: usize,
+) -> GpuTensor {
+    let c = weight.len() / kernel;
+    assert_eq!(u_in.len() % c, 0);
+    assert_eq!(history.len(), (kernel - 1) * c);
+    let t = u_in.len() / c;
+    let out = gpu.alloc(u_in.len());
+    if out.is_empty() {
+        return out;
+    }
+    let params = [u(t), u(c), u(kernel)];
+    let spec = Spec::new();
+    gpu.dispatch(
+        k("conv"),
+        "conv_silu",
+        &spec,
+        &params,
+        &[
+            (1, t_of(weight)),
+            (2, t_of(u_in)),
+            (3, t_of(history)),
+            (4, t_of(&out)),
+        ],
+        grid(out.len().div_ceil(WG)),
+    );
+    if kernel > 1 {
+        gpu.dispatch(
+            k("conv"),
+            "conv_history",
+            &spec,
+            &params,
+            &[(2, t_of(u_in)), (3, t_of(history))],
+            grid(c.div_ceil(WG)),
+        );
+    }
+    out
+}
+
+/// Inputs of the delta rule on the device, laid out as `backend::DeltaInputs`.
+pub struct GpuDeltaInputs<'a> {
+    pub q: &'a GpuTensor,
+    pub k: &'a GpuTensor,
+    pub v: &'a GpuTensor,
+    pub g: &'a GpuTensor,
+    pub beta: &'a GpuTensor,
+}
+
+/// Tokens per chunk of [`delta_rule_chunked`] (workgroup memory holds three CHUNK^2 matrices:
+/// 12 KiB at 32, under WebGPU's 16 KiB minimum).
+pub const DELTA_CHUNK: usize = 32;
+
+fn delta(
+    gpu: &Gpu,
+    entry: &'static str,
+    s: DeltaShape,
+    x: GpuDeltaInputs,
+    state: &GpuTensor,
+) -> GpuTensor {
+    let t = x.g.len() / s.v_heads;
+    assert_eq!(x.q.len(), t * s.k_heads * s.dk);
+    assert_eq!(x.k.len(), x.q.len());
+    assert_eq!(x.v.len(), t * s.v_heads * s.dv);
+    assert_eq!(x.beta.len(), x.g.len());
+    assert_eq!(state.len(), s.v_heads * s.dk * s.dv);
+    let out = gpu.alloc(t * s.v_heads * s.dv);
+    if out.is_empty() {
+        return out;
+    }
+    gpu.dispatch(
+        k("delta"),
+        entry,
+        &Spec::new().with("CHUNK", u(DELTA_CHUNK)),
+        &[u(t), u(s.k_heads), u(s.v_heads), u(s.dk), u(s.dv)],
+        &[
+            (1, t_of(x.q)),
+            (2, t_of(x.k)),
+            (3, t_of(x.v)),
+            (4, t_of(x.g)),
+            (5, t_of(x.beta)),
+            (6, t_of(state)),
+            (7, t_of(&out)),
+        ],
+        grid(s.v_heads * s.dv.div_ceil(WG)),
+    );
+    out
+}
+
+/// The gated delta rule token by token (decode); `state` `[v_heads, dk, dv]` is advanced;
+/// returns `out` `[t, v_heads, dv]`.
+pub fn delta_rule_recurrent(
+    gpu: &Gpu,
+    s: DeltaShape,
+    x: GpuDeltaInputs,
+    state: &GpuTensor,
+) -> GpuTensor {
+    delta(gpu, "delta_recurrent", s, x, state)
+}
+
+/// The same function in chunks of [`DELTA_CHUNK`] tokens (WY form; prefill).
+pub fn delta_rule_chunked(
+    gpu: &Gpu,
+    s: DeltaShape,
+    x: GpuDeltaInputs,
+    state: &GpuTensor,
+) -> GpuTensor {
+    delta(gpu, "delta_chunked", s, x, state)
+}
+
+/// KV rows of positions `start .. start + len` on the device: `k`, `v` `[len, kv_heads *
+/// head_dim]` (kv.rs's `KvPage`).
+pub struct GpuKvPage {
+    pub start: usize,
+    pub len: usize,
+    pub k: GpuTensor,
+    pub v: GpuTensor,
+}
+
+/// Attention partials of `rows` (query row, head) pairs, kv.rs's `Partials` on the device:
+/// `o` `[rows, head_dim]` normalised by `l`, `m` the max scaled score, `l` the exp-sum; a row
+/// that saw no key has `m = -inf, l = 0, o = 0`.
+pub struct GpuPartials {
+    pub rows: usize,
+    pub head_dim: usize,
+    pub o: GpuTensor,
+    pub m: GpuTensor,
+    pub l: GpuTensor,
+}
+
+impl GpuPartials {
+    fn alloc(gpu: &Gpu, rows: usize, head_dim: usize) -> GpuPartials {
+        GpuPartials {
+            rows,
+            head_dim,
+            o: gpu.alloc(rows * head_dim),
+            m: gpu.alloc(rows),
+            l: gpu.alloc(rows),
+        }
+    }
+}
+
+/// Query rows per `attn_prefill` workgroup (its `BQ`).
+const PREFILL_ROWS: usize = 8;
+
+/// Key ranges of `attn_decode`: `parts` ranges of `len` keys.
+struct Split {
+    parts: usize,
+    len: usize,
+}
+
+/// `attn_prefill` when `split` is `None`, else `attn_decode` writing `split.parts` stacked
+/// partials.
+fn attend(
+    gpu: &Gpu,
+    shape: AttnShape,
+    q: &GpuTensor,
+    q_pos: &GpuTensor,
+    page: &GpuKvPage,
+    scale: f32,
+    split: Option<Split>,
+) -> GpuPartials {
+    let AttnShape {
+        q_heads,
+        kv_heads,
+        head_dim: d,
+    } = shape;
+    let t = q_pos.len();
+    assert_eq!(q.len(), t * q_heads * d);
+    assert!(page.k.len() >= page.len * kv_heads * d && page.v.len() == page.k.len());
+    let rows = t * q_heads;
+    let (entry, splits, split_len, groups) = match split {
+        None => (
+            "attn_prefill",
+            1,
+            page.len,
+            grid(t.div_ceil(PREFILL_ROWS) * q_heads),
+        ),
+        Some(s) => ("attn_decode", s.parts, s.len, grid(rows * s.parts)),
+    };
+    let out = GpuPartials::alloc(gpu, splits * rows, d);
+    if rows == 0 {
+        return out;
+    }
+    gpu.dispatch(
+        k("attention"),
+        entry,
+        &Spec::new().with("HEAD_DIM", u(d)),
+        &[
+            u(t),
+            u(q_heads),
+            u(kv_heads),
+            u(page.start),
+            u(page.len),
+            f(scale),
+            u(splits),
+            u(split_len),
+        ],
+        &[
+            (1, t_of(q)),
+            (2, t_of(q_pos)),
+            (3, t_of(&page.k)),
+            (4, t_of(&page.v)),
+            (5, t_of(&out.o)),
+            (6, t_of(&out.m)),
+            (7, t_of(&out.l)),
+        ],
+        groups,
+    );
+    out
+}
+
+/// Partials of query rows `q` `[t, q_heads, head_dim]` (multiplied by `scale` as they are
+/// read) at positions `q_pos` (u32) over one page, causal by absolute position: the tiled
+/// kernel for many query rows (prefill).
+pub fn attend_page(
+    gpu: &Gpu,
+    shape: AttnShape,
+    q: &GpuTensor,
+    q_pos: &GpuTensor,
+    page: &GpuKvPage,
+    scale: f32,
+) -> GpuPartials {
+    attend(gpu, shape, q, q_pos, page, scale, None)
+}
+
+/// The same partials for few query rows (decode): the page's keys are cut into ranges of
+/// `split_len`, one workgroup each, then merged.
+pub fn attend_page_split(
+    gpu: &Gpu,
+    shape: AttnShape,
+    q: &GpuTensor,
+    q_pos: &GpuTensor,
+    page: &GpuKvPage,
+    scale: f32,
+    split_len: usize,
+) -> GpuPartials {
+    assert!(split_len > 0);
+    let splits = page.len.div_ceil(split_len).max(1);
+    let split = Split {
+        parts: splits,
+        len: split_len,
+    };
+    let parts = attend(gpu, shape, q, q_pos, page, scale, Some(split));
+    if splits == 1 {
+        return parts;
+    }
+    merge_stacked(gpu, &parts, splits)
+}
+
+/// Merges `parts` stacked partials (`parts.rows = parts * rows`) into one.
+fn merge_stacked(gpu: &Gpu, stacked: &GpuPartials, parts: usize) -> GpuPartials {
+    let rows = stacked.rows / parts;
+    let d = stacked.head_dim;
+    let out = GpuPartials::alloc(gpu, rows, d);
+    if rows == 0 {
+        return out;
+    }
+    gpu.dispatch(
+        k("merge"),
+        "attn_merge",
+        &Spec::new(),
+        &[u(rows), u(d), u(parts)],
+        &[
+            (1, t_of(&stacked.o)),
+            (2, t_of(&stacked.m)),
+            (3, t_of(&stacked.l)),
+            (4, t_of(&out.o)),
+            (5, t_of(&out.m)),
+            (6, t_of(&out.l)),
+        ],
+        grid((rows * d).div_ceil(WG)),
+    );
+    out
+}
+
+/// Merges page partials in the order given (kv.rs's `Merger`, in f32 on the device).
+pub fn merge_partials(gpu: &Gpu, parts: &[&GpuPartials]) -> GpuPartials {
+    let first = parts.first().expect("at least one partial");
+    let (rows, d) = (first.rows, first.head_dim);
+    let stacked = GpuPartials::alloc(gpu, parts.len() * rows, d);
+    for (i, p) in parts.iter().enumerate() {
+        assert!(
+            p.rows == rows && p.head_dim == d,
+            "partials of different shapes"
+        );
+        gpu.copy(&p.o, &stacked.o, i * rows * d);
+        gpu.copy(&p.m, &stacked.m, i * rows);
+        gpu.copy(&p.l, &stacked.l, i * rows);
+    }
+    merge_stacked(gpu, &stacked, parts.len())
+}
+
+/// Greedy sampling: the index of the largest value of each row of `x` (rows of `n`), lowest
+/// index on ties, as u32.
+pub fn argmax(gpu: &Gpu, x: &GpuTensor, n: usize) -> GpuTensor {
+    assert!(n > 0 && x.len().is_multiple_of(n));
+    let rows = x.len() / n;
+    let out = gpu.alloc(rows);
+    if rows > 0 {
+        gpu.dispatch(
+            k("argmax"),
+            "argmax",
+            &Spec::new(),
+            &[u(rows), u(n)],
+            &[(1, t_of(x)), (2, t_of(&out))],
+            grid(rows),
+        );
+    }
+    out
+}

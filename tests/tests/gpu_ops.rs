@@ -1,0 +1,679 @@
+//! Every GPU op (engine-core `backend::gpu::ops`) against the CPU reference op on seeded random
+//! inputs, several shapes with odd sizes, f32 and f16 weights (bf16 converted at load). Runs on
+//! whatever adapter wgpu finds; in CI that is lavapipe (software Vulkan), so shapes stay tiny.
+//! With no adapter at all the tests fail: install mesa-vulkan-drivers.
+//!
+//! Errors are relative to the largest magnitude of the reference output. Run with
+//! `--nocapture` to see the measured maxima.
+
+use std::sync::OnceLock;
+
+use engine_core::backend::gpu::ops::{self, GpuDeltaInputs, GpuKvPage, GpuPartials, MatmulKernel};
+use engine_core::backend::gpu::{Gpu, GpuMatrix, GpuOptions, GpuTensor, WeightFormat};
+use engine_core::backend::{AttnShape, Backend, DeltaInputs, DeltaShape};
+use engine_core::kv::{KvPage, Merger, Partials};
+use engine_core::tensor::{DType, Data, Matrix};
+use engine_core::CpuBackend;
+
+/// f32 ops (and f16 weights, compared with the CPU on the same f16 values).
+const TOL_F32: f32 = 1e-5;
+/// f16 weights against the CPU op on the original f32 weights.
+const TOL_F16: f32 = 1e-3;
+
+fn gpu() -> &'static Gpu {
+    static GPU: OnceLock<Gpu> = OnceLock::new();
+    GPU.get_or_init(|| {
+        let g = Gpu::with_options(&GpuOptions::default()).unwrap_or_else(|e| {
+            panic!(
+                "{e}\nThe GPU op tests need a Vulkan adapter: apt-get install mesa-vulkan-drivers"
+            )
+        });
+        eprintln!(
+            "GPU adapter: {} (shader-f16: {})",
+            g.adapter_name(),
+            g.has_f16()
+        );
+        g
+    })
+}
+
+/// A small deterministic generator (xorshift).
+struct Rng(u64);
+impl Rng {
+    fn uniform(&mut self) -> f32 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        (self.0 >> 40) as f32 / (1u64 << 24) as f32
+    }
+    fn vec(&mut self, n: usize) -> Vec<f32> {
+        (0..n).map(|_| self.uniform() * 2.0 - 1.0).collect()
+    }
+}
+
+fn down(t: &GpuTensor) -> Vec<f32> {
+    gpu().download_f32(t).unwrap()
+}
+
+/// max |got - want| / max |want|, asserted below `tol`; prints the measurement.
+fn check(what: &str, got: &[f32], want: &[f32], tol: f32) -> f32 {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    let scale = want.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-6);
+    let err = got
+        .iter()
+        .zip(want)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0f32, f32::max)
+        / scale;
+    eprintln!("{what}: max rel err {err:.2e}");
+    assert!(err <= tol, "{what}: relative error {err:e} > {tol:e}");
+    err
+}
+
+fn matrix(rows: usize, cols: usize, vals: &[f32], dtype: DType) -> Matrix {
+    Matrix {
+        rows,
+        cols,
+        data: Data::from_f32(vals, dtype),
+    }
+}
+
+fn cpu_matmul(x: &[f32], w: &Matrix) -> Vec<f32> {
+    let mut out = vec![0.0; x.len() / w.cols * w.rows];
+    CpuBackend.matmul(x, w, &mut out);
+    out
+}
+
+/// Weight storage on the CPU side, device format, tolerance: f32 as is; f16 weights exactly
+/// as the CPU sees them; bf16 converted to f16 (exact in range) and to f32.
+fn weight_cases() -> Vec<(DType, WeightFormat, f32)> {
+    let mut cases = vec![
+        (DType::F32, WeightFormat::F32, TOL_F32),
+        (DType::F16, WeightFormat::F16Packed, TOL_F32),
+        (DType::BF16, WeightFormat::F16Packed, TOL_F32),
+        (DType::BF16, WeightFormat::F32, TOL_F32),
+        (DType::F32, WeightFormat::F16Packed, TOL_F16),
+    ];
+    if gpu().has_f16() {
+        cases.push((DType::F16, WeightFormat::F16, TOL_F32));
+        cases.push((DType::F32, WeightFormat::F16, TOL_F16));
+    }
+    cases
+}
+
+#[test]
+fn matmul_matches_cpu_for_every_weight_format_and_kernel() {
+    let g = gpu();
+    let mut rng = Rng(1);
+    for (t, rows, cols) in [
+        (1, 7, 5),
+        (3, 33, 17),
+        (5, 19, 40),
+        (20, 37, 29),
+        (2, 64, 130),
+    ] {
+        let x = rng.vec(t * cols);
+        let wv = rng.vec(rows * cols);
+        let xg = g.upload_f32(&x);
+        for (dtype, format, tol) in weight_cases() {
+            let w = matrix(rows, cols, &wv, dtype);
+            // The reference: the CPU op on the weights as stored on the CPU, except when the
+            // device rounds f32 weights to f16 (then the f32 weights, at the f16 tolerance).
+            let want = cpu_matmul(&x, &w);
+            let wg = g.upload_matrix(&w, format).unwrap();
+            for which in [MatmulKernel::Vector, MatmulKernel::Tiled] {
+                let got = down(&ops::matmul_with(g, &xg, &wg, which));
+                check(
+                    &format!(
+                        "matmul {which:?} t={t} {rows}x{cols} {dtype:?}->{}",
+                        format.name()
+                    ),
+                    &got,
+                    &want,
+                    tol,
+                );
+            }
+            check(
+                &format!(
+                    "matmul auto t={t} {rows}x{cols} {dtype:?}->{}",
+                    format.name()
+                ),
+                &down(&ops::matmul(g, &xg, &wg)),
+                &want,
+                tol,
+            );
+        }
+    }
+}
+
+#[test]
+fn weights_split_into_row_blocks_give_the_same_product() {
+    let g = gpu();
+    let mut rng = Rng(2);
+    let (t, rows, cols) = (6, 23, 9);
+    let x = rng.vec(t * cols);
+    let xg = g.upload_f32(&x);
+    for (dtype, format) in [
+        (DType::F32, WeightFormat::F32),
+        (DType::F16, WeightFormat::F16Packed),
+    ] {
+        let w = matrix(rows, cols, &rng.vec(rows * cols), dtype);
+        let want = cpu_matmul(&x, &w);
+        // 4 rows per block: blocks of 4, 4, ..., 3 rows.
+        let block = (4 * format.row_stride(cols) * format.elem_bytes()) as u64;
+        let wg = g.upload_matrix_blocked(&w, format, block).unwrap();
+        assert_eq!(wg.blocks(), rows.div_ceil(4));
+        for which in [MatmulKernel::Vector, MatmulKernel::Tiled] {
+            check(
+                &format!(
+                    "matmul {which:?} in {} blocks {}",
+                    wg.blocks(),
+                    format.name()
+                ),
+                &down(&ops::matmul_with(g, &xg, &wg, which)),
+                &want,
+                TOL_F32,
+            );
+        }
+    }
+}
+
+#[test]
+fn embedding_gather_matches_cpu_rows() {
+    let g = gpu();
+    let mut rng = Rng(3);
+    let (vocab, cols) = (13, 7);
+    let ids: Vec<u32> = vec![0, 12, 5, 5, 7, 1, 12];
+    let ids_g = g.upload_u32(&ids);
+    let vals = rng.vec(vocab * cols);
+    for (dtype, format, _) in weight_cases() {
+        let table = matrix(vocab, cols, &vals, dtype);
+        let mut want = vec![0.0; ids.len() * cols];
+        for (i, &id) in ids.iter().enumerate() {
+            table.row_f32(id as usize, &mut want[i * cols..(i + 1) * cols]);
+        }
+        for block_rows in [vocab, 3] {
+            let block = (block_rows * format.row_stride(cols) * format.elem_bytes()) as u64;
+            let tg: GpuMatrix = g.upload_matrix_blocked(&table, format, block).unwrap();
+            let got = down(&ops::embed(g, &tg, &ids_g));
+            // f32 -> f16 on the device rounds; everything else is an exact copy.
+            let tol = if dtype == DType::F32 && format != WeightFormat::F32 {
+                TOL_F16
+            } else {
+                0.0
+            };
+            check(
+                &format!(
+                    "embed {dtype:?}->{} in {} blocks",
+                    format.name(),
+                    tg.blocks()
+                ),
+                &got,
+                &want,
+                tol,
+            );
+        }
+    }
+}
+
+#[test]
+fn norms_match_cpu() {
+    let g = gpu();
+    let mut rng = Rng(4);
+    for (rows, dim) in [(3, 7), (5, 64), (1, 130), (9, 16)] {
+        let x = rng.vec(rows * dim);
+        let w = rng.vec(dim);
+        let eps = 1e-6;
+        // rms_norm with a Qwen offset weight (1 + w) and with a plain scale.
+        for offset in [1.0f32, 0.0] {
+            let scale: Vec<f32> = w.iter().map(|v| v + offset).collect();
+            let mut want = x.clone();
+            CpuBackend.rms_norm(&mut want, &scale, eps);
+            let xg = g.upload_f32(&x);
+            ops::rms_norm(g, &xg, &g.upload_f32(&w), eps, offset);
+            check(
+                &format!("rms_norm {rows}x{dim} offset {offset}"),
+                &down(&xg),
+                &want,
+                TOL_F32,
+            );
+        }
+        let z = rng.vec(rows * dim);
+        let mut want = x.clone();
+        CpuBackend.gated_rms_norm(&mut want, &z, &w, eps);
+        let xg = g.upload_f32(&x);
+        ops::gated_rms_norm(g, &xg, &g.upload_f32(&z), &g.upload_f32(&w), eps);
+        check(
+            &format!("gated_rms_norm {rows}x{dim}"),
+            &down(&xg),
+            &want,
+            TOL_F32,
+        );
+
+        let mut want = x.clone();
+        CpuBackend.l2_norm(&mut want, dim, 1e-6, 0.25);
+        let xg = g.upload_f32(&x);
+        ops::l2_norm(g, &xg, dim, 1e-6, 0.25);
+        check(&format!("l2_norm {rows}x{dim}"), &down(&xg), &want, TOL_F32);
+    }
+}
+
+#[test]
+fn rope_matches_cpu_including_far_positions() {
+    let g = gpu();
+    let mut rng = Rng(5);
+    for (t, heads, head_dim, half, p0) in
+        [(3, 2, 16, 2, 0), (5, 3, 16, 8, 7), (2, 1, 32, 4, 200_000)]
+    {
+        let inv_freq: Vec<f32> = (0..half)
+            .map(|i| 1.0 / 1e7f32.powf((2 * i) as f32 / (2 * half) as f32))
+            .collect();
+        let positions: Vec<usize> = (p0..p0 + t).collect();
+        let x = rng.vec(t * heads * head_dim);
+        let mut want = x.clone();
+        CpuBackend.rope(&mut want, head_dim, &positions, &inv_freq);
+        let xg = g.upload_f32(&x);
+        let table = g.upload_f32(&ops::rope_table(&positions, &inv_freq));
+        ops::rope(g, &xg, head_dim, &table, t);
+        check(
+            &format!(
+                "rope t={t} heads={heads} hd={head_dim} rot={} pos {p0}..",
+                2 * half
+            ),
+            &down(&xg),
+            &want,
+            TOL_F32,
+        );
+    }
+}
+
+#[test]
+fn elementwise_ops_match_cpu() {
+    let g = gpu();
+    let mut rng = Rng(6);
+    for n in [1, 63, 1001] {
+        let a = rng.vec(n).iter().map(|v| v * 8.0).collect::<Vec<_>>();
+        let b = rng.vec(n).iter().map(|v| v * 8.0).collect::<Vec<_>>();
+        let (ag, bg) = (g.upload_f32(&a), g.upload_f32(&b));
+        let mut want = a.clone();
+        CpuBackend.silu_mul(&mut want, &b);
+        ops::silu_mul(g, &ag, &bg);
+        check(&format!("silu_mul n={n}"), &down(&ag), &want, TOL_F32);
+
+        let ag = g.upload_f32(&a);
+        let mut want = a.clone();
+        CpuBackend.sigmoid_mul(&mut want, &b);
+        ops::sigmoid_mul(g, &ag, &bg);
+        check(&format!("sigmoid_mul n={n}"), &down(&ag), &want, TOL_F32);
+
+        let ag = g.upload_f32(&a);
+        ops::add(g, &ag, &bg);
+        ops::scale(g, &ag, -0.5);
+        let want: Vec<f32> = a.iter().zip(&b).map(|(x, y)| (x + y) * -0.5).collect();
+        check(&format!("add+scale n={n}"), &down(&ag), &want, 0.0);
+    }
+}
+
+#[test]
+fn copy_cols_splits_interleaved_heads() {
+    let g = gpu();
+    let mut rng = Rng(7);
+    // q projection output [t, heads, 2 * hd] -> q and gate [t * heads, hd].
+    let (rows, hd) = (5 * 3, 6);
+    let qg = rng.vec(rows * 2 * hd);
+    let src = g.upload_f32(&qg);
+    for (col0, name) in [(0, "q"), (hd, "gate")] {
+        let want: Vec<f32> = qg
+            .chunks(2 * hd)
+            .flat_map(|r| r[col0..col0 + hd].to_vec())
+            .collect();
+        check(
+            &format!("copy_cols {name}"),
+            &down(&ops::copy_cols(g, &src, 2 * hd, col0, hd)),
+            &want,
+            0.0,
+        );
+    }
+}
+
+/// torch's softplus, as the model computes it (deltanet.rs).
+fn softplus(x: f32) -> f32 {
+    if x > 20.0 {
+        x
+    } else {
+        x.exp().ln_1p()
+    }
+}
+
+#[test]
+fn delta_gates_match_the_model() {
+    let g = gpu();
+    let mut rng = Rng(8);
+    let (t, heads) = (7, 5);
+    let a: Vec<f32> = rng.vec(t * heads).iter().map(|v| v * 30.0).collect();
+    let b: Vec<f32> = rng.vec(t * heads).iter().map(|v| v * 6.0).collect();
+    let neg_a: Vec<f32> = rng.vec(heads).iter().map(|v| -(v * 2.0).exp()).collect();
+    let dt_bias = rng.vec(heads);
+    let want_g: Vec<f32> = a
+        .chunks(heads)
+        .flat_map(|row| {
+            (0..heads)
+                .map(|h| neg_a[h] * softplus(row[h] + dt_bias[h]))
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    let want_beta: Vec<f32> = b.iter().map(|v| 1.0 / (1.0 + (-v).exp())).collect();
+    let (ag, bg) = (g.upload_f32(&a), g.upload_f32(&b));
+    ops::delta_gates(g, &ag, &bg, &g.upload_f32(&[neg_a, dt_bias].concat()));
+    check("delta_gates g", &down(&ag), &want_g, TOL_F32);
+    check("delta_gates beta", &down(&bg), &want_beta, TOL_F32);
+}
+
+#[test]
+fn causal_conv_matches_cpu_for_prefill_and_step() {
+    let g = gpu();
+    let mut rng = Rng(9);
+    let (channels, kernel) = (13, 4);
+    let weight = rng.vec(channels * kernel);
+    let wg = g.upload_f32(&weight);
+    let mut history = rng.vec((kernel - 1) * channels);
+    let hg = g.upload_f32(&history);
+    // A prefill of 9, one of 2 (shorter than the history) and single steps, chained.
+    for t in [9, 2, 1, 1] {
+        let u = rng.vec(t * channels);
+        let mut want = u.clone();
+        CpuBackend.causal_conv_silu(&mut want, &mut history, &weight, kernel);
+        let out = ops::causal_conv_silu(g, &g.upload_f32(&u), &hg, &wg, kernel);
+        check(&format!("conv t={t} out"), &down(&out), &want, TOL_F32);
+        check(&format!("conv t={t} history"), &down(&hg), &history, 0.0);
+    }
+}
+
+fn l2_normalise(x: &mut [f32], d: usize, scale: f32) {
+    for row in x.chunks_mut(d) {
+        let n = row.iter().map(|v| v * v).sum::<f32>().sqrt();
+        row.iter_mut().for_each(|v| *v = *v / n * scale);
+    }
+}
+
+#[test]
+fn delta_rule_matches_cpu_in_both_forms() {
+    let g = gpu();
+    let mut rng = Rng(10);
+    let shapes = [
+        DeltaShape {
+            k_heads: 2,
+            v_heads: 4,
+            dk: 16,
+            dv: 24,
+        },
+        DeltaShape {
+            k_heads: 1,
+            v_heads: 2,
+            dk: 32,
+            dv: 80,
+        },
+    ];
+    for s in shapes {
+        for t in [1usize, 5, 33, 70] {
+            let mut q = rng.vec(t * s.k_heads * s.dk);
+            let mut k = rng.vec(t * s.k_heads * s.dk);
+            l2_normalise(&mut q, s.dk, 1.0 / (s.dk as f32).sqrt());
+            l2_normalise(&mut k, s.dk, 1.0);
+            let v = rng.vec(t * s.v_heads * s.dv);
+            let gate: Vec<f32> = (0..t * s.v_heads).map(|_| -2.0 * rng.uniform()).collect();
+            let beta: Vec<f32> = (0..t * s.v_heads).map(|_| rng.uniform()).collect();
+            let s0 = rng.vec(s.v_heads * s.dk * s.dv);
+            let up = |x: &[f32]| g.upload_f32(x);
+            let (qg, kg, vg, gg, bg) = (up(&q), up(&k), up(&v), up(&gate), up(&beta));
+            let inputs = || GpuDeltaInputs {
+                q: &qg,
+                k: &kg,
+                v: &vg,
+                g: &gg,
+                beta: &bg,
+            };
+            let cpu_in = || DeltaInputs {
+                q: &q,
+                k: &k,
+                v: &v,
+                g: &gate,
+                beta: &beta,
+            };
+            for chunked in [false, true] {
+                let mut st = s0.clone();
+                let mut want = vec![0.0; t * s.v_heads * s.dv];
+                let state = g.upload_f32(&s0);
+                let out = if chunked {
+                    CpuBackend.delta_rule_chunked(s, cpu_in(), &mut st, &mut want);
+                    ops::delta_rule_chunked(g, s, inputs(), &state)
+                } else {
+                    CpuBackend.delta_rule_recurrent(s, cpu_in(), &mut st, &mut want);
+                    ops::delta_rule_recurrent(g, s, inputs(), &state)
+                };
+                let form = if chunked { "chunked" } else { "recurrent" };
+                let what = format!(
+                    "delta {form} t={t} {}/{} heads dk={} dv={}",
+                    s.k_heads, s.v_heads, s.dk, s.dv
+                );
+                check(&format!("{what} out"), &down(&out), &want, TOL_F32);
+                check(&format!("{what} state"), &down(&state), &st, TOL_F32);
+            }
+        }
+    }
+}
+
+fn partials_of(p: &GpuPartials) -> Partials {
+    Partials {
+        head_dim: p.head_dim,
+        o: down(&p.o),
+        m: down(&p.m),
+        l: down(&p.l),
+    }
+}
+
+/// o, m, l within `tol`; rows that saw no key exactly as the CPU's (m = -inf, l = 0, o = 0).
+fn check_partials(what: &str, got: &Partials, want: &Partials, tol: f32) {
+    for (r, (&mg, &mw)) in got.m.iter().zip(&want.m).enumerate() {
+        if mw == f32::NEG_INFINITY {
+            let d = want.head_dim;
+            assert!(
+                mg == f32::NEG_INFINITY
+                    && got.l[r] == 0.0
+                    && got.o[r * d..(r + 1) * d].iter().all(|&x| x == 0.0),
+                "{what}: row {r} saw no key but has m={mg} l={}",
+                got.l[r]
+            );
+        }
+    }
+    let finite = |v: &[f32]| {
+        v.iter()
+            .map(|x| if x.is_finite() { *x } else { 0.0 })
+            .collect::<Vec<_>>()
+    };
+    check(&format!("{what} o"), &got.o, &want.o, tol);
+    check(&format!("{what} m"), &finite(&got.m), &finite(&want.m), tol);
+    check(&format!("{what} l"), &got.l, &want.l, tol);
+}
+
+#[test]
+fn attention_partials_match_cpu_per_page() {
+    let g = gpu();
+    let mut rng = Rng(11);
+    for (q_heads, kv_heads, head_dim) in [(4, 2, 16), (3, 1, 32), (2, 2, 24)] {
+        let shape = AttnShape {
+            q_heads,
+            kv_heads,
+            head_dim,
+        };
+        let row = kv_heads * head_dim;
+        // Query rows at positions 20..20+t against pages before, across and after them.
+        for t in [1usize, 5, 11] {
+            let q_pos: Vec<usize> = (20..20 + t).collect();
+            let q: Vec<f32> = rng
+                .vec(t * q_heads * head_dim)
+                .iter()
+                .map(|v| v * 2.0)
+                .collect();
+            let qg = g.upload_f32(&q);
+            let pos_g = g.upload_u32(&q_pos.iter().map(|&p| p as u32).collect::<Vec<_>>());
+            for (start, len) in [(0, 13), (14, 9), (18, 37), (31, 6), (0, 1)] {
+                let page = KvPage {
+                    start,
+                    len,
+                    k: rng.vec(len * row),
+                    v: rng.vec(len * row),
+                };
+                let want = CpuBackend.attend_page(shape, &q, &q_pos, &page);
+                let gp = GpuKvPage {
+                    start,
+                    len,
+                    k: g.upload_f32(&page.k),
+                    v: g.upload_f32(&page.v),
+                };
+                let what =
+                    format!("attention {q_heads}/{kv_heads}x{head_dim} t={t} page {start}+{len}");
+                let tiled = ops::attend_page(g, shape, &qg, &pos_g, &gp, 1.0);
+                check_partials(
+                    &format!("{what} tiled"),
+                    &partials_of(&tiled),
+                    &want,
+                    TOL_F32,
+                );
+                let split = ops::attend_page_split(g, shape, &qg, &pos_g, &gp, 1.0, 4);
+                check_partials(
+                    &format!("{what} split"),
+                    &partials_of(&split),
+                    &want,
+                    TOL_F32,
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn attention_scale_is_applied_to_queries() {
+    let g = gpu();
+    let mut rng = Rng(12);
+    let shape = AttnShape {
+        q_heads: 2,
+        kv_heads: 1,
+        head_dim: 16,
+    };
+    let (t, len) = (3, 10);
+    let q = rng.vec(t * 2 * 16);
+    let q_pos = [7usize, 8, 9];
+    let page = KvPage {
+        start: 0,
+        len,
+        k: rng.vec(len * 16),
+        v: rng.vec(len * 16),
+    };
+    let scale = 0.25;
+    let scaled: Vec<f32> = q.iter().map(|v| v * scale).collect();
+    let want = CpuBackend.attend_page(shape, &scaled, &q_pos, &page);
+    let gp = GpuKvPage {
+        start: 0,
+        len,
+        k: g.upload_f32(&page.k),
+        v: g.upload_f32(&page.v),
+    };
+    let got = ops::attend_page(
+        g,
+        shape,
+        &g.upload_f32(&q),
+        &g.upload_u32(&[7, 8, 9]),
+        &gp,
+        scale,
+    );
+    check_partials("attention scale", &partials_of(&got), &want, TOL_F32);
+}
+
+#[test]
+fn merge_matches_the_cpu_merger() {
+    let g = gpu();
+    let mut rng = Rng(13);
+    let shape = AttnShape {
+        q_heads: 4,
+        kv_heads: 2,
+        head_dim: 16,
+    };
+    let row = 2 * 16;
+    let t = 5;
+    let q_pos: Vec<usize> = (30..30 + t).collect();
+    let q = rng.vec(t * 4 * 16);
+    // Pages in order, the last one beyond every query (no key visible: skipped by the merge).
+    let pages: Vec<KvPage> = [(0, 7), (7, 12), (19, 14), (33, 3), (36, 5)]
+        .iter()
+        .map(|&(start, len)| KvPage {
+            start,
+            len,
+            k: rng.vec(len * row),
+            v: rng.vec(len * row),
+        })
+        .collect();
+    let mut merger = Merger::new(t * 4, 16);
+    let mut parts = Vec::new();
+    for p in &pages {
+        let cpu = CpuBackend.attend_page(shape, &q, &q_pos, p);
+        merger.add(&cpu);
+        parts.push(GpuPartials {
+            rows: t * 4,
+            head_dim: 16,
+            o: g.upload_f32(&cpu.o),
+            m: g.upload_f32(&cpu.m),
+            l: g.upload_f32(&cpu.l),
+        });
+    }
+    let want = merger.finish();
+    let refs: Vec<&GpuPartials> = parts.iter().collect();
+    let got = partials_of(&ops::merge_partials(g, &refs));
+    check_partials("merge 5 pages", &got, &want, TOL_F32);
+    // Only the invisible page: every row empty.
+    let got = partials_of(&ops::merge_partials(g, &refs[4..]));
+    check_partials(
+        "merge empty",
+        &got,
+        &CpuBackend.attend_page(shape, &q, &q_pos, &pages[4]),
+        0.0,
+    );
+}
+
+#[test]
+fn argmax_matches_cpu_with_ties() {
+    let g = gpu();
+    let mut rng = Rng(14);
+    for (rows, n) in [(1, 1), (3, 1000), (2, 4099)] {
+        let mut x = rng.vec(rows * n);
+        if n > 10 {
+            // A tie at the maximum: the lower index wins.
+            x[n - 1] = 5.0;
+            x[n - 3] = 5.0;
+        }
+        let want: Vec<u32> = x.chunks(n).map(engine_core::generate::argmax).collect();
+        let got = g
+            .download_u32(&ops::argmax(g, &g.upload_f32(&x), n))
+            .unwrap();
+        assert_eq!(got, want, "argmax {rows}x{n}");
+    }
+}
+
+#[test]
+fn one_batch_of_many_dispatches_spans_uniform_chunks() {
+    // 600 dispatches in one submission: more than one 64 KiB chunk of 256-byte params slots,
+    // each dispatch reading the previous one's output.
+    let g = gpu();
+    let x: Vec<f32> = (0..37).map(|i| i as f32).collect();
+    let a = g.upload_f32(&x);
+    let one = g.upload_f32(&[1.0; 37]);
+    for i in 0..600 {
+        if i % 2 == 0 {
+            ops::add(g, &a, &one);
+        } else {
+            ops::scale(g, &a, 1.0);
+        }
+    }
+    let want: Vec<f32> = x.iter().map(|v| v + 300.0).collect();
+    check("600 dispatches", &down(&a), &want, 0.0);
+}
