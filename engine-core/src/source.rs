@@ -10,6 +10,23 @@ use crate::tensor::DType;
 use crate::weights::TensorMap;
 use crate::ModelConfig;
 
+/// Where the model's ops run.
+#[derive(Clone, Debug)]
+#[cfg_attr(feature = "cli", derive(clap::Args))]
+pub struct BackendOptions {
+    /// cpu, or gpu (wgpu: Metal, Vulkan or DX12; a software Vulkan adapter such as lavapipe
+    /// counts). The GPU backend reads every op's result back for now: correct, not yet fast.
+    #[cfg_attr(feature = "cli", arg(long, default_value = "cpu"))]
+    pub backend: String,
+}
+
+impl BackendOptions {
+    /// The backend, and a line saying what it runs on.
+    pub fn make(&self) -> Result<(Box<dyn crate::Backend>, String)> {
+        crate::backend::select(&self.backend)
+    }
+}
+
 /// Options of a synthetic model (used when `--model` names a preset).
 #[derive(Clone, Debug)]
 #[cfg_attr(feature = "cli", derive(clap::Args))]

@@ -6,10 +6,10 @@ use std::time::Instant;
 use anyhow::{bail, Result};
 use engine_core::generate::argmax;
 use engine_core::split::{minimum, prefill};
-use engine_core::{CpuBackend, Logits};
+use engine_core::Logits;
 
 use crate::helper::{stats_json, HelperArgs};
-use crate::load::{self, SynthOptions};
+use crate::load::{self, BackendOptions, SynthOptions};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -35,6 +35,8 @@ pub struct Args {
     #[command(flatten)]
     synth: SynthOptions,
     #[command(flatten)]
+    backend: BackendOptions,
+    #[command(flatten)]
     helper: HelperArgs,
 }
 
@@ -52,7 +54,9 @@ pub fn run(a: Args) -> Result<()> {
     }
     load::init_threads(a.threads)?;
     let model = load::load(&a.model, &a.synth, None)?.model;
-    let be = CpuBackend;
+    let (be, what) = a.backend.make()?;
+    let be = &*be;
+    eprintln!("backend: {what}");
     let v = model.config.vocab_size as u64;
     // A fixed pseudo-random token stream (an LCG), the same on every run.
     let mut x = 0x2545_f491_4f6c_dd1du64;
@@ -67,7 +71,7 @@ pub fn run(a: Args) -> Result<()> {
     let mut state = model.new_state(a.page_size);
     let link = a.helper.attach(&model, &mut state, a.page_size)?;
     for chunk in depth.chunks(a.ubatch.max(1)) {
-        model.forward(&be, &mut state, chunk, Logits::None, None)?;
+        model.forward(be, &mut state, chunk, Logits::None, None)?;
     }
     if let Some(l) = &link {
         l.reset();
@@ -77,7 +81,7 @@ pub fn run(a: Args) -> Result<()> {
     let plan = a.helper.plan(a.ubatch);
     let split_ubatch = plan.ubatch.max(1);
     let t0 = Instant::now();
-    let (mut logits, split) = prefill(&model, &be, &mut state, &prompt, &plan)?;
+    let (mut logits, split) = prefill(&model, be, &mut state, &prompt, &plan)?;
     let prefill_s = t0.elapsed().as_secs_f64();
     let prefill_link = link.as_ref().map(|l| {
         let stats = l.snapshot();
@@ -132,7 +136,7 @@ pub fn run(a: Args) -> Result<()> {
     let t1 = Instant::now();
     for _ in 0..a.gen {
         let before = state.remote_kv_len();
-        logits = model.forward(&be, &mut state, &[argmax(&logits)], Logits::Last, None)?;
+        logits = model.forward(be, &mut state, &[argmax(&logits)], Logits::Last, None)?;
         decode_min += minimum::attend(c, 0..n, 1, before / a.page_size)
             + minimum::offload(c, state.remote_kv_len() - before);
     }

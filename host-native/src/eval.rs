@@ -6,11 +6,11 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 use engine_core::generate::argmax;
 use engine_core::weights::{save_raw, RawTensor};
-use engine_core::{CpuBackend, Logits};
+use engine_core::Logits;
 use safetensors::Dtype;
 
 use crate::helper::HelperArgs;
-use crate::load::{self, SynthOptions};
+use crate::load::{self, BackendOptions, SynthOptions};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -31,6 +31,8 @@ pub struct Args {
     threads: Option<usize>,
     #[command(flatten)]
     synth: SynthOptions,
+    #[command(flatten)]
+    backend: BackendOptions,
     #[command(flatten)]
     helper: HelperArgs,
 }
@@ -54,11 +56,13 @@ pub fn run(a: Args) -> Result<()> {
         bail!("{}: no token ids", a.ids_file.display());
     }
     let model = load::load(&a.model, &a.synth, None)?.model;
-    let be = CpuBackend;
+    let (be, what) = a.backend.make()?;
+    let be = &*be;
+    eprintln!("backend: {what}");
     let v = model.config.vocab_size;
     let mut state = model.new_state(a.page_size);
     a.helper.attach(&model, &mut state, a.page_size)?;
-    let prefill = model.forward(&be, &mut state, &ids, Logits::All, None)?;
+    let prefill = model.forward(be, &mut state, &ids, Logits::All, None)?;
     let mut gen_ids: Vec<i64> = Vec::with_capacity(a.gen);
     let mut gen_logits: Vec<f32> = Vec::with_capacity(a.gen * v);
     let mut logits = prefill[prefill.len() - v..].to_vec();
@@ -67,7 +71,7 @@ pub fn run(a: Args) -> Result<()> {
         gen_ids.push(next as i64);
         gen_logits.extend_from_slice(&logits);
         if i + 1 < a.gen {
-            logits = model.forward(&be, &mut state, &[next], Logits::Last, None)?;
+            logits = model.forward(be, &mut state, &[next], Logits::Last, None)?;
         }
     }
     let tensors = vec![

@@ -4,7 +4,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use engine_core::source::load_model;
-pub use engine_core::source::SynthOptions;
+pub use engine_core::source::{BackendOptions, SynthOptions};
 use engine_core::tokenizer::Tokenizer;
 use engine_core::Model;
 

@@ -7,10 +7,9 @@ use std::time::Instant;
 use anyhow::Result;
 use engine_core::generate::{Generation, Sampler, SamplingParams};
 use engine_core::tokenizer::{ChatMessage, StreamDecoder};
-use engine_core::CpuBackend;
 
 use crate::helper::HelperArgs;
-use crate::load::{self, SynthOptions};
+use crate::load::{self, BackendOptions, SynthOptions};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -49,6 +48,8 @@ pub struct Args {
     #[command(flatten)]
     synth: SynthOptions,
     #[command(flatten)]
+    backend: BackendOptions,
+    #[command(flatten)]
     helper: HelperArgs,
 }
 
@@ -80,10 +81,12 @@ pub fn run(a: Args) -> Result<()> {
         min_p: a.min_p,
         seed: a.seed,
     })?;
-    let be = CpuBackend;
+    let (be, what) = a.backend.make()?;
+    let be = &*be;
+    eprintln!("backend: {what}");
     let mut state = l.model.new_state(a.page_size);
     let link_stats = a.helper.attach(&l.model, &mut state, a.page_size)?;
-    let mut generation = Generation::new(&l.model, &be, state, sampler, stop);
+    let mut generation = Generation::new(&l.model, be, state, sampler, stop);
     let t0 = Instant::now();
     let split = generation.prefill(&prompt, &a.helper.plan(a.ubatch))?;
     let prefill_s = t0.elapsed().as_secs_f64();

@@ -29,34 +29,38 @@ fn read_eval(path: &PathBuf) -> Reference {
 }
 
 #[test]
-fn eval_reproduces_the_fixture() {
+fn eval_reproduces_the_fixture_on_both_backends() {
     let r = Reference::load("tiny_fp32_T150");
     let dir = scratch("eval");
     let ids: Vec<String> = r.ids("prompt_ids").iter().map(u32::to_string).collect();
     std::fs::write(dir.join("ids.txt"), ids.join(", ")).unwrap();
-    let out = dir.join("out.safetensors");
     let model = fixtures_dir().join("tiny_fp32_T150");
-    tether(&[
-        "eval",
-        "--model",
-        model.to_str().unwrap(),
-        "--ids-file",
-        dir.join("ids.txt").to_str().unwrap(),
-        "--gen",
-        "20",
-        "--out",
-        out.to_str().unwrap(),
-        "--page-size",
-        "64",
-    ]);
-    let got = read_eval(&out);
-    assert_eq!(got.ids("gen_ids"), r.ids("gen_ids"));
-    for name in ["prefill_logits", "gen_logits"] {
-        let (shape, want) = r.f32(name);
-        let (got_shape, got) = got.f32(name);
-        assert_eq!(got_shape, shape, "{name}");
-        let d = max_abs_diff(&got, &want);
-        assert!(d < 1e-4, "{name} differs by {d}");
+    for backend in ["cpu", "gpu"] {
+        let out = dir.join(format!("out-{backend}.safetensors"));
+        tether(&[
+            "eval",
+            "--model",
+            model.to_str().unwrap(),
+            "--ids-file",
+            dir.join("ids.txt").to_str().unwrap(),
+            "--gen",
+            "20",
+            "--out",
+            out.to_str().unwrap(),
+            "--page-size",
+            "64",
+            "--backend",
+            backend,
+        ]);
+        let got = read_eval(&out);
+        assert_eq!(got.ids("gen_ids"), r.ids("gen_ids"), "{backend}");
+        for name in ["prefill_logits", "gen_logits"] {
+            let (shape, want) = r.f32(name);
+            let (got_shape, got) = got.f32(name);
+            assert_eq!(got_shape, shape, "{name}");
+            let d = max_abs_diff(&got, &want);
+            assert!(d < 1e-4, "{backend}: {name} differs by {d}");
+        }
     }
 }
 

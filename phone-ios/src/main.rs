@@ -4,8 +4,7 @@ use anyhow::{bail, Context, Result};
 use clap::Parser;
 use engine_core::link::ws::WsListener;
 use engine_core::remote::DEFAULT_MAX_FRAME;
-use engine_core::source::{load_identity, load_layers, SynthOptions};
-use engine_core::CpuBackend;
+use engine_core::source::{load_identity, load_layers, BackendOptions, SynthOptions};
 use phone_ios::{Helper, HelperOptions, Weights};
 
 #[derive(Parser)]
@@ -34,6 +33,8 @@ struct Args {
     once: bool,
     #[command(flatten)]
     synth: SynthOptions,
+    #[command(flatten)]
+    backend: BackendOptions,
 }
 
 fn parse_bytes(s: &str) -> Result<u64, String> {
@@ -81,13 +82,14 @@ fn run(a: Args) -> Result<()> {
         "model {} (fingerprint {}), KV budget {} bytes",
         a.model, identity.fingerprint, a.mem_budget
     );
-    let backend = CpuBackend;
+    let (backend, what) = a.backend.make()?;
+    eprintln!("backend: {what}");
     let helper = Helper::with_weights(
         Weights::Assigned {
             identity: &identity,
             load: &load,
         },
-        &backend,
+        &*backend,
         HelperOptions {
             mem_budget: a.mem_budget,
             max_frame,

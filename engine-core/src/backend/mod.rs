@@ -11,6 +11,31 @@ pub mod gpu;
 
 pub use cpu::CpuBackend;
 
+/// The backend called `name` (`cpu`, or `gpu` in builds with the `gpu` feature), and a line
+/// saying what it runs on.
+pub fn select(name: &str) -> crate::Result<(Box<dyn Backend>, String)> {
+    match name {
+        "cpu" => Ok((
+            Box::new(CpuBackend),
+            format!("cpu ({} threads)", rayon::current_num_threads()),
+        )),
+        #[cfg(feature = "gpu")]
+        "gpu" => {
+            let be = gpu::GpuBackend::new(&gpu::GpuOptions::default())
+                .map_err(|e| crate::Error::Invalid(format!("--backend gpu: {e}")))?;
+            let what = format!("gpu ({})", be.adapter_name());
+            Ok((Box::new(be), what))
+        }
+        #[cfg(not(feature = "gpu"))]
+        "gpu" => Err(crate::Error::Invalid(
+            "--backend gpu: this build has no GPU backend (engine-core's `gpu` feature)".into(),
+        )),
+        other => Err(crate::Error::Invalid(format!(
+            "--backend {other}: expected cpu or gpu"
+        ))),
+    }
+}
+
 use crate::kv::{KvPage, Partials};
 use crate::tensor::Matrix;
 
