@@ -5,25 +5,27 @@
 //! loss, always in page order, so the result does not depend on where a page was computed (host,
 //! helper, GPU). This file is the one place that merge is written.
 
-use crate::backend::{AttnShape, Backend};
+use crate::backend::{Act, AttnShape, Backend};
 use crate::error::{Error, Result};
 use crate::remote::HelperClient;
 
 /// KV rows for positions `start .. start + len`, token-major: row `j` holds
-/// `[kv_heads, head_dim]` keys (values likewise).
-#[derive(Clone, Debug)]
+/// `[kv_heads, head_dim]` keys (values likewise). `k` and `v` live in the backend that made
+/// the page (on a GPU, buffers of a whole page's capacity written row by row); only the first
+/// `len` rows mean anything.
+#[derive(Debug)]
 pub struct KvPage {
     pub start: usize,
     pub len: usize,
-    pub k: Vec<f32>,
-    pub v: Vec<f32>,
+    pub k: Act,
+    pub v: Act,
 }
 
 /// One layer's cache: pages of `page_size` positions, the last one possibly partial. The
 /// oldest `remote_len` positions (whole pages) may have moved to a helper; pages keep their
 /// boundaries wherever they live, so their partials, merged in page order, are the same
 /// computation as on the host.
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 pub struct PagedKv {
     page_size: usize,
     row: usize,
@@ -62,7 +64,12 @@ impl PagedKv {
     /// Forget positions `>= len`, the remote's too (the caller truncates the remote). When
     /// `len` falls inside a remote page, `refill` holds that page's rows below `len`, fetched
     /// back so the page lives here again with its boundaries unchanged.
-    pub fn rewind(&mut self, len: usize, refill: Option<(Vec<f32>, Vec<f32>)>) -> Result<()> {
+    pub fn rewind(
+        &mut self,
+        be: &dyn Backend,
+        len: usize,
+        refill: Option<(Vec<f32>, Vec<f32>)>,
+    ) -> Result<()> {
         if len >= self.remote_len {
             return self.truncate(len);
         }
@@ -77,12 +84,18 @@ impl PagedKv {
         self.pages.clear();
         self.remote_len = start;
         self.len = start;
-        self.append(&k, &v);
+        self.append(be, &be.upload(k), &be.upload(v));
         Ok(())
     }
 
-    /// K and V rows of positions `start .. start + len` held here, copied out `[len, row]`.
-    pub fn rows(&self, start: usize, len: usize) -> Result<(Vec<f32>, Vec<f32>)> {
+    /// K and V rows of positions `start .. start + len` held here, copied to the host
+    /// `[len, row]` in one read (they cross the link).
+    pub fn rows(
+        &self,
+        be: &dyn Backend,
+        start: usize,
+        len: usize,
+    ) -> Result<(Vec<f32>, Vec<f32>)> {
         if start < self.remote_len || start.checked_add(len).is_none_or(|end| end > self.len) {
             return Err(Error::Invalid(format!(
                 "KV rows {start}..{} are not all held here ({}..{})",
@@ -91,19 +104,23 @@ impl PagedKv {
                 self.len
             )));
         }
-        let (mut k, mut v) = (
-            Vec::with_capacity(len * self.row),
-            Vec::with_capacity(len * self.row),
-        );
-        for p in &self.pages {
-            let lo = start.max(p.start);
-            let hi = (start + len).min(p.start + p.len);
-            if lo < hi {
-                let r = (lo - p.start) * self.row..(hi - p.start) * self.row;
-                k.extend_from_slice(&p.k[r.clone()]);
-                v.extend_from_slice(&p.v[r]);
-            }
-        }
+        let pieces: Vec<(&KvPage, std::ops::Range<usize>)> = self
+            .pages
+            .iter()
+            .filter_map(|p| {
+                let lo = start.max(p.start);
+                let hi = (start + len).min(p.start + p.len);
+                (lo < hi).then(|| (p, (lo - p.start) * self.row..(hi - p.start) * self.row))
+            })
+            .collect();
+        // Keys then values, in one read.
+        let parts: Vec<(&Act, std::ops::Range<usize>)> = pieces
+            .iter()
+            .map(|(p, r)| (&p.k, r.clone()))
+            .chain(pieces.iter().map(|(p, r)| (&p.v, r.clone())))
+            .collect();
+        let mut k = be.download_ranges(&parts);
+        let v = k.split_off(len * self.row);
         Ok((k, v))
     }
 
@@ -139,8 +156,9 @@ impl PagedKv {
         self.len * self.row * 2 * std::mem::size_of::<f32>()
     }
 
-    /// Append rows `[t, kv_heads, head_dim]` at positions `len .. len + t`.
-    pub fn append(&mut self, k: &[f32], v: &[f32]) {
+    /// Append rows `[t, kv_heads, head_dim]` at positions `len .. len + t`: written into the
+    /// pages where they live, a new page (room for `page_size` rows) when the last is full.
+    pub fn append(&mut self, be: &dyn Backend, k: &Act, v: &Act) {
         assert_eq!(k.len(), v.len());
         assert_eq!(k.len() % self.row, 0);
         let mut done = 0;
@@ -150,15 +168,15 @@ impl PagedKv {
                 self.pages.push(KvPage {
                     start: self.len,
                     len: 0,
-                    k: Vec::new(),
-                    v: Vec::new(),
+                    k: be.alloc(self.page_size * self.row),
+                    v: be.alloc(self.page_size * self.row),
                 });
             }
             let page = self.pages.last_mut().expect("a page was just ensured");
             let take = (self.page_size - page.len).min(total - done);
-            let range = done * self.row..(done + take) * self.row;
-            page.k.extend_from_slice(&k[range.clone()]);
-            page.v.extend_from_slice(&v[range]);
+            let (at, from, n) = (page.len * self.row, done * self.row, take * self.row);
+            be.write(&mut page.k, at, k, from, n);
+            be.write(&mut page.v, at, v, from, n);
             page.len += take;
             self.len += take;
             done += take;
@@ -166,7 +184,7 @@ impl PagedKv {
     }
 
     /// Drop every position `>= len` (rewinding a sequence). Positions held remotely cannot be
-    /// dropped here.
+    /// dropped here. Only lengths change: the next append overwrites the dropped rows in place.
     pub fn truncate(&mut self, len: usize) -> Result<()> {
         if len < self.remote_len {
             return Err(Error::Invalid(format!(
@@ -180,8 +198,6 @@ impl PagedKv {
         self.pages.retain(|p| p.start < len);
         if let Some(p) = self.pages.last_mut() {
             p.len = len - p.start;
-            p.k.truncate(p.len * self.row);
-            p.v.truncate(p.len * self.row);
         }
         self.len = len;
         Ok(())
@@ -317,12 +333,13 @@ impl PendingAttention {
 
 /// Start attention of scaled queries `[t, q_heads, head_dim]` at absolute `positions` over
 /// every page of `kv` that any of them can see: the query for the remote's pages goes out
-/// first, then this device attends its own while the remote works. The local pages are read
-/// now, so rows appended before [`PendingAttention::finish`] (a later ubatch's) are not seen.
+/// first (read to the host only then), then this device attends its own while the remote
+/// works. The local pages are read now, so rows appended before [`PendingAttention::finish`]
+/// (a later ubatch's) are not seen.
 pub fn begin_attention(
     be: &dyn Backend,
     shape: AttnShape,
-    q: &[f32],
+    q: &Act,
     positions: &[usize],
     kv: &PagedKv,
     remote: Option<(usize, &mut HelperClient)>,
@@ -330,19 +347,17 @@ pub fn begin_attention(
     let last = positions.iter().copied().max().unwrap_or(0);
     let remote = match (kv.remote_len, remote) {
         (0, _) => None,
-        (end, Some((layer, client))) => Some(client.attend_send(layer, shape, q, positions, end)?),
+        (end, Some((layer, client))) => {
+            Some(client.attend_send(layer, shape, be.download(q), positions, end)?)
+        }
         (_, None) => {
             return Err(Error::Invalid(
                 "this sequence's oldest KV pages are on a helper that is not connected".into(),
             ))
         }
     };
-    let local = kv
-        .pages()
-        .iter()
-        .filter(|p| p.start <= last)
-        .map(|page| be.attend_page(shape, q, positions, page))
-        .collect();
+    let pages: Vec<&KvPage> = kv.pages().iter().filter(|p| p.start <= last).collect();
+    let local = be.attend_pages(shape, q, positions, &pages);
     Ok(PendingAttention {
         rows: positions.len() * shape.q_heads,
         head_dim: shape.head_dim,
@@ -354,24 +369,26 @@ pub fn begin_attention(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::CpuBackend;
 
     #[test]
     fn append_spans_pages_and_truncate_rewinds() {
+        let be = &CpuBackend;
         let mut kv = PagedKv::new(3, 1, 2);
         let rows: Vec<f32> = (0..14).map(|x| x as f32).collect(); // 7 rows of 2
-        kv.append(&rows[..4], &rows[..4]);
-        kv.append(&rows[4..], &rows[4..]);
+        let part = |r: std::ops::Range<usize>| Act::Host(rows[r].to_vec());
+        kv.append(be, &part(0..4), &part(0..4));
+        kv.append(be, &part(4..14), &part(4..14));
         assert_eq!(kv.len(), 7);
         let starts: Vec<(usize, usize)> = kv.pages().iter().map(|p| (p.start, p.len)).collect();
         assert_eq!(starts, vec![(0, 3), (3, 3), (6, 1)]);
-        assert_eq!(kv.pages()[1].k, rows[6..12].to_vec());
+        assert_eq!(kv.rows(be, 3, 3).unwrap().0, rows[6..12].to_vec());
         kv.truncate(4).unwrap();
         let starts: Vec<(usize, usize)> = kv.pages().iter().map(|p| (p.start, p.len)).collect();
         assert_eq!(starts, vec![(0, 3), (3, 1)]);
-        kv.append(&rows[8..10], &rows[8..10]);
-        assert_eq!(
-            kv.pages()[1].k,
-            [rows[6..8].to_vec(), rows[8..10].to_vec()].concat()
-        );
+        kv.append(be, &part(8..10), &part(8..10));
+        let (k, v) = kv.rows(be, 2, 3).unwrap();
+        assert_eq!(k, [rows[4..8].to_vec(), rows[8..10].to_vec()].concat());
+        assert_eq!(k, v);
     }
 }

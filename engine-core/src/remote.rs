@@ -4,7 +4,7 @@
 
 use crate::backend::AttnShape;
 use crate::error::{Error, Result};
-use crate::kv::{KvPage, Partials};
+use crate::kv::Partials;
 use crate::link::{Link, LinkError};
 use crate::model::Model;
 use crate::protocol::{
@@ -183,15 +183,23 @@ pub(crate) fn unexpected(want: &str, got: &Message) -> Error {
 }
 
 impl HelperClient {
-    /// Hand `page` of `layer` to the helper; it is the oldest page still on the host.
-    pub fn store(&mut self, layer: usize, page: &KvPage) -> Result<()> {
-        let width = page.k.len() / page.len.max(1);
+    /// Hand the page of `layer` at `start` (its rows `k`, `v` `[rows, width]`, read to the
+    /// host) to the helper; it is the oldest page still on the host.
+    pub fn store(
+        &mut self,
+        layer: usize,
+        start: usize,
+        width: usize,
+        k: Vec<f32>,
+        v: Vec<f32>,
+    ) -> Result<()> {
+        let rows = k.len() / width.max(1);
         let msg = Message::KvAppend {
             seq: self.seq,
             layer: layer as u32,
-            start: page.start as u64,
-            k: WireTensor::f32(vec![page.len, width], page.k.clone()),
-            v: WireTensor::f32(vec![page.len, width], page.v.clone()),
+            start: start as u64,
+            k: WireTensor::f32(vec![rows, width], k),
+            v: WireTensor::f32(vec![rows, width], v),
         };
         match self.request(msg)? {
             Message::Ack => Ok(()),
@@ -244,7 +252,7 @@ impl HelperClient {
         &mut self,
         layer: usize,
         shape: AttnShape,
-        q: &[f32],
+        q: Vec<f32>,
         positions: &[usize],
         end: usize,
     ) -> Result<u32> {
@@ -255,7 +263,7 @@ impl HelperClient {
             end: end as u64,
             q: WireTensor::f32(
                 vec![positions.len(), shape.q_heads, shape.head_dim],
-                q.to_vec(),
+                q,
             ),
         })
     }

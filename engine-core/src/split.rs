@@ -10,7 +10,7 @@
 //! the host reruns its layers for the whole batch from the residuals it kept, and the request
 //! completes with the same tokens.
 
-use crate::backend::Backend;
+use crate::backend::{Act, Backend};
 use crate::config::LayerKind;
 use crate::error::{Error, Result};
 use crate::model::{LayerState, Logits, Model, Pass, State};
@@ -87,22 +87,23 @@ pub fn prefill(
         .take_while(|i| start + i * ubatch < plan.interleave_from)
         .count();
     let (early, late) = chunks.split_at(early);
-    let mut x = Vec::new();
+    let mut x = None;
     if !early.is_empty() {
         let pipeline = state.remote.as_ref().is_some_and(|c| {
             !c.prefill_layers.is_empty() && c.prefill_layers.end == model.config.num_hidden_layers
         }) && tokens.len() > plan.min_tokens
             && early.len() > 1;
-        x = if pipeline {
+        x = Some(if pipeline {
             pipelined(model, be, state, early, &mut report)?
         } else {
             plain(model, be, state, early)?
-        };
+        });
     }
     if !late.is_empty() {
-        x = interleaved(model, be, state, late, &mut report)?;
+        x = Some(interleaved(model, be, state, late, &mut report)?);
     }
-    Ok((model.head(be, &mut x, Logits::Last)?, report))
+    let x = x.ok_or_else(|| Error::Invalid("prefill needs at least one token".into()))?;
+    Ok((model.head(be, x, Logits::Last)?, report))
 }
 
 /// Ubatches one after another on the host (the helper only attends pages it holds); returns
@@ -112,23 +113,24 @@ fn plain(
     be: &dyn Backend,
     state: &mut State,
     chunks: &[&[u32]],
-) -> Result<Vec<f32>> {
-    let mut x = Vec::new();
+) -> Result<Act> {
+    let mut x = None;
     for c in chunks {
-        x = model.embed(c)?;
+        let mut rows = model.embed(be, c)?;
         let pos = state.pos;
         model.run_layers(
             be,
             state,
-            &mut x,
+            &mut rows,
             pos,
             0..model.config.num_hidden_layers,
             None,
         )?;
         state.pos += c.len();
-        state.offload()?;
+        state.offload(be)?;
+        x = Some(rows);
     }
-    Ok(x)
+    Ok(x.expect("the caller passes at least one chunk"))
 }
 
 /// Ubatches in staggered pairs: whenever one stops at a full-attention layer for the helper's
@@ -141,14 +143,14 @@ fn interleaved(
     state: &mut State,
     chunks: &[&[u32]],
     report: &mut SplitReport,
-) -> Result<Vec<f32>> {
-    let mut x = Vec::new();
+) -> Result<Act> {
+    let mut x = None;
     for pair in chunks.chunks(2) {
         let mut pos = state.pos;
         let mut passes = Vec::with_capacity(2);
         for c in pair {
             passes.push(Pass::new(
-                model.embed(c)?,
+                model.embed(be, c)?,
                 pos,
                 0..model.config.num_hidden_layers,
             ));
@@ -165,10 +167,10 @@ fn interleaved(
             report.interleaved += pair.len();
         }
         state.pos = pos;
-        state.offload()?;
-        x = passes.pop().expect("a pair has a ubatch").x;
+        state.offload(be)?;
+        x = passes.pop().map(|p| p.x);
     }
-    Ok(x)
+    Ok(x.expect("the caller passes at least one chunk"))
 }
 
 /// The layer pipeline over `chunks` (more than one): the host runs layers `[0, L)` of each
@@ -180,7 +182,7 @@ fn pipelined(
     state: &mut State,
     chunks: &[&[u32]],
     report: &mut SplitReport,
-) -> Result<Vec<f32>> {
+) -> Result<Act> {
     let tail = state
         .remote
         .as_ref()
@@ -193,22 +195,23 @@ fn pipelined(
     let total: usize = chunks.iter().map(|c| c.len()).sum();
     let at = |i: usize| start + i * ubatch;
     let (last, head) = chunks.split_last().expect("more than one chunk");
-    // Layer-L residuals of the ubatches handed to the helper, kept until the batch completes so
-    // the host can redo them alone.
+    // Layer-L residuals of the ubatches handed to the helper (read to the host to cross the
+    // link), kept until the batch completes so the host can redo them alone.
     let mut sent: Vec<Vec<f32>> = Vec::with_capacity(head.len());
     let mut reqs = Vec::with_capacity(head.len());
-    let mut x_last = model.embed(last)?;
+    let mut x_last = model.embed(be, last)?;
     let mut last_head_done = false;
     // Replies taken off the link so far; a refused batch drains the rest.
     let mut replied = 0usize;
     let pipelined = (|| -> Result<()> {
-        if let Some(rows) = sync_mirror(state)? {
+        if let Some(rows) = sync_mirror(be, state)? {
             report.synced_rows = rows;
             report.mirror_synced = true;
         }
         for (i, c) in head.iter().enumerate() {
-            let mut x = model.embed(c)?;
+            let mut x = model.embed(be, c)?;
             model.run_layers(be, state, &mut x, at(i), 0..tail.start, None)?;
+            let x = be.into_host(x);
             sent.push(x.clone());
             let msg = Message::PrefillChunk {
                 seq: state.remote.as_ref().expect("checked above").seq(),
@@ -222,7 +225,7 @@ fn pipelined(
         model.run_layers(be, state, &mut x_last, at(head.len()), 0..tail.start, None)?;
         last_head_done = true;
         let lens: Vec<usize> = head.iter().map(|c| c.len()).collect();
-        collect(model, state, &reqs, &lens, start, &tail, &mut replied)
+        collect(model, be, state, &reqs, &lens, start, &tail, &mut replied)
     })();
     match pipelined {
         Ok(()) => {
@@ -258,11 +261,12 @@ fn pipelined(
                     kv.truncate(start)?;
                 }
             }
-            for (i, x) in sent.iter_mut().enumerate() {
-                model.run_layers(be, state, x, at(i), tail.clone(), None)?;
+            let kept = sent.len();
+            for (i, x) in sent.drain(..).enumerate() {
+                model.run_layers(be, state, &mut be.upload(x), at(i), tail.clone(), None)?;
             }
-            for (i, c) in head.iter().enumerate().skip(sent.len()) {
-                let mut x = model.embed(c)?;
+            for (i, c) in head.iter().enumerate().skip(kept) {
+                let mut x = model.embed(be, c)?;
                 model.run_layers(be, state, &mut x, at(i), 0..n, None)?;
             }
             if !last_head_done {
@@ -272,7 +276,7 @@ fn pipelined(
     }
     model.run_layers(be, state, &mut x_last, at(head.len()), tail.start..n, None)?;
     state.pos = start + total;
-    state.offload()?;
+    state.offload(be)?;
     Ok(x_last)
 }
 
@@ -285,8 +289,8 @@ fn full_layers(model: &Model, layers: &std::ops::Range<usize>) -> Vec<usize> {
 
 /// Bring the helper's mirror of its layers up to `state.pos`: the KV rows the host produced
 /// since the watermark (rows already handed over as pages are there) and the DeltaNet states.
-/// Returns the KV rows pushed, or `None` if the mirror was current.
-fn sync_mirror(state: &mut State) -> Result<Option<usize>> {
+/// Returns the KV rows pushed, or `None` if the mirror was current. `be` reads them to the host.
+fn sync_mirror(be: &dyn Backend, state: &mut State) -> Result<Option<usize>> {
     let client = state.remote.as_ref().expect("a helper is attached");
     let (from, to) = (client.mirror_pos, state.pos);
     if from >= to && !client.mirror_stale {
@@ -314,7 +318,7 @@ fn sync_mirror(state: &mut State) -> Result<Option<usize>> {
         for l in tail.clone() {
             match &state.layers[l] {
                 LayerState::Attention(cache) => {
-                    let (k, v) = cache.rows(at, end - at)?;
+                    let (k, v) = cache.rows(be, at, end - at)?;
                     let shape = vec![end - at, cache.row_width()];
                     kv_layers.push(l as u32);
                     kv.push((WireTensor::f32(shape.clone(), k), WireTensor::f32(shape, v)));
@@ -322,8 +326,8 @@ fn sync_mirror(state: &mut State) -> Result<Option<usize>> {
                 LayerState::DeltaNet(d) if last => {
                     delta_layers.push(l as u32);
                     states.push((
-                        WireTensor::f32(vec![d.s.len()], d.s.clone()),
-                        WireTensor::f32(vec![d.conv.len()], d.conv.clone()),
+                        WireTensor::f32(vec![d.s.len()], be.download(&d.s)),
+                        WireTensor::f32(vec![d.conv.len()], be.download(&d.conv)),
                     ));
                 }
                 LayerState::DeltaNet(_) => {}
@@ -353,9 +357,12 @@ fn sync_mirror(state: &mut State) -> Result<Option<usize>> {
 }
 
 /// Apply the helper's replies, in order: each ubatch's KV rows of the tail's full layers, and
-/// after the last its DeltaNet states (applied only once every reply checked out).
+/// after the last its DeltaNet states (applied only once every reply checked out), all moved
+/// into `be`.
+#[allow(clippy::too_many_arguments)]
 fn collect(
     model: &Model,
+    be: &dyn Backend,
     state: &mut State,
     reqs: &[u32],
     lens: &[usize],
@@ -404,7 +411,7 @@ fn collect(
                 "chunk state at {pos}: {rows} rows (expected {len}) and DeltaNet layers {delta_layers:?}"
             )));
         }
-        for (&l, (k, v)) in layers.iter().zip(&kv) {
+        for (&l, (k, v)) in layers.iter().zip(kv) {
             let LayerState::Attention(cache) = &mut state.layers[l] else {
                 unreachable!("full layers")
             };
@@ -414,7 +421,7 @@ fn collect(
                     k.shape
                 )));
             }
-            cache.append(&k.data, &v.data);
+            cache.append(be, &be.upload(k.data), &be.upload(v.data));
         }
         pos += rows;
         if last {
@@ -442,8 +449,8 @@ fn collect(
     }
     for (l, s, conv) in checked {
         if let LayerState::DeltaNet(d) = &mut state.layers[l] {
-            d.s = s;
-            d.conv = conv;
+            d.s = be.upload(s);
+            d.conv = be.upload(conv);
         }
     }
     Ok(())

@@ -288,7 +288,14 @@ impl<'a> Helper<'a> {
                 }
                 charge(rows, 1)?;
                 let st = self.seq_state(&mut s.seqs, seq, page_size)?;
-                append_rows(kv_of(st, layer), layer, start as usize, &k.data, &v.data)?;
+                append_rows(
+                    self.backend,
+                    kv_of(st, layer),
+                    layer,
+                    start as usize,
+                    k.data,
+                    v.data,
+                )?;
                 Ok(Message::Ack)
             }
             Message::AttnQuery {
@@ -335,8 +342,8 @@ impl<'a> Helper<'a> {
                     .collect();
                 let rows = pos.len() * shape.q_heads;
                 let (mut o, mut m, mut l) = (Vec::new(), Vec::new(), Vec::new());
-                for page in &pages {
-                    let p = self.backend.attend_page(shape, &q.data, &pos, page);
+                let q = self.backend.upload(q.data);
+                for p in self.backend.attend_pages(shape, &q, &pos, &pages) {
                     o.extend(p.o);
                     m.extend(p.m);
                     l.extend(p.l);
@@ -400,7 +407,7 @@ impl<'a> Helper<'a> {
                         ),
                     ));
                 }
-                let mut x = residual.data;
+                let mut x = self.backend.upload(residual.data);
                 s.layers
                     .as_deref()
                     .unwrap_or(self.identity())
@@ -411,7 +418,7 @@ impl<'a> Helper<'a> {
                 let mut kv = Vec::new();
                 for &l in &full {
                     let (k, v) = kv_of(st, l)
-                        .rows(pos as usize, rows)
+                        .rows(self.backend, pos as usize, rows)
                         .map_err(|e| Refusal("prefill", e.to_string()))?;
                     kv.push((
                         WireTensor::f32(vec![rows, width], k),
@@ -419,7 +426,7 @@ impl<'a> Helper<'a> {
                     ));
                 }
                 let (delta_layers, states) = if want_state {
-                    delta_states(self.identity(), st, layers)
+                    delta_states(self.backend, self.identity(), st, layers)
                 } else {
                     (vec![], vec![])
                 };
@@ -516,13 +523,13 @@ impl<'a> Helper<'a> {
                     }
                 }
                 let st = self.seq_state(&mut s.seqs, seq, page_size)?;
-                for (&l, (k, v)) in kv_layers.iter().zip(&kv) {
-                    append_rows(kv_of(st, l), l, pos as usize, &k.data, &v.data)?;
+                for (&l, (k, v)) in kv_layers.iter().zip(kv) {
+                    append_rows(self.backend, kv_of(st, l), l, pos as usize, k.data, v.data)?;
                 }
                 for (&l, (sv, conv)) in delta_layers.iter().zip(states) {
                     if let LayerState::DeltaNet(d) = &mut st.layers[l as usize] {
-                        d.s = sv.data;
-                        d.conv = conv.data;
+                        d.s = self.backend.upload(sv.data);
+                        d.conv = self.backend.upload(conv.data);
                     }
                 }
                 st.pos = end;
@@ -542,7 +549,7 @@ impl<'a> Helper<'a> {
                 let kv = kv_of(st, layer);
                 let width = kv.row_width();
                 let (k, v) = kv
-                    .rows(start as usize, len as usize)
+                    .rows(self.backend, start as usize, len as usize)
                     .map_err(|e| Refusal("missing", e.to_string()))?;
                 Ok(Message::KvRows {
                     seq,
@@ -616,14 +623,15 @@ fn kv_of(st: &mut State, layer: u32) -> &mut PagedKv {
     }
 }
 
-/// Append rows for positions `start ..`, skipping the ones already held (the mirror may have
-/// computed rows the host later hands over as a page).
+/// Append rows for positions `start ..` (from the link) into `be`, skipping the ones already
+/// held (the mirror may have computed rows the host later hands over as a page).
 fn append_rows(
+    be: &dyn Backend,
     kv: &mut PagedKv,
     layer: u32,
     start: usize,
-    k: &[f32],
-    v: &[f32],
+    mut k: Vec<f32>,
+    mut v: Vec<f32>,
 ) -> Result<(), Refusal> {
     let width = kv.row_width();
     let rows = k.len() / width;
@@ -635,12 +643,15 @@ fn append_rows(
         ));
     }
     let skip = (have - start).min(rows);
-    kv.append(&k[skip * width..], &v[skip * width..]);
+    k.drain(..skip * width);
+    v.drain(..skip * width);
+    kv.append(be, &be.upload(k), &be.upload(v));
     Ok(())
 }
 
-/// DeltaNet states of `layers`, in the protocol's layout.
+/// DeltaNet states of `layers`, read from `be` into the protocol's layout.
 fn delta_states(
+    be: &dyn Backend,
     model: &Model,
     st: &State,
     layers: std::ops::Range<usize>,
@@ -658,11 +669,11 @@ fn delta_states(
                         c.linear_key_head_dim,
                         c.linear_value_head_dim,
                     ],
-                    d.s.clone(),
+                    be.download(&d.s),
                 ),
                 WireTensor::f32(
                     vec![c.linear_conv_kernel_dim - 1, c.conv_dim()],
-                    d.conv.clone(),
+                    be.download(&d.conv),
                 ),
             ));
         }

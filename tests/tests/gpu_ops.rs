@@ -10,10 +10,10 @@ use std::sync::OnceLock;
 
 use engine_core::backend::gpu::ops::{self, GpuDeltaInputs, GpuKvPage, GpuPartials, MatmulKernel};
 use engine_core::backend::gpu::{Gpu, GpuMatrix, GpuOptions, GpuTensor, WeightFormat};
-use engine_core::backend::{AttnShape, Backend, DeltaInputs, DeltaShape};
+use engine_core::backend::cpu::{self, attention::attend_page as cpu_attend};
+use engine_core::backend::{Act, AttnShape, DeltaInputs, DeltaShape};
 use engine_core::kv::{KvPage, Merger, Partials};
 use engine_core::tensor::{DType, Data, Matrix};
-use engine_core::CpuBackend;
 
 /// f32 ops (and f16 weights, compared with the CPU on the same f16 values).
 const TOL_F32: f32 = 1e-5;
@@ -80,7 +80,7 @@ fn matrix(rows: usize, cols: usize, vals: &[f32], dtype: DType) -> Matrix {
 
 fn cpu_matmul(x: &[f32], w: &Matrix) -> Vec<f32> {
     let mut out = vec![0.0; x.len() / w.cols * w.rows];
-    CpuBackend.matmul(x, w, &mut out);
+    cpu::matmul::matmul(x, w, &mut out);
     out
 }
 
@@ -228,7 +228,7 @@ fn norms_match_cpu() {
         for offset in [1.0f32, 0.0] {
             let scale: Vec<f32> = w.iter().map(|v| v + offset).collect();
             let mut want = x.clone();
-            CpuBackend.rms_norm(&mut want, &scale, eps);
+            cpu::rms_norm(&mut want, &scale, eps);
             let xg = g.upload_f32(&x);
             ops::rms_norm(g, &xg, &g.upload_f32(&w), eps, offset);
             check(
@@ -240,7 +240,7 @@ fn norms_match_cpu() {
         }
         let z = rng.vec(rows * dim);
         let mut want = x.clone();
-        CpuBackend.gated_rms_norm(&mut want, &z, &w, eps);
+        cpu::gated_rms_norm(&mut want, &z, &w, eps);
         let xg = g.upload_f32(&x);
         ops::gated_rms_norm(g, &xg, &g.upload_f32(&z), &g.upload_f32(&w), eps);
         check(
@@ -251,7 +251,7 @@ fn norms_match_cpu() {
         );
 
         let mut want = x.clone();
-        CpuBackend.l2_norm(&mut want, dim, 1e-6, 0.25);
+        cpu::l2_norm(&mut want, dim, 1e-6, 0.25);
         let xg = g.upload_f32(&x);
         ops::l2_norm(g, &xg, dim, 1e-6, 0.25);
         check(&format!("l2_norm {rows}x{dim}"), &down(&xg), &want, TOL_F32);
@@ -271,7 +271,7 @@ fn rope_matches_cpu_including_far_positions() {
         let positions: Vec<usize> = (p0..p0 + t).collect();
         let x = rng.vec(t * heads * head_dim);
         let mut want = x.clone();
-        CpuBackend.rope(&mut want, head_dim, &positions, &inv_freq);
+        cpu::rope(&mut want, head_dim, &positions, &inv_freq);
         let xg = g.upload_f32(&x);
         let table = g.upload_f32(&ops::rope_table(&positions, &inv_freq));
         ops::rope(g, &xg, head_dim, &table, t);
@@ -296,13 +296,13 @@ fn elementwise_ops_match_cpu() {
         let b = rng.vec(n).iter().map(|v| v * 8.0).collect::<Vec<_>>();
         let (ag, bg) = (g.upload_f32(&a), g.upload_f32(&b));
         let mut want = a.clone();
-        CpuBackend.silu_mul(&mut want, &b);
+        cpu::silu_mul(&mut want, &b);
         ops::silu_mul(g, &ag, &bg);
         check(&format!("silu_mul n={n}"), &down(&ag), &want, TOL_F32);
 
         let ag = g.upload_f32(&a);
         let mut want = a.clone();
-        CpuBackend.sigmoid_mul(&mut want, &b);
+        cpu::sigmoid_mul(&mut want, &b);
         ops::sigmoid_mul(g, &ag, &bg);
         check(&format!("sigmoid_mul n={n}"), &down(&ag), &want, TOL_F32);
 
@@ -382,7 +382,7 @@ fn causal_conv_matches_cpu_for_prefill_and_step() {
     for t in [9, 2, 1, 1] {
         let u = rng.vec(t * channels);
         let mut want = u.clone();
-        CpuBackend.causal_conv_silu(&mut want, &mut history, &weight, kernel);
+        cpu::causal_conv_silu(&mut want, &mut history, &weight, kernel);
         let out = ops::causal_conv_silu(g, &g.upload_f32(&u), &hg, &wg, kernel);
         check(&format!("conv t={t} out"), &down(&out), &want, TOL_F32);
         check(&format!("conv t={t} history"), &down(&hg), &history, 0.0);
@@ -433,7 +433,7 @@ fn delta_rule_matches_cpu_in_both_forms() {
                 g: &gg,
                 beta: &bg,
             };
-            let cpu_in = || DeltaInputs {
+            let cpu_in = || DeltaInputs::<[f32]> {
                 q: &q,
                 k: &k,
                 v: &v,
@@ -445,10 +445,10 @@ fn delta_rule_matches_cpu_in_both_forms() {
                 let mut want = vec![0.0; t * s.v_heads * s.dv];
                 let state = g.upload_f32(&s0);
                 let out = if chunked {
-                    CpuBackend.delta_rule_chunked(s, cpu_in(), &mut st, &mut want);
+                    cpu::delta::chunked(s, cpu_in(), &mut st, &mut want);
                     ops::delta_rule_chunked(g, s, inputs(), &state)
                 } else {
-                    CpuBackend.delta_rule_recurrent(s, cpu_in(), &mut st, &mut want);
+                    cpu::delta::recurrent(s, cpu_in(), &mut st, &mut want);
                     ops::delta_rule_recurrent(g, s, inputs(), &state)
                 };
                 let form = if chunked { "chunked" } else { "recurrent" };
@@ -461,6 +461,24 @@ fn delta_rule_matches_cpu_in_both_forms() {
             }
         }
     }
+}
+
+/// The same rows as a host page (for the CPU reference) and a device page.
+fn pages(start: usize, len: usize, k: Vec<f32>, v: Vec<f32>) -> (KvPage, GpuKvPage) {
+    let g = gpu();
+    let dev = GpuKvPage {
+        start,
+        len,
+        k: g.upload_f32(&k),
+        v: g.upload_f32(&v),
+    };
+    let host = KvPage {
+        start,
+        len,
+        k: Act::Host(k),
+        v: Act::Host(v),
+    };
+    (host, dev)
 }
 
 fn partials_of(p: &GpuPartials) -> Partials {
@@ -518,19 +536,8 @@ fn attention_partials_match_cpu_per_page() {
             let qg = g.upload_f32(&q);
             let pos_g = g.upload_u32(&q_pos.iter().map(|&p| p as u32).collect::<Vec<_>>());
             for (start, len) in [(0, 13), (14, 9), (18, 37), (31, 6), (0, 1)] {
-                let page = KvPage {
-                    start,
-                    len,
-                    k: rng.vec(len * row),
-                    v: rng.vec(len * row),
-                };
-                let want = CpuBackend.attend_page(shape, &q, &q_pos, &page);
-                let gp = GpuKvPage {
-                    start,
-                    len,
-                    k: g.upload_f32(&page.k),
-                    v: g.upload_f32(&page.v),
-                };
+                let (page, gp) = pages(start, len, rng.vec(len * row), rng.vec(len * row));
+                let want = cpu_attend(shape, &q, &q_pos, &page);
                 let what =
                     format!("attention {q_heads}/{kv_heads}x{head_dim} t={t} page {start}+{len}");
                 let tiled = ops::attend_page(g, shape, &qg, &pos_g, &gp, 1.0);
@@ -564,21 +571,10 @@ fn attention_scale_is_applied_to_queries() {
     let (t, len) = (3, 10);
     let q = rng.vec(t * 2 * 16);
     let q_pos = [7usize, 8, 9];
-    let page = KvPage {
-        start: 0,
-        len,
-        k: rng.vec(len * 16),
-        v: rng.vec(len * 16),
-    };
+    let (page, gp) = pages(0, len, rng.vec(len * 16), rng.vec(len * 16));
     let scale = 0.25;
     let scaled: Vec<f32> = q.iter().map(|v| v * scale).collect();
-    let want = CpuBackend.attend_page(shape, &scaled, &q_pos, &page);
-    let gp = GpuKvPage {
-        start: 0,
-        len,
-        k: g.upload_f32(&page.k),
-        v: g.upload_f32(&page.v),
-    };
+    let want = cpu_attend(shape, &scaled, &q_pos, &page);
     let got = ops::attend_page(
         g,
         shape,
@@ -606,17 +602,12 @@ fn merge_matches_the_cpu_merger() {
     // Pages in order, the last one beyond every query (no key visible: skipped by the merge).
     let pages: Vec<KvPage> = [(0, 7), (7, 12), (19, 14), (33, 3), (36, 5)]
         .iter()
-        .map(|&(start, len)| KvPage {
-            start,
-            len,
-            k: rng.vec(len * row),
-            v: rng.vec(len * row),
-        })
+        .map(|&(start, len)| pages(start, len, rng.vec(len * row), rng.vec(len * row)).0)
         .collect();
     let mut merger = Merger::new(t * 4, 16);
     let mut parts = Vec::new();
     for p in &pages {
-        let cpu = CpuBackend.attend_page(shape, &q, &q_pos, p);
+        let cpu = cpu_attend(shape, &q, &q_pos, p);
         merger.add(&cpu);
         parts.push(GpuPartials {
             rows: t * 4,
@@ -635,7 +626,7 @@ fn merge_matches_the_cpu_merger() {
     check_partials(
         "merge empty",
         &got,
-        &CpuBackend.attend_page(shape, &q, &q_pos, &pages[4]),
+        &cpu_attend(shape, &q, &q_pos, &pages[4]),
         0.0,
     );
 }

@@ -1,7 +1,8 @@
 //! Op-level exactness: the two forms of the delta rule agree, and paged attention equals a
 //! plain softmax over all keys whatever the page size.
 
-use engine_core::backend::{AttnShape, Backend, DeltaInputs, DeltaShape};
+use engine_core::backend::cpu::delta;
+use engine_core::backend::{Act, AttnShape, DeltaInputs, DeltaShape};
 use engine_core::kv::{begin_attention, PagedKv};
 use engine_core::CpuBackend;
 use tests::max_abs_diff;
@@ -47,7 +48,7 @@ fn chunked_and_recurrent_delta_rule_agree() {
         let g: Vec<f32> = (0..t * s.v_heads).map(|_| -2.0 * rng.uniform()).collect();
         let beta: Vec<f32> = (0..t * s.v_heads).map(|_| rng.uniform()).collect();
         let s0 = rng.normal_vec(s.v_heads * s.dk * s.dv);
-        let x = || DeltaInputs {
+        let x = || DeltaInputs::<[f32]> {
             q: &q,
             k: &k,
             v: &v,
@@ -59,8 +60,8 @@ fn chunked_and_recurrent_delta_rule_agree() {
             vec![0.0; t * s.v_heads * s.dv],
             vec![0.0; t * s.v_heads * s.dv],
         );
-        CpuBackend.delta_rule_chunked(s, x(), &mut st_c, &mut o_c);
-        CpuBackend.delta_rule_recurrent(s, x(), &mut st_r, &mut o_r);
+        delta::chunked(s, x(), &mut st_c, &mut o_c);
+        delta::recurrent(s, x(), &mut st_r, &mut o_r);
         let (dout, dstate) = (max_abs_diff(&o_c, &o_r), max_abs_diff(&st_c, &st_r));
         assert!(
             dout < 1e-5 && dstate < 1e-5,
@@ -122,10 +123,11 @@ fn paged_attention_equals_unpaged_for_any_page_size() {
         .for_each(|x| *x /= (shape.head_dim as f32).sqrt());
     let qd = shape.q_heads * shape.head_dim;
     let paged = |page: usize, q: &[f32], pos: &[usize]| {
+        let rows = |x: &[f32]| Act::Host(x.to_vec());
         let mut kv = PagedKv::new(page, shape.kv_heads, shape.head_dim);
-        kv.append(&k[..37 * row], &v[..37 * row]);
-        kv.append(&k[37 * row..], &v[37 * row..]);
-        begin_attention(&CpuBackend, shape, q, pos, &kv, None)
+        kv.append(&CpuBackend, &rows(&k[..37 * row]), &rows(&v[..37 * row]));
+        kv.append(&CpuBackend, &rows(&k[37 * row..]), &rows(&v[37 * row..]));
+        begin_attention(&CpuBackend, shape, &rows(q), pos, &kv, None)
             .and_then(|a| a.finish(None))
             .unwrap()
             .o

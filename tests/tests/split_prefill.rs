@@ -217,9 +217,9 @@ fn rewinding_an_edited_turn_matches_a_run_that_never_had_it() {
             let mut st = m.new_state(page);
             attach(&m, &mut st, host_end, 4, page, Some(budget));
             let mut got = turn(&mut st, p1);
-            let cp = st.checkpoint();
+            let cp = st.checkpoint(&CpuBackend);
             turn(&mut st, p2a);
-            st.rewind(&cp).unwrap();
+            st.rewind(&CpuBackend, &cp).unwrap();
             got.extend(turn(&mut st, p2b));
             assert!(
                 got == want,

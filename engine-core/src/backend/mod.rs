@@ -2,8 +2,11 @@
 //! a backend says *how* on its hardware. The CPU backend is the reference every other backend
 //! (wgpu, issue 4) is tested against, op by op.
 //!
-//! Activations are row-major f32 host slices for now; the GPU backend will add device-resident
-//! buffers behind the same op list.
+//! Values live where the backend keeps them: an [`Act`] is a host vector on the CPU and a
+//! device buffer on the GPU, so the model can hand activations, DeltaNet state and KV pages
+//! from op to op without reading them back. Values cross to the host only through
+//! [`Backend::download`] and friends, which the model calls where values must leave the backend
+//! (logits, attention partials for the exact f64 merge, and whatever crosses the link).
 
 pub mod cpu;
 #[cfg(feature = "gpu")]
@@ -36,8 +39,73 @@ pub fn select(name: &str) -> crate::Result<(Box<dyn Backend>, String)> {
     }
 }
 
+use std::ops::{Deref, Range};
+use std::sync::Arc;
+
 use crate::kv::{KvPage, Partials};
 use crate::tensor::Matrix;
+
+/// A value the model computes with (activations, DeltaNet state, KV rows), row-major f32, where
+/// its backend keeps it: a host vector for the CPU backend, a device buffer for the GPU backend.
+/// Only the backend reads or writes the elements; the model sees lengths. There is no `Clone`:
+/// a device value is a shared handle, so copying one is [`Backend::duplicate`].
+pub enum Act {
+    Host(Vec<f32>),
+    #[cfg(feature = "gpu")]
+    Device(gpu::GpuTensor),
+}
+
+impl Act {
+    /// Elements held (for a KV page buffer: its capacity on a device, the rows written on the
+    /// host; the page tracks its own length).
+    pub fn len(&self) -> usize {
+        match self {
+            Act::Host(v) => v.len(),
+            #[cfg(feature = "gpu")]
+            Act::Device(t) => t.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl std::fmt::Debug for Act {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Act::Host(v) => write!(f, "Act::Host({} values)", v.len()),
+            #[cfg(feature = "gpu")]
+            Act::Device(t) => write!(f, "Act::Device({} values)", t.len()),
+        }
+    }
+}
+
+/// A small f32 parameter of a layer (a norm scale, conv taps, DeltaNet gate constants), shared
+/// so a device backend can key its copy by the allocation and keep that allocation alive while
+/// the copy is cached (an address reused by another model's parameter would otherwise hit it).
+#[derive(Clone, Debug)]
+pub struct Param(Arc<[f32]>);
+
+impl Param {
+    /// The allocation's address: the same for every clone, different for every live `Param`.
+    pub fn key(&self) -> usize {
+        self.0.as_ptr() as usize
+    }
+}
+
+impl From<Vec<f32>> for Param {
+    fn from(v: Vec<f32>) -> Self {
+        Param(v.into())
+    }
+}
+
+impl Deref for Param {
+    type Target = [f32];
+    fn deref(&self) -> &[f32] {
+        &self.0
+    }
+}
 
 /// Head layout of a full-attention layer.
 #[derive(Clone, Copy, Debug)]
@@ -58,65 +126,124 @@ pub struct DeltaShape {
 
 /// Inputs of the gated delta rule for `t` tokens: `q, k` `[t, k_heads, dk]` (already
 /// l2-normalised, q scaled), `v` `[t, v_heads, dv]`, log-decay `g` and `beta` `[t, v_heads]`.
-pub struct DeltaInputs<'a> {
-    pub q: &'a [f32],
-    pub k: &'a [f32],
-    pub v: &'a [f32],
-    pub g: &'a [f32],
-    pub beta: &'a [f32],
+/// `T` is where they live: host slices for the CPU kernels, [`Act`] for the trait, device
+/// tensors for the GPU op layer.
+pub struct DeltaInputs<'a, T: ?Sized = [f32]> {
+    pub q: &'a T,
+    pub k: &'a T,
+    pub v: &'a T,
+    pub g: &'a T,
+    pub beta: &'a T,
 }
 
+/// The op vocabulary of `model/`. Ops that write a value in place take `&mut Act`; ops that
+/// make a new value return it. A backend may accept a host value where it keeps values
+/// elsewhere (the GPU backend moves it to the device on first use: a fresh state's zeros, a
+/// state from the link), but never the reverse.
 pub trait Backend: Send + Sync {
     fn name(&self) -> &'static str;
 
+    /// Host values into the backend (the CPU keeps the vector as it is).
+    fn upload(&self, x: Vec<f32>) -> Act;
+
+    /// Host copies of the elements of `parts` (value, element range), concatenated: one read
+    /// for many pieces (a device backend waits for its queue once).
+    fn download_ranges(&self, parts: &[(&Act, Range<usize>)]) -> Vec<f32>;
+
+    /// A host copy of `x`.
+    fn download(&self, x: &Act) -> Vec<f32> {
+        self.download_ranges(&[(x, 0..x.len())])
+    }
+
+    /// `x` on the host, consumed (the CPU hands its vector back without a copy).
+    fn into_host(&self, x: Act) -> Vec<f32> {
+        self.download(&x)
+    }
+
+    /// A copy of `x` that evolves separately (a checkpoint of a DeltaNet state, the input of a
+    /// norm that must leave the residual as it is).
+    fn duplicate(&self, x: &Act) -> Act;
+
+    /// Room for `capacity` values, filled by [`Self::write`] from the start (a KV page).
+    fn alloc(&self, capacity: usize) -> Act;
+
+    /// Elements `at .. at + len` of `dst` become `src[from .. from + len]`; every element below
+    /// `at` must have been written before, and those past `at + len` are left unspecified (a KV
+    /// page writes its rows in order and tracks its own length, so a truncated page is
+    /// overwritten in place).
+    fn write(&self, dst: &mut Act, at: usize, src: &Act, from: usize, len: usize);
+
+    /// Rows `ids` of `table` as f32 `[ids.len(), table.cols]` (the caller checks the ids).
+    fn embed(&self, table: &Matrix, ids: &[u32]) -> Act;
+
     /// `out[t, o] = sum_i x[t, i] * w[o, i]` (a Linear layer without bias).
-    fn matmul(&self, x: &[f32], w: &Matrix, out: &mut [f32]);
+    fn matmul(&self, x: &Act, w: &Matrix) -> Act;
 
     /// Each row of `x` (row length `scale.len()`) becomes `x * rsqrt(mean(x^2) + eps) * scale`.
-    fn rms_norm(&self, x: &mut [f32], scale: &[f32], eps: f32);
+    fn rms_norm(&self, x: &mut Act, scale: &Param, eps: f32);
 
     /// Each row of `dim` values becomes `x * rsqrt(sum(x^2) + eps) * scale`.
-    fn l2_norm(&self, x: &mut [f32], dim: usize, eps: f32, scale: f32);
+    fn l2_norm(&self, x: &mut Act, dim: usize, eps: f32, scale: f32);
 
     /// NeoX rotate-half RoPE on the first `inv_freq.len() * 2` dims of every head of `x`
     /// `[t, heads, head_dim]`; row `t` is at absolute position `positions[t]`.
-    fn rope(&self, x: &mut [f32], head_dim: usize, positions: &[usize], inv_freq: &[f32]);
+    fn rope(&self, x: &mut Act, head_dim: usize, positions: &[usize], inv_freq: &[f32]);
 
     /// `gate = silu(gate) * up`.
-    fn silu_mul(&self, gate: &mut [f32], up: &[f32]);
+    fn silu_mul(&self, gate: &mut Act, up: &Act);
 
     /// `x = x * sigmoid(gate)`.
-    fn sigmoid_mul(&self, x: &mut [f32], gate: &[f32]);
+    fn sigmoid_mul(&self, x: &mut Act, gate: &Act);
+
+    /// `x = x + y` (the residual).
+    fn add(&self, x: &mut Act, y: &Act);
+
+    /// `x = x * s`.
+    fn scale(&self, x: &mut Act, s: f32);
+
+    /// Columns `col0 .. col0 + width` of every row of `src` (rows of `stride` values), as a new
+    /// `[rows, width]` value: q and its gate from the q projection, q/k/v from the conv output.
+    fn copy_cols(&self, src: &Act, stride: usize, col0: usize, width: usize) -> Act;
+
+    /// DeltaNet's gates, in place on rows of `heads` values: `a` becomes the log decay
+    /// `g = neg_a * softplus(a + dt_bias)` and `b` becomes `beta = sigmoid(b)`; `params` is
+    /// `[neg_a | dt_bias]` (`neg_a = -exp(A_log)`), `2 * heads` values.
+    fn delta_gates(&self, a: &mut Act, b: &mut Act, params: &Param);
 
     /// Depthwise causal conv then SiLU, in place on `u` `[t, channels]`. `history` holds the
     /// previous `kernel - 1` input rows `[kernel - 1, channels]` and is advanced; `weight` is
     /// `[channels, kernel]` with tap `kernel - 1` on the current token.
-    fn causal_conv_silu(&self, u: &mut [f32], history: &mut [f32], weight: &[f32], kernel: usize);
+    fn causal_conv_silu(&self, u: &mut Act, history: &mut Act, weight: &Param, kernel: usize);
 
     /// Attention partials of query rows `q` `[t, q_heads, head_dim]` (scaled by the caller)
-    /// over one KV page, causal by absolute position: key `p` is visible to query row `t`
-    /// iff `p <= q_pos[t]`.
-    fn attend_page(&self, shape: AttnShape, q: &[f32], q_pos: &[usize], page: &KvPage) -> Partials;
+    /// over each of `pages`, causal by absolute position (key `p` is visible to query row `t`
+    /// iff `p <= q_pos[t]`), read to the host: they merge there, in f64 and page order
+    /// (`kv::Merger`), with the helper's. One read for all pages.
+    fn attend_pages(
+        &self,
+        shape: AttnShape,
+        q: &Act,
+        q_pos: &[usize],
+        pages: &[&KvPage],
+    ) -> Vec<Partials>;
 
     /// Gated delta rule over `t` tokens in the chunked (WY) form; `state` `[v_heads, dk, dv]`
-    /// is read and advanced; `out` is `[t, v_heads, dv]`.
+    /// is read and advanced; returns the output `[t, v_heads, dv]`.
     fn delta_rule_chunked(
         &self,
         shape: DeltaShape,
-        x: DeltaInputs,
-        state: &mut [f32],
-        out: &mut [f32],
-    );
+        x: DeltaInputs<'_, Act>,
+        state: &mut Act,
+    ) -> Act;
 
     /// The same function, one token at a time (the decode form).
     fn delta_rule_recurrent(
         &self,
         shape: DeltaShape,
-        x: DeltaInputs,
-        state: &mut [f32],
-        out: &mut [f32],
-    );
+        x: DeltaInputs<'_, Act>,
+        state: &mut Act,
+    ) -> Act;
 
     /// Per row of `weight.len()` values: `weight * (o * rsqrt(mean(o^2) + eps)) * silu(z)`.
-    fn gated_rms_norm(&self, o: &mut [f32], z: &[f32], weight: &[f32], eps: f32);
+    fn gated_rms_norm(&self, o: &mut Act, z: &Act, weight: &Param, eps: f32);
 }

@@ -2,7 +2,7 @@
 //! partial RoPE; GQA causal softmax over the paged KV cache, merged page by page; sigmoid gate.
 
 use super::Loader;
-use crate::backend::{AttnShape, Backend};
+use crate::backend::{Act, AttnShape, Backend, Param};
 use crate::config::ModelConfig;
 use crate::error::Result;
 use crate::kv::{begin_attention, PagedKv, PendingAttention};
@@ -15,8 +15,8 @@ pub(super) struct Attention {
     k_proj: Matrix,
     v_proj: Matrix,
     o_proj: Matrix,
-    q_norm: Vec<f32>,
-    k_norm: Vec<f32>,
+    q_norm: Param,
+    k_norm: Param,
     inv_freq: Vec<f32>,
     eps: f32,
     shape: AttnShape,
@@ -60,52 +60,35 @@ impl Attention {
     pub(super) fn begin(
         &self,
         be: &dyn Backend,
-        x: &[f32],
+        x: &Act,
         positions: &[usize],
         kv: &mut PagedKv,
         remote: Option<(usize, &mut HelperClient)>,
-    ) -> Result<(PendingAttention, Vec<f32>)> {
-        let AttnShape {
-            q_heads: nh,
-            kv_heads: nkv,
-            head_dim: hd,
-        } = self.shape;
-        let t = positions.len();
-        let mut qg = vec![0.0f32; t * nh * 2 * hd];
-        be.matmul(x, &self.q_proj, &mut qg);
-        // Per head the projection holds [query | gate]; separate them.
-        let mut q = Vec::with_capacity(t * nh * hd);
-        let mut gate = Vec::with_capacity(t * nh * hd);
-        for head in qg.chunks(2 * hd) {
-            q.extend_from_slice(&head[..hd]);
-            gate.extend_from_slice(&head[hd..]);
-        }
-        let mut k = vec![0.0f32; t * nkv * hd];
-        let mut v = vec![0.0f32; t * nkv * hd];
-        be.matmul(x, &self.k_proj, &mut k);
-        be.matmul(x, &self.v_proj, &mut v);
+    ) -> Result<(PendingAttention, Act)> {
+        let hd = self.shape.head_dim;
+        let qg = be.matmul(x, &self.q_proj);
+        // Per head the projection holds [query | gate]: rows of 2 * hd, split in two.
+        let mut q = be.copy_cols(&qg, 2 * hd, 0, hd);
+        let gate = be.copy_cols(&qg, 2 * hd, hd, hd);
+        let mut k = be.matmul(x, &self.k_proj);
+        let v = be.matmul(x, &self.v_proj);
         be.rms_norm(&mut q, &self.q_norm, self.eps);
         be.rms_norm(&mut k, &self.k_norm, self.eps);
         be.rope(&mut q, hd, positions, &self.inv_freq);
         be.rope(&mut k, hd, positions, &self.inv_freq);
-        kv.append(&k, &v);
-        let scale = 1.0 / (hd as f32).sqrt();
-        q.iter_mut().for_each(|v| *v *= scale);
+        kv.append(be, &k, &v);
+        be.scale(&mut q, 1.0 / (hd as f32).sqrt());
         Ok((
             begin_attention(be, self.shape, &q, positions, kv, remote)?,
             gate,
         ))
     }
 
-    /// The rest of the layer once the attention output is merged: gate and output projection.
-    pub(super) fn finish(
-        &self,
-        be: &dyn Backend,
-        mut attn: Vec<f32>,
-        gate: &[f32],
-        out: &mut [f32],
-    ) {
+    /// The rest of the layer once the attention output `attn` is merged (on the host): gate
+    /// and output projection.
+    pub(super) fn finish(&self, be: &dyn Backend, attn: Vec<f32>, gate: &Act) -> Act {
+        let mut attn = be.upload(attn);
         be.sigmoid_mul(&mut attn, gate);
-        be.matmul(&attn, &self.o_proj, out);
+        be.matmul(&attn, &self.o_proj)
     }
 }

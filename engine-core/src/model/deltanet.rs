@@ -4,7 +4,7 @@
 
 use super::state::DeltaState;
 use super::Loader;
-use crate::backend::{Backend, DeltaInputs, DeltaShape};
+use crate::backend::{Act, Backend, DeltaInputs, DeltaShape, Param};
 use crate::config::ModelConfig;
 use crate::error::Result;
 use crate::tensor::Matrix;
@@ -18,22 +18,13 @@ pub(super) struct DeltaNet {
     in_proj_b: Matrix,
     in_proj_a: Matrix,
     /// `[conv_dim, kernel]`.
-    conv: Vec<f32>,
-    dt_bias: Vec<f32>,
-    /// `-exp(A_log)`, the per-head decay rate.
-    neg_a: Vec<f32>,
-    norm: Vec<f32>,
+    conv: Param,
+    /// `[neg_a | dt_bias]` for `Backend::delta_gates`, with `neg_a = -exp(A_log)` the per-head
+    /// decay rate.
+    gates: Param,
+    norm: Param,
     out_proj: Matrix,
     shape: DeltaShape,
-}
-
-/// torch's softplus (threshold 20: above it, the identity).
-fn softplus(x: f32) -> f32 {
-    if x > 20.0 {
-        x
-    } else {
-        x.exp().ln_1p()
-    }
 }
 
 impl DeltaNet {
@@ -44,19 +35,21 @@ impl DeltaNet {
             c.linear_conv_kernel_dim,
         );
         let (cd, vd) = (c.conv_dim(), c.linear_value_dim());
+        let neg_a = ld
+            .vector(&format!("{p}A_log"), &[hv])?
+            .into_iter()
+            .map(|a| -a.exp());
+        let dt_bias = ld.vector(&format!("{p}dt_bias"), &[hv])?;
         Ok(DeltaNet {
             in_proj_qkv: ld.matrix(&format!("{p}in_proj_qkv.weight"), cd, h)?,
             in_proj_z: ld.matrix(&format!("{p}in_proj_z.weight"), vd, h)?,
             in_proj_b: ld.matrix(&format!("{p}in_proj_b.weight"), hv, h)?,
             in_proj_a: ld.matrix(&format!("{p}in_proj_a.weight"), hv, h)?,
-            conv: ld.vector(&format!("{p}conv1d.weight"), &[cd, 1, kern])?,
-            dt_bias: ld.vector(&format!("{p}dt_bias"), &[hv])?,
-            neg_a: ld
-                .vector(&format!("{p}A_log"), &[hv])?
-                .iter()
-                .map(|a| -a.exp())
-                .collect(),
-            norm: ld.vector(&format!("{p}norm.weight"), &[c.linear_value_head_dim])?,
+            conv: ld.vector(&format!("{p}conv1d.weight"), &[cd, 1, kern])?.into(),
+            gates: neg_a.chain(dt_bias).collect::<Vec<f32>>().into(),
+            norm: ld
+                .vector(&format!("{p}norm.weight"), &[c.linear_value_head_dim])?
+                .into(),
             out_proj: ld.matrix(&format!("{p}out_proj.weight"), h, vd)?,
             shape: DeltaShape {
                 k_heads: c.linear_num_key_heads,
@@ -84,58 +77,38 @@ impl DeltaNet {
         &self,
         be: &dyn Backend,
         c: &ModelConfig,
-        x: &[f32],
+        x: &Act,
         st: &mut DeltaState,
-        out: &mut [f32],
-    ) {
+    ) -> Act {
         let s = self.shape;
         let t = x.len() / c.hidden_size;
         let (kd, vd, cd) = (c.linear_key_dim(), c.linear_value_dim(), c.conv_dim());
-        let mut qkv = vec![0.0f32; t * cd];
-        let mut z = vec![0.0f32; t * vd];
-        let mut b = vec![0.0f32; t * s.v_heads];
-        let mut a = vec![0.0f32; t * s.v_heads];
-        be.matmul(x, &self.in_proj_qkv, &mut qkv);
-        be.matmul(x, &self.in_proj_z, &mut z);
-        be.matmul(x, &self.in_proj_b, &mut b);
-        be.matmul(x, &self.in_proj_a, &mut a);
+        let mut qkv = be.matmul(x, &self.in_proj_qkv);
+        let z = be.matmul(x, &self.in_proj_z);
+        let mut b = be.matmul(x, &self.in_proj_b);
+        let mut a = be.matmul(x, &self.in_proj_a);
         be.causal_conv_silu(&mut qkv, &mut st.conv, &self.conv, c.linear_conv_kernel_dim);
-        let (mut q, mut k, mut v) = (
-            Vec::with_capacity(t * kd),
-            Vec::with_capacity(t * kd),
-            Vec::with_capacity(t * vd),
-        );
-        for row in qkv.chunks(cd) {
-            q.extend_from_slice(&row[..kd]);
-            k.extend_from_slice(&row[kd..2 * kd]);
-            v.extend_from_slice(&row[2 * kd..]);
-        }
+        // The conv output's rows are [q | k | v].
+        let mut q = be.copy_cols(&qkv, cd, 0, kd);
+        let mut k = be.copy_cols(&qkv, cd, kd, kd);
+        let v = be.copy_cols(&qkv, cd, 2 * kd, vd);
         be.l2_norm(&mut q, s.dk, L2_EPS, 1.0 / (s.dk as f32).sqrt());
         be.l2_norm(&mut k, s.dk, L2_EPS, 1.0);
-        let beta: Vec<f32> = b.iter().map(|&b| crate::backend::cpu::sigmoid(b)).collect();
-        let g: Vec<f32> = a
-            .chunks(s.v_heads)
-            .flat_map(|row| {
-                row.iter()
-                    .zip(&self.dt_bias)
-                    .zip(&self.neg_a)
-                    .map(|((a, dt), na)| na * softplus(a + dt))
-            })
-            .collect();
+        // a becomes the log decay g, b the write strength beta.
+        be.delta_gates(&mut a, &mut b, &self.gates);
         let inputs = DeltaInputs {
             q: &q,
             k: &k,
             v: &v,
-            g: &g,
-            beta: &beta,
+            g: &a,
+            beta: &b,
         };
-        let mut o = vec![0.0f32; t * vd];
-        if t == 1 {
-            be.delta_rule_recurrent(s, inputs, &mut st.s, &mut o);
+        let mut o = if t == 1 {
+            be.delta_rule_recurrent(s, inputs, &mut st.s)
         } else {
-            be.delta_rule_chunked(s, inputs, &mut st.s, &mut o);
-        }
+            be.delta_rule_chunked(s, inputs, &mut st.s)
+        };
         be.gated_rms_norm(&mut o, &z, &self.norm, c.rms_norm_eps);
-        be.matmul(&o, &self.out_proj, out);
+        be.matmul(&o, &self.out_proj)
     }
 }

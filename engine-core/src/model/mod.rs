@@ -13,7 +13,7 @@ mod state;
 
 pub use state::{Checkpoint, LayerState, State};
 
-use crate::backend::Backend;
+use crate::backend::{Act, Backend, Param};
 use crate::config::{LayerKind, ModelConfig};
 use crate::error::{Error, Result};
 use crate::kv::PendingAttention;
@@ -37,8 +37,8 @@ pub enum Logits {
 /// Residual rows on their way through a range of layers ([`Model::advance`]). A pass can
 /// stop at a full-attention layer while the helper attends its pages, and resume later.
 pub struct Pass {
-    /// The residual rows `[tokens, hidden]`.
-    pub x: Vec<f32>,
+    /// The residual rows `[tokens, hidden]`, in the backend.
+    pub x: Act,
     pos: usize,
     next: usize,
     end: usize,
@@ -48,12 +48,12 @@ pub struct Pass {
 /// A full-attention layer whose helper partials are still to come.
 struct Waiting {
     attention: PendingAttention,
-    gate: Vec<f32>,
+    gate: Act,
 }
 
 impl Pass {
     /// Rows `x` at positions `pos ..`, to run through `layers`.
-    pub fn new(x: Vec<f32>, pos: usize, layers: std::ops::Range<usize>) -> Pass {
+    pub fn new(x: Act, pos: usize, layers: std::ops::Range<usize>) -> Pass {
         Pass {
             x,
             pos,
@@ -87,8 +87,8 @@ struct Mlp {
 
 struct Layer {
     /// `1 + w` of the input RMSNorm (Qwen3.5 stores norm weights as offsets).
-    norm_in: Vec<f32>,
-    norm_post: Vec<f32>,
+    norm_in: Param,
+    norm_post: Param,
     mixer: Mixer,
     mlp: Mlp,
 }
@@ -108,7 +108,7 @@ pub struct Model {
 struct Ends {
     embed: Matrix,
     lm_head: Matrix,
-    norm_final: Vec<f32>,
+    norm_final: Param,
 }
 
 /// Looks tensors up by name and checks their shapes, so a wrong checkpoint fails with the name
@@ -147,12 +147,13 @@ impl<'a> Loader<'a> {
     }
 
     /// An RMSNorm weight stored as an offset, returned as the scale `1 + w`.
-    pub(crate) fn offset_norm(&self, name: &str, dim: usize) -> Result<Vec<f32>> {
+    pub(crate) fn offset_norm(&self, name: &str, dim: usize) -> Result<Param> {
         Ok(self
             .vector(name, &[dim])?
             .into_iter()
             .map(|w| 1.0 + w)
-            .collect())
+            .collect::<Vec<f32>>()
+            .into())
     }
 }
 
@@ -319,7 +320,8 @@ impl Model {
     }
 
     /// Run `tokens` at positions `state.pos ..`, advancing `state`; returns logits `[rows, vocab]`
-    /// for the rows `logits` asks for. If `trace` is given, the residual after each layer is
+    /// for the rows `logits` asks for (the only values read back, besides attention partials
+    /// and link traffic). If `trace` is given, the residual after each layer is read back and
     /// pushed to it (`[tokens, hidden]` per layer) to find the first layer that diverges.
     pub fn forward(
         &self,
@@ -329,16 +331,16 @@ impl Model {
         logits: Logits,
         trace: Option<&mut Vec<Vec<f32>>>,
     ) -> Result<Vec<f32>> {
-        let mut x = self.embed(tokens)?;
+        let mut x = self.embed(be, tokens)?;
         let pos = state.pos;
         self.run_layers(be, state, &mut x, pos, 0..self.layers.len(), trace)?;
         state.pos += tokens.len();
-        state.offload()?;
-        self.head(be, &mut x, logits)
+        state.offload(be)?;
+        self.head(be, x, logits)
     }
 
-    /// Embedding rows `[tokens, hidden]`; rejects ids outside the vocabulary.
-    pub fn embed(&self, tokens: &[u32]) -> Result<Vec<f32>> {
+    /// Embedding rows `[tokens, hidden]` in the backend; rejects ids outside the vocabulary.
+    pub fn embed(&self, be: &dyn Backend, tokens: &[u32]) -> Result<Act> {
         let c = &self.config;
         if tokens.is_empty() {
             return Err(Error::Invalid("forward needs at least one token".into()));
@@ -349,30 +351,27 @@ impl Model {
                 vocab: c.vocab_size,
             });
         }
-        let embed = &self.ends()?.embed;
-        let mut x = vec![0.0f32; tokens.len() * c.hidden_size];
-        for (row, &id) in x.chunks_mut(c.hidden_size).zip(tokens) {
-            embed.row_f32(id as usize, row);
-        }
-        Ok(x)
+        Ok(be.embed(&self.ends()?.embed, tokens))
     }
 
     /// Advance the residual rows `x` (positions `pos ..`) through `layers`, updating those
     /// layers' state. The seam of a split: host and helper each run a range of layers on the
-    /// same rows. `state.pos` is left to the caller.
+    /// same rows. `state.pos` is left to the caller. On error `x` holds the rows as far as
+    /// they got (the state has moved on too, so a caller cannot simply rerun them).
     pub fn run_layers(
         &self,
         be: &dyn Backend,
         state: &mut State,
-        x: &mut [f32],
+        x: &mut Act,
         pos: usize,
         layers: std::ops::Range<usize>,
         trace: Option<&mut Vec<Vec<f32>>>,
     ) -> Result<()> {
-        let mut pass = Pass::new(x.to_vec(), pos, layers);
-        self.advance(be, state, &mut pass, false, trace)?;
-        x.copy_from_slice(&pass.x);
-        Ok(())
+        // The rows move into the pass and back: no copy.
+        let mut pass = Pass::new(std::mem::replace(x, Act::Host(Vec::new())), pos, layers);
+        let done = self.advance(be, state, &mut pass, false, trace);
+        *x = pass.x;
+        done
     }
 
     /// Run `pass` on through its layers. With `pause`, stop at a full-attention layer once
@@ -400,26 +399,19 @@ impl Model {
             )));
         }
         let positions: Vec<usize> = (pass.pos..pass.pos + pass.x.len() / c.hidden_size).collect();
-        let mut normed = vec![0.0f32; pass.x.len()];
-        let mut y = vec![0.0f32; pass.x.len()];
         if let Some(w) = pass.waiting.take() {
             let Mixer::Attention(a) = &self.layer(pass.next)?.mixer else {
                 unreachable!("a pass waits only at full-attention layers")
             };
-            a.finish(
-                be,
-                w.attention.finish(state.remote.as_mut())?.o,
-                &w.gate,
-                &mut y,
-            );
-            self.close_layer(be, pass, &y, &mut normed, trace.as_deref_mut())?;
+            let y = a.finish(be, w.attention.finish(state.remote.as_mut())?.o, &w.gate);
+            self.close_layer(be, pass, &y, trace.as_deref_mut())?;
         }
         while pass.next < pass.end {
             let i = pass.next;
             let layer = self.layer(i)?;
-            normed.copy_from_slice(&pass.x);
+            let mut normed = be.duplicate(&pass.x);
             be.rms_norm(&mut normed, &layer.norm_in, c.rms_norm_eps);
-            match (&layer.mixer, &mut state.layers[i]) {
+            let y = match (&layer.mixer, &mut state.layers[i]) {
                 (Mixer::Attention(a), LayerState::Attention(kv)) => {
                     let remote = state.remote.as_mut().map(|r| (i, r));
                     let (attention, gate) = a.begin(be, &normed, &positions, kv, remote)?;
@@ -427,19 +419,12 @@ impl Model {
                         pass.waiting = Some(Waiting { attention, gate });
                         return Ok(());
                     }
-                    a.finish(
-                        be,
-                        attention.finish(state.remote.as_mut())?.o,
-                        &gate,
-                        &mut y,
-                    );
+                    a.finish(be, attention.finish(state.remote.as_mut())?.o, &gate)
                 }
-                (Mixer::DeltaNet(d), LayerState::DeltaNet(st)) => {
-                    d.forward(be, c, &normed, st, &mut y)
-                }
+                (Mixer::DeltaNet(d), LayerState::DeltaNet(st)) => d.forward(be, c, &normed, st),
                 _ => unreachable!("State::check_matches verified the layer kinds"),
-            }
-            self.close_layer(be, pass, &y, &mut normed, trace.as_deref_mut())?;
+            };
+            self.close_layer(be, pass, &y, trace.as_deref_mut())?;
         }
         Ok(())
     }
@@ -449,56 +434,47 @@ impl Model {
         &self,
         be: &dyn Backend,
         pass: &mut Pass,
-        y: &[f32],
-        normed: &mut [f32],
+        y: &Act,
         trace: Option<&mut Vec<Vec<f32>>>,
     ) -> Result<()> {
         let layer = self.layer(pass.next)?;
-        add(&mut pass.x, y);
-        normed.copy_from_slice(&pass.x);
-        be.rms_norm(normed, &layer.norm_post, self.config.rms_norm_eps);
-        let mut out = vec![0.0f32; pass.x.len()];
-        layer.mlp.forward(be, normed, &mut out);
-        add(&mut pass.x, &out);
+        be.add(&mut pass.x, y);
+        let mut normed = be.duplicate(&pass.x);
+        be.rms_norm(&mut normed, &layer.norm_post, self.config.rms_norm_eps);
+        let out = layer.mlp.forward(be, &normed);
+        be.add(&mut pass.x, &out);
         if let Some(tr) = trace {
-            tr.push(pass.x.clone());
+            tr.push(be.download(&pass.x));
         }
         pass.next += 1;
         Ok(())
     }
 
-    /// Final norm and output projection of the rows `logits` asks for.
-    pub fn head(&self, be: &dyn Backend, x: &mut [f32], logits: Logits) -> Result<Vec<f32>> {
+    /// Final norm and output projection of the rows `logits` asks for, read to the host.
+    pub fn head(&self, be: &dyn Backend, x: Act, logits: Logits) -> Result<Vec<f32>> {
         let c = &self.config;
         let h = c.hidden_size;
         let n = x.len();
-        let rows = match logits {
-            Logits::All => &mut x[..],
-            Logits::Last => &mut x[n - h..],
+        let mut rows = match logits {
+            Logits::All => x,
+            Logits::Last => {
+                let mut last = be.alloc(h);
+                be.write(&mut last, 0, &x, n - h, h);
+                last
+            }
             Logits::None => return Ok(Vec::new()),
         };
         let ends = self.ends()?;
-        be.rms_norm(rows, &ends.norm_final, c.rms_norm_eps);
-        let mut out = vec![0.0f32; rows.len() / h * c.vocab_size];
-        be.matmul(rows, &ends.lm_head, &mut out);
-        Ok(out)
+        be.rms_norm(&mut rows, &ends.norm_final, c.rms_norm_eps);
+        Ok(be.into_host(be.matmul(&rows, &ends.lm_head)))
     }
 }
 
 impl Mlp {
-    fn forward(&self, be: &dyn Backend, x: &[f32], out: &mut [f32]) {
-        let t = x.len() / self.gate.cols;
-        let mut gate = vec![0.0f32; t * self.gate.rows];
-        let mut up = vec![0.0f32; t * self.up.rows];
-        be.matmul(x, &self.gate, &mut gate);
-        be.matmul(x, &self.up, &mut up);
+    fn forward(&self, be: &dyn Backend, x: &Act) -> Act {
+        let mut gate = be.matmul(x, &self.gate);
+        let up = be.matmul(x, &self.up);
         be.silu_mul(&mut gate, &up);
-        be.matmul(&gate, &self.down, out);
-    }
-}
-
-fn add(x: &mut [f32], y: &[f32]) {
-    for (a, b) in x.iter_mut().zip(y) {
-        *a += b;
+        be.matmul(&gate, &self.down)
     }
 }

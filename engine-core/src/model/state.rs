@@ -1,29 +1,44 @@
 //! Per-sequence state: a paged KV cache per full-attention layer, recurrent + conv state per
-//! DeltaNet layer. The KV grows with the context; the DeltaNet state has a fixed size.
+//! DeltaNet layer. The KV grows with the context; the DeltaNet state has a fixed size. Both live
+//! in the backend that runs the sequence (on a GPU host, on the device): they leave it only
+//! when they cross the link.
 
+use crate::backend::{Act, Backend};
 use crate::config::{LayerKind, ModelConfig};
 use crate::error::{Error, Result};
 use crate::kv::PagedKv;
 use crate::remote::HelperClient;
 
-#[derive(Clone, Debug)]
+/// A fresh state is zeros on the host; a device backend moves it to the device the first time
+/// an op advances it, and it stays there.
+#[derive(Debug)]
 pub struct DeltaState {
     /// Recurrent state `[v_heads, dk, dv]`.
-    pub s: Vec<f32>,
+    pub s: Act,
     /// The last `kernel - 1` conv inputs `[kernel - 1, conv_dim]`.
-    pub conv: Vec<f32>,
+    pub conv: Act,
+}
+
+impl DeltaState {
+    /// A copy that evolves separately, in the same backend.
+    fn duplicate(&self, be: &dyn Backend) -> DeltaState {
+        DeltaState {
+            s: be.duplicate(&self.s),
+            conv: be.duplicate(&self.conv),
+        }
+    }
 }
 
 /// A point a sequence can return to: the DeltaNet states at `pos` (KV rows are simply cut).
 /// The recurrent state cannot be rewound by position, so a session takes one where a rewind
-/// may land (the end of each turn).
-#[derive(Clone, Debug)]
+/// may land (the end of each turn). The copies stay in the backend that took them.
+#[derive(Debug)]
 pub struct Checkpoint {
     pub pos: usize,
     delta: Vec<(usize, DeltaState)>,
 }
 
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 pub enum LayerState {
     Attention(PagedKv),
     DeltaNet(DeltaState),
@@ -52,13 +67,13 @@ impl State {
                     c.head_dim,
                 )),
                 LayerKind::LinearAttention => LayerState::DeltaNet(DeltaState {
-                    s: vec![
+                    s: Act::Host(vec![
                         0.0;
                         c.linear_num_value_heads
                             * c.linear_key_head_dim
                             * c.linear_value_head_dim
-                    ],
-                    conv: vec![0.0; (c.linear_conv_kernel_dim - 1) * c.conv_dim()],
+                    ]),
+                    conv: Act::Host(vec![0.0; (c.linear_conv_kernel_dim - 1) * c.conv_dim()]),
                 }),
             })
             .collect();
@@ -82,13 +97,14 @@ impl State {
             .unwrap_or(0)
     }
 
-    pub fn checkpoint(&self) -> Checkpoint {
+    /// A copy of every DeltaNet state, taken by `be` (the backend running this sequence).
+    pub fn checkpoint(&self, be: &dyn Backend) -> Checkpoint {
         let delta = self
             .layers
             .iter()
             .enumerate()
             .filter_map(|(i, l)| match l {
-                LayerState::DeltaNet(d) => Some((i, d.clone())),
+                LayerState::DeltaNet(d) => Some((i, d.duplicate(be))),
                 LayerState::Attention(_) => None,
             })
             .collect();
@@ -101,8 +117,8 @@ impl State {
     /// Return to `cp` (an edited conversation): cut every KV cache (the helper's too) back to
     /// its position and restore the DeltaNet states. Pages the cut falls into come back from the
     /// helper whole, so page boundaries, and so results, stay those of an uncut run. On error
-    /// nothing here has changed.
-    pub fn rewind(&mut self, cp: &Checkpoint) -> Result<()> {
+    /// nothing here has changed. `cp` stays valid for another rewind.
+    pub fn rewind(&mut self, be: &dyn Backend, cp: &Checkpoint) -> Result<()> {
         if cp.pos > self.pos
             || cp.delta.len()
                 != self
@@ -157,20 +173,20 @@ impl State {
                     Some((j, _)) if *j == i => refills.next().and_then(|(_, r)| r),
                     _ => None,
                 };
-                kv.rewind(len, refill)?;
+                kv.rewind(be, len, refill)?;
             }
         }
         for (i, d) in &cp.delta {
-            self.layers[*i] = LayerState::DeltaNet(d.clone());
+            self.layers[*i] = LayerState::DeltaNet(d.duplicate(be));
         }
         self.pos = len;
         Ok(())
     }
 
     /// Move the oldest whole KV pages of every full-attention layer to the remote until at most
-    /// `host_kv_tokens` positions per layer stay here (a partial page never moves). Returns the
-    /// number of pages moved per layer.
-    pub fn offload(&mut self) -> Result<usize> {
+    /// `host_kv_tokens` positions per layer stay here (a partial page never moves); `be` reads
+    /// each page to the host for the link. Returns the number of pages moved per layer.
+    pub fn offload(&mut self, be: &dyn Backend) -> Result<usize> {
         let Some(host_tokens) = self.host_kv_tokens else {
             return Ok(0);
         };
@@ -191,7 +207,8 @@ impl State {
                 let Some(page) = kv.oldest_full_page() else {
                     break;
                 };
-                remote.store(i, page)?;
+                let (k, v) = kv.rows(be, page.start, page.len)?;
+                remote.store(i, page.start, kv.row_width(), k, v)?;
                 kv.drop_oldest_page();
                 n += 1;
             }

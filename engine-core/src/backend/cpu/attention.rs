@@ -62,13 +62,13 @@ pub fn attend_page(shape: AttnShape, q: &[f32], q_pos: &[usize], page: &KvPage) 
             }
             let qb: Vec<f32> = (0..nq).flat_map(query).copied().collect();
             let keys = Strided {
-                data: &page.k[off..],
+                data: &super::host(&page.k)[off..],
                 row: kv_row,
                 len: n_max,
                 width: d,
             };
             let values = Strided {
-                data: &page.v[off..],
+                data: &super::host(&page.v)[off..],
                 ..keys
             };
             // scores[i, j] = q_i . k_j, then softmax over each query's visible keys; the

@@ -1,5 +1,9 @@
 //! The reference backend: plain Rust, multi-threaded with rayon (the caller's pool decides how
 //! many threads), inner loops over contiguous memory so the compiler can vectorise them.
+//!
+//! Each op is a function on host slices (the reference every other backend is tested against,
+//! op by op); `CpuBackend` runs them in place on the vector inside [`Act::Host`], so handing
+//! values around as `Act` costs the CPU no copies.
 
 pub mod attention;
 pub mod convert;
@@ -8,9 +12,11 @@ pub mod delta;
 mod gemm;
 pub mod matmul;
 
+use std::ops::Range;
+
 use rayon::prelude::*;
 
-use super::{AttnShape, Backend, DeltaInputs, DeltaShape};
+use super::{Act, AttnShape, Backend, DeltaInputs, DeltaShape, Param};
 use crate::kv::{KvPage, Partials};
 use crate::tensor::Matrix;
 
@@ -28,8 +34,174 @@ pub(crate) fn sigmoid(x: f32) -> f32 {
     1.0 / (1.0 + (-x).exp())
 }
 
+/// torch's softplus (threshold 20: above it, the identity).
+fn softplus(x: f32) -> f32 {
+    if x > 20.0 {
+        x
+    } else {
+        x.exp().ln_1p()
+    }
+}
+
 fn sum_squares(x: &[f32]) -> f32 {
     x.iter().map(|v| v * v).sum()
+}
+
+/// The host vector of `a`. A device value here means a state made on another backend.
+pub fn host(a: &Act) -> &Vec<f32> {
+    match a {
+        Act::Host(v) => v,
+        #[cfg(feature = "gpu")]
+        Act::Device(_) => panic!("the CPU backend was handed a device value"),
+    }
+}
+
+fn host_mut(a: &mut Act) -> &mut Vec<f32> {
+    match a {
+        Act::Host(v) => v,
+        #[cfg(feature = "gpu")]
+        Act::Device(_) => panic!("the CPU backend was handed a device value"),
+    }
+}
+
+/// Each row of `x` (row length `scale.len()`) becomes `x * rsqrt(mean(x^2) + eps) * scale`.
+pub fn rms_norm(x: &mut [f32], scale: &[f32], eps: f32) {
+    let d = scale.len();
+    x.par_chunks_mut(d * ROWS_PER_TASK).for_each(|rows| {
+        for row in rows.chunks_mut(d) {
+            let inv = 1.0 / (sum_squares(row) / d as f32 + eps).sqrt();
+            for (v, s) in row.iter_mut().zip(scale) {
+                *v = *v * inv * s;
+            }
+        }
+    });
+}
+
+/// Each row of `dim` values becomes `x * rsqrt(sum(x^2) + eps) * scale`.
+pub fn l2_norm(x: &mut [f32], dim: usize, eps: f32, scale: f32) {
+    for row in x.chunks_mut(dim) {
+        let inv = 1.0 / (sum_squares(row) + eps).sqrt();
+        for v in row.iter_mut() {
+            *v = *v * inv * scale;
+        }
+    }
+}
+
+/// NeoX rotate-half RoPE (see [`Backend::rope`]).
+pub fn rope(x: &mut [f32], head_dim: usize, positions: &[usize], inv_freq: &[f32]) {
+    let half = inv_freq.len();
+    let row = x.len() / positions.len();
+    for (t, &pos) in positions.iter().enumerate() {
+        let (sin, cos): (Vec<f32>, Vec<f32>) =
+            inv_freq.iter().map(|f| (pos as f32 * f).sin_cos()).unzip();
+        for head in x[t * row..(t + 1) * row].chunks_mut(head_dim) {
+            for i in 0..half {
+                let (x1, x2) = (head[i], head[i + half]);
+                head[i] = x1 * cos[i] - x2 * sin[i];
+                head[i + half] = x2 * cos[i] + x1 * sin[i];
+            }
+        }
+    }
+}
+
+/// `gate = silu(gate) * up`.
+pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
+    gate.par_chunks_mut(4096)
+        .zip(up.par_chunks(4096))
+        .for_each(|(g, u)| {
+            for (g, u) in g.iter_mut().zip(u) {
+                *g = silu(*g) * u;
+            }
+        });
+}
+
+/// `x = x * sigmoid(gate)`.
+pub fn sigmoid_mul(x: &mut [f32], gate: &[f32]) {
+    for (v, g) in x.iter_mut().zip(gate) {
+        *v *= sigmoid(*g);
+    }
+}
+
+/// `x = x + y`.
+pub fn add(x: &mut [f32], y: &[f32]) {
+    for (a, b) in x.iter_mut().zip(y) {
+        *a += b;
+    }
+}
+
+/// Columns `col0 .. col0 + width` of every row of `src` (rows of `stride` values).
+pub fn copy_cols(src: &[f32], stride: usize, col0: usize, width: usize) -> Vec<f32> {
+    assert!(col0 + width <= stride && src.len().is_multiple_of(stride));
+    let mut out = Vec::with_capacity(src.len() / stride * width);
+    for row in src.chunks(stride) {
+        out.extend_from_slice(&row[col0..col0 + width]);
+    }
+    out
+}
+
+/// DeltaNet's gates (see [`Backend::delta_gates`]): `a` becomes `g`, `b` becomes `beta`.
+pub fn delta_gates(a: &mut [f32], b: &mut [f32], params: &[f32]) {
+    let (neg_a, dt_bias) = params.split_at(params.len() / 2);
+    for v in b.iter_mut() {
+        *v = sigmoid(*v);
+    }
+    for row in a.chunks_mut(neg_a.len()) {
+        for ((a, dt), na) in row.iter_mut().zip(dt_bias).zip(neg_a) {
+            *a = na * softplus(*a + dt);
+        }
+    }
+}
+
+/// Depthwise causal conv then SiLU, in place on `u` (see [`Backend::causal_conv_silu`]).
+pub fn causal_conv_silu(u: &mut [f32], history: &mut [f32], weight: &[f32], kernel: usize) {
+    let c = weight.len() / kernel;
+    let t = u.len() / c;
+    let h = kernel - 1;
+    // window = history rows followed by the input rows; output row i reads window rows i..=i+h.
+    let mut window = Vec::with_capacity((h + t) * c);
+    window.extend_from_slice(history);
+    window.extend_from_slice(u);
+    for (i, out) in u.chunks_mut(c).enumerate() {
+        for (ch, o) in out.iter_mut().enumerate() {
+            let taps = &weight[ch * kernel..(ch + 1) * kernel];
+            let mut acc = 0.0;
+            for (j, w) in taps.iter().enumerate() {
+                acc += w * window[(i + j) * c + ch];
+            }
+            *o = silu(acc);
+        }
+    }
+    history.copy_from_slice(&window[t * c..]);
+}
+
+/// Per row of `weight.len()` values: `weight * (o * rsqrt(mean(o^2) + eps)) * silu(z)`.
+pub fn gated_rms_norm(o: &mut [f32], z: &[f32], weight: &[f32], eps: f32) {
+    let d = weight.len();
+    for (row, zr) in o.chunks_mut(d).zip(z.chunks(d)) {
+        let inv = 1.0 / (sum_squares(row) / d as f32 + eps).sqrt();
+        for ((v, w), z) in row.iter_mut().zip(weight).zip(zr) {
+            *v = w * (*v * inv) * silu(*z);
+        }
+    }
+}
+
+/// The delta rule's inputs as host slices.
+fn host_inputs<'a>(x: DeltaInputs<'a, Act>) -> DeltaInputs<'a> {
+    DeltaInputs {
+        q: host(x.q),
+        k: host(x.k),
+        v: host(x.v),
+        g: host(x.g),
+        beta: host(x.beta),
+    }
+}
+
+type DeltaKernel = fn(DeltaShape, DeltaInputs, &mut [f32], &mut [f32]);
+
+fn run_delta(s: DeltaShape, x: DeltaInputs<'_, Act>, state: &mut Act, f: DeltaKernel) -> Act {
+    let mut out = vec![0.0f32; x.v.len()];
+    f(s, host_inputs(x), host_mut(state), &mut out);
+    Act::Host(out)
 }
 
 impl Backend for CpuBackend {
@@ -37,115 +209,132 @@ impl Backend for CpuBackend {
         "cpu"
     }
 
-    fn matmul(&self, x: &[f32], w: &Matrix, out: &mut [f32]) {
-        matmul::matmul(x, w, out);
+    fn upload(&self, x: Vec<f32>) -> Act {
+        Act::Host(x)
     }
 
-    fn rms_norm(&self, x: &mut [f32], scale: &[f32], eps: f32) {
-        let d = scale.len();
-        x.par_chunks_mut(d * ROWS_PER_TASK).for_each(|rows| {
-            for row in rows.chunks_mut(d) {
-                let inv = 1.0 / (sum_squares(row) / d as f32 + eps).sqrt();
-                for (v, s) in row.iter_mut().zip(scale) {
-                    *v = *v * inv * s;
-                }
-            }
-        });
+    fn download_ranges(&self, parts: &[(&Act, Range<usize>)]) -> Vec<f32> {
+        let mut out = Vec::with_capacity(parts.iter().map(|(_, r)| r.len()).sum());
+        for (a, r) in parts {
+            out.extend_from_slice(&host(a)[r.clone()]);
+        }
+        out
     }
 
-    fn l2_norm(&self, x: &mut [f32], dim: usize, eps: f32, scale: f32) {
-        for row in x.chunks_mut(dim) {
-            let inv = 1.0 / (sum_squares(row) + eps).sqrt();
-            for v in row.iter_mut() {
-                *v = *v * inv * scale;
-            }
+    fn download(&self, x: &Act) -> Vec<f32> {
+        host(x).clone()
+    }
+
+    fn into_host(&self, x: Act) -> Vec<f32> {
+        match x {
+            Act::Host(v) => v,
+            #[cfg(feature = "gpu")]
+            Act::Device(_) => panic!("the CPU backend was handed a device value"),
         }
     }
 
-    fn rope(&self, x: &mut [f32], head_dim: usize, positions: &[usize], inv_freq: &[f32]) {
-        let half = inv_freq.len();
-        let row = x.len() / positions.len();
-        for (t, &pos) in positions.iter().enumerate() {
-            let (sin, cos): (Vec<f32>, Vec<f32>) =
-                inv_freq.iter().map(|f| (pos as f32 * f).sin_cos()).unzip();
-            for head in x[t * row..(t + 1) * row].chunks_mut(head_dim) {
-                for i in 0..half {
-                    let (x1, x2) = (head[i], head[i + half]);
-                    head[i] = x1 * cos[i] - x2 * sin[i];
-                    head[i + half] = x2 * cos[i] + x1 * sin[i];
-                }
-            }
+    fn duplicate(&self, x: &Act) -> Act {
+        Act::Host(host(x).clone())
+    }
+
+    fn alloc(&self, capacity: usize) -> Act {
+        Act::Host(Vec::with_capacity(capacity))
+    }
+
+    fn write(&self, dst: &mut Act, at: usize, src: &Act, from: usize, len: usize) {
+        let dst = host_mut(dst);
+        assert!(at <= dst.len(), "writing at {at} would leave a gap");
+        dst.truncate(at);
+        dst.extend_from_slice(&host(src)[from..from + len]);
+    }
+
+    fn embed(&self, table: &Matrix, ids: &[u32]) -> Act {
+        let mut x = vec![0.0f32; ids.len() * table.cols];
+        for (row, &id) in x.chunks_mut(table.cols).zip(ids) {
+            table.row_f32(id as usize, row);
         }
+        Act::Host(x)
     }
 
-    fn silu_mul(&self, gate: &mut [f32], up: &[f32]) {
-        gate.par_chunks_mut(4096)
-            .zip(up.par_chunks(4096))
-            .for_each(|(g, u)| {
-                for (g, u) in g.iter_mut().zip(u) {
-                    *g = silu(*g) * u;
-                }
-            });
+    fn matmul(&self, x: &Act, w: &Matrix) -> Act {
+        let x = host(x);
+        let mut out = vec![0.0f32; x.len() / w.cols * w.rows];
+        matmul::matmul(x, w, &mut out);
+        Act::Host(out)
     }
 
-    fn sigmoid_mul(&self, x: &mut [f32], gate: &[f32]) {
-        for (v, g) in x.iter_mut().zip(gate) {
-            *v *= sigmoid(*g);
-        }
+    fn rms_norm(&self, x: &mut Act, scale: &Param, eps: f32) {
+        rms_norm(host_mut(x), scale, eps);
     }
 
-    fn causal_conv_silu(&self, u: &mut [f32], history: &mut [f32], weight: &[f32], kernel: usize) {
-        let c = weight.len() / kernel;
-        let t = u.len() / c;
-        let h = kernel - 1;
-        // window = history rows followed by the input rows; output row i reads window rows i..=i+h.
-        let mut window = Vec::with_capacity((h + t) * c);
-        window.extend_from_slice(history);
-        window.extend_from_slice(u);
-        for (i, out) in u.chunks_mut(c).enumerate() {
-            for (ch, o) in out.iter_mut().enumerate() {
-                let taps = &weight[ch * kernel..(ch + 1) * kernel];
-                let mut acc = 0.0;
-                for (j, w) in taps.iter().enumerate() {
-                    acc += w * window[(i + j) * c + ch];
-                }
-                *o = silu(acc);
-            }
-        }
-        history.copy_from_slice(&window[t * c..]);
+    fn l2_norm(&self, x: &mut Act, dim: usize, eps: f32, scale: f32) {
+        l2_norm(host_mut(x), dim, eps, scale);
     }
 
-    fn attend_page(&self, shape: AttnShape, q: &[f32], q_pos: &[usize], page: &KvPage) -> Partials {
-        attention::attend_page(shape, q, q_pos, page)
+    fn rope(&self, x: &mut Act, head_dim: usize, positions: &[usize], inv_freq: &[f32]) {
+        rope(host_mut(x), head_dim, positions, inv_freq);
+    }
+
+    fn silu_mul(&self, gate: &mut Act, up: &Act) {
+        silu_mul(host_mut(gate), host(up));
+    }
+
+    fn sigmoid_mul(&self, x: &mut Act, gate: &Act) {
+        sigmoid_mul(host_mut(x), host(gate));
+    }
+
+    fn add(&self, x: &mut Act, y: &Act) {
+        add(host_mut(x), host(y));
+    }
+
+    fn scale(&self, x: &mut Act, s: f32) {
+        host_mut(x).iter_mut().for_each(|v| *v *= s);
+    }
+
+    fn copy_cols(&self, src: &Act, stride: usize, col0: usize, width: usize) -> Act {
+        Act::Host(copy_cols(host(src), stride, col0, width))
+    }
+
+    fn delta_gates(&self, a: &mut Act, b: &mut Act, params: &Param) {
+        delta_gates(host_mut(a), host_mut(b), params);
+    }
+
+    fn causal_conv_silu(&self, u: &mut Act, history: &mut Act, weight: &Param, kernel: usize) {
+        causal_conv_silu(host_mut(u), host_mut(history), weight, kernel);
+    }
+
+    fn attend_pages(
+        &self,
+        shape: AttnShape,
+        q: &Act,
+        q_pos: &[usize],
+        pages: &[&KvPage],
+    ) -> Vec<Partials> {
+        pages
+            .iter()
+            .map(|page| attention::attend_page(shape, host(q), q_pos, page))
+            .collect()
     }
 
     fn delta_rule_chunked(
         &self,
         shape: DeltaShape,
-        x: DeltaInputs,
-        state: &mut [f32],
-        out: &mut [f32],
-    ) {
-        delta::chunked(shape, x, state, out);
+        x: DeltaInputs<'_, Act>,
+        state: &mut Act,
+    ) -> Act {
+        run_delta(shape, x, state, delta::chunked)
     }
 
     fn delta_rule_recurrent(
         &self,
         shape: DeltaShape,
-        x: DeltaInputs,
-        state: &mut [f32],
-        out: &mut [f32],
-    ) {
-        delta::recurrent(shape, x, state, out);
+        x: DeltaInputs<'_, Act>,
+        state: &mut Act,
+    ) -> Act {
+        run_delta(shape, x, state, delta::recurrent)
     }
 
-    fn gated_rms_norm(&self, o: &mut [f32], z: &[f32], weight: &[f32], eps: f32) {
-        let d = weight.len();
-        for (row, zr) in o.chunks_mut(d).zip(z.chunks(d)) {
-            let inv = 1.0 / (sum_squares(row) / d as f32 + eps).sqrt();
-            for ((v, w), z) in row.iter_mut().zip(weight).zip(zr) {
-                *v = w * (*v * inv) * silu(*z);
-            }
-        }
+    fn gated_rms_norm(&self, o: &mut Act, z: &Act, weight: &Param, eps: f32) {
+        gated_rms_norm(host_mut(o), host(z), weight, eps);
     }
 }

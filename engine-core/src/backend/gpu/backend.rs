@@ -1,16 +1,17 @@
-//! The `Backend` trait on the GPU: each op uploads its inputs, runs its kernels and reads the
-//! result back. Weights are uploaded once and kept on the device. This is the first, exact
-//! step: the model runs unchanged on the GPU and every test that takes a backend can take this
-//! one. It pays a read-back per op; the device-resident forward pass that reads back only
-//! logits and link traffic needs activations that live on the device between ops, and the
-//! `Backend` trait does not have them yet (docs/GPU.md, "What is left").
+//! The `Backend` trait on the GPU op layer. Values the model computes with are device tensors
+//! ([`Act::Device`]): every op records into the device's one batch and nothing runs until a
+//! value is read back, so a decode step submits once per full-attention layer (its pages'
+//! partials, read for the host's exact f64 merge) and once for the logits. DeltaNet states
+//! and KV pages stay on the device too; only what crosses the link is read. Weights and layer
+//! parameters are uploaded once, on first use, and kept.
 
 use std::collections::HashMap;
+use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
 use super::ops::{self, GpuDeltaInputs, GpuKvPage};
 use super::{Gpu, GpuError, GpuMatrix, GpuOptions, GpuTensor, WeightFormat};
-use crate::backend::{AttnShape, Backend, DeltaInputs, DeltaShape};
+use crate::backend::{Act, AttnShape, Backend, DeltaInputs, DeltaShape, Param};
 use crate::kv::{KvPage, Partials};
 use crate::tensor::{DType, Data, Matrix};
 
@@ -18,6 +19,9 @@ pub struct GpuBackend {
     gpu: Gpu,
     /// Device copies of weight matrices, keyed by the address and length of their bytes.
     weights: Mutex<HashMap<(usize, usize), Uploaded>>,
+    /// Device copies of layer parameters, keyed by [`Param::key`]; each holds a clone of its
+    /// `Param` so the address stays taken while the copy is cached.
+    params: Mutex<HashMap<usize, (Param, GpuTensor)>>,
 }
 
 /// A weight on the device, with a handle on its host bytes so their address cannot be reused
@@ -32,12 +36,18 @@ impl GpuBackend {
         Ok(GpuBackend {
             gpu: Gpu::with_options(opts)?,
             weights: Mutex::new(HashMap::new()),
+            params: Mutex::new(HashMap::new()),
         })
     }
 
     /// The adapter in use, for the user (`tether --backend gpu` prints it).
     pub fn adapter_name(&self) -> String {
         self.gpu.adapter_name()
+    }
+
+    /// The device (its submission and upload counters, for tests and benchmarks).
+    pub fn gpu(&self) -> &Gpu {
+        &self.gpu
     }
 
     /// `w` on the device: f32 weights as f32; bf16 and f16 weights as f16 (bf16 to f16 is
@@ -71,8 +81,34 @@ impl GpuBackend {
         m
     }
 
-    fn up(&self, x: &[f32]) -> GpuTensor {
-        self.gpu.upload_f32(x)
+    /// `p` on the device, uploaded the first time.
+    fn param(&self, p: &Param) -> GpuTensor {
+        let mut cache = self.params.lock().unwrap_or_else(|e| e.into_inner());
+        cache
+            .entry(p.key())
+            .or_insert_with(|| (p.clone(), self.gpu.upload_f32(p)))
+            .1
+            .clone()
+    }
+
+    /// `a` on the device: a host value (a fresh state's zeros, rows from the link) is uploaded.
+    fn dev(&self, a: &Act) -> GpuTensor {
+        match a {
+            Act::Device(t) => t.clone(),
+            Act::Host(v) => self.gpu.upload_f32(v),
+        }
+    }
+
+    /// `a` on the device for an op that writes it in place: a host value moves to the device
+    /// for good, so a state is uploaded once, the first time an op advances it.
+    fn dev_mut(&self, a: &mut Act) -> GpuTensor {
+        if let Act::Host(v) = a {
+            *a = Act::Device(self.gpu.upload_f32(v));
+        }
+        match a {
+            Act::Device(t) => t.clone(),
+            Act::Host(_) => unreachable!("moved to the device above"),
+        }
     }
 
     fn positions(&self, p: &[usize]) -> GpuTensor {
@@ -83,133 +119,20 @@ impl GpuBackend {
         self.gpu.upload_u32(&p)
     }
 
-    /// Read `t` back into `out` (everything recorded so far runs first).
-    fn down(&self, t: &GpuTensor, out: &mut [f32]) {
-        let v = self
-            .gpu
-            .download_f32(t)
-            .unwrap_or_else(|e| panic!("GPU read-back: {e}"));
-        out.copy_from_slice(&v);
-    }
-}
-
-impl Backend for GpuBackend {
-    fn name(&self) -> &'static str {
-        "gpu"
-    }
-
-    fn matmul(&self, x: &[f32], w: &Matrix, out: &mut [f32]) {
-        let r = ops::matmul(&self.gpu, &self.up(x), &self.matrix(w));
-        self.down(&r, out);
-    }
-
-    fn rms_norm(&self, x: &mut [f32], scale: &[f32], eps: f32) {
-        let t = self.up(x);
-        ops::rms_norm(&self.gpu, &t, &self.up(scale), eps, 0.0);
-        self.down(&t, x);
-    }
-
-    fn l2_norm(&self, x: &mut [f32], dim: usize, eps: f32, scale: f32) {
-        let t = self.up(x);
-        ops::l2_norm(&self.gpu, &t, dim, eps, scale);
-        self.down(&t, x);
-    }
-
-    fn rope(&self, x: &mut [f32], head_dim: usize, positions: &[usize], inv_freq: &[f32]) {
-        let t = self.up(x);
-        let table = self.up(&ops::rope_table(positions, inv_freq));
-        ops::rope(&self.gpu, &t, head_dim, &table, positions.len());
-        self.down(&t, x);
-    }
-
-    fn silu_mul(&self, gate: &mut [f32], up: &[f32]) {
-        let g = self.up(gate);
-        ops::silu_mul(&self.gpu, &g, &self.up(up));
-        self.down(&g, gate);
-    }
-
-    fn sigmoid_mul(&self, x: &mut [f32], gate: &[f32]) {
-        let t = self.up(x);
-        ops::sigmoid_mul(&self.gpu, &t, &self.up(gate));
-        self.down(&t, x);
-    }
-
-    fn causal_conv_silu(&self, u: &mut [f32], history: &mut [f32], weight: &[f32], kernel: usize) {
-        let h = self.up(history);
-        let out = ops::causal_conv_silu(&self.gpu, &self.up(u), &h, &self.up(weight), kernel);
-        self.down(&out, u);
-        self.down(&h, history);
-    }
-
-    fn attend_page(&self, shape: AttnShape, q: &[f32], q_pos: &[usize], page: &KvPage) -> Partials {
-        let page = GpuKvPage {
-            start: page.start,
-            len: page.len,
-            k: self.up(&page.k),
-            v: self.up(&page.v),
-        };
-        // The caller has scaled q.
-        let p = ops::attend_page(
-            &self.gpu,
-            shape,
-            &self.up(q),
-            &self.positions(q_pos),
-            &page,
-            1.0,
-        );
-        let mut out = Partials::empty(p.rows, p.head_dim);
-        self.down(&p.o, &mut out.o);
-        self.down(&p.m, &mut out.m);
-        self.down(&p.l, &mut out.l);
-        out
-    }
-
-    fn delta_rule_chunked(
-        &self,
-        shape: DeltaShape,
-        x: DeltaInputs,
-        state: &mut [f32],
-        out: &mut [f32],
-    ) {
-        self.delta(shape, x, state, out, ops::delta_rule_chunked);
-    }
-
-    fn delta_rule_recurrent(
-        &self,
-        shape: DeltaShape,
-        x: DeltaInputs,
-        state: &mut [f32],
-        out: &mut [f32],
-    ) {
-        self.delta(shape, x, state, out, ops::delta_rule_recurrent);
-    }
-
-    fn gated_rms_norm(&self, o: &mut [f32], z: &[f32], weight: &[f32], eps: f32) {
-        let t = self.up(o);
-        ops::gated_rms_norm(&self.gpu, &t, &self.up(z), &self.up(weight), eps);
-        self.down(&t, o);
-    }
-}
-
-type DeltaKernel = fn(&Gpu, DeltaShape, GpuDeltaInputs, &GpuTensor) -> GpuTensor;
-
-impl GpuBackend {
     fn delta(
         &self,
         shape: DeltaShape,
-        x: DeltaInputs,
-        state: &mut [f32],
-        out: &mut [f32],
+        x: DeltaInputs<'_, Act>,
+        state: &mut Act,
         kernel: DeltaKernel,
-    ) {
+    ) -> Act {
         let (q, k, v, g, beta) = (
-            self.up(x.q),
-            self.up(x.k),
-            self.up(x.v),
-            self.up(x.g),
-            self.up(x.beta),
+            self.dev(x.q),
+            self.dev(x.k),
+            self.dev(x.v),
+            self.dev(x.g),
+            self.dev(x.beta),
         );
-        let s = self.up(state);
         let inputs = GpuDeltaInputs {
             q: &q,
             k: &k,
@@ -217,8 +140,191 @@ impl GpuBackend {
             g: &g,
             beta: &beta,
         };
-        let o = kernel(&self.gpu, shape, inputs, &s);
-        self.down(&o, out);
-        self.down(&s, state);
+        Act::Device(kernel(&self.gpu, shape, inputs, &self.dev_mut(state)))
+    }
+}
+
+type DeltaKernel = fn(&Gpu, DeltaShape, GpuDeltaInputs, &GpuTensor) -> GpuTensor;
+
+impl Backend for GpuBackend {
+    fn name(&self) -> &'static str {
+        "gpu"
+    }
+
+    fn upload(&self, x: Vec<f32>) -> Act {
+        Act::Device(self.gpu.upload_f32(&x))
+    }
+
+    fn download_ranges(&self, parts: &[(&Act, Range<usize>)]) -> Vec<f32> {
+        let dev: Vec<(GpuTensor, Range<usize>)> =
+            parts.iter().map(|(a, r)| (self.dev(a), r.clone())).collect();
+        let refs: Vec<(&GpuTensor, Range<usize>)> =
+            dev.iter().map(|(t, r)| (t, r.clone())).collect();
+        self.gpu
+            .download_ranges(&refs)
+            .unwrap_or_else(|e| panic!("GPU read-back: {e}"))
+    }
+
+    fn duplicate(&self, x: &Act) -> Act {
+        let src = self.dev(x);
+        let out = self.gpu.alloc(src.len());
+        self.gpu.copy(&src, 0, &out, 0, src.len());
+        Act::Device(out)
+    }
+
+    fn alloc(&self, capacity: usize) -> Act {
+        Act::Device(self.gpu.alloc(capacity))
+    }
+
+    fn write(&self, dst: &mut Act, at: usize, src: &Act, from: usize, len: usize) {
+        let dst = self.dev_mut(dst);
+        self.gpu.copy(&self.dev(src), from, &dst, at, len);
+    }
+
+    fn embed(&self, table: &Matrix, ids: &[u32]) -> Act {
+        let ids = self.gpu.upload_u32(ids);
+        Act::Device(ops::embed(&self.gpu, &self.matrix(table), &ids))
+    }
+
+    fn matmul(&self, x: &Act, w: &Matrix) -> Act {
+        Act::Device(ops::matmul(&self.gpu, &self.dev(x), &self.matrix(w)))
+    }
+
+    fn rms_norm(&self, x: &mut Act, scale: &Param, eps: f32) {
+        ops::rms_norm(&self.gpu, &self.dev_mut(x), &self.param(scale), eps, 0.0);
+    }
+
+    fn l2_norm(&self, x: &mut Act, dim: usize, eps: f32, scale: f32) {
+        ops::l2_norm(&self.gpu, &self.dev_mut(x), dim, eps, scale);
+    }
+
+    fn rope(&self, x: &mut Act, head_dim: usize, positions: &[usize], inv_freq: &[f32]) {
+        let table = self.gpu.upload_f32(&ops::rope_table(positions, inv_freq));
+        ops::rope(
+            &self.gpu,
+            &self.dev_mut(x),
+            head_dim,
+            &table,
+            positions.len(),
+        );
+    }
+
+    fn silu_mul(&self, gate: &mut Act, up: &Act) {
+        ops::silu_mul(&self.gpu, &self.dev_mut(gate), &self.dev(up));
+    }
+
+    fn sigmoid_mul(&self, x: &mut Act, gate: &Act) {
+        ops::sigmoid_mul(&self.gpu, &self.dev_mut(x), &self.dev(gate));
+    }
+
+    fn add(&self, x: &mut Act, y: &Act) {
+        ops::add(&self.gpu, &self.dev_mut(x), &self.dev(y));
+    }
+
+    fn scale(&self, x: &mut Act, s: f32) {
+        ops::scale(&self.gpu, &self.dev_mut(x), s);
+    }
+
+    fn copy_cols(&self, src: &Act, stride: usize, col0: usize, width: usize) -> Act {
+        Act::Device(ops::copy_cols(
+            &self.gpu,
+            &self.dev(src),
+            stride,
+            col0,
+            width,
+        ))
+    }
+
+    fn delta_gates(&self, a: &mut Act, b: &mut Act, params: &Param) {
+        let (a, b) = (self.dev_mut(a), self.dev_mut(b));
+        ops::delta_gates(&self.gpu, &a, &b, &self.param(params));
+    }
+
+    fn causal_conv_silu(&self, u: &mut Act, history: &mut Act, weight: &Param, kernel: usize) {
+        let out = ops::causal_conv_silu(
+            &self.gpu,
+            &self.dev(u),
+            &self.dev_mut(history),
+            &self.param(weight),
+            kernel,
+        );
+        *u = Act::Device(out);
+    }
+
+    fn attend_pages(
+        &self,
+        shape: AttnShape,
+        q: &Act,
+        q_pos: &[usize],
+        pages: &[&KvPage],
+    ) -> Vec<Partials> {
+        if pages.is_empty() {
+            return Vec::new();
+        }
+        let (q, pos) = (self.dev(q), self.positions(q_pos));
+        // The caller has scaled q.
+        let parts: Vec<_> = pages
+            .iter()
+            .map(|page| {
+                let page = GpuKvPage {
+                    start: page.start,
+                    len: page.len,
+                    k: self.dev(&page.k),
+                    v: self.dev(&page.v),
+                };
+                ops::attend_page(&self.gpu, shape, &q, &pos, &page, 1.0)
+            })
+            .collect();
+        // Every page's (o, m, l) in one read.
+        let ranges: Vec<(&GpuTensor, Range<usize>)> = parts
+            .iter()
+            .flat_map(|p| [&p.o, &p.m, &p.l])
+            .map(|t| (t, 0..t.len()))
+            .collect();
+        let mut host = self
+            .gpu
+            .download_ranges(&ranges)
+            .unwrap_or_else(|e| panic!("GPU read-back: {e}"))
+            .into_iter();
+        parts
+            .iter()
+            .map(|p| {
+                let mut take = |n: usize| host.by_ref().take(n).collect::<Vec<f32>>();
+                Partials {
+                    head_dim: p.head_dim,
+                    o: take(p.rows * p.head_dim),
+                    m: take(p.rows),
+                    l: take(p.rows),
+                }
+            })
+            .collect()
+    }
+
+    fn delta_rule_chunked(
+        &self,
+        shape: DeltaShape,
+        x: DeltaInputs<'_, Act>,
+        state: &mut Act,
+    ) -> Act {
+        self.delta(shape, x, state, ops::delta_rule_chunked)
+    }
+
+    fn delta_rule_recurrent(
+        &self,
+        shape: DeltaShape,
+        x: DeltaInputs<'_, Act>,
+        state: &mut Act,
+    ) -> Act {
+        self.delta(shape, x, state, ops::delta_rule_recurrent)
+    }
+
+    fn gated_rms_norm(&self, o: &mut Act, z: &Act, weight: &Param, eps: f32) {
+        ops::gated_rms_norm(
+            &self.gpu,
+            &self.dev_mut(o),
+            &self.dev(z),
+            &self.param(weight),
+            eps,
+        );
     }
 }

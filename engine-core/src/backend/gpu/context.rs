@@ -4,6 +4,7 @@
 
 use std::collections::HashMap;
 use std::num::NonZeroU64;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use shaders::{Access, Kernel, Spec};
@@ -102,6 +103,10 @@ pub struct Gpu {
     pub(super) pool: Arc<BufferPool>,
     pipelines: Mutex<HashMap<PipelineKey, Arc<Pipeline>>>,
     batch: Mutex<Batch>,
+    /// Submissions so far: every flush and every read-back (which flushes) counts one.
+    submits: AtomicU64,
+    /// Bytes written from the host so far: uploads of values and weights.
+    pub(super) uploaded: AtomicU64,
 }
 
 impl Gpu {
@@ -167,6 +172,8 @@ impl Gpu {
             info,
             pipelines: Mutex::new(HashMap::new()),
             batch: Mutex::new(Batch::default()),
+            submits: AtomicU64::new(0),
+            uploaded: AtomicU64::new(0),
         })
     }
 
@@ -186,6 +193,17 @@ impl Gpu {
     /// Bytes one storage binding may span: larger weights are split into row blocks.
     pub fn max_binding(&self) -> u64 {
         self.max_binding
+    }
+
+    /// Command submissions so far (each read-back is one): what a device-resident forward
+    /// pass keeps small, and what tests count per decode step.
+    pub fn submits(&self) -> u64 {
+        self.submits.load(Ordering::Relaxed)
+    }
+
+    /// Bytes written from the host to the device so far (values and weights).
+    pub fn uploaded_bytes(&self) -> u64 {
+        self.uploaded.load(Ordering::Relaxed)
     }
 
     fn pipeline(&self, kernel: &'static Kernel, entry: &'static str, spec: &Spec) -> Arc<Pipeline> {
@@ -352,16 +370,30 @@ impl Gpu {
         })
     }
 
-    /// Records a copy of `src` into `dst` at element `dst_offset`.
-    pub(super) fn copy(&self, src: &GpuTensor, dst: &GpuTensor, dst_offset: usize) {
-        assert!(dst_offset + src.len() <= dst.len(), "copy out of bounds");
+    /// Records a copy of `len` elements of `src` from `src_offset` into `dst` at `dst_offset`
+    /// (both tensors of 4-byte elements, so every offset meets the copy alignment).
+    pub fn copy(
+        &self,
+        src: &GpuTensor,
+        src_offset: usize,
+        dst: &GpuTensor,
+        dst_offset: usize,
+        len: usize,
+    ) {
+        assert!(
+            src_offset + len <= src.len() && dst_offset + len <= dst.len(),
+            "copy out of bounds"
+        );
+        if len == 0 {
+            return;
+        }
         self.record(&[src, dst], |e| {
             e.copy_buffer_to_buffer(
                 src.buffer(),
-                0,
+                src_offset as u64 * 4,
                 dst.buffer(),
                 dst_offset as u64 * 4,
-                src.bytes(),
+                len as u64 * 4,
             )
         });
     }
@@ -379,6 +411,7 @@ impl Gpu {
             self.queue.write_buffer(&chunk.buffer, 0, &chunk.data);
         }
         self.queue.submit([encoder.finish()]);
+        self.submits.fetch_add(1, Ordering::Relaxed);
         drop(guard);
         // `batch.keep` and the uniform chunks drop here: their buffers may be reused by work
         // recorded from now on, which the queue orders after this submission.

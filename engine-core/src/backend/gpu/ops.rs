@@ -8,7 +8,7 @@ use shaders::{kernel, Kernel, Spec, WeightFormat};
 
 use super::context::{grid, Bind, Gpu};
 use super::tensor::{GpuMatrix, GpuTensor};
-use crate::backend::{AttnShape, DeltaShape};
+use crate::backend::{AttnShape, DeltaInputs, DeltaShape};
 
 /// Threads per workgroup of the element-wise and row kernels (their `WG` default).
 const WG: usize = 64;
@@ -363,14 +363,8 @@ pub fn causal_conv_silu(
     out
 }
 
-/// Inputs of the delta rule on the device, laid out as `backend::DeltaInputs`.
-pub struct GpuDeltaInputs<'a> {
-    pub q: &'a GpuTensor,
-    pub k: &'a GpuTensor,
-    pub v: &'a GpuTensor,
-    pub g: &'a GpuTensor,
-    pub beta: &'a GpuTensor,
-}
+/// Inputs of the delta rule on the device, laid out as on the host.
+pub type GpuDeltaInputs<'a> = DeltaInputs<'a, GpuTensor>;
 
 /// Tokens per chunk of [`delta_rule_chunked`] (workgroup memory holds three CHUNK^2 matrices:
 /// 12 KiB at 32, under WebGPU's 16 KiB minimum).
@@ -609,9 +603,9 @@ pub fn merge_partials(gpu: &Gpu, parts: &[&GpuPartials]) -> GpuPartials {
             p.rows == rows && p.head_dim == d,
             "partials of different shapes"
         );
-        gpu.copy(&p.o, &stacked.o, i * rows * d);
-        gpu.copy(&p.m, &stacked.m, i * rows);
-        gpu.copy(&p.l, &stacked.l, i * rows);
+        gpu.copy(&p.o, 0, &stacked.o, i * rows * d, rows * d);
+        gpu.copy(&p.m, 0, &stacked.m, i * rows, rows);
+        gpu.copy(&p.l, 0, &stacked.l, i * rows, rows);
     }
     merge_stacked(gpu, &stacked, parts.len())
 }

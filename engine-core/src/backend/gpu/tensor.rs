@@ -1,6 +1,8 @@
 //! Device-resident data: activations ([`GpuTensor`], pooled) and weights ([`GpuMatrix`], split
 //! into row blocks that each fit one storage binding), with upload and read-back.
 
+use std::ops::Range;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use half::f16;
@@ -85,6 +87,8 @@ impl Gpu {
 
     fn upload_bytes(&self, bytes: &[u8], len: usize) -> GpuTensor {
         let t = self.alloc(len);
+        self.uploaded
+            .fetch_add(bytes.len() as u64, Ordering::Relaxed);
         if !bytes.is_empty() {
             // Lands at the next submission, before its commands; `t` is fresh from the pool,
             // so no recorded command can be reading it.
@@ -105,20 +109,31 @@ impl Gpu {
         self.upload_f32(&vec![0.0; len])
     }
 
-    /// Reads `t` back after everything recorded so far: the copy to a staging buffer is
-    /// recorded into the batch and submitted with it.
-    fn read_back(&self, t: &GpuTensor) -> Result<Vec<u8>, GpuError> {
-        if t.is_empty() {
+    /// Reads element ranges of tensors back, concatenated, after everything recorded so far:
+    /// the copies into one staging buffer are recorded into the batch and submitted with it,
+    /// so many pieces cost one submission and one wait.
+    fn read_back(&self, parts: &[(&GpuTensor, Range<usize>)]) -> Result<Vec<u8>, GpuError> {
+        let total: u64 = parts.iter().map(|(_, r)| r.len() as u64 * 4).sum();
+        if total == 0 {
             return Ok(Vec::new());
         }
         let staging = self.device.create_buffer(&wgpu::BufferDescriptor {
             label: Some("tether read-back"),
-            size: t.bytes(),
+            size: total,
             usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
             mapped_at_creation: false,
         });
-        self.record(&[t], |e| {
-            e.copy_buffer_to_buffer(t.buffer(), 0, &staging, 0, t.bytes())
+        let tensors: Vec<&GpuTensor> = parts.iter().map(|(t, _)| *t).collect();
+        self.record(&tensors, |e| {
+            let mut at = 0;
+            for (t, r) in parts {
+                assert!(r.end <= t.len(), "read-back out of bounds");
+                let bytes = r.len() as u64 * 4;
+                if bytes > 0 {
+                    e.copy_buffer_to_buffer(t.buffer(), r.start as u64 * 4, &staging, at, bytes);
+                }
+                at += bytes;
+            }
         });
         self.flush();
         let (tx, rx) = std::sync::mpsc::channel();
@@ -139,11 +154,19 @@ impl Gpu {
     }
 
     pub fn download_f32(&self, t: &GpuTensor) -> Result<Vec<f32>, GpuError> {
-        Ok(bytemuck::pod_collect_to_vec(&self.read_back(t)?))
+        self.download_ranges(&[(t, 0..t.len())])
     }
 
     pub fn download_u32(&self, t: &GpuTensor) -> Result<Vec<u32>, GpuError> {
-        Ok(bytemuck::pod_collect_to_vec(&self.read_back(t)?))
+        Ok(bytemuck::pod_collect_to_vec(&self.read_back(&[(t, 0..t.len())])?))
+    }
+
+    /// Element ranges of f32 tensors, concatenated, in one submission.
+    pub fn download_ranges(
+        &self,
+        parts: &[(&GpuTensor, Range<usize>)],
+    ) -> Result<Vec<f32>, GpuError> {
+        Ok(bytemuck::pod_collect_to_vec(&self.read_back(parts)?))
     }
 
     /// Uploads a weight matrix in `format`, in row blocks that each fit one binding.
@@ -211,6 +234,8 @@ impl Gpu {
                     bytemuck::cast_slice(&v).to_vec()
                 }
             };
+            self.uploaded
+                .fetch_add(bytes.len() as u64, Ordering::Relaxed);
             let buffer = self
                 .device
                 .create_buffer_init(&wgpu::util::BufferInitDescriptor {
