@@ -90,12 +90,7 @@ impl PagedKv {
 
     /// K and V rows of positions `start .. start + len` held here, copied to the host
     /// `[len, row]` in one read (they cross the link).
-    pub fn rows(
-        &self,
-        be: &dyn Backend,
-        start: usize,
-        len: usize,
-    ) -> Result<(Vec<f32>, Vec<f32>)> {
+    pub fn rows(&self, be: &dyn Backend, start: usize, len: usize) -> Result<(Vec<f32>, Vec<f32>)> {
         if start < self.remote_len || start.checked_add(len).is_none_or(|end| end > self.len) {
             return Err(Error::Invalid(format!(
                 "KV rows {start}..{} are not all held here ({}..{})",

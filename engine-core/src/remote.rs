@@ -261,10 +261,7 @@ impl HelperClient {
             layer: layer as u32,
             positions: positions.iter().map(|&p| p as u64).collect(),
             end: end as u64,
-            q: WireTensor::f32(
-                vec![positions.len(), shape.q_heads, shape.head_dim],
-                q,
-            ),
+            q: WireTensor::f32(vec![positions.len(), shape.q_heads, shape.head_dim], q),
         })
     }
 

@@ -108,12 +108,7 @@ pub fn prefill(
 
 /// Ubatches one after another on the host (the helper only attends pages it holds); returns
 /// the last one's final residual.
-fn plain(
-    model: &Model,
-    be: &dyn Backend,
-    state: &mut State,
-    chunks: &[&[u32]],
-) -> Result<Act> {
+fn plain(model: &Model, be: &dyn Backend, state: &mut State, chunks: &[&[u32]]) -> Result<Act> {
     let mut x = None;
     for c in chunks {
         let mut rows = model.embed(be, c)?;
@@ -211,7 +206,7 @@ fn pipelined(
         for (i, c) in head.iter().enumerate() {
             let mut x = model.embed(be, c)?;
             model.run_layers(be, state, &mut x, at(i), 0..tail.start, None)?;
-            let x = be.into_host(x);
+            let x = be.download_owned(x);
             sent.push(x.clone());
             let msg = Message::PrefillChunk {
                 seq: state.remote.as_ref().expect("checked above").seq(),

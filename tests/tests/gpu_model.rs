@@ -1,16 +1,18 @@
 //! The whole model on the GPU backend (lavapipe in CI): the fp32 fixture's logits within 1e-4
 //! and its greedy ids; a split run with a GPU host and a CPU helper, and the reverse, gives the
-//! tokens of the host alone.
+//! tokens of the host alone; a decode step reads back only attention partials and logits; the
+//! storage ops under KV pages and checkpoints agree with the CPU backend.
 
 use std::sync::OnceLock;
 
 use engine_core::backend::gpu::{GpuBackend, GpuOptions};
+use engine_core::backend::Act;
 use engine_core::generate::argmax;
 use engine_core::link::pair;
 use engine_core::protocol::Configure;
 use engine_core::remote::{HelperClient, DEFAULT_MAX_FRAME};
 use engine_core::split::{prefill, SplitPlan};
-use engine_core::{Backend, CpuBackend, Logits, Model};
+use engine_core::{Backend, CpuBackend, LayerKind, Logits, Model};
 use phone_ios::{Helper, HelperOptions};
 use tests::{fixtures_dir, max_abs_diff, Reference};
 
@@ -109,4 +111,74 @@ fn gpu_host_with_cpu_helper_and_the_reverse_give_the_same_tokens() {
             assert_eq!(ids, want, "host {} helper {}", host.name(), helper.name());
         });
     }
+}
+
+/// A GPU host's decode step submits once per full-attention layer (the partials of all its
+/// pages, read together for the host's f64 merge) and once for the logits, and uploads only
+/// the step's token, positions, RoPE table and merged attention rows: activations, DeltaNet
+/// states and KV pages stay on the device.
+#[test]
+fn a_gpu_decode_step_reads_back_only_partials_and_logits() {
+    // A device of its own: the counters are per device, and the other tests share gpu().
+    let be = GpuBackend::new(&GpuOptions::default()).unwrap();
+    let m = Model::load_dir(&fixtures_dir().join("tiny_fp32")).unwrap();
+    let r = Reference::load("tiny_fp32");
+    let c = &m.config;
+    let full = c
+        .layer_types
+        .iter()
+        .filter(|&&k| k == LayerKind::FullAttention)
+        .count() as u64;
+    let delta_state =
+        (c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4) as u64;
+    // A 40-token prompt in pages of 16: every step attends three pages per layer.
+    let mut st = m.new_state(16);
+    let mut logits = m
+        .forward(&be, &mut st, &r.ids("prompt_ids"), Logits::Last, None)
+        .unwrap();
+    let want = r.ids("gen_ids");
+    for &id in &want[..4] {
+        assert_eq!(argmax(&logits), id);
+        let (submits, uploaded) = (be.gpu().submits(), be.gpu().uploaded_bytes());
+        logits = m.forward(&be, &mut st, &[id], Logits::Last, None).unwrap();
+        let submits = be.gpu().submits() - submits;
+        let uploaded = be.gpu().uploaded_bytes() - uploaded;
+        eprintln!("decode step: {submits} submissions, {uploaded} bytes uploaded");
+        assert_eq!(submits, full + 1, "{full} full-attention layers + logits");
+        assert!(
+            uploaded < delta_state,
+            "a decode step uploaded {uploaded} bytes (one DeltaNet state is {delta_state})"
+        );
+    }
+}
+
+/// What KV pages and checkpoints are made of, on both backends: rows written at offsets (a
+/// truncated tail overwritten in place), pieces read back together, a copy that evolves
+/// separately, and a host value (a fresh state) that the first op writing it takes over.
+#[test]
+fn storage_ops_agree_with_the_cpu_backend() {
+    let x: Vec<f32> = (0..12).map(|i| i as f32).collect();
+    let run = |be: &dyn Backend| {
+        let src = be.upload(x.clone());
+        let mut page = be.alloc(10);
+        be.write(&mut page, 0, &src, 0, 6);
+        be.write(&mut page, 6, &src, 8, 4);
+        // Truncated to 4 rows, then appended to.
+        be.write(&mut page, 4, &src, 0, 2);
+        let mut state = Act::Host(vec![1.0; 4]);
+        let copy = be.duplicate(&state);
+        be.add(&mut state, &be.upload(x[..4].to_vec()));
+        let moved = matches!(state, Act::Device(_));
+        let values = be.download_ranges(&[(&page, 0..6), (&state, 0..4), (&copy, 0..4)]);
+        (values, moved)
+    };
+    let want: Vec<f32> = [
+        &x[0..4],
+        &x[0..2],
+        &[1.0, 2.0, 3.0, 4.0],
+        &[1.0, 1.0, 1.0, 1.0],
+    ]
+    .concat();
+    assert_eq!(run(&CpuBackend), (want.clone(), false));
+    assert_eq!(run(gpu()), (want, true));
 }

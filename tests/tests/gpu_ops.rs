@@ -8,9 +8,9 @@
 
 use std::sync::OnceLock;
 
+use engine_core::backend::cpu::{self, attention::attend_page as cpu_attend};
 use engine_core::backend::gpu::ops::{self, GpuDeltaInputs, GpuKvPage, GpuPartials, MatmulKernel};
 use engine_core::backend::gpu::{Gpu, GpuMatrix, GpuOptions, GpuTensor, WeightFormat};
-use engine_core::backend::cpu::{self, attention::attend_page as cpu_attend};
 use engine_core::backend::{Act, AttnShape, DeltaInputs, DeltaShape};
 use engine_core::kv::{KvPage, Merger, Partials};
 use engine_core::tensor::{DType, Data, Matrix};
@@ -323,10 +323,7 @@ fn copy_cols_splits_interleaved_heads() {
     let qg = rng.vec(rows * 2 * hd);
     let src = g.upload_f32(&qg);
     for (col0, name) in [(0, "q"), (hd, "gate")] {
-        let want: Vec<f32> = qg
-            .chunks(2 * hd)
-            .flat_map(|r| r[col0..col0 + hd].to_vec())
-            .collect();
+        let want = cpu::copy_cols(&qg, 2 * hd, col0, hd);
         check(
             &format!("copy_cols {name}"),
             &down(&ops::copy_cols(g, &src, 2 * hd, col0, hd)),
@@ -336,17 +333,8 @@ fn copy_cols_splits_interleaved_heads() {
     }
 }
 
-/// torch's softplus, as the model computes it (deltanet.rs).
-fn softplus(x: f32) -> f32 {
-    if x > 20.0 {
-        x
-    } else {
-        x.exp().ln_1p()
-    }
-}
-
 #[test]
-fn delta_gates_match_the_model() {
+fn delta_gates_match_cpu() {
     let g = gpu();
     let mut rng = Rng(8);
     let (t, heads) = (7, 5);
@@ -354,17 +342,11 @@ fn delta_gates_match_the_model() {
     let b: Vec<f32> = rng.vec(t * heads).iter().map(|v| v * 6.0).collect();
     let neg_a: Vec<f32> = rng.vec(heads).iter().map(|v| -(v * 2.0).exp()).collect();
     let dt_bias = rng.vec(heads);
-    let want_g: Vec<f32> = a
-        .chunks(heads)
-        .flat_map(|row| {
-            (0..heads)
-                .map(|h| neg_a[h] * softplus(row[h] + dt_bias[h]))
-                .collect::<Vec<_>>()
-        })
-        .collect();
-    let want_beta: Vec<f32> = b.iter().map(|v| 1.0 / (1.0 + (-v).exp())).collect();
+    let params = [neg_a, dt_bias].concat();
+    let (mut want_g, mut want_beta) = (a.clone(), b.clone());
+    cpu::delta_gates(&mut want_g, &mut want_beta, &params);
     let (ag, bg) = (g.upload_f32(&a), g.upload_f32(&b));
-    ops::delta_gates(g, &ag, &bg, &g.upload_f32(&[neg_a, dt_bias].concat()));
+    ops::delta_gates(g, &ag, &bg, &g.upload_f32(&params));
     check("delta_gates g", &down(&ag), &want_g, TOL_F32);
     check("delta_gates beta", &down(&bg), &want_beta, TOL_F32);
 }
@@ -667,4 +649,22 @@ fn one_batch_of_many_dispatches_spans_uniform_chunks() {
     }
     let want: Vec<f32> = x.iter().map(|v| v + 300.0).collect();
     check("600 dispatches", &down(&a), &want, 0.0);
+}
+
+#[test]
+fn ranged_copies_and_reads_take_one_submission() {
+    // A device of its own: the submission counter is per device, and other tests share gpu().
+    let g = Gpu::with_options(&GpuOptions::default()).unwrap();
+    let x: Vec<f32> = (0..20).map(|i| i as f32).collect();
+    let src = g.upload_f32(&x);
+    let dst = g.alloc(12);
+    g.copy(&src, 3, &dst, 0, 5);
+    g.copy(&src, 10, &dst, 5, 7);
+    let before = g.submits();
+    let got = g
+        .download_ranges(&[(&dst, 0..12), (&src, 18..20), (&dst, 2..4)])
+        .unwrap();
+    assert_eq!(g.submits() - before, 1, "one submission for three pieces");
+    let want = [&x[3..8], &x[10..17], &x[18..20], &x[5..7]].concat();
+    assert_eq!(got, want);
 }

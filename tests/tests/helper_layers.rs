@@ -2,11 +2,11 @@
 //! partial model has the whole model's fingerprint, runs its layers to the same bits as the
 //! whole model, and refuses clearly to run anything else.
 
+use engine_core::backend::{cpu::host, Act};
 use engine_core::fingerprint::model_fingerprint;
 use engine_core::source::{load_identity, load_layers, load_model, SynthOptions};
 use engine_core::synth;
 use engine_core::tensor::DType;
-use engine_core::backend::{cpu::host, Act};
 use engine_core::CpuBackend;
 use tests::fixtures_dir;
 

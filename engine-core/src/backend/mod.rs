@@ -156,7 +156,7 @@ pub trait Backend: Send + Sync {
     }
 
     /// `x` on the host, consumed (the CPU hands its vector back without a copy).
-    fn into_host(&self, x: Act) -> Vec<f32> {
+    fn download_owned(&self, x: Act) -> Vec<f32> {
         self.download(&x)
     }
 

@@ -45,7 +45,9 @@ impl DeltaNet {
             in_proj_z: ld.matrix(&format!("{p}in_proj_z.weight"), vd, h)?,
             in_proj_b: ld.matrix(&format!("{p}in_proj_b.weight"), hv, h)?,
             in_proj_a: ld.matrix(&format!("{p}in_proj_a.weight"), hv, h)?,
-            conv: ld.vector(&format!("{p}conv1d.weight"), &[cd, 1, kern])?.into(),
+            conv: ld
+                .vector(&format!("{p}conv1d.weight"), &[cd, 1, kern])?
+                .into(),
             gates: neg_a.chain(dt_bias).collect::<Vec<f32>>().into(),
             norm: ld
                 .vector(&format!("{p}norm.weight"), &[c.linear_value_head_dim])?

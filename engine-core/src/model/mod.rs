@@ -466,7 +466,7 @@ impl Model {
         };
         let ends = self.ends()?;
         be.rms_norm(&mut rows, &ends.norm_final, c.rms_norm_eps);
-        Ok(be.into_host(be.matmul(&rows, &ends.lm_head)))
+        Ok(be.download_owned(be.matmul(&rows, &ends.lm_head)))
     }
 }
 

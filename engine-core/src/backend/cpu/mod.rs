@@ -225,7 +225,7 @@ impl Backend for CpuBackend {
         host(x).clone()
     }
 
-    fn into_host(&self, x: Act) -> Vec<f32> {
+    fn download_owned(&self, x: Act) -> Vec<f32> {
         match x {
             Act::Host(v) => v,
             #[cfg(feature = "gpu")]

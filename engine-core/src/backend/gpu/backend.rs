@@ -156,8 +156,10 @@ impl Backend for GpuBackend {
     }
 
     fn download_ranges(&self, parts: &[(&Act, Range<usize>)]) -> Vec<f32> {
-        let dev: Vec<(GpuTensor, Range<usize>)> =
-            parts.iter().map(|(a, r)| (self.dev(a), r.clone())).collect();
+        let dev: Vec<(GpuTensor, Range<usize>)> = parts
+            .iter()
+            .map(|(a, r)| (self.dev(a), r.clone()))
+            .collect();
         let refs: Vec<(&GpuTensor, Range<usize>)> =
             dev.iter().map(|(t, r)| (t, r.clone())).collect();
         self.gpu

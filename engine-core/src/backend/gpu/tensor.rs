@@ -158,7 +158,9 @@ impl Gpu {
     }
 
     pub fn download_u32(&self, t: &GpuTensor) -> Result<Vec<u32>, GpuError> {
-        Ok(bytemuck::pod_collect_to_vec(&self.read_back(&[(t, 0..t.len())])?))
+        Ok(bytemuck::pod_collect_to_vec(
+            &self.read_back(&[(t, 0..t.len())])?,
+        ))
     }
 
     /// Element ranges of f32 tensors, concatenated, in one submission.
