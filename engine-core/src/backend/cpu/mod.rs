@@ -47,8 +47,8 @@ fn sum_squares(x: &[f32]) -> f32 {
     x.iter().map(|v| v * v).sum()
 }
 
-/// The host vector of `a`. A device value here means a state made on another backend.
-pub fn host(a: &Act) -> &Vec<f32> {
+/// The host values of `a`. A device value here means a state made on another backend.
+pub fn host(a: &Act) -> &[f32] {
     match a {
         Act::Host(v) => v,
         #[cfg(feature = "gpu")]
@@ -222,7 +222,7 @@ impl Backend for CpuBackend {
     }
 
     fn download(&self, x: &Act) -> Vec<f32> {
-        host(x).clone()
+        host(x).to_vec()
     }
 
     fn download_owned(&self, x: Act) -> Vec<f32> {
@@ -234,7 +234,7 @@ impl Backend for CpuBackend {
     }
 
     fn duplicate(&self, x: &Act) -> Act {
-        Act::Host(host(x).clone())
+        Act::Host(host(x).to_vec())
     }
 
     fn alloc(&self, capacity: usize) -> Act {
