@@ -300,13 +300,23 @@ fn a_helper_changes_no_token_and_keeps_the_conversation_too() {
         assert_eq!((x.1, x.2, x.3), (y.1, y.2, y.3));
     }
     assert!(a[1].2 >= a[0].1, "{a:?}");
+    // Edit the second turn: the state rewinds to the end of the first prompt, which by now
+    // lies in a KV page on the helper, so that page comes back; still the same answer.
+    let edited = json!([{"role": "system", "content": "Be brief."},
+                        {"role": "user", "content": first},
+                        {"role": "assistant", "content": a[0].0},
+                        {"role": "user", "content": "Something else entirely."}]);
+    let (x, y) = (chat(&with, &edited, false), chat(&alone, &edited, false));
+    assert_eq!(x, y);
+    assert_eq!(x.1["prompt_tokens_details"]["cached_tokens"], a[0].1);
     eprintln!(
         "with a helper, turn 2: prompt {} tokens, reused {}, prefilled {}",
         a[1].1, a[1].2, a[1].3
     );
     let (_, metrics) = with.get("/metrics");
     assert!(
-        metrics.contains("tether_link_bytes_total{direction=\"sent\",type=\"PrefillChunk\"}"),
+        metrics.contains("tether_link_bytes_total{direction=\"sent\",type=\"PrefillChunk\"}")
+            && metrics.contains("tether_link_messages_total{direction=\"sent\",type=\"KvFetch\"}"),
         "{metrics}"
     );
     assert!(with.metric("tether_kv_pages{device=\"helper\"}") > 0.0);

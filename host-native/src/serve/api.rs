@@ -164,6 +164,9 @@ const IGNORED: &[&str] = &[
 /// Most stop strings, as OpenAI allows.
 const MAX_STOP: usize = 4;
 
+/// Longest stop string: every token's text is scanned for each one's prefixes.
+const MAX_STOP_BYTES: usize = 1024;
+
 /// A request's generation settings once checked.
 #[derive(Clone, Debug)]
 pub struct Settings {
@@ -284,10 +287,16 @@ impl Common {
             Some(Stop::One(s)) => vec![s.clone()],
             Some(Stop::Many(v)) => v.clone(),
         };
-        if stop.len() > MAX_STOP || stop.iter().any(String::is_empty) {
+        if stop.len() > MAX_STOP
+            || stop
+                .iter()
+                .any(|s| s.is_empty() || s.len() > MAX_STOP_BYTES)
+        {
             return Err(ApiError::param(
                 "stop",
-                format!("stop takes at most {MAX_STOP} non-empty strings"),
+                format!(
+                    "stop takes at most {MAX_STOP} non-empty strings of at most {MAX_STOP_BYTES} bytes"
+                ),
             ));
         }
         let sampling = SamplingParams {
@@ -478,6 +487,7 @@ mod tests {
         assert!(common(json!({"top_k": -1})).is_err());
         assert!(common(json!({"stop": ["a", "b", "c", "d", "e"]})).is_err());
         assert!(common(json!({"stop": ""})).is_err());
+        assert!(common(json!({"stop": "x".repeat(2000)})).is_err());
         assert_eq!(common(json!({"stop": "x"})).unwrap().stop, vec!["x"]);
         assert_eq!(common(json!({"seed": -1})).unwrap().sampling.seed, u64::MAX);
     }

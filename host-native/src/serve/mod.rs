@@ -32,6 +32,13 @@ use queue::Queue;
 use routes::App;
 
 #[derive(clap::Args)]
+#[command(after_help = "\
+Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health,
+GET /metrics (Prometheus). Try:
+  tether serve --model tiny --port 8080 &
+  curl -s localhost:8080/v1/chat/completions -H 'content-type: application/json' \\
+    -d '{\"model\": \"tiny\", \"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}], \"max_tokens\": 16}'
+docs/SERVE.md describes queueing, conversation reuse, errors and metrics.")]
 pub struct Args {
     /// A Qwen3.5 checkpoint directory, or a preset (tiny, qwen35-0.8b).
     #[arg(long)]

@@ -2,7 +2,7 @@
 //! for the slow parts (loading weights, long prefills). Log lines are written with the bars
 //! suspended, so neither tears the other; bars hide themselves when stderr is not a terminal.
 
-use std::io::Write;
+use std::io::{IsTerminal, Write};
 use std::sync::OnceLock;
 use std::time::Duration;
 
@@ -47,6 +47,7 @@ pub fn init_logging(level: &str) -> Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(Stderr)
+        .with_ansi(std::io::stderr().is_terminal())
         .with_target(false)
         .try_init()
         .map_err(|e| anyhow::anyhow!("setting up logging: {e}"))
