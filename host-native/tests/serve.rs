@@ -243,6 +243,17 @@ fn chat_on_a_synthetic_model_reuses_the_conversation() {
     assert!(reused >= turns[0].1, "{turns:?}");
     assert_eq!(prefilled, prompt - reused);
     assert_eq!(s.metric("tether_prompt_tokens_reused_total"), reused as f64);
+    // Another follow-up to the first message, without the reply: the checkpoint where the
+    // first turn's generation prompt began still holds the shared history.
+    let (_, usage) = chat(
+        &s,
+        &json!([{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Tell me a story about a lighthouse."},
+                {"role": "user", "content": "A happy one."}]),
+        false,
+    );
+    let history = chatml.len() - "<|im_start|>assistant\n".len();
+    assert_eq!(usage["prompt_tokens_details"]["cached_tokens"], history);
 }
 
 /// A helper in this process, over a real WebSocket on loopback, for any number of hosts in

@@ -4,8 +4,10 @@
 //!
 //! KV rows can be cut at any position, but the DeltaNet state is one fixed-size summary that
 //! every token rewrites: it cannot be rewound by position, only restored from a copy taken at
-//! that position. So a copy ([`Checkpoint`]) is taken at the end of every prompt's prefill,
-//! and the state as it stands at the end of a generation serves as one more (it is simply not
+//! that position. So a copy ([`Checkpoint`]) is taken at the end of every prompt's prefill
+//! and, for a chat, where its history ends and the new turn begins (the next turn renders the
+//! same history, but the end of this prompt may tokenise differently once the reply follows
+//! it); the state as it stands at the end of a generation serves as one more (it is simply not
 //! rewound). A new prompt restarts from the latest of these that it shares a prefix with;
 //! `State::rewind` also cuts the helper's pages and mirror, so host and helper alike keep the
 //! shared prefix.
@@ -85,8 +87,8 @@ impl Conversation {
         self.tokens.extend_from_slice(tokens);
     }
 
-    /// Keep a copy of the state where it stands, the end of a prompt whose last position
-    /// gave `logits`.
+    /// Keep a copy of the state where it stands (a prompt's end, or its turn's start) with the
+    /// logits its last position gave.
     pub fn checkpoint(&mut self, state: &State, logits: &[f32]) {
         if self.keep == 0 || self.saved.last().is_some_and(|s| s.cp.pos == state.pos) {
             return;

@@ -117,23 +117,32 @@ impl Engine {
         let new = &job.prompt[restored.reused..];
         let mut logits = restored.logits.unwrap_or_default();
         let bar = terminal::prefill_bar(new.len(), self.segment);
-        for seg in new.chunks(self.segment) {
-            if let Some(o) = interrupted(job) {
-                terminal::done(&bar);
-                return Ok(o);
+        // Checkpoints at the turn's start (when it is still ahead) and at the prompt's end.
+        let mut pos = restored.reused;
+        let ends = job
+            .turn_start
+            .filter(|&t| t > pos && t < job.prompt.len())
+            .into_iter()
+            .chain((pos < job.prompt.len()).then_some(job.prompt.len()));
+        for end in ends {
+            for seg in job.prompt[pos..end].chunks(self.segment) {
+                if let Some(o) = interrupted(job) {
+                    terminal::done(&bar);
+                    return Ok(o);
+                }
+                let (l, report) =
+                    split::prefill(&self.model, &be, &mut self.state, seg, &self.plan)?;
+                self.conversation.consumed(seg);
+                if let Some(why) = &report.fallback {
+                    warn!("the helper failed during prefill ({why}); the host redid its share");
+                }
+                logits = l;
+                bar.inc(seg.len() as u64);
             }
-            let (l, report) = split::prefill(&self.model, &be, &mut self.state, seg, &self.plan)?;
-            self.conversation.consumed(seg);
-            if let Some(why) = &report.fallback {
-                warn!("the helper failed during prefill ({why}); the host redid its share");
-            }
-            logits = l;
-            bar.inc(seg.len() as u64);
-        }
-        terminal::done(&bar);
-        if !new.is_empty() {
+            pos = end;
             self.conversation.checkpoint(&self.state, &logits);
         }
+        terminal::done(&bar);
         let prefill_s = t0.elapsed().as_secs_f64();
         self.metrics.prefill(job.prompt.len(), new.len(), prefill_s);
 

@@ -65,8 +65,8 @@ pub struct Args {
     /// max_position_embeddings).
     #[arg(long)]
     ctx_size: Option<usize>,
-    /// State checkpoints kept for conversation reuse (the ends of the latest prompts); each
-    /// is a copy of every DeltaNet layer's state.
+    /// State checkpoints kept for conversation reuse (the end of each of the latest prompts,
+    /// and for chats where the new turn starts); each is a copy of every DeltaNet layer's state.
     #[arg(long, default_value_t = 4)]
     checkpoints: usize,
     /// KV cache page size in positions.

@@ -17,6 +17,10 @@ use super::metrics::Metrics;
 pub struct Job {
     pub id: u64,
     pub prompt: Vec<u32>,
+    /// Where a chat prompt's history ends and the new turn's generation prompt begins
+    /// (`<|im_start|>assistant`...): a checkpoint there survives the next turn, whose prompt
+    /// renders the same history but may tokenise the end of this one differently.
+    pub turn_start: Option<usize>,
     /// Already capped by the context.
     pub max_tokens: usize,
     pub sampling: SamplingParams,

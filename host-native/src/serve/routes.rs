@@ -95,13 +95,24 @@ async fn chat(State(app): State<Arc<App>>, body: Result<Bytes, BytesRejection>) 
         let settings = req.common.validate()?;
         let messages = req.chat_messages()?;
         let tok = app.tokenizer.clone();
-        let prompt = blocking(move || {
-            let text = tok.apply_chat_template(&messages, true)?;
-            tok.encode(&text)
+        let (prompt, turn_start) = blocking(move || {
+            let prompt = tok.encode(&tok.apply_chat_template(&messages, true)?)?;
+            // The history alone, to find where the new turn starts (a template that cannot
+            // render it just gets no checkpoint there).
+            let history = tok
+                .apply_chat_template(&messages, false)
+                .and_then(|t| tok.encode(&t))
+                .unwrap_or_default();
+            let turn_start = prompt
+                .iter()
+                .zip(&history)
+                .take_while(|(a, b)| a == b)
+                .count();
+            Ok((prompt, turn_start))
         })
         .await
         .map_err(|e| e.with_param("messages"))?;
-        app.submit(true, prompt, settings).await
+        app.submit(true, prompt, Some(turn_start), settings).await
     };
     run.await.unwrap_or_else(IntoResponse::into_response)
 }
@@ -120,7 +131,7 @@ async fn completions(State(app): State<Arc<App>>, body: Result<Bytes, BytesRejec
                     .map_err(|e| e.with_param("prompt"))?
             }
         };
-        app.submit(false, prompt, settings).await
+        app.submit(false, prompt, None, settings).await
     };
     run.await.unwrap_or_else(IntoResponse::into_response)
 }
@@ -155,6 +166,7 @@ impl App {
         &self,
         chat: bool,
         prompt: Vec<u32>,
+        turn_start: Option<usize>,
         s: Settings,
     ) -> Result<Response, ApiError> {
         let param = if chat { "messages" } else { "prompt" };
@@ -199,6 +211,7 @@ impl App {
         let job = Job {
             id,
             prompt,
+            turn_start,
             max_tokens,
             sampling: s.sampling,
             stop: s.stop,
