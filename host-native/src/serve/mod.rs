@@ -120,16 +120,16 @@ pub fn run(a: Args) -> Result<()> {
             config.max_position_embeddings
         );
     }
-    let plan = a
-        .helper
-        .session_plan(&l.model, a.page_size, ctx, ctx.min(2048))?;
-    eprint!(
-        "plan for a {ctx}-token context (a 2048-token prompt):\n{}",
-        plan.text
-    );
-
     let mut state = l.model.new_state(a.page_size);
     let link = a.helper.attach(&l.model, &mut state, a.page_size)?;
+    let prompt = ctx.min(2048);
+    let plan = a
+        .helper
+        .plan_for(&l.model, &state, a.page_size, ctx, prompt);
+    eprint!(
+        "plan for a {ctx}-token context and a {prompt}-token prompt:\n{}",
+        plan.text
+    );
     let split = a.helper.plan(a.ubatch);
     // Segments of whole ubatches (pairs stay pairs past interleave_from); with a helper long
     // enough that only one ubatch in 32 misses the pipeline (the last runs on the host).
