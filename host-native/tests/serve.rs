@@ -536,6 +536,9 @@ fn bad_input_gets_openai_errors_and_the_server_goes_on() {
     let (status, body) = s.get("/no/such/path");
     assert_eq!(status, 404);
     assert!(body.contains("\"error\""));
+    let (status, body) = s.get("/v1/chat/completions");
+    assert_eq!(status, 405);
+    assert!(body.contains("\"error\""));
     // Still serving, and healthy.
     let (status, v) = s.post("/v1/completions", &ok);
     assert_eq!(status, 200, "{v}");

@@ -127,7 +127,6 @@ impl Engine {
         for end in ends {
             for seg in job.prompt[pos..end].chunks(self.segment) {
                 if let Some(o) = interrupted(job) {
-                    terminal::done(&bar);
                     return Ok(o);
                 }
                 let (l, report) =
@@ -137,12 +136,12 @@ impl Engine {
                     warn!("the helper failed during prefill ({why}); the host redid its share");
                 }
                 logits = l;
-                bar.inc(seg.len() as u64);
+                bar.inc(seg.len());
             }
             pos = end;
             self.conversation.checkpoint(&self.state, &logits);
         }
-        terminal::done(&bar);
+        drop(bar);
         let prefill_s = t0.elapsed().as_secs_f64();
         self.metrics.prefill(job.prompt.len(), new.len(), prefill_s);
 

@@ -144,9 +144,7 @@ pub fn run(a: Args) -> Result<()> {
     let queue = Arc::new(Queue::new(a.queue));
     let app = Arc::new(App {
         name: a.name.clone().unwrap_or_else(|| model_id(&a.model)),
-        created: std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs()),
+        created: routes::unix_now(),
         tokenizer: l.tokenizer.clone(),
         vocab: config.vocab_size,
         ctx,

@@ -54,6 +54,13 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .fallback(|| async { ApiError::not_found("no such endpoint").with_code("unknown_url") })
+        .method_not_allowed_fallback(|| async {
+            ApiError::new(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "invalid_request_error",
+                "this endpoint does not take that method",
+            )
+        })
         .layer(middleware::from_fn_with_state(app.clone(), count))
         .layer(DefaultBodyLimit::max(MAX_BODY))
         .with_state(app)
@@ -74,7 +81,7 @@ async fn count(State(app): State<Arc<App>>, req: Request, next: Next) -> Respons
     r
 }
 
-fn unix_now() -> u64 {
+pub fn unix_now() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_secs())

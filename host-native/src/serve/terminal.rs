@@ -69,10 +69,11 @@ pub fn spinner<T>(message: String, f: impl FnOnce() -> T) -> T {
 }
 
 /// A bar over a prefill of `tokens` new tokens, shown only when it takes more than one
-/// segment (shorter ones are over before a bar would help).
-pub fn prefill_bar(tokens: usize, segment: usize) -> ProgressBar {
+/// segment (shorter ones are over before a bar would help). It leaves the screen when dropped,
+/// however the prefill ends.
+pub fn prefill_bar(tokens: usize, segment: usize) -> Bar {
     if tokens <= segment {
-        return ProgressBar::hidden();
+        return Bar(ProgressBar::hidden());
     }
     let bar = bars().add(ProgressBar::new(tokens as u64));
     bar.set_style(
@@ -80,11 +81,20 @@ pub fn prefill_bar(tokens: usize, segment: usize) -> ProgressBar {
             .expect("a valid template")
             .progress_chars("=> "),
     );
-    bar
+    Bar(bar)
 }
 
-/// Take a finished bar off the screen.
-pub fn done(bar: &ProgressBar) {
-    bar.finish_and_clear();
-    bars().remove(bar);
+pub struct Bar(ProgressBar);
+
+impl Bar {
+    pub fn inc(&self, n: usize) {
+        self.0.inc(n as u64);
+    }
+}
+
+impl Drop for Bar {
+    fn drop(&mut self) {
+        self.0.finish_and_clear();
+        bars().remove(&self.0);
+    }
 }
