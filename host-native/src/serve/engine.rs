@@ -11,7 +11,7 @@ use engine_core::generate::Sampler;
 use engine_core::model::LayerState;
 use engine_core::split::{self, SplitPlan};
 use engine_core::tokenizer::{StreamDecoder, Tokenizer};
-use engine_core::{CpuBackend, Logits, Model, Result, State};
+use engine_core::{Backend, Logits, Model, Result, State};
 use tracing::{debug, info, warn};
 
 use super::api::ApiError;
@@ -22,6 +22,7 @@ use super::terminal;
 
 pub struct Engine {
     pub model: Model,
+    pub backend: Box<dyn Backend>,
     pub tokenizer: Tokenizer,
     pub state: State,
     pub page_size: usize,
@@ -111,7 +112,7 @@ impl Engine {
         if let Some(o) = interrupted(job) {
             return Ok(o);
         }
-        let be = CpuBackend;
+        let be = &*self.backend;
         let t0 = Instant::now();
         let restored = self.conversation.restore(&mut self.state, &job.prompt)?;
         let new = &job.prompt[restored.reused..];
@@ -130,7 +131,7 @@ impl Engine {
                     return Ok(o);
                 }
                 let (l, report) =
-                    split::prefill(&self.model, &be, &mut self.state, seg, &self.plan)?;
+                    split::prefill(&self.model, be, &mut self.state, seg, &self.plan)?;
                 self.conversation.consumed(seg);
                 if let Some(why) = &report.fallback {
                     warn!("the helper failed during prefill ({why}); the host redid its share");
@@ -177,7 +178,7 @@ impl Engine {
             if n < job.max_tokens {
                 logits = self
                     .model
-                    .forward(&be, &mut self.state, &[tok], Logits::Last, None)?;
+                    .forward(be, &mut self.state, &[tok], Logits::Last, None)?;
                 self.conversation.consumed(&[tok]);
             }
         }

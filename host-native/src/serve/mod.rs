@@ -24,7 +24,7 @@ use anyhow::{bail, Context, Result};
 use tracing::info;
 
 use crate::helper::HelperArgs;
-use crate::load::{self, SynthOptions};
+use crate::load::{self, BackendOptions, SynthOptions};
 use conversation::Conversation;
 use engine::Engine;
 use metrics::Metrics;
@@ -87,6 +87,8 @@ pub struct Args {
     #[command(flatten)]
     synth: SynthOptions,
     #[command(flatten)]
+    backend: BackendOptions,
+    #[command(flatten)]
     helper: HelperArgs,
 }
 
@@ -120,6 +122,8 @@ pub fn run(a: Args) -> Result<()> {
             config.max_position_embeddings
         );
     }
+    let (backend, what) = a.backend.make()?;
+    info!("backend: {what}");
     let mut state = l.model.new_state(a.page_size);
     let link = a.helper.attach(&l.model, &mut state, a.page_size)?;
     let prompt = ctx.min(2048);
@@ -155,6 +159,7 @@ pub fn run(a: Args) -> Result<()> {
         next_id: AtomicU64::new(0),
     });
     let engine = Engine {
+        backend,
         conversation: Conversation::new(&state, a.checkpoints),
         tokenizer: l.tokenizer,
         model: l.model,
