@@ -3,13 +3,13 @@
 //! queue, cancellation, bad input, and conversation reuse (with and without a helper).
 
 use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::sync::{mpsc, Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use engine_core::tokenizer::{StreamDecoder, Tokenizer};
 use serde_json::{json, Value};
-use tests::{fixtures_dir, Reference};
+use tests::{fixtures_dir, spawn_announcing, Reference};
 
 struct Server {
     child: Child,
@@ -19,20 +19,13 @@ struct Server {
 
 impl Server {
     fn start(model: &str, extra: &[&str]) -> Server {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_tether"))
-            .args(["serve", "--model", model, "--port", "0", "--threads", "1"])
-            .args(["--log", "warn"])
-            .args(extra)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
+        let (child, line) = spawn_announcing(
+            Command::new(env!("CARGO_BIN_EXE_tether"))
+                .args(["serve", "--model", model, "--port", "0", "--threads", "1"])
+                .args(["--log", "warn"])
+                .args(extra),
+        );
         let base = line
-            .trim()
             .strip_prefix("listening on ")
             .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
             .to_string();
