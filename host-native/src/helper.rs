@@ -89,6 +89,19 @@ impl HelperArgs {
     ) -> Result<Plan> {
         let mut state = model.new_state(page_size);
         self.attach(model, &mut state, page_size)?;
+        Ok(self.plan_for(model, &state, page_size, context, prompt))
+    }
+
+    /// The session plan for `state`, already attached to the helper if one is named (a
+    /// server plans for the link it keeps instead of opening another).
+    pub fn plan_for(
+        &self,
+        model: &Model,
+        state: &State,
+        page_size: usize,
+        context: usize,
+        prompt: usize,
+    ) -> Plan {
         let n = model.config.num_hidden_layers;
         let input = PlanInput {
             context,
@@ -107,7 +120,7 @@ impl HelperArgs {
                 .filter(|l| l.bandwidth_bps.is_finite())
                 .map(|l| (l.bandwidth_bps, l.latency.as_secs_f64())),
         };
-        Ok(Plan::new(&model.config, &input))
+        Plan::new(&model.config, &input)
     }
 
     pub fn host_kv_tokens(&self) -> Option<usize> {

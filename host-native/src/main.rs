@@ -6,6 +6,7 @@ mod eval;
 mod helper;
 mod load;
 mod run;
+mod serve;
 
 use clap::{Parser, Subcommand};
 
@@ -26,6 +27,9 @@ enum Command {
     Demo(demo::Args),
     /// Generate text from a prompt, streamed to stdout.
     Run(run::Args),
+    /// Serve the model over an OpenAI-compatible HTTP API (chat and text completions,
+    /// streamed or whole), to many clients through one queue.
+    Serve(serve::Args),
     /// Write reference-format logits and greedy ids for a list of token ids.
     Eval(eval::Args),
     /// Print the token ids of a text as a JSON array.
@@ -84,6 +88,7 @@ fn main() {
     let result = match cli.command {
         Command::Demo(a) => demo::run(a),
         Command::Run(a) => run::run(a),
+        Command::Serve(a) => serve::run(a),
         Command::Eval(a) => eval::run(a),
         Command::Tokenize(a) => tokenize(a),
         Command::Bench(a) => bench::run(a),

@@ -1,14 +1,13 @@
 //! `tether-helper` as a separate process over WebSocket on loopback: the same tokens and
 //! bit-identical logits as the host alone, and a clear error when the process dies.
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 
 use engine_core::link::ws;
 use engine_core::protocol::Configure;
 use engine_core::remote::{HelperClient, DEFAULT_MAX_FRAME};
 use engine_core::{CpuBackend, Logits, Model, State};
-use tests::{fixtures_dir, Reference};
+use tests::{fixtures_dir, spawn_announcing, Reference};
 
 struct HelperProcess {
     child: Child,
@@ -17,23 +16,15 @@ struct HelperProcess {
 
 impl HelperProcess {
     fn start(model: &str) -> HelperProcess {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_tether-helper"))
-            .args([
+        let (child, line) =
+            spawn_announcing(Command::new(env!("CARGO_BIN_EXE_tether-helper")).args([
                 "--listen",
                 "127.0.0.1:0",
                 "--model",
                 model,
                 "--threads",
                 "1",
-            ])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
+            ]));
         let url = line
             .split_whitespace()
             .last()

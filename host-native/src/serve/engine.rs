@@ -1,0 +1,325 @@
+//! The engine worker: one thread that owns the model and the one sequence state (neither is
+//! async, and the model has one sequence to give), takes jobs from the queue in order, and
+//! streams each one's text back as events. Between tokens, and between prefill segments, it
+//! checks whether the client is still there and the time limit still holds.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Instant;
+
+use engine_core::generate::Sampler;
+use engine_core::model::LayerState;
+use engine_core::split::{self, SplitPlan};
+use engine_core::tokenizer::{StreamDecoder, Tokenizer};
+use engine_core::{Backend, Logits, Model, Result, State};
+use tracing::{debug, info, warn};
+
+use super::api::ApiError;
+use super::conversation::Conversation;
+use super::metrics::{KvPlacement, Metrics};
+use super::queue::{Event, Finish, FinishReason, Job, Queue};
+use super::terminal;
+
+pub struct Engine {
+    pub model: Model,
+    pub backend: Box<dyn Backend>,
+    pub tokenizer: Tokenizer,
+    pub state: State,
+    pub page_size: usize,
+    pub plan: SplitPlan,
+    /// Prompt tokens per `split::prefill` call: the unit of the progress bar and of the
+    /// cancellation checks during a long prefill.
+    pub segment: usize,
+    /// Token ids that end a generation (the model's EOS and the chat end-of-turn markers).
+    pub stop_ids: Vec<u32>,
+    pub conversation: Conversation,
+    pub metrics: Arc<Metrics>,
+    pub timeout_s: u64,
+}
+
+/// How a job ended, short of an engine error.
+enum Outcome {
+    Finished(Finish),
+    /// The client went away.
+    Cancelled,
+    TimedOut,
+}
+
+fn interrupted(job: &Job) -> Option<Outcome> {
+    if job.cancel.load(Ordering::Relaxed) || job.events.is_closed() {
+        Some(Outcome::Cancelled)
+    } else if Instant::now() >= job.deadline {
+        Some(Outcome::TimedOut)
+    } else {
+        None
+    }
+}
+
+impl Engine {
+    /// Serve jobs until the queue closes.
+    pub fn run(mut self, queue: &Queue) {
+        while let Some(job) = queue.pop() {
+            let t = Instant::now();
+            self.metrics.set_active(true);
+            self.serve(job);
+            self.metrics.set_active(false);
+            self.metrics
+                .job_done(t.elapsed().as_secs_f64(), self.kv_placement());
+        }
+        debug!("engine stopped");
+    }
+
+    fn serve(&mut self, job: Job) {
+        let event = match self.generate(&job) {
+            Ok(Outcome::Finished(f)) => Event::Done(f),
+            Ok(Outcome::Cancelled) => {
+                self.metrics.cancelled();
+                info!(
+                    request = job.id,
+                    "client disconnected; generation cancelled"
+                );
+                return;
+            }
+            Ok(Outcome::TimedOut) => {
+                self.metrics.timed_out();
+                warn!(
+                    request = job.id,
+                    "time limit of {} s reached", self.timeout_s
+                );
+                Event::Failed(ApiError::timeout(self.timeout_s))
+            }
+            Err(e) => {
+                tracing::error!(request = job.id, "generation failed: {e}");
+                self.recover();
+                Event::Failed(ApiError::server(format!("generation failed: {e}")))
+            }
+        };
+        // A client that left in the meantime no longer listens; nothing to do about it.
+        let _ = job.events.send(event);
+    }
+
+    /// After an error the state may be half-updated: start again from position 0, on the
+    /// host alone if the helper is what failed.
+    fn recover(&mut self) {
+        let be = &*self.backend;
+        if let Err(e) = self.state.rewind(be, self.conversation.origin()) {
+            warn!("the helper is gone ({e}); continuing on the host alone");
+            self.state = self.model.new_state(self.page_size);
+        }
+        self.conversation.reset(be, &self.state);
+    }
+
+    fn generate(&mut self, job: &Job) -> Result<Outcome> {
+        if let Some(o) = interrupted(job) {
+            return Ok(o);
+        }
+        let be = &*self.backend;
+        let t0 = Instant::now();
+        let restored = self
+            .conversation
+            .restore(be, &mut self.state, &job.prompt)?;
+        let new = &job.prompt[restored.reused..];
+        let mut logits = restored.logits.unwrap_or_default();
+        let bar = terminal::prefill_bar(new.len(), self.segment);
+        // Checkpoints at the turn's start (when it is still ahead) and at the prompt's end.
+        let mut pos = restored.reused;
+        let ends = job
+            .turn_start
+            .filter(|&t| t > pos && t < job.prompt.len())
+            .into_iter()
+            .chain((pos < job.prompt.len()).then_some(job.prompt.len()));
+        for end in ends {
+            for seg in job.prompt[pos..end].chunks(self.segment) {
+                if let Some(o) = interrupted(job) {
+                    return Ok(o);
+                }
+                let (l, report) =
+                    split::prefill(&self.model, be, &mut self.state, seg, &self.plan)?;
+                self.conversation.consumed(seg);
+                if let Some(why) = &report.fallback {
+                    warn!("the helper failed during prefill ({why}); the host redid its share");
+                }
+                logits = l;
+                bar.inc(seg.len());
+            }
+            pos = end;
+            self.conversation.checkpoint(be, &self.state, &logits);
+        }
+        drop(bar);
+        let prefill_s = t0.elapsed().as_secs_f64();
+        self.metrics.prefill(job.prompt.len(), new.len(), prefill_s);
+
+        let t1 = Instant::now();
+        let mut sampler = Sampler::new(job.sampling.clone())?;
+        let mut decoder = StreamDecoder::new(&self.tokenizer);
+        let mut scan = StopScan::new(&job.stop);
+        let mut n = 0;
+        let mut reason = FinishReason::Length;
+        let mut stopped_by_string = false;
+        while n < job.max_tokens {
+            if let Some(o) = interrupted(job) {
+                self.metrics.decode(n, t1.elapsed().as_secs_f64());
+                return Ok(o);
+            }
+            let tok = sampler.sample(&logits);
+            if self.stop_ids.contains(&tok) {
+                reason = FinishReason::Stop;
+                break;
+            }
+            n += 1;
+            let (text, stopped) = scan.push(&decoder.push(tok)?);
+            if !text.is_empty() && job.events.send(Event::Text(text)).is_err() {
+                self.metrics.decode(n, t1.elapsed().as_secs_f64());
+                return Ok(Outcome::Cancelled);
+            }
+            if stopped {
+                reason = FinishReason::Stop;
+                stopped_by_string = true;
+                break;
+            }
+            // The last token is never fed: its forward pass would serve no one.
+            if n < job.max_tokens {
+                logits = self
+                    .model
+                    .forward(be, &mut self.state, &[tok], Logits::Last, None)?;
+                self.conversation.consumed(&[tok]);
+            }
+        }
+        if !stopped_by_string {
+            let (mut text, stopped) = scan.push(&decoder.finish()?);
+            if stopped {
+                reason = FinishReason::Stop;
+            } else {
+                text.push_str(&scan.finish());
+            }
+            if !text.is_empty() {
+                let _ = job.events.send(Event::Text(text));
+            }
+        }
+        let decode_s = t1.elapsed().as_secs_f64();
+        self.metrics.decode(n, decode_s);
+        info!(
+            request = job.id,
+            prompt = job.prompt.len(),
+            reused = restored.reused,
+            generated = n,
+            finish = reason.as_str(),
+            "prefill {:.1} tok/s, decode {:.1} tok/s",
+            new.len() as f64 / prefill_s.max(1e-9),
+            n as f64 / decode_s.max(1e-9)
+        );
+        Ok(Outcome::Finished(Finish {
+            reason,
+            prompt_tokens: job.prompt.len(),
+            completion_tokens: n,
+            cached_tokens: restored.reused,
+        }))
+    }
+
+    fn kv_placement(&self) -> KvPlacement {
+        let mut p = KvPlacement::default();
+        for l in &self.state.layers {
+            if let LayerState::Attention(kv) = l {
+                p.host_pages += kv.pages().len();
+                p.helper_pages += kv.remote_len() / kv.page_size();
+                p.host_positions = kv.local_len();
+                p.helper_positions = kv.remote_len();
+            }
+        }
+        p
+    }
+}
+
+/// Finds stop strings in streamed text. Text that could still be the start of one is held
+/// back, so a client never sees a stop string or a piece of one.
+pub struct StopScan {
+    stops: Vec<String>,
+    /// Text not yet released.
+    pending: String,
+}
+
+impl StopScan {
+    pub fn new(stops: &[String]) -> StopScan {
+        StopScan {
+            stops: stops.to_vec(),
+            pending: String::new(),
+        }
+    }
+
+    /// Add `piece`; returns the text now safe to release and whether a stop string was found
+    /// (the text before it is released, the rest dropped).
+    pub fn push(&mut self, piece: &str) -> (String, bool) {
+        self.pending.push_str(piece);
+        if let Some(at) = self
+            .stops
+            .iter()
+            .filter_map(|s| self.pending.find(s.as_str()))
+            .min()
+        {
+            let text = self.pending[..at].to_string();
+            self.pending.clear();
+            return (text, true);
+        }
+        // The longest tail of the pending text that begins some stop string.
+        let hold = self
+            .stops
+            .iter()
+            .flat_map(|s| s.char_indices().skip(1).map(|(i, _)| &s[..i]))
+            .filter(|prefix| self.pending.ends_with(prefix))
+            .map(str::len)
+            .max()
+            .unwrap_or(0);
+        let keep = self.pending.split_off(self.pending.len() - hold);
+        (std::mem::replace(&mut self.pending, keep), false)
+    }
+
+    /// The held-back text, at the end of the generation.
+    pub fn finish(&mut self) -> String {
+        std::mem::take(&mut self.pending)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::StopScan;
+
+    fn scan(stops: &[&str], pieces: &[&str]) -> (String, bool) {
+        let stops: Vec<String> = stops.iter().map(|s| s.to_string()).collect();
+        let mut s = StopScan::new(&stops);
+        let mut out = String::new();
+        for p in pieces {
+            let (t, stopped) = s.push(p);
+            out.push_str(&t);
+            if stopped {
+                return (out, true);
+            }
+        }
+        out.push_str(&s.finish());
+        (out, false)
+    }
+
+    #[test]
+    fn stop_strings_split_across_pieces() {
+        assert_eq!(
+            scan(&["END"], &["hello E", "N", "D more"]),
+            ("hello ".into(), true)
+        );
+        assert_eq!(
+            scan(&["END"], &["hello E", "N"]),
+            ("hello EN".into(), false)
+        );
+        assert_eq!(scan(&[], &["a", "b"]), ("ab".into(), false));
+        // The earliest of several.
+        assert_eq!(scan(&["c", "ab"], &["xabc"]), ("x".into(), true));
+        // Multi-byte stop strings are held back on character boundaries.
+        assert_eq!(scan(&["éé"], &["aé", "é"]), ("a".into(), true));
+    }
+
+    #[test]
+    fn held_text_is_released_as_soon_as_it_cannot_match() {
+        let stops = vec!["STOP".to_string()];
+        let mut s = StopScan::new(&stops);
+        assert_eq!(s.push("abST"), ("ab".into(), false));
+        assert_eq!(s.push("x"), ("STx".into(), false));
+    }
+}

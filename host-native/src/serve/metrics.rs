@@ -1,0 +1,254 @@
+//! Counters the engine and the handlers keep, rendered as Prometheus text for `GET /metrics`.
+
+use std::collections::BTreeMap;
+use std::fmt::Write;
+use std::sync::{Mutex, MutexGuard, PoisonError};
+
+use engine_core::link::LinkStats;
+
+#[derive(Default)]
+pub struct Metrics {
+    inner: Mutex<Counters>,
+}
+
+/// Where KV pages live after the last request, summed over the full-attention layers.
+#[derive(Clone, Copy, Default)]
+pub struct KvPlacement {
+    pub host_pages: usize,
+    pub helper_pages: usize,
+    /// Positions of one layer on each device (pages move for all layers together).
+    pub host_positions: usize,
+    pub helper_positions: usize,
+}
+
+#[derive(Default)]
+struct Counters {
+    /// Responses by route and status.
+    responses: BTreeMap<(&'static str, u16), u64>,
+    prompt_tokens: u64,
+    prompt_tokens_reused: u64,
+    prompt_tokens_prefilled: u64,
+    completion_tokens: u64,
+    prefill_seconds: f64,
+    decode_seconds: f64,
+    last_prefill_tps: f64,
+    last_decode_tps: f64,
+    /// Jobs that ended because their client left (while queued or running).
+    cancelled: u64,
+    timed_out: u64,
+    /// Refused with 503 because the queue was full.
+    rejected: u64,
+    active: bool,
+    /// Seconds an engine job takes, smoothed; sizes `Retry-After`.
+    job_seconds: f64,
+    kv: KvPlacement,
+}
+
+impl Metrics {
+    fn lock(&self) -> MutexGuard<'_, Counters> {
+        // Counters stay readable after a panic elsewhere.
+        self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    pub fn response(&self, route: &'static str, status: u16) {
+        *self.lock().responses.entry((route, status)).or_default() += 1;
+    }
+
+    pub fn cancelled(&self) {
+        self.lock().cancelled += 1;
+    }
+
+    pub fn timed_out(&self) {
+        self.lock().timed_out += 1;
+    }
+
+    pub fn rejected(&self) {
+        self.lock().rejected += 1;
+    }
+
+    pub fn set_active(&self, active: bool) {
+        self.lock().active = active;
+    }
+
+    /// A prefill of `prefilled` new tokens for a prompt of `prompt` (the rest reused).
+    pub fn prefill(&self, prompt: usize, prefilled: usize, seconds: f64) {
+        let mut c = self.lock();
+        c.prompt_tokens += prompt as u64;
+        c.prompt_tokens_prefilled += prefilled as u64;
+        c.prompt_tokens_reused += (prompt - prefilled) as u64;
+        c.prefill_seconds += seconds;
+        if prefilled > 0 && seconds > 0.0 {
+            c.last_prefill_tps = prefilled as f64 / seconds;
+        }
+    }
+
+    pub fn decode(&self, tokens: usize, seconds: f64) {
+        let mut c = self.lock();
+        c.completion_tokens += tokens as u64;
+        c.decode_seconds += seconds;
+        if tokens > 0 && seconds > 0.0 {
+            c.last_decode_tps = tokens as f64 / seconds;
+        }
+    }
+
+    pub fn job_done(&self, seconds: f64, kv: KvPlacement) {
+        let mut c = self.lock();
+        c.job_seconds = if c.job_seconds == 0.0 {
+            seconds
+        } else {
+            0.8 * c.job_seconds + 0.2 * seconds
+        };
+        c.kv = kv;
+    }
+
+    /// A guess at when a refused client may find room: the jobs ahead of it at the usual
+    /// pace, at least one second and at most a minute.
+    pub fn retry_after(&self, queued: usize) -> u64 {
+        let s = self.lock().job_seconds * (queued + 1) as f64;
+        (s.ceil() as u64).clamp(1, 60)
+    }
+
+    pub fn render(&self, queued: usize, capacity: usize, link: Option<&LinkStats>) -> String {
+        let c = self.lock();
+        let mut t = String::new();
+        let mut one = |name: &str, kind: &str, help: &str, value: f64| {
+            let _ = writeln!(
+                t,
+                "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}"
+            );
+        };
+        one(
+            "tether_prompt_tokens_total",
+            "counter",
+            "Prompt tokens of finished prefills, reused or not.",
+            c.prompt_tokens as f64,
+        );
+        one(
+            "tether_prompt_tokens_reused_total",
+            "counter",
+            "Prompt tokens whose state was reused from the previous request instead of prefilled.",
+            c.prompt_tokens_reused as f64,
+        );
+        one(
+            "tether_prompt_tokens_prefilled_total",
+            "counter",
+            "Prompt tokens run through the model.",
+            c.prompt_tokens_prefilled as f64,
+        );
+        one(
+            "tether_completion_tokens_total",
+            "counter",
+            "Tokens generated.",
+            c.completion_tokens as f64,
+        );
+        one(
+            "tether_prefill_seconds_total",
+            "counter",
+            "Time spent prefilling.",
+            c.prefill_seconds,
+        );
+        one(
+            "tether_decode_seconds_total",
+            "counter",
+            "Time spent generating.",
+            c.decode_seconds,
+        );
+        one(
+            "tether_prefill_tokens_per_second",
+            "gauge",
+            "Prefill speed of the last request that prefilled.",
+            c.last_prefill_tps,
+        );
+        one(
+            "tether_decode_tokens_per_second",
+            "gauge",
+            "Decode speed of the last request that generated.",
+            c.last_decode_tps,
+        );
+        one(
+            "tether_queue_length",
+            "gauge",
+            "Requests waiting for the engine.",
+            queued as f64,
+        );
+        one(
+            "tether_queue_capacity",
+            "gauge",
+            "Most requests that may wait.",
+            capacity as f64,
+        );
+        one(
+            "tether_active_requests",
+            "gauge",
+            "Requests being generated (the engine runs one sequence).",
+            f64::from(u8::from(c.active)),
+        );
+        one(
+            "tether_requests_rejected_total",
+            "counter",
+            "Requests refused with 503 because the queue was full.",
+            c.rejected as f64,
+        );
+        one(
+            "tether_requests_cancelled_total",
+            "counter",
+            "Requests whose client disconnected before the end.",
+            c.cancelled as f64,
+        );
+        one(
+            "tether_requests_timed_out_total",
+            "counter",
+            "Requests that ran past the time limit.",
+            c.timed_out as f64,
+        );
+        let _ = writeln!(
+            t,
+            "# HELP tether_responses_total HTTP responses by route and status.\n# TYPE tether_responses_total counter"
+        );
+        for ((route, status), n) in &c.responses {
+            let _ = writeln!(
+                t,
+                "tether_responses_total{{route=\"{route}\",status=\"{status}\"}} {n}"
+            );
+        }
+        let _ = writeln!(
+            t,
+            "# HELP tether_kv_pages KV pages held per device, summed over full-attention layers.\n# TYPE tether_kv_pages gauge\n\
+             tether_kv_pages{{device=\"host\"}} {}\ntether_kv_pages{{device=\"helper\"}} {}",
+            c.kv.host_pages, c.kv.helper_pages
+        );
+        let _ = writeln!(
+            t,
+            "# HELP tether_kv_positions KV positions of one full-attention layer per device.\n# TYPE tether_kv_positions gauge\n\
+             tether_kv_positions{{device=\"host\"}} {}\ntether_kv_positions{{device=\"helper\"}} {}",
+            c.kv.host_positions, c.kv.helper_positions
+        );
+        if let Some(link) = link {
+            for (metric, field, help) in [
+                (
+                    "tether_link_bytes_total",
+                    "bytes",
+                    "Bytes on the link to the helper by direction and message type.",
+                ),
+                (
+                    "tether_link_messages_total",
+                    "messages",
+                    "Messages on the link to the helper by direction and message type.",
+                ),
+            ] {
+                let _ = writeln!(t, "# HELP {metric} {help}\n# TYPE {metric} counter");
+                for (dir, by_type) in [("sent", &link.sent), ("received", &link.received)] {
+                    for (kind, traffic) in by_type {
+                        let v = if field == "bytes" {
+                            traffic.bytes
+                        } else {
+                            traffic.messages
+                        };
+                        let _ = writeln!(t, "{metric}{{direction=\"{dir}\",type=\"{kind}\"}} {v}");
+                    }
+                }
+            }
+        }
+        t
+    }
+}

@@ -1,0 +1,224 @@
+//! `tether serve`: an OpenAI-compatible HTTP server in front of one engine.
+//!
+//! Many clients, one sequence: HTTP runs on tokio, the model on one plain thread
+//! ([`engine::Engine`]) fed by a bounded FIFO ([`queue::Queue`]). A full queue answers 503
+//! with `Retry-After`; a client that disconnects cancels its request. The engine keeps the
+//! last conversation's state, so a request that extends it prefills only the new tokens
+//! ([`conversation`]). docs/SERVE.md describes the endpoints, queueing, reuse and metrics.
+
+mod api;
+mod conversation;
+mod engine;
+mod metrics;
+mod queue;
+mod routes;
+mod terminal;
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use tracing::info;
+
+use crate::helper::HelperArgs;
+use crate::load::{self, BackendOptions, SynthOptions};
+use conversation::Conversation;
+use engine::Engine;
+use metrics::Metrics;
+use queue::Queue;
+use routes::App;
+
+#[derive(clap::Args)]
+#[command(after_help = "\
+Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health,
+GET /metrics (Prometheus). Try:
+  tether serve --model tiny --port 8080 &
+  curl -s localhost:8080/v1/chat/completions -H 'content-type: application/json' \\
+    -d '{\"model\": \"tiny\", \"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}], \"max_tokens\": 16}'
+docs/SERVE.md describes queueing, conversation reuse, errors and metrics.")]
+pub struct Args {
+    /// A Qwen3.5 checkpoint directory, or a preset (tiny, qwen35-0.8b).
+    #[arg(long)]
+    model: String,
+    /// The model id clients name in requests (`model`); by default the directory's name or the
+    /// preset.
+    #[arg(long)]
+    name: Option<String>,
+    /// Address to listen on. Loopback by default: expose the server to a network only on
+    /// purpose (there is no authentication).
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// Port to listen on; 0 picks a free one. The first line on stdout gives the address.
+    #[arg(long, default_value_t = 8080)]
+    port: u16,
+    /// Requests that may wait while one is generated; more are refused with 503.
+    #[arg(long, default_value_t = 8)]
+    queue: usize,
+    /// Time limit of a request in seconds, from its arrival (waiting included); past it the
+    /// request ends with a timeout error.
+    #[arg(long, default_value_t = 600)]
+    timeout: u64,
+    /// Positions a request may use, prompt and completion together (default: the model's
+    /// max_position_embeddings).
+    #[arg(long)]
+    ctx_size: Option<usize>,
+    /// State checkpoints kept for conversation reuse (the end of each of the latest prompts,
+    /// and for chats where the new turn starts); each is a copy of every DeltaNet layer's state.
+    #[arg(long, default_value_t = 4)]
+    checkpoints: usize,
+    /// KV cache page size in positions.
+    #[arg(long, default_value_t = 4096)]
+    page_size: usize,
+    /// Prompt tokens per forward pass on the host alone.
+    #[arg(long, default_value_t = 512)]
+    ubatch: usize,
+    /// Threads for the model's math.
+    #[arg(long)]
+    threads: Option<usize>,
+    /// A tokenizer.json to use instead of the model's.
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
+    /// Log level: error, warn, info, debug, trace, or a tracing filter (RUST_LOG wins).
+    #[arg(long, default_value = "info")]
+    log: String,
+    #[command(flatten)]
+    synth: SynthOptions,
+    #[command(flatten)]
+    backend: BackendOptions,
+    #[command(flatten)]
+    helper: HelperArgs,
+}
+
+/// A directory's last component, or the preset's name.
+fn model_id(spec: &str) -> String {
+    Path::new(spec)
+        .file_name()
+        .map_or_else(|| spec.to_string(), |n| n.to_string_lossy().into_owned())
+}
+
+pub fn run(a: Args) -> Result<()> {
+    terminal::init_logging(&a.log)?;
+    load::init_threads(a.threads)?;
+    if a.page_size == 0 || a.ubatch == 0 {
+        bail!("--page-size and --ubatch must be at least 1");
+    }
+    let l = terminal::spinner(format!("loading {}", a.model), || {
+        load::load(&a.model, &a.synth, a.tokenizer.as_deref())
+    })?;
+    let config = &l.model.config;
+    info!(
+        "loaded {} ({} layers, {:.1} MiB of weights)",
+        l.source,
+        config.num_hidden_layers,
+        l.model.weight_bytes() as f64 / (1u64 << 20) as f64
+    );
+    let ctx = a.ctx_size.unwrap_or(config.max_position_embeddings);
+    if ctx == 0 || ctx > config.max_position_embeddings {
+        bail!(
+            "--ctx-size {ctx}: must be between 1 and the model's {} positions",
+            config.max_position_embeddings
+        );
+    }
+    let (backend, what) = a.backend.make()?;
+    info!("backend: {what}");
+    let mut state = l.model.new_state(a.page_size);
+    let link = a.helper.attach(&l.model, &mut state, a.page_size)?;
+    let prompt = ctx.min(2048);
+    let plan = a
+        .helper
+        .plan_for(&l.model, &state, a.page_size, ctx, prompt);
+    eprint!(
+        "plan for a {ctx}-token context and a {prompt}-token prompt:\n{}",
+        plan.text
+    );
+    let split = a.helper.plan(a.ubatch);
+    // Segments of whole ubatches (pairs stay pairs past interleave_from); with a helper long
+    // enough that only one ubatch in 32 misses the pipeline (the last runs on the host).
+    let segment = split.ubatch * if link.is_some() { 32 } else { 4 };
+    let mut stop_ids = config.eos_token_ids.clone();
+    stop_ids.extend(
+        ["<|im_end|>", "<|endoftext|>"]
+            .iter()
+            .filter_map(|t| l.tokenizer.token_id(t)),
+    );
+    let metrics = Arc::new(Metrics::default());
+    let queue = Arc::new(Queue::new(a.queue));
+    let app = Arc::new(App {
+        name: a.name.clone().unwrap_or_else(|| model_id(&a.model)),
+        created: routes::unix_now(),
+        tokenizer: l.tokenizer.clone(),
+        vocab: config.vocab_size,
+        ctx,
+        queue: queue.clone(),
+        metrics: metrics.clone(),
+        link,
+        timeout: Duration::from_secs(a.timeout),
+        next_id: AtomicU64::new(0),
+    });
+    let engine = Engine {
+        conversation: Conversation::new(&*backend, &state, a.checkpoints),
+        backend,
+        tokenizer: l.tokenizer,
+        model: l.model,
+        state,
+        page_size: a.page_size,
+        plan: split,
+        segment,
+        stop_ids,
+        metrics,
+        timeout_s: a.timeout,
+    };
+    let worker = {
+        let queue = queue.clone();
+        std::thread::Builder::new()
+            .name("engine".into())
+            .spawn(move || {
+                // However the engine ends (a panic included), waiting and later requests are
+                // answered rather than left hanging.
+                let _close = CloseOnDrop(queue.clone());
+                engine.run(&queue);
+            })
+            .context("starting the engine thread")?
+    };
+
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    rt.block_on(async {
+        let listener = tokio::net::TcpListener::bind((a.host.as_str(), a.port))
+            .await
+            .with_context(|| format!("listening on {}:{}", a.host, a.port))?;
+        let addr = listener.local_addr()?;
+        // The first stdout line, for scripts and tests that started us on port 0.
+        println!("listening on http://{addr}");
+        std::io::stdout().flush()?;
+        info!(
+            "serving `{}` on http://{addr}/v1 (queue {}, time limit {} s)",
+            app.name, a.queue, a.timeout
+        );
+        axum::serve(listener, routes::router(app))
+            .with_graceful_shutdown(async {
+                let _ = tokio::signal::ctrl_c().await;
+                info!("shutting down");
+            })
+            .await
+            .context("serving HTTP")
+    })?;
+    queue.close();
+    // The engine notices at its next job; a generation in progress ends with its client.
+    drop(worker);
+    Ok(())
+}
+
+struct CloseOnDrop(Arc<Queue>);
+
+impl Drop for CloseOnDrop {
+    fn drop(&mut self) {
+        self.0.close();
+    }
+}

@@ -1,0 +1,475 @@
+//! The HTTP side: parse and check a request, tokenise its prompt, queue it for the engine and
+//! turn the engine's events into an OpenAI response, streamed (server-sent events ending with
+//! `data: [DONE]`) or whole.
+
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, Path, Request, State};
+use axum::http::{header, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::sse::{Event as Sse, KeepAlive};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use engine_core::link::StatsHandle;
+use engine_core::tokenizer::Tokenizer;
+use futures_util::stream;
+use serde_json::{json, Value};
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+
+use super::api::{self, ApiError, ChatRequest, CompletionRequest, Prompt, Settings};
+use super::metrics::Metrics;
+use super::queue::{Event, Finish, Job, Queue, Refused, Ticket};
+
+/// Largest request body: a whole long context of text, with room to spare.
+const MAX_BODY: usize = 64 << 20;
+
+/// What every handler shares.
+pub struct App {
+    /// The model id clients name in `model`.
+    pub name: String,
+    pub created: u64,
+    pub tokenizer: Tokenizer,
+    pub vocab: usize,
+    /// Positions a request may use: prompt plus completion.
+    pub ctx: usize,
+    pub queue: Arc<Queue>,
+    pub metrics: Arc<Metrics>,
+    pub link: Option<StatsHandle>,
+    pub timeout: Duration,
+    pub next_id: AtomicU64,
+}
+
+pub fn router(app: Arc<App>) -> Router {
+    Router::new()
+        .route("/v1/chat/completions", post(chat))
+        .route("/v1/completions", post(completions))
+        .route("/v1/models", get(models))
+        .route("/v1/models/{id}", get(model))
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .fallback(|| async { ApiError::not_found("no such endpoint").with_code("unknown_url") })
+        .method_not_allowed_fallback(|| async {
+            ApiError::new(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "invalid_request_error",
+                "this endpoint does not take that method",
+            )
+        })
+        .layer(middleware::from_fn_with_state(app.clone(), count))
+        .layer(DefaultBodyLimit::max(MAX_BODY))
+        .with_state(app)
+}
+
+/// Count every response by route and status, for `/metrics`.
+async fn count(State(app): State<Arc<App>>, req: Request, next: Next) -> Response {
+    let route = match req.uri().path() {
+        "/v1/chat/completions" => "/v1/chat/completions",
+        "/v1/completions" => "/v1/completions",
+        p if p.starts_with("/v1/models") => "/v1/models",
+        "/health" => "/health",
+        "/metrics" => "/metrics",
+        _ => "other",
+    };
+    let r = next.run(req).await;
+    app.metrics.response(route, r.status().as_u16());
+    r
+}
+
+pub fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+fn body_error(rejection: BytesRejection) -> ApiError {
+    ApiError::new(
+        rejection.status(),
+        "invalid_request_error",
+        rejection.body_text(),
+    )
+}
+
+async fn chat(State(app): State<Arc<App>>, body: Result<Bytes, BytesRejection>) -> Response {
+    let run = async {
+        let req: ChatRequest = api::parse(&body.map_err(body_error)?)?;
+        app.check_model(&req.common.model)?;
+        let settings = req.common.validate()?;
+        let messages = req.chat_messages()?;
+        let tok = app.tokenizer.clone();
+        let (prompt, turn_start) = blocking(move || {
+            let prompt = tok.encode(&tok.apply_chat_template(&messages, true)?)?;
+            // The history alone, to find where the new turn starts (a template that cannot
+            // render it just gets no checkpoint there).
+            let history = tok
+                .apply_chat_template(&messages, false)
+                .and_then(|t| tok.encode(&t))
+                .unwrap_or_default();
+            let turn_start = prompt
+                .iter()
+                .zip(&history)
+                .take_while(|(a, b)| a == b)
+                .count();
+            Ok((prompt, turn_start))
+        })
+        .await
+        .map_err(|e| e.with_param("messages"))?;
+        app.submit(true, prompt, Some(turn_start), settings).await
+    };
+    run.await.unwrap_or_else(IntoResponse::into_response)
+}
+
+async fn completions(State(app): State<Arc<App>>, body: Result<Bytes, BytesRejection>) -> Response {
+    let run = async {
+        let req: CompletionRequest = api::parse(&body.map_err(body_error)?)?;
+        app.check_model(&req.common.model)?;
+        let settings = req.common.validate()?;
+        let prompt = match req.prompt()? {
+            Prompt::Ids(ids) => ids,
+            Prompt::Text(text) => {
+                let tok = app.tokenizer.clone();
+                blocking(move || tok.encode(&text))
+                    .await
+                    .map_err(|e| e.with_param("prompt"))?
+            }
+        };
+        app.submit(false, prompt, None, settings).await
+    };
+    run.await.unwrap_or_else(IntoResponse::into_response)
+}
+
+/// Tokenising a long prompt takes a while: off the async workers. Its errors (a template that
+/// raised, text the vocabulary cannot hold) are the request's fault.
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> engine_core::Result<T> + Send + 'static,
+) -> Result<T, ApiError> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| ApiError::server(format!("tokenising failed: {e}")))?
+        .map_err(|e| ApiError::invalid(e.to_string()))
+}
+
+impl App {
+    fn check_model(&self, model: &str) -> Result<(), ApiError> {
+        if model == self.name {
+            Ok(())
+        } else {
+            Err(ApiError::not_found(format!(
+                "The model `{model}` does not exist; this server serves `{}`",
+                self.name
+            ))
+            .with_param("model")
+            .with_code("model_not_found"))
+        }
+    }
+
+    /// Check the prompt against the vocabulary and the context, queue it, and answer.
+    async fn submit(
+        &self,
+        chat: bool,
+        prompt: Vec<u32>,
+        turn_start: Option<usize>,
+        s: Settings,
+    ) -> Result<Response, ApiError> {
+        let param = if chat { "messages" } else { "prompt" };
+        if prompt.is_empty() {
+            return Err(ApiError::param(param, "the prompt is empty"));
+        }
+        if let Some(&id) = prompt.iter().find(|&&t| t as usize >= self.vocab) {
+            return Err(ApiError::param(
+                param,
+                format!(
+                    "token id {id} is outside the vocabulary (size {})",
+                    self.vocab
+                ),
+            ));
+        }
+        let too_long = |completion: usize| {
+            ApiError::param(
+                param,
+                format!(
+                    "This model's maximum context length is {} tokens. However, you requested {} tokens \
+                     ({} in the {param}, {completion} in the completion). Please reduce the length of the {param} or completion.",
+                    self.ctx,
+                    prompt.len().saturating_add(completion),
+                    prompt.len()
+                ),
+            )
+            .with_code("context_length_exceeded")
+        };
+        let room = self.ctx.saturating_sub(prompt.len());
+        if room == 0 {
+            return Err(too_long(1));
+        }
+        let max_tokens = match s.max_tokens {
+            None => room,
+            Some(m) if m <= room => m,
+            Some(m) => return Err(too_long(m)),
+        };
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let (events, rx) = unbounded_channel();
+        let cancel = Arc::new(AtomicBool::new(false));
+        let deadline = Instant::now() + self.timeout;
+        let job = Job {
+            id,
+            prompt,
+            turn_start,
+            max_tokens,
+            sampling: s.sampling,
+            stop: s.stop,
+            deadline,
+            cancel: cancel.clone(),
+            events,
+        };
+        match self.queue.push(job) {
+            Ok(()) => {}
+            Err(Refused::Full) => {
+                self.metrics.rejected();
+                let queued = self.queue.len();
+                return Err(ApiError::unavailable(
+                    format!("the server is busy ({queued} requests waiting); retry later"),
+                    self.metrics.retry_after(queued),
+                )
+                .with_code("queue_full"));
+            }
+            Err(Refused::Closed) => {
+                return Err(
+                    ApiError::unavailable("the engine has stopped", 60).with_code("engine_stopped")
+                )
+            }
+        }
+        let events = Events {
+            rx,
+            deadline: Some(deadline),
+            timeout_s: self.timeout.as_secs(),
+            ticket: Ticket {
+                id,
+                cancel,
+                queue: self.queue.clone(),
+                metrics: self.metrics.clone(),
+            },
+        };
+        let meta = Meta {
+            chat,
+            id: format!("{}-{id}", if chat { "chatcmpl" } else { "cmpl" }),
+            created: unix_now(),
+            model: self.name.clone(),
+            include_usage: s.include_usage,
+        };
+        if s.stream {
+            Ok(stream_response(events, meta))
+        } else {
+            whole_response(events, meta).await
+        }
+    }
+}
+
+/// A queued request's events, with its place in the queue: dropping this (the client left)
+/// cancels the request.
+struct Events {
+    rx: UnboundedReceiver<Event>,
+    /// While the request may still be waiting in the queue: when the time limit runs out there
+    /// it is taken out and answered with a timeout. Once running, the engine keeps the limit.
+    deadline: Option<Instant>,
+    timeout_s: u64,
+    ticket: Ticket,
+}
+
+impl Events {
+    async fn next(&mut self) -> Event {
+        loop {
+            let ev = match self.deadline {
+                Some(d) => match tokio::time::timeout_at(d.into(), self.rx.recv()).await {
+                    Ok(ev) => ev,
+                    Err(_) => {
+                        self.deadline = None;
+                        if self.ticket.queue.remove(self.ticket.id) {
+                            self.ticket.metrics.timed_out();
+                            return Event::Failed(ApiError::timeout(self.timeout_s));
+                        }
+                        continue;
+                    }
+                },
+                None => self.rx.recv().await,
+            };
+            return ev.unwrap_or_else(|| {
+                Event::Failed(ApiError::server(
+                    "the engine stopped before the request finished",
+                ))
+            });
+        }
+    }
+}
+
+/// The fixed parts of a response and how to build each shape of it.
+struct Meta {
+    chat: bool,
+    id: String,
+    created: u64,
+    model: String,
+    include_usage: bool,
+}
+
+fn usage(f: &Finish) -> Value {
+    json!({
+        "prompt_tokens": f.prompt_tokens,
+        "completion_tokens": f.completion_tokens,
+        "total_tokens": f.prompt_tokens + f.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": f.cached_tokens},
+    })
+}
+
+impl Meta {
+    fn object(&self, stream: bool) -> &'static str {
+        match (self.chat, stream) {
+            (true, false) => "chat.completion",
+            (true, true) => "chat.completion.chunk",
+            (false, _) => "text_completion",
+        }
+    }
+
+    fn envelope(&self, stream: bool, choices: Value) -> Value {
+        json!({
+            "id": self.id,
+            "object": self.object(stream),
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        })
+    }
+
+    fn whole(&self, text: String, f: &Finish) -> Value {
+        let choice = if self.chat {
+            json!({"index": 0, "message": {"role": "assistant", "content": text},
+                   "logprobs": null, "finish_reason": f.reason.as_str()})
+        } else {
+            json!({"index": 0, "text": text, "logprobs": null, "finish_reason": f.reason.as_str()})
+        };
+        let mut v = self.envelope(false, json!([choice]));
+        v["usage"] = usage(f);
+        v
+    }
+
+    /// One streamed piece; `finish` on the last (with empty text).
+    fn chunk(&self, delta: Value, text: &str, finish: Option<&str>) -> Value {
+        let choice = if self.chat {
+            json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish})
+        } else {
+            json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish})
+        };
+        self.envelope(true, json!([choice]))
+    }
+}
+
+async fn whole_response(mut events: Events, meta: Meta) -> Result<Response, ApiError> {
+    let mut text = String::new();
+    loop {
+        match events.next().await {
+            Event::Text(t) => text.push_str(&t),
+            Event::Done(f) => return Ok(Json(meta.whole(text, &f)).into_response()),
+            Event::Failed(e) => return Err(e),
+        }
+    }
+}
+
+/// Where a streamed response is.
+enum Phase {
+    /// Chat streams open with the assistant's role.
+    Start,
+    Body,
+    Usage(Finish),
+    Done,
+    End,
+}
+
+fn data(v: &Value) -> Sse {
+    Sse::default().data(v.to_string())
+}
+
+fn stream_response(events: Events, meta: Meta) -> Response {
+    let s = stream::unfold(
+        (events, meta, Phase::Start),
+        |(mut events, meta, phase)| async move {
+            let (event, next) = match phase {
+                Phase::End => return None,
+                Phase::Start if meta.chat => (
+                    data(&meta.chunk(json!({"role": "assistant", "content": ""}), "", None)),
+                    Phase::Body,
+                ),
+                Phase::Start | Phase::Body => match events.next().await {
+                    Event::Text(t) => (
+                        data(&meta.chunk(json!({"content": t}), &t, None)),
+                        Phase::Body,
+                    ),
+                    Event::Done(f) => {
+                        let last = data(&meta.chunk(json!({}), "", Some(f.reason.as_str())));
+                        (
+                            last,
+                            if meta.include_usage {
+                                Phase::Usage(f)
+                            } else {
+                                Phase::Done
+                            },
+                        )
+                    }
+                    // The status line has gone out: the error travels as an event, as OpenAI's does.
+                    Event::Failed(e) => (data(&e.body()), Phase::End),
+                },
+                Phase::Usage(f) => {
+                    let mut v = meta.envelope(true, json!([]));
+                    v["usage"] = usage(&f);
+                    (data(&v), Phase::Done)
+                }
+                Phase::Done => (Sse::default().data("[DONE]"), Phase::End),
+            };
+            Some((Ok::<_, Infallible>(event), (events, meta, next)))
+        },
+    );
+    // Comments while the request waits or prefills: writing them is how a client that left is
+    // noticed (and its request cancelled) before the first token.
+    axum::response::Sse::new(s)
+        .keep_alive(KeepAlive::new().interval(Duration::from_secs(1)))
+        .into_response()
+}
+
+async fn models(State(app): State<Arc<App>>) -> Json<Value> {
+    Json(json!({"object": "list", "data": [app.model_card()]}))
+}
+
+async fn model(State(app): State<Arc<App>>, Path(id): Path<String>) -> Response {
+    match app.check_model(&id) {
+        Ok(()) => Json(app.model_card()).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+impl App {
+    fn model_card(&self) -> Value {
+        json!({"id": self.name, "object": "model", "created": self.created, "owned_by": "tether",
+               "context_length": self.ctx})
+    }
+}
+
+async fn health(State(app): State<Arc<App>>) -> Response {
+    if app.queue.is_closed() {
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({"status": "unavailable"})),
+        )
+            .into_response();
+    }
+    Json(json!({"status": "ok", "queued": app.queue.len()})).into_response()
+}
+
+async fn metrics(State(app): State<Arc<App>>) -> Response {
+    let link = app.link.as_ref().map(StatsHandle::snapshot);
+    let body = app
+        .metrics
+        .render(app.queue.len(), app.queue.capacity(), link.as_ref());
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], body).into_response()
+}

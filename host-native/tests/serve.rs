@@ -1,0 +1,573 @@
+//! `tether serve` as a client sees it: a real process on a free loopback port, a real HTTP
+//! client. Greedy output against the fixture, streaming and whole, many clients through the
+//! queue, cancellation, bad input, and conversation reuse (with and without a helper).
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command};
+use std::sync::{mpsc, Arc, Barrier};
+use std::time::{Duration, Instant};
+
+use engine_core::tokenizer::{StreamDecoder, Tokenizer};
+use serde_json::{json, Value};
+use tests::{fixtures_dir, spawn_announcing, Reference};
+
+struct Server {
+    child: Child,
+    base: String,
+    agent: ureq::Agent,
+}
+
+impl Server {
+    fn start(model: &str, extra: &[&str]) -> Server {
+        let (child, line) = spawn_announcing(
+            Command::new(env!("CARGO_BIN_EXE_tether"))
+                .args(["serve", "--model", model, "--port", "0", "--threads", "1"])
+                .args(["--log", "warn"])
+                .args(extra),
+        );
+        let base = line
+            .strip_prefix("listening on ")
+            .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
+            .to_string();
+        let agent = ureq::Agent::config_builder()
+            .http_status_as_error(false)
+            .build()
+            .into();
+        Server { child, base, agent }
+    }
+
+    fn post(&self, path: &str, body: &Value) -> (u16, Value) {
+        self.post_raw(path, &body.to_string())
+    }
+
+    fn post_raw(&self, path: &str, body: &str) -> (u16, Value) {
+        let mut r = self
+            .agent
+            .post(format!("{}{path}", self.base))
+            .header("content-type", "application/json")
+            .send(body)
+            .unwrap();
+        let status = r.status().as_u16();
+        (status, r.body_mut().read_json().unwrap())
+    }
+
+    fn get(&self, path: &str) -> (u16, String) {
+        let mut r = self
+            .agent
+            .get(format!("{}{path}", self.base))
+            .call()
+            .unwrap();
+        (r.status().as_u16(), r.body_mut().read_to_string().unwrap())
+    }
+
+    /// A streamed request: its `data:` payloads, read as they come.
+    fn stream(&self, path: &str, body: &Value) -> impl Iterator<Item = String> {
+        let r = self
+            .agent
+            .post(format!("{}{path}", self.base))
+            .send_json(body)
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        assert_eq!(r.headers()["content-type"], "text/event-stream");
+        BufReader::new(r.into_body().into_reader())
+            .lines()
+            .map_while(Result::ok)
+            .filter_map(|l| l.strip_prefix("data: ").map(str::to_string))
+    }
+
+    /// One metric's value (the first sample of that name and labels).
+    fn metric(&self, name: &str) -> f64 {
+        let (status, text) = self.get("/metrics");
+        assert_eq!(status, 200);
+        text.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+            .unwrap_or_else(|| panic!("no {name} in\n{text}"))
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Text and the finish chunk's reason from a streamed response, checking it ends in [DONE].
+fn collect_stream(events: impl Iterator<Item = String>, chat: bool) -> (String, Value, Value) {
+    let mut text = String::new();
+    let (mut finish, mut usage) = (Value::Null, Value::Null);
+    let mut done = false;
+    for data in events {
+        assert!(!done, "data after [DONE]");
+        if data == "[DONE]" {
+            done = true;
+            continue;
+        }
+        let v: Value = serde_json::from_str(&data).unwrap();
+        assert!(v.get("error").is_none(), "{v}");
+        if !v["usage"].is_null() {
+            usage = v["usage"].clone();
+        }
+        let Some(c) = v["choices"].get(0) else {
+            continue;
+        };
+        let piece = if chat {
+            &c["delta"]["content"]
+        } else {
+            &c["text"]
+        };
+        text.push_str(piece.as_str().unwrap_or(""));
+        if !c["finish_reason"].is_null() {
+            finish = c["finish_reason"].clone();
+        }
+    }
+    assert!(done, "the stream did not end with [DONE]");
+    (text, finish, usage)
+}
+
+fn fixture_text(ids: &[u32], vocab: usize) -> String {
+    let mut d = StreamDecoder::new(&Tokenizer::byte_level(vocab));
+    let mut s: String = ids.iter().map(|&t| d.push(t).unwrap()).collect();
+    s.push_str(&d.finish().unwrap());
+    s
+}
+
+#[test]
+fn greedy_completion_of_the_fixture_prompt_is_the_reference() {
+    let r = Reference::load("tiny_fp32_T150");
+    let (prompt, gen) = (r.ids("prompt_ids"), r.ids("gen_ids"));
+    let model = fixtures_dir().join("tiny_fp32_T150");
+    let s = Server::start(model.to_str().unwrap(), &["--page-size", "64"]);
+    let want = fixture_text(&gen, 256);
+    let body = json!({"model": "tiny_fp32_T150", "prompt": prompt, "max_tokens": gen.len(),
+                      "temperature": 0});
+    let (status, v) = s.post("/v1/completions", &body);
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["object"], "text_completion");
+    assert_eq!(v["choices"][0]["text"], want);
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+    assert_eq!(v["usage"]["prompt_tokens"], prompt.len());
+    assert_eq!(v["usage"]["completion_tokens"], gen.len());
+    assert_eq!(v["usage"]["total_tokens"], prompt.len() + gen.len());
+
+    // The same request streamed: the same text, and the whole prompt reused (the checkpoint at
+    // its end keeps its logits), so nothing is prefilled again.
+    let mut body = body;
+    body["stream"] = json!(true);
+    body["stream_options"] = json!({"include_usage": true});
+    let (text, finish, usage) = collect_stream(s.stream("/v1/completions", &body), false);
+    assert_eq!(text, want);
+    assert_eq!(finish, "length");
+    assert_eq!(
+        usage["prompt_tokens_details"]["cached_tokens"],
+        prompt.len()
+    );
+    assert_eq!(s.metric("tether_prompt_tokens_prefilled_total"), 150.0);
+
+    let (status, models) = s.get("/v1/models");
+    assert_eq!(status, 200);
+    let models: Value = serde_json::from_str(&models).unwrap();
+    assert_eq!(models["data"][0]["id"], "tiny_fp32_T150");
+}
+
+fn chat(s: &Server, messages: &Value, stream: bool) -> (String, Value) {
+    let body = json!({"model": "tiny", "messages": messages, "max_tokens": 8, "temperature": 0,
+                      "stream": stream, "stream_options": {"include_usage": true}});
+    if stream {
+        let (text, finish, usage) = collect_stream(s.stream("/v1/chat/completions", &body), true);
+        assert_eq!(finish, "length");
+        (text, usage)
+    } else {
+        let (status, v) = s.post("/v1/chat/completions", &body);
+        assert_eq!(status, 200, "{v}");
+        assert_eq!(v["object"], "chat.completion");
+        assert_eq!(v["choices"][0]["message"]["role"], "assistant");
+        (
+            v["choices"][0]["message"]["content"]
+                .as_str()
+                .unwrap()
+                .to_string(),
+            v["usage"].clone(),
+        )
+    }
+}
+
+/// Two turns of a chat; returns each turn's reply, prompt tokens, reused tokens and tokens
+/// actually prefilled (from the metrics).
+fn two_turns(s: &Server, first: &str) -> Vec<(String, u64, u64, u64)> {
+    let mut out = Vec::new();
+    let mut messages = json!([{"role": "system", "content": "Be brief."},
+                              {"role": "user", "content": first}]);
+    for turn in 0..2 {
+        let before = s.metric("tether_prompt_tokens_prefilled_total");
+        let (reply, usage) = chat(s, &messages, turn == 1);
+        let prefilled = (s.metric("tether_prompt_tokens_prefilled_total") - before) as u64;
+        let prompt = usage["prompt_tokens"].as_u64().unwrap();
+        let reused = usage["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap();
+        assert_eq!(usage["completion_tokens"], 8);
+        messages
+            .as_array_mut()
+            .unwrap()
+            .push(json!({"role": "assistant", "content": reply.clone()}));
+        messages
+            .as_array_mut()
+            .unwrap()
+            .push(json!({"role": "user", "content": "And then what happened next?"}));
+        out.push((reply, prompt, reused, prefilled));
+    }
+    out
+}
+
+#[test]
+fn chat_on_a_synthetic_model_reuses_the_conversation() {
+    let s = Server::start("tiny", &[]);
+    let turns = two_turns(&s, "Tell me a story about a lighthouse.");
+    let chatml = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nTell me a story about a lighthouse.<|im_end|>\n<|im_start|>assistant\n";
+    // The byte-level vocabulary: one token per byte of the ChatML prompt.
+    assert_eq!(turns[0].1, chatml.len() as u64);
+    assert_eq!((turns[0].2, turns[0].3), (0, turns[0].1));
+    let (_, prompt, reused, prefilled) = turns[1];
+    eprintln!(
+        "turn 2: prompt {prompt} tokens, reused {reused}, prefilled {prefilled} (turn 1's prompt was {})",
+        turns[0].1
+    );
+    assert!(reused >= turns[0].1, "{turns:?}");
+    assert_eq!(prefilled, prompt - reused);
+    assert_eq!(s.metric("tether_prompt_tokens_reused_total"), reused as f64);
+    // Another follow-up to the first message, without the reply: the checkpoint where the
+    // first turn's generation prompt began still holds the shared history.
+    let (_, usage) = chat(
+        &s,
+        &json!([{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Tell me a story about a lighthouse."},
+                {"role": "user", "content": "A happy one."}]),
+        false,
+    );
+    let history = chatml.len() - "<|im_start|>assistant\n".len();
+    assert_eq!(usage["prompt_tokens_details"]["cached_tokens"], history);
+}
+
+/// A helper in this process, over a real WebSocket on loopback, for any number of hosts in
+/// turn; returns its URL.
+fn start_helper() -> String {
+    use engine_core::link::ws::WsListener;
+    use engine_core::remote::DEFAULT_MAX_FRAME;
+    let model: &'static engine_core::Model = Box::leak(Box::new(
+        engine_core::source::load_model("tiny", &engine_core::source::SynthOptions::default())
+            .unwrap(),
+    ));
+    let listener = WsListener::bind("127.0.0.1:0", DEFAULT_MAX_FRAME).unwrap();
+    let url = format!("ws://{}", listener.local_addr());
+    std::thread::spawn(move || {
+        let helper = phone_ios::Helper::new(
+            model,
+            &engine_core::CpuBackend,
+            phone_ios::HelperOptions {
+                mem_budget: 1 << 30,
+                max_frame: DEFAULT_MAX_FRAME,
+            },
+        );
+        while let Ok(mut link) = listener.accept() {
+            helper.serve(&mut link);
+        }
+    });
+    url
+}
+
+#[test]
+fn a_helper_changes_no_token_and_keeps_the_conversation_too() {
+    let url = start_helper();
+    let split = [
+        "--page-size",
+        "16",
+        "--host-kv-tokens",
+        "48",
+        "--split-min",
+        "32",
+        "--split-ubatch",
+        "16",
+        "--split-layer",
+        "4",
+    ];
+    let with = Server::start("tiny", &[&["--helper", &url][..], &split[..]].concat());
+    // The same ubatch size on the host alone: then the split changes no bit.
+    let alone = Server::start("tiny", &["--page-size", "16", "--ubatch", "16"]);
+    let first = "A long first message, so that the prefill is split between host and helper and \
+                 the oldest KV pages move to the helper: "
+        .repeat(2);
+    let a = two_turns(&with, &first);
+    let b = two_turns(&alone, &first);
+    for (x, y) in a.iter().zip(&b) {
+        assert_eq!(x.0, y.0, "replies differ with and without the helper");
+        assert_eq!((x.1, x.2, x.3), (y.1, y.2, y.3));
+    }
+    assert!(a[1].2 >= a[0].1, "{a:?}");
+    // Edit the second turn: the state rewinds to the end of the first prompt, which by now
+    // lies in a KV page on the helper, so that page comes back; still the same answer.
+    let edited = json!([{"role": "system", "content": "Be brief."},
+                        {"role": "user", "content": first},
+                        {"role": "assistant", "content": a[0].0},
+                        {"role": "user", "content": "Something else entirely."}]);
+    let (x, y) = (chat(&with, &edited, false), chat(&alone, &edited, false));
+    assert_eq!(x, y);
+    assert_eq!(x.1["prompt_tokens_details"]["cached_tokens"], a[0].1);
+    eprintln!(
+        "with a helper, turn 2: prompt {} tokens, reused {}, prefilled {}",
+        a[1].1, a[1].2, a[1].3
+    );
+    let (_, metrics) = with.get("/metrics");
+    assert!(
+        metrics.contains("tether_link_bytes_total{direction=\"sent\",type=\"PrefillChunk\"}")
+            && metrics.contains("tether_link_messages_total{direction=\"sent\",type=\"KvFetch\"}"),
+        "{metrics}"
+    );
+    assert!(with.metric("tether_kv_pages{device=\"helper\"}") > 0.0);
+}
+
+#[test]
+fn sixteen_clients_are_served_or_refused_and_a_dropped_stream_cancels() {
+    let s = Arc::new(Server::start("tiny", &["--queue", "4"]));
+    // A long generation holds the engine; wait for its first text.
+    let long = json!({"model": "tiny", "prompt": "x", "max_tokens": 4000, "stream": true});
+    let mut blocker = s.stream("/v1/completions", &long);
+    assert!(blocker.next().is_some());
+    let barrier = Arc::new(Barrier::new(16));
+    let (tx, rx) = mpsc::channel();
+    let clients: Vec<_> = (0..16)
+        .map(|_| {
+            let (s, barrier, tx) = (s.clone(), barrier.clone(), tx.clone());
+            std::thread::spawn(move || {
+                barrier.wait();
+                let mut r = s
+                    .agent
+                    .post(format!("{}/v1/completions", s.base))
+                    .send_json(json!({"model": "tiny", "prompt": "hi", "max_tokens": 4}))
+                    .unwrap();
+                let retry = r.headers().get("retry-after").is_some();
+                let status = r.status().as_u16();
+                let v: Value = r.body_mut().read_json().unwrap();
+                tx.send((status, retry, v)).unwrap();
+            })
+        })
+        .collect();
+    // Four wait in the queue behind the blocker; the other twelve are refused at once.
+    let mut answers: Vec<(u16, bool, Value)> = (0..12)
+        .map(|_| rx.recv_timeout(Duration::from_secs(60)).unwrap())
+        .collect();
+    for (status, retry, v) in &answers {
+        assert_eq!(*status, 503, "{v}");
+        assert!(retry, "503 without Retry-After");
+        assert_eq!(v["error"]["code"], "queue_full");
+    }
+    assert_eq!(s.metric("tether_queue_length"), 4.0);
+    // Leaving cancels the blocker; the queued four are then served.
+    drop(blocker);
+    answers.extend((0..4).map(|_| rx.recv_timeout(Duration::from_secs(60)).unwrap()));
+    for c in clients {
+        c.join().unwrap();
+    }
+    let served = answers.iter().filter(|a| a.0 == 200).count();
+    assert_eq!(served, 4, "{answers:?}");
+    assert_eq!(s.metric("tether_requests_rejected_total"), 12.0);
+    assert_eq!(s.metric("tether_requests_cancelled_total"), 1.0);
+    // The blocker stopped far short of its 4000 tokens.
+    assert!(s.metric("tether_completion_tokens_total") < 2000.0);
+
+    // A stream dropped a few chunks in frees the engine for the next request.
+    let mut events = s.stream("/v1/completions", &long);
+    for _ in 0..3 {
+        events.next().unwrap();
+    }
+    drop(events);
+    let t = Instant::now();
+    let (status, v) = s.post(
+        "/v1/completions",
+        &json!({"model": "tiny", "prompt": "hi", "max_tokens": 4}),
+    );
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(s.metric("tether_requests_cancelled_total"), 2.0);
+    assert!(s.metric("tether_completion_tokens_total") < 4000.0);
+    eprintln!("served {:?} after the cancellation", t.elapsed());
+}
+
+#[test]
+fn bad_input_gets_openai_errors_and_the_server_goes_on() {
+    let s = Server::start("tiny", &[]);
+    let ok = json!({"model": "tiny", "prompt": "hi", "max_tokens": 2});
+    let with = |k: &str, v: Value| {
+        let mut b = ok.clone();
+        b[k] = v;
+        b
+    };
+    let cases: Vec<(&str, String, u16, &str)> = vec![
+        ("/v1/completions", "{\"model\": ".into(), 400, ""),
+        ("/v1/completions", "[1, 2]".into(), 400, ""),
+        (
+            "/v1/completions",
+            with("model", json!("gpt-4")).to_string(),
+            404,
+            "model",
+        ),
+        (
+            "/v1/completions",
+            with("temperature", json!(3)).to_string(),
+            400,
+            "temperature",
+        ),
+        (
+            "/v1/completions",
+            with("top_p", json!(0)).to_string(),
+            400,
+            "top_p",
+        ),
+        (
+            "/v1/completions",
+            with("max_tokens", json!(0)).to_string(),
+            400,
+            "max_tokens",
+        ),
+        (
+            "/v1/completions",
+            with("max_tokens", json!(-5)).to_string(),
+            400,
+            "max_tokens",
+        ),
+        (
+            "/v1/completions",
+            with("max_tokens", json!(5000)).to_string(),
+            400,
+            "prompt",
+        ),
+        (
+            "/v1/completions",
+            with("max_tokens", json!("many")).to_string(),
+            400,
+            "",
+        ),
+        (
+            "/v1/completions",
+            with("prompt", json!(vec![7; 5000])).to_string(),
+            400,
+            "prompt",
+        ),
+        (
+            "/v1/completions",
+            with("prompt", json!([300])).to_string(),
+            400,
+            "prompt",
+        ),
+        (
+            "/v1/completions",
+            with("prompt", json!("")).to_string(),
+            400,
+            "prompt",
+        ),
+        (
+            "/v1/completions",
+            with("prompt", json!(["a", "b"])).to_string(),
+            400,
+            "prompt",
+        ),
+        ("/v1/completions", with("n", json!(3)).to_string(), 400, "n"),
+        (
+            "/v1/completions",
+            with("logprobs", json!(5)).to_string(),
+            400,
+            "logprobs",
+        ),
+        (
+            "/v1/completions",
+            with("frobnicate", json!(1)).to_string(),
+            400,
+            "frobnicate",
+        ),
+        (
+            "/v1/completions",
+            with("stop", json!(["a", "b", "c", "d", "e"])).to_string(),
+            400,
+            "stop",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"model": "tiny", "messages": []}).to_string(),
+            400,
+            "messages",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"model": "tiny", "messages": "hi"}).to_string(),
+            400,
+            "",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]}).to_string(),
+            400,
+            "messages[0].role",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                   "tools": [{"type": "function"}]})
+            .to_string(),
+            400,
+            "tools",
+        ),
+    ];
+    for (path, body, status, param) in cases {
+        let (got, v) = s.post_raw(path, &body);
+        assert_eq!(got, status, "{body} -> {v}");
+        let e = &v["error"];
+        assert!(e["message"].as_str().is_some_and(|m| !m.is_empty()), "{v}");
+        assert!(e["type"].is_string(), "{v}");
+        if !param.is_empty() {
+            assert_eq!(e["param"], param, "{body} -> {v}");
+        }
+    }
+    let (status, body) = s.get("/no/such/path");
+    assert_eq!(status, 404);
+    assert!(body.contains("\"error\""));
+    let (status, body) = s.get("/v1/chat/completions");
+    assert_eq!(status, 405);
+    assert!(body.contains("\"error\""));
+    // Still serving, and healthy.
+    let (status, v) = s.post("/v1/completions", &ok);
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], 2);
+    let (status, health) = s.get("/health");
+    assert_eq!((status, health.contains("ok")), (200, true));
+    assert!(s.metric("tether_responses_total{route=\"/v1/completions\",status=\"400\"}") >= 15.0);
+}
+
+#[test]
+fn stop_strings_and_seeded_sampling() {
+    let s = Server::start("tiny", &[]);
+    let ask = |extra: Value| {
+        let mut b = json!({"model": "tiny", "prompt": "Once upon a time", "max_tokens": 24});
+        b.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        let (status, v) = s.post("/v1/completions", &b);
+        assert_eq!(status, 200, "{v}");
+        (
+            v["choices"][0]["text"].as_str().unwrap().to_string(),
+            v["choices"][0]["finish_reason"]
+                .as_str()
+                .unwrap()
+                .to_string(),
+        )
+    };
+    let seeded = json!({"temperature": 1.0, "top_p": 0.9, "seed": 42});
+    assert_eq!(ask(seeded.clone()), ask(seeded));
+    let (greedy, reason) = ask(json!({"temperature": 0}));
+    assert_eq!(reason, "length");
+    // Stop at a piece of the greedy text: the text before it comes back, and "stop".
+    let chars: Vec<char> = greedy.chars().collect();
+    let stop: String = chars[chars.len() / 2..chars.len() / 2 + 1].iter().collect();
+    let (text, reason) = ask(json!({"temperature": 0, "stop": [stop.clone()]}));
+    assert_eq!(reason, "stop");
+    assert_eq!(text, greedy[..greedy.find(&stop).unwrap()]);
+    assert!(s.metric("tether_decode_tokens_per_second") > 0.0);
+}
