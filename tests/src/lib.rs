@@ -78,3 +78,28 @@ pub fn spawn_announcing(cmd: &mut std::process::Command) -> (std::process::Child
         .unwrap();
     (child, line.trim().to_string())
 }
+
+/// A small deterministic generator (xorshift), so the tests need no RNG crate.
+pub struct Rng(pub u64);
+
+impl Rng {
+    /// Uniform in [0, 1).
+    pub fn uniform(&mut self) -> f32 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        (self.0 >> 40) as f32 / (1u64 << 24) as f32
+    }
+
+    /// `n` values uniform in [-1, 1).
+    pub fn vec(&mut self, n: usize) -> Vec<f32> {
+        (0..n).map(|_| self.uniform() * 2.0 - 1.0).collect()
+    }
+
+    /// `n` values roughly standard normal (the sum of 12 uniforms, less 6).
+    pub fn normal_vec(&mut self, n: usize) -> Vec<f32> {
+        (0..n)
+            .map(|_| (0..12).map(|_| self.uniform()).sum::<f32>() - 6.0)
+            .collect()
+    }
+}

@@ -14,6 +14,7 @@ use engine_core::backend::gpu::{Gpu, GpuMatrix, GpuOptions, GpuTensor, WeightFor
 use engine_core::backend::{Act, AttnShape, DeltaInputs, DeltaShape};
 use engine_core::kv::{KvPage, Merger, Partials};
 use engine_core::tensor::{DType, Data, Matrix};
+use tests::Rng;
 
 /// f32 ops (and f16 weights, compared with the CPU on the same f16 values).
 const TOL_F32: f32 = 1e-5;
@@ -35,20 +36,6 @@ fn gpu() -> &'static Gpu {
         );
         g
     })
-}
-
-/// A small deterministic generator (xorshift).
-struct Rng(u64);
-impl Rng {
-    fn uniform(&mut self) -> f32 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        (self.0 >> 40) as f32 / (1u64 << 24) as f32
-    }
-    fn vec(&mut self, n: usize) -> Vec<f32> {
-        (0..n).map(|_| self.uniform() * 2.0 - 1.0).collect()
-    }
 }
 
 fn down(t: &GpuTensor) -> Vec<f32> {

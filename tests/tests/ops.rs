@@ -5,23 +5,7 @@ use engine_core::backend::cpu::delta;
 use engine_core::backend::{Act, AttnShape, DeltaInputs, DeltaShape};
 use engine_core::kv::{begin_attention, PagedKv};
 use engine_core::CpuBackend;
-use tests::max_abs_diff;
-
-/// A small deterministic generator (xorshift) so the tests need no RNG crate.
-struct Rng(u64);
-impl Rng {
-    fn uniform(&mut self) -> f32 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        (self.0 >> 40) as f32 / (1u64 << 24) as f32
-    }
-    fn normal_vec(&mut self, n: usize) -> Vec<f32> {
-        (0..n)
-            .map(|_| (0..12).map(|_| self.uniform()).sum::<f32>() - 6.0)
-            .collect()
-    }
-}
+use tests::{max_abs_diff, Rng};
 
 fn l2_normalise(x: &mut [f32], d: usize, scale: f32) {
     for row in x.chunks_mut(d) {
