@@ -93,10 +93,13 @@ fn decode_attention(c: &mut Criterion) {
             b.iter(|| {
                 let parts: Vec<_> = kv
                     .iter()
-                    .map(|p| ops::attend_page_split(&g, shape, &q, &pos, p, 1.0, 256))
+                    .map(|p| ops::attend_page_split(&g, shape, &q, &pos, p, 1.0, ops::DECODE_SPLIT))
                     .collect();
                 let refs: Vec<_> = parts.iter().collect();
-                wait(&g, &ops::merge_partials(&g, &refs).o)
+                wait(
+                    &g,
+                    &ops::merge_partials(&g, shape.q_heads, shape.head_dim, &refs).o,
+                )
             })
         });
     }

@@ -2,10 +2,12 @@
 //!
 //! Attention over a set of keys splits into pages: each page yields, per (query row, head), the
 //! normalised partial output `o`, the max score `m` and the exp-sum `l`. Partials merge without
-//! loss, always in page order, so the result does not depend on where a page was computed (host,
-//! helper, GPU). This file is the one place that merge is written.
+//! loss, always in page order and on the backend that runs the layer (`Backend::
+//! merge_partials`), so the result does not depend on where a page was computed (host or
+//! helper). [`Merger`] is that merge on the host, in f64; the GPU's `attn_merge` kernel is the
+//! same formula in f32.
 
-use crate::backend::{Act, AttnShape, Backend};
+use crate::backend::{Act, ActPartials, AttnShape, Backend};
 use crate::error::{Error, Result};
 use crate::remote::HelperClient;
 
@@ -299,7 +301,7 @@ pub struct PendingAttention {
     head_dim: usize,
     /// The request for the helper's partials, if it holds pages of this layer.
     remote: Option<u32>,
-    local: Vec<Partials>,
+    local: Vec<ActPartials>,
 }
 
 impl PendingAttention {
@@ -308,21 +310,19 @@ impl PendingAttention {
         self.remote.is_some()
     }
 
-    /// Collect the helper's partials (from `remote`, the client the query went out on) and merge.
-    pub fn finish(self, remote: Option<&mut HelperClient>) -> Result<Partials> {
-        let mut merger = Merger::new(self.rows, self.head_dim);
+    /// Collect the helper's partials (from `remote`, the client the query went out on) and
+    /// merge on `be`: the attention output `[rows, head_dim]`.
+    pub fn finish(self, be: &dyn Backend, remote: Option<&mut HelperClient>) -> Result<Act> {
+        let mut parts = Vec::new();
         if let Some(req) = self.remote {
             let remote = remote.ok_or_else(|| {
                 Error::Remote("the helper attending this sequence's oldest pages is gone".into())
             })?;
-            for p in remote.attend_reply(req, self.rows, self.head_dim)? {
-                merger.add(&p);
-            }
+            let theirs = remote.attend_reply(req, self.rows, self.head_dim)?;
+            parts.extend(theirs.into_iter().map(ActPartials::from));
         }
-        for p in &self.local {
-            merger.add(p);
-        }
-        Ok(merger.finish())
+        parts.extend(self.local);
+        Ok(be.merge_partials(self.rows, self.head_dim, parts))
     }
 }
 
@@ -359,6 +359,28 @@ pub fn begin_attention(
         remote,
         local,
     })
+}
+
+/// Host copies of `parts` (a helper's answer, which crosses the link), in one read.
+pub fn download_partials(be: &dyn Backend, parts: &[ActPartials]) -> Vec<Partials> {
+    let ranges: Vec<(&Act, std::ops::Range<usize>)> = parts
+        .iter()
+        .flat_map(|p| [&p.o, &p.m, &p.l])
+        .map(|a| (a, 0..a.len()))
+        .collect();
+    let mut host = be.download_ranges(&ranges).into_iter();
+    parts
+        .iter()
+        .map(|p| {
+            let mut take = |n: usize| host.by_ref().take(n).collect::<Vec<f32>>();
+            Partials {
+                head_dim: p.head_dim,
+                o: take(p.rows * p.head_dim),
+                m: take(p.rows),
+                l: take(p.rows),
+            }
+        })
+        .collect()
 }
 
 #[cfg(test)]

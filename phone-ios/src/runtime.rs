@@ -13,7 +13,7 @@ use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
 use engine_core::backend::{AttnShape, Backend};
-use engine_core::kv::{KvPage, PagedKv};
+use engine_core::kv::{download_partials, KvPage, PagedKv};
 use engine_core::link::{Link, LinkError};
 use engine_core::model::LayerState;
 use engine_core::protocol::{
@@ -343,7 +343,8 @@ impl<'a> Helper<'a> {
                 let rows = pos.len() * shape.q_heads;
                 let (mut o, mut m, mut l) = (Vec::new(), Vec::new(), Vec::new());
                 let q = self.backend.upload(q.data);
-                for p in self.backend.attend_pages(shape, &q, &pos, &pages) {
+                let parts = self.backend.attend_pages(shape, &q, &pos, &pages);
+                for p in download_partials(self.backend, &parts) {
                     o.extend(p.o);
                     m.extend(p.m);
                     l.extend(p.l);

@@ -588,16 +588,50 @@ fn merge_matches_the_cpu_merger() {
     }
     let want = merger.finish();
     let refs: Vec<&GpuPartials> = parts.iter().collect();
-    let got = partials_of(&ops::merge_partials(g, &refs));
+    let got = partials_of(&ops::merge_partials(g, t * 4, 16, &refs));
     check_partials("merge 5 pages", &got, &want, TOL_F32);
     // Only the invisible page: every row empty.
-    let got = partials_of(&ops::merge_partials(g, &refs[4..]));
+    let got = partials_of(&ops::merge_partials(g, t * 4, 16, &refs[4..]));
     check_partials(
         "merge empty",
         &got,
         &cpu_attend(shape, &q, &q_pos, &pages[4]),
         0.0,
     );
+    // No partials at all: the same empty rows.
+    let got = partials_of(&ops::merge_partials(g, t * 4, 16, &[]));
+    check_partials("merge nothing", &got, &Partials::empty(t * 4, 16), 0.0);
+}
+
+/// A long context's decode merges hundreds of pages (128k positions in pages of 256 is 512):
+/// the device's f32 merge stays within f32 tolerance of the f64 merger, with scores spread
+/// over a wide range so most pages are rescaled.
+#[test]
+fn merging_hundreds_of_pages_in_f32_stays_close_to_the_f64_merger() {
+    let g = gpu();
+    let mut rng = Rng(15);
+    let (rows, d, n) = (6, 32, 512);
+    let mut merger = Merger::new(rows, d);
+    let mut parts = Vec::new();
+    for _ in 0..n {
+        let p = Partials {
+            head_dim: d,
+            o: rng.vec(rows * d),
+            m: rng.vec(rows).iter().map(|x| x * 20.0).collect(),
+            l: rng.vec(rows).iter().map(|x| 1.0 + x.abs() * 300.0).collect(),
+        };
+        merger.add(&p);
+        parts.push(GpuPartials {
+            rows,
+            head_dim: d,
+            o: g.upload_f32(&p.o),
+            m: g.upload_f32(&p.m),
+            l: g.upload_f32(&p.l),
+        });
+    }
+    let refs: Vec<&GpuPartials> = parts.iter().collect();
+    let got = partials_of(&ops::merge_partials(g, rows, d, &refs));
+    check_partials("merge 512 pages", &got, &merger.finish(), TOL_F32);
 }
 
 #[test]

@@ -2,7 +2,7 @@
 //! plain softmax over all keys whatever the page size.
 
 use engine_core::backend::cpu::delta;
-use engine_core::backend::{Act, AttnShape, DeltaInputs, DeltaShape};
+use engine_core::backend::{Act, AttnShape, Backend, DeltaInputs, DeltaShape};
 use engine_core::kv::{begin_attention, PagedKv};
 use engine_core::CpuBackend;
 use tests::{max_abs_diff, Rng};
@@ -112,9 +112,9 @@ fn paged_attention_equals_unpaged_for_any_page_size() {
         kv.append(&CpuBackend, &rows(&k[..37 * row]), &rows(&v[..37 * row]));
         kv.append(&CpuBackend, &rows(&k[37 * row..]), &rows(&v[37 * row..]));
         begin_attention(&CpuBackend, shape, &rows(q), pos, &kv, None)
-            .and_then(|a| a.finish(None))
+            .and_then(|a| a.finish(&CpuBackend, None))
+            .map(|o| CpuBackend.download_owned(o))
             .unwrap()
-            .o
     };
     // One page holding every key is plain attention; it must match the definition (in f64).
     let whole = paged(n, &q, &all);

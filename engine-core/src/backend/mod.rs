@@ -6,7 +6,7 @@
 //! device buffer on the GPU, so the model can hand activations, DeltaNet state and KV pages
 //! from op to op without reading them back. Values cross to the host only through
 //! [`Backend::download`] and friends, which the model calls where values must leave the backend
-//! (logits, attention partials for the exact f64 merge, and whatever crosses the link).
+//! (logits, and whatever crosses the link: KV rows, a state, a helper's attention partials).
 
 pub mod cpu;
 #[cfg(feature = "gpu")]
@@ -104,6 +104,33 @@ impl Deref for Param {
     type Target = [f32];
     fn deref(&self) -> &[f32] {
         &self.0
+    }
+}
+
+/// Attention partials (kv.rs's [`Partials`]) where a backend keeps them: what
+/// [`Backend::attend_pages`] makes for each page, and what [`Backend::merge_partials`] merges.
+/// A helper's partials arrive as host values ([`From<Partials>`]).
+#[derive(Debug)]
+pub struct ActPartials {
+    pub rows: usize,
+    pub head_dim: usize,
+    /// `[rows, head_dim]`, normalised by `l`.
+    pub o: Act,
+    /// `[rows]`: the max scaled score.
+    pub m: Act,
+    /// `[rows]`: the sum of `exp(score - m)`.
+    pub l: Act,
+}
+
+impl From<Partials> for ActPartials {
+    fn from(p: Partials) -> Self {
+        ActPartials {
+            rows: p.rows(),
+            head_dim: p.head_dim,
+            o: Act::Host(p.o),
+            m: Act::Host(p.m),
+            l: Act::Host(p.l),
+        }
     }
 }
 
@@ -217,15 +244,22 @@ pub trait Backend: Send + Sync {
 
     /// Attention partials of query rows `q` `[t, q_heads, head_dim]` (scaled by the caller)
     /// over each of `pages`, causal by absolute position (key `p` is visible to query row `t`
-    /// iff `p <= q_pos[t]`), read to the host: they merge there, in f64 and page order
-    /// (`kv::Merger`), with the helper's. One read for all pages.
+    /// iff `p <= q_pos[t]`), kept where the backend keeps values. A page's partials depend
+    /// only on the page, the queries and the backend, never on where the other pages live.
     fn attend_pages(
         &self,
         shape: AttnShape,
         q: &Act,
         q_pos: &[usize],
         pages: &[&KvPage],
-    ) -> Vec<Partials>;
+    ) -> Vec<ActPartials>;
+
+    /// The attention output `[rows, head_dim]` of partials merged in the order given (page
+    /// order: a helper's, the oldest, first), staying on the backend. Each backend has one
+    /// merge (the CPU's is `kv::Merger`, in f64; the GPU's is `attn_merge`, in f32), used
+    /// whether the pages were attended here or arrived from a helper, so moving a page
+    /// never changes a bit.
+    fn merge_partials(&self, rows: usize, head_dim: usize, parts: Vec<ActPartials>) -> Act;
 
     /// Gated delta rule over `t` tokens in the chunked (WY) form; `state` `[v_heads, dk, dv]`
     /// is read and advanced; returns the output `[t, v_heads, dv]`.

@@ -84,10 +84,9 @@ impl Attention {
         ))
     }
 
-    /// The rest of the layer once the attention output `attn` is merged (on the host): gate
-    /// and output projection.
-    pub(super) fn finish(&self, be: &dyn Backend, attn: Vec<f32>, gate: &Act) -> Act {
-        let mut attn = be.upload(attn);
+    /// The rest of the layer once the attention output `attn` is merged: gate and output
+    /// projection.
+    pub(super) fn finish(&self, be: &dyn Backend, mut attn: Act, gate: &Act) -> Act {
         be.sigmoid_mul(&mut attn, gate);
         be.matmul(&attn, &self.o_proj)
     }

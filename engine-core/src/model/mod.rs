@@ -403,7 +403,7 @@ impl Model {
             let Mixer::Attention(a) = &self.layer(pass.next)?.mixer else {
                 unreachable!("a pass waits only at full-attention layers")
             };
-            let y = a.finish(be, w.attention.finish(state.remote.as_mut())?.o, &w.gate);
+            let y = a.finish(be, w.attention.finish(be, state.remote.as_mut())?, &w.gate);
             self.close_layer(be, pass, &y, trace.as_deref_mut())?;
         }
         while pass.next < pass.end {
@@ -419,7 +419,7 @@ impl Model {
                         pass.waiting = Some(Waiting { attention, gate });
                         return Ok(());
                     }
-                    a.finish(be, attention.finish(state.remote.as_mut())?.o, &gate)
+                    a.finish(be, attention.finish(be, state.remote.as_mut())?, &gate)
                 }
                 (Mixer::DeltaNet(d), LayerState::DeltaNet(st)) => d.forward(be, c, &normed, st),
                 _ => unreachable!("State::check_matches verified the layer kinds"),

@@ -16,8 +16,8 @@ use std::ops::Range;
 
 use rayon::prelude::*;
 
-use super::{Act, AttnShape, Backend, DeltaInputs, DeltaShape, Param};
-use crate::kv::{KvPage, Partials};
+use super::{Act, ActPartials, AttnShape, Backend, DeltaInputs, DeltaShape, Param};
+use crate::kv::{KvPage, Merger, Partials};
 use crate::tensor::Matrix;
 
 #[derive(Clone, Copy, Debug, Default)]
@@ -309,11 +309,24 @@ impl Backend for CpuBackend {
         q: &Act,
         q_pos: &[usize],
         pages: &[&KvPage],
-    ) -> Vec<Partials> {
+    ) -> Vec<ActPartials> {
         pages
             .iter()
-            .map(|page| attention::attend_page(shape, host(q), q_pos, page))
+            .map(|page| attention::attend_page(shape, host(q), q_pos, page).into())
             .collect()
+    }
+
+    fn merge_partials(&self, rows: usize, head_dim: usize, parts: Vec<ActPartials>) -> Act {
+        let mut merger = Merger::new(rows, head_dim);
+        for p in parts {
+            merger.add(&Partials {
+                head_dim: p.head_dim,
+                o: self.download_owned(p.o),
+                m: self.download_owned(p.m),
+                l: self.download_owned(p.l),
+            });
+        }
+        Act::Host(merger.finish().o)
     }
 
     fn delta_rule_chunked(

@@ -1,18 +1,18 @@
 //! The `Backend` trait on the GPU op layer. Values the model computes with are device tensors
 //! ([`Act::Device`]): every op records into the device's one batch and nothing runs until a
-//! value is read back, so a decode step submits once per full-attention layer (its pages'
-//! partials, read for the host's exact f64 merge) and once for the logits. DeltaNet states
-//! and KV pages stay on the device too; only what crosses the link is read. Weights and layer
-//! parameters are uploaded once, on first use, and kept.
+//! value is read back, so a decode step on its own submits once, for the logits. DeltaNet
+//! states, KV pages and attention partials (merged by `attn_merge`) stay on the device too;
+//! only what crosses the link is read. Weights and layer parameters are uploaded once, on
+//! first use, and kept.
 
 use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
-use super::ops::{self, GpuDeltaInputs, GpuKvPage};
+use super::ops::{self, GpuDeltaInputs, GpuKvPage, GpuPartials};
 use super::{Gpu, GpuError, GpuMatrix, GpuOptions, GpuTensor, WeightFormat};
-use crate::backend::{Act, AttnShape, Backend, DeltaInputs, DeltaShape, Param};
-use crate::kv::{KvPage, Partials};
+use crate::backend::{Act, ActPartials, AttnShape, Backend, DeltaInputs, DeltaShape, Param};
+use crate::kv::KvPage;
 use crate::tensor::{DType, Data, Matrix};
 
 pub struct GpuBackend {
@@ -259,13 +259,12 @@ impl Backend for GpuBackend {
         q: &Act,
         q_pos: &[usize],
         pages: &[&KvPage],
-    ) -> Vec<Partials> {
+    ) -> Vec<ActPartials> {
         if pages.is_empty() {
             return Vec::new();
         }
         let (q, pos) = (self.dev(q), self.positions(q_pos));
-        // The caller has scaled q.
-        let parts: Vec<_> = pages
+        pages
             .iter()
             .map(|page| {
                 let page = GpuKvPage {
@@ -274,32 +273,45 @@ impl Backend for GpuBackend {
                     k: self.dev(&page.k),
                     v: self.dev(&page.v),
                 };
-                ops::attend_page(&self.gpu, shape, &q, &pos, &page, 1.0)
-            })
-            .collect();
-        // Every page's (o, m, l) in one read.
-        let ranges: Vec<(&GpuTensor, Range<usize>)> = parts
-            .iter()
-            .flat_map(|p| [&p.o, &p.m, &p.l])
-            .map(|t| (t, 0..t.len()))
-            .collect();
-        let mut host = self
-            .gpu
-            .download_ranges(&ranges)
-            .unwrap_or_else(|e| panic!("GPU read-back: {e}"))
-            .into_iter();
-        parts
-            .iter()
-            .map(|p| {
-                let mut take = |n: usize| host.by_ref().take(n).collect::<Vec<f32>>();
-                Partials {
+                // The caller has scaled q.
+                let p = if q_pos.len() < ops::PREFILL_ROWS {
+                    ops::attend_page_split(
+                        &self.gpu,
+                        shape,
+                        &q,
+                        &pos,
+                        &page,
+                        1.0,
+                        ops::DECODE_SPLIT,
+                    )
+                } else {
+                    ops::attend_page(&self.gpu, shape, &q, &pos, &page, 1.0)
+                };
+                ActPartials {
+                    rows: p.rows,
                     head_dim: p.head_dim,
-                    o: take(p.rows * p.head_dim),
-                    m: take(p.rows),
-                    l: take(p.rows),
+                    o: Act::Device(p.o),
+                    m: Act::Device(p.m),
+                    l: Act::Device(p.l),
                 }
             })
             .collect()
+    }
+
+    fn merge_partials(&self, rows: usize, head_dim: usize, parts: Vec<ActPartials>) -> Act {
+        // A helper's partials arrive on the host: `dev` uploads them.
+        let parts: Vec<GpuPartials> = parts
+            .iter()
+            .map(|p| GpuPartials {
+                rows: p.rows,
+                head_dim: p.head_dim,
+                o: self.dev(&p.o),
+                m: self.dev(&p.m),
+                l: self.dev(&p.l),
+            })
+            .collect();
+        let refs: Vec<&GpuPartials> = parts.iter().collect();
+        Act::Device(ops::merge_partials(&self.gpu, rows, head_dim, &refs).o)
     }
 
     fn delta_rule_chunked(

@@ -459,8 +459,13 @@ impl GpuPartials {
     }
 }
 
-/// Query rows per `attn_prefill` workgroup (its `BQ`).
-const PREFILL_ROWS: usize = 8;
+/// Query rows per `attn_prefill` workgroup (its `BQ`): fewer rows leave it mostly idle, and
+/// [`attend_page_split`] serves them better.
+pub const PREFILL_ROWS: usize = 8;
+
+/// Keys per workgroup when few query rows (decode) attend a page: a page of 512 keys keeps
+/// 8 workgroups per (row, head) busy instead of one.
+pub const DECODE_SPLIT: usize = 64;
 
 /// Key ranges of `attn_decode`: `parts` ranges of `len` keys.
 struct Split {
@@ -564,12 +569,12 @@ pub fn attend_page_split(
     if splits == 1 {
         return parts;
     }
-    merge_stacked(gpu, &parts, splits)
+    merge_stacked(gpu, &parts, parts.rows / splits, splits)
 }
 
-/// Merges `parts` stacked partials (`parts.rows = parts * rows`) into one.
-fn merge_stacked(gpu: &Gpu, stacked: &GpuPartials, parts: usize) -> GpuPartials {
-    let rows = stacked.rows / parts;
+/// Merges `parts` stacked partials of `rows` rows each (`stacked.rows = parts * rows`).
+fn merge_stacked(gpu: &Gpu, stacked: &GpuPartials, rows: usize, parts: usize) -> GpuPartials {
+    assert_eq!(stacked.rows, parts * rows);
     let d = stacked.head_dim;
     let out = GpuPartials::alloc(gpu, rows, d);
     if rows == 0 {
@@ -593,10 +598,18 @@ fn merge_stacked(gpu: &Gpu, stacked: &GpuPartials, parts: usize) -> GpuPartials 
     out
 }
 
-/// Merges page partials in the order given (kv.rs's `Merger`, in f32 on the device).
-pub fn merge_partials(gpu: &Gpu, parts: &[&GpuPartials]) -> GpuPartials {
-    let first = parts.first().expect("at least one partial");
-    let (rows, d) = (first.rows, first.head_dim);
+/// Merges partials of `rows` (query row, head) pairs in the order given (kv.rs's `Merger`, in
+/// f32 on the device); no partials merge into empty rows (`m = -inf, l = 0, o = 0`).
+pub fn merge_partials(gpu: &Gpu, rows: usize, d: usize, parts: &[&GpuPartials]) -> GpuPartials {
+    if parts.is_empty() {
+        return GpuPartials {
+            rows,
+            head_dim: d,
+            o: gpu.upload_f32(&vec![0.0; rows * d]),
+            m: gpu.upload_f32(&vec![f32::NEG_INFINITY; rows]),
+            l: gpu.upload_f32(&vec![0.0; rows]),
+        };
+    }
     let stacked = GpuPartials::alloc(gpu, parts.len() * rows, d);
     for (i, p) in parts.iter().enumerate() {
         assert!(
@@ -607,7 +620,7 @@ pub fn merge_partials(gpu: &Gpu, parts: &[&GpuPartials]) -> GpuPartials {
         gpu.copy(&p.m, 0, &stacked.m, i * rows, rows);
         gpu.copy(&p.l, 0, &stacked.l, i * rows, rows);
     }
-    merge_stacked(gpu, &stacked, parts.len())
+    merge_stacked(gpu, &stacked, rows, parts.len())
 }
 
 /// Greedy sampling: the index of the largest value of each row of `x` (rows of `n`), lowest
