@@ -98,6 +98,8 @@ fn matmul_matches_cpu_for_every_weight_format_and_kernel() {
         (5, 19, 40),
         (20, 37, 29),
         (2, 64, 130),
+        // Wider than one pass of matvec's 64 threads x 8 columns, with a tail.
+        (6, 3, 1100),
     ] {
         let x = rng.vec(t * cols);
         let wv = rng.vec(rows * cols);
@@ -618,7 +620,11 @@ fn merging_hundreds_of_pages_in_f32_stays_close_to_the_f64_merger() {
             head_dim: d,
             o: rng.vec(rows * d),
             m: rng.vec(rows).iter().map(|x| x * 20.0).collect(),
-            l: rng.vec(rows).iter().map(|x| 1.0 + x.abs() * 300.0).collect(),
+            l: rng
+                .vec(rows)
+                .iter()
+                .map(|x| 1.0 + x.abs() * 300.0)
+                .collect(),
         };
         merger.add(&p);
         parts.push(GpuPartials {

@@ -2,8 +2,9 @@
 // without bias; a matrix larger than one binding is split into row blocks, one dispatch each).
 // Accumulation is in f32 whatever the weight storage.
 //
-// `matvec`: few rows of x (decode). One workgroup per output element streams its weight row
-// once; the WG threads split the columns and reduce in workgroup memory.
+// `matvec`: few rows of x (decode). One workgroup per weight row and group of up to MT rows of
+// x streams the weight row once: each thread takes 8 columns at a time (one or two vector
+// loads, rows being padded to 8), and the WG threads reduce in workgroup memory.
 // `matmul`: many rows of x (prefill). TILE x TILE outputs per workgroup; x and w tiles of
 // TILE columns are staged in workgroup memory so each loaded value serves TILE products.
 
@@ -21,7 +22,17 @@ struct Params {
 @group(0) @binding(2) var<storage, read> x: array<f32>;
 @group(0) @binding(3) var<storage, read_write> out: array<f32>;
 
-var<workgroup> partial: array<f32, WG>;
+// Rows of x per matvec workgroup (ops.rs's MATVEC_MAX_T).
+const MT: u32 = 4u;
+
+var<workgroup> partial: array<f32, MT * WG>;
+
+fn x8(i: u32) -> Eight {
+    return Eight(
+        vec4<f32>(x[i], x[i + 1u], x[i + 2u], x[i + 3u]),
+        vec4<f32>(x[i + 4u], x[i + 5u], x[i + 6u], x[i + 7u]),
+    );
+}
 
 @compute @workgroup_size(WG)
 fn matvec(
@@ -30,25 +41,42 @@ fn matvec(
     @builtin(num_workgroups) nwg: vec3<u32>,
 ) {
     let id = wid.x + wid.y * nwg.x;
-    if id >= p.t * p.rows {
+    let r = id % p.rows;
+    let t0 = (id / p.rows) * MT;
+    if t0 >= p.t {
         return;
     }
-    let tt = id / p.rows;
-    let r = id % p.rows;
-    var acc = 0.0;
-    for (var c = lid; c < p.cols; c += WG) {
-        acc += x[tt * p.cols + c] * weight(r * p.w_stride + c);
+    let nt = min(MT, p.t - t0);
+    let base = r * p.w_stride;
+    let full = p.cols & ~7u;
+    var acc: array<f32, MT>;
+    for (var c = lid * 8u; c < full; c += WG * 8u) {
+        let wv = weight8(base + c);
+        for (var j = 0u; j < nt; j++) {
+            let xv = x8((t0 + j) * p.cols + c);
+            acc[j] += dot(wv.lo, xv.lo) + dot(wv.hi, xv.hi);
+        }
     }
-    partial[lid] = acc;
+    for (var c = full + lid; c < p.cols; c += WG) {
+        let wv = weight(base + c);
+        for (var j = 0u; j < nt; j++) {
+            acc[j] += x[(t0 + j) * p.cols + c] * wv;
+        }
+    }
+    for (var j = 0u; j < MT; j++) {
+        partial[j * WG + lid] = acc[j];
+    }
     workgroupBarrier();
     for (var s = WG / 2u; s > 0u; s >>= 1u) {
         if lid < s {
-            partial[lid] += partial[lid + s];
+            for (var j = 0u; j < MT; j++) {
+                partial[j * WG + lid] += partial[j * WG + lid + s];
+            }
         }
         workgroupBarrier();
     }
-    if lid == 0u {
-        out[tt * p.n + p.row0 + r] = partial[0];
+    if lid < nt {
+        out[(t0 + lid) * p.n + p.row0 + r] = partial[lid * WG];
     }
 }
 

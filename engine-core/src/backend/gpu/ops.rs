@@ -13,8 +13,9 @@ use crate::backend::{AttnShape, DeltaInputs, DeltaShape};
 /// Threads per workgroup of the element-wise and row kernels (their `WG` default).
 const WG: usize = 64;
 
-/// Up to this many rows of `x`, [`matmul`] streams the weights once per row (`matvec`); from
-/// there the tiled kernel, which reuses each loaded weight for 16 rows, wins.
+/// Up to this many rows of `x`, [`matmul`] streams the weights once (`matvec`, which takes
+/// this many rows of `x` per workgroup: its `MT`); from there the tiled kernel, which reuses
+/// each loaded weight for 16 rows, wins.
 pub const MATVEC_MAX_T: usize = 4;
 
 /// Output tile of the `matmul` kernel.
@@ -118,7 +119,7 @@ pub fn matmul_with(gpu: &Gpu, x: &GpuTensor, w: &GpuMatrix, which: MatmulKernel)
                 &spec,
                 &params,
                 &binds,
-                grid(t * b.rows),
+                grid(t.div_ceil(MATVEC_MAX_T) * b.rows),
             ),
             MatmulKernel::Tiled => gpu.dispatch(
                 k("matmul"),
