@@ -1,10 +1,12 @@
 //! The GPU op layer at Qwen3.5-27B decode shapes: the matrix-vector product, decode attention
 //! over KV pages and the delta-rule step, on whatever adapter wgpu picks (`WGPU_BACKEND` to
-//! choose). Each iteration records the op and reads its (small) result back, so the time is
-//! the device's work plus one submit and one read-back. Throughput is in bytes the op must
-//! read: weights for the product, K and V for attention, the recurrent state (read and
-//! written) for the delta step; compare with the card's copy bandwidth. Timings on a software
-//! adapter (lavapipe) say nothing about a GPU.
+//! choose). Each iteration records the op `REPS` times (the delta step: once per DeltaNet layer
+//! of the 27B, each on its own state) and reads one small result back, as a decode step does,
+//! so one submit and one read-back are spread over many ops. Every op streams more than an
+//! H200's 50 MB L2, so the bytes come from memory. Throughput is in bytes the ops must read:
+//! weights for the product, K and V for attention, the recurrent state (read and written) for
+//! the delta step; compare with the card's copy bandwidth (docs/PERFORMANCE.md says how to run
+//! this on the lent H200). Timings on a software adapter (lavapipe) say nothing about a GPU.
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use engine_core::backend::gpu::ops::{self, GpuDeltaInputs, GpuKvPage};
@@ -34,6 +36,9 @@ fn values(n: usize, seed: u32) -> Vec<f32> {
         .collect()
 }
 
+/// Ops recorded per iteration.
+const REPS: usize = 8;
+
 /// Waits for everything recorded so far by reading `t` back.
 fn wait(g: &Gpu, t: &GpuTensor) {
     g.download_f32(t).expect("read-back");
@@ -57,10 +62,16 @@ fn matvec(c: &mut Criterion) {
         };
         let gw = g.upload_matrix(&w, format).expect("weights fit");
         let x = g.upload_f32(&values(cols, 2));
-        group.throughput(Throughput::Bytes((rows * cols * 2) as u64));
+        group.throughput(Throughput::Bytes((REPS * rows * cols * 2) as u64));
         group.bench_function(
             BenchmarkId::new(format.name(), format!("{rows}x{cols}")),
-            |b| b.iter(|| wait(&g, &ops::matmul(&g, &x, &gw))),
+            |b| {
+                b.iter(|| {
+                    let outs: Vec<GpuTensor> =
+                        (0..REPS).map(|_| ops::matmul(&g, &x, &gw)).collect();
+                    wait(&g, &outs[REPS - 1])
+                })
+            },
         );
     }
     group.finish();
@@ -77,7 +88,8 @@ fn decode_attention(c: &mut Criterion) {
         head_dim: 256,
     };
     let (page, row) = (4096, shape.kv_heads * shape.head_dim);
-    for pages in [1usize, 8] {
+    // 8 pages are 268 MB of K and V, 32 pages (128k positions) 1 GB.
+    for pages in [8usize, 32] {
         let kv: Vec<GpuKvPage> = (0..pages)
             .map(|p| GpuKvPage {
                 start: p * page,
@@ -88,18 +100,32 @@ fn decode_attention(c: &mut Criterion) {
             .collect();
         let q = g.upload_f32(&values(shape.q_heads * shape.head_dim, 4));
         let pos = g.upload_u32(&[(pages * page) as u32]);
-        group.throughput(Throughput::Bytes((pages * page * row * 2 * 4) as u64));
+        group.throughput(Throughput::Bytes(
+            (REPS * pages * page * row * 2 * 4) as u64,
+        ));
         group.bench_function(BenchmarkId::new("pages", pages), |b| {
             b.iter(|| {
-                let parts: Vec<_> = kv
-                    .iter()
-                    .map(|p| ops::attend_page_split(&g, shape, &q, &pos, p, 1.0, ops::DECODE_SPLIT))
+                let outs: Vec<GpuTensor> = (0..REPS)
+                    .map(|_| {
+                        let parts: Vec<_> = kv
+                            .iter()
+                            .map(|p| {
+                                ops::attend_page_split(
+                                    &g,
+                                    shape,
+                                    &q,
+                                    &pos,
+                                    p,
+                                    1.0,
+                                    ops::DECODE_SPLIT,
+                                )
+                            })
+                            .collect();
+                        let refs: Vec<_> = parts.iter().collect();
+                        ops::merge_partials(&g, shape.q_heads, shape.head_dim, &refs).o
+                    })
                     .collect();
-                let refs: Vec<_> = parts.iter().collect();
-                wait(
-                    &g,
-                    &ops::merge_partials(&g, shape.q_heads, shape.head_dim, &refs).o,
-                )
+                wait(&g, &outs[REPS - 1])
             })
         });
     }
@@ -117,7 +143,10 @@ fn delta_step(c: &mut Criterion) {
         dk: 128,
         dv: 128,
     };
-    let state = g.upload_f32(&values(s.v_heads * s.dk * s.dv, 5));
+    // One state per DeltaNet layer of the 27B (48 of 3 MiB).
+    let states: Vec<GpuTensor> = (0..48)
+        .map(|i| g.upload_f32(&values(s.v_heads * s.dk * s.dv, 50 + i)))
+        .collect();
     let (q, k) = (
         g.upload_f32(&values(s.k_heads * s.dk, 6)),
         g.upload_f32(&values(s.k_heads * s.dk, 7)),
@@ -125,17 +154,25 @@ fn delta_step(c: &mut Criterion) {
     let v = g.upload_f32(&values(s.v_heads * s.dv, 8));
     let gate: Vec<f32> = values(s.v_heads, 9).iter().map(|x| -x.abs()).collect();
     let (gate, beta) = (g.upload_f32(&gate), g.upload_f32(&values(s.v_heads, 10)));
-    group.throughput(Throughput::Bytes((s.v_heads * s.dk * s.dv * 4 * 2) as u64));
+    group.throughput(Throughput::Bytes(
+        (states.len() * s.v_heads * s.dk * s.dv * 4 * 2) as u64,
+    ));
     group.bench_function("recurrent", |b| {
         b.iter(|| {
-            let x = GpuDeltaInputs {
-                q: &q,
-                k: &k,
-                v: &v,
-                g: &gate,
-                beta: &beta,
-            };
-            wait(&g, &ops::delta_rule_recurrent(&g, s, x, &state))
+            let outs: Vec<GpuTensor> = states
+                .iter()
+                .map(|state| {
+                    let x = GpuDeltaInputs {
+                        q: &q,
+                        k: &k,
+                        v: &v,
+                        g: &gate,
+                        beta: &beta,
+                    };
+                    ops::delta_rule_recurrent(&g, s, x, state)
+                })
+                .collect();
+            wait(&g, &outs[outs.len() - 1])
         })
     });
     group.finish();
