@@ -7,6 +7,8 @@
 //! helper). [`Merger`] is that merge on the host, in f64; the GPU's `attn_merge` kernel is the
 //! same formula in f32.
 
+use std::ops::Range;
+
 use crate::backend::{Act, ActPartials, AttnShape, Backend};
 use crate::error::{Error, Result};
 use crate::remote::HelperClient;
@@ -93,6 +95,15 @@ impl PagedKv {
     /// K and V rows of positions `start .. start + len` held here, copied to the host
     /// `[len, row]` in one read (they cross the link).
     pub fn rows(&self, be: &dyn Backend, start: usize, len: usize) -> Result<(Vec<f32>, Vec<f32>)> {
+        let mut k = be.download_ranges(&self.row_parts(start, len)?);
+        let v = k.split_off(len * self.row);
+        Ok((k, v))
+    }
+
+    /// Where the K rows then the V rows of positions `start .. start + len` live, as
+    /// (value, element range) pieces for [`Backend::download_ranges`]: a caller gathering
+    /// many layers' rows reads them all at once.
+    pub fn row_parts(&self, start: usize, len: usize) -> Result<Vec<(&Act, Range<usize>)>> {
         if start < self.remote_len || start.checked_add(len).is_none_or(|end| end > self.len) {
             return Err(Error::Invalid(format!(
                 "KV rows {start}..{} are not all held here ({}..{})",
@@ -101,7 +112,7 @@ impl PagedKv {
                 self.len
             )));
         }
-        let pieces: Vec<(&KvPage, std::ops::Range<usize>)> = self
+        let pieces: Vec<(&KvPage, Range<usize>)> = self
             .pages
             .iter()
             .filter_map(|p| {
@@ -110,15 +121,11 @@ impl PagedKv {
                 (lo < hi).then(|| (p, (lo - p.start) * self.row..(hi - p.start) * self.row))
             })
             .collect();
-        // Keys then values, in one read.
-        let parts: Vec<(&Act, std::ops::Range<usize>)> = pieces
+        Ok(pieces
             .iter()
             .map(|(p, r)| (&p.k, r.clone()))
             .chain(pieces.iter().map(|(p, r)| (&p.v, r.clone())))
-            .collect();
-        let mut k = be.download_ranges(&parts);
-        let v = k.split_off(len * self.row);
-        Ok((k, v))
+            .collect())
     }
 
     /// The oldest local page, if it is full (the next to move to the remote).
@@ -363,7 +370,7 @@ pub fn begin_attention(
 
 /// Host copies of `parts` (a helper's answer, which crosses the link), in one read.
 pub fn download_partials(be: &dyn Backend, parts: &[ActPartials]) -> Vec<Partials> {
-    let ranges: Vec<(&Act, std::ops::Range<usize>)> = parts
+    let ranges: Vec<(&Act, Range<usize>)> = parts
         .iter()
         .flat_map(|p| [&p.o, &p.m, &p.l])
         .map(|a| (a, 0..a.len()))

@@ -11,7 +11,7 @@ mod attention;
 mod deltanet;
 mod state;
 
-pub use state::{Checkpoint, LayerState, State};
+pub use state::{Checkpoint, DeltaState, LayerState, State};
 
 use crate::backend::{Act, Backend, Param};
 use crate::config::{LayerKind, ModelConfig};
