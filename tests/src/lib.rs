@@ -1,7 +1,13 @@
-//! Shared helpers of the cross-crate tests: where the fixtures are and how to read them.
+//! Shared helpers of the cross-crate tests: where the fixtures are and how to read them, how
+//! to tether a state to a helper, seeded random values.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
+
+use engine_core::link::Link;
+use engine_core::protocol::Configure;
+use engine_core::remote::{HelperClient, DEFAULT_MAX_FRAME};
+use engine_core::{Model, State};
 
 /// The reference fixtures: `$TETHER_FIXTURES`, else `../shared/fixtures` beside the checkout,
 /// else `/work/shared/fixtures` (where a clone made elsewhere, as CI's is, finds them).
@@ -102,4 +108,25 @@ impl Rng {
             .map(|_| (0..12).map(|_| self.uniform()).sum::<f32>() - 6.0)
             .collect()
     }
+}
+
+/// Tether `st` to the helper at the other end of `link`: it runs the layers from `split` on
+/// (none when `split` is the layer count) and holds KV pages of `page` positions; the host
+/// keeps at most `budget` positions of KV (`None`: all of them).
+pub fn attach(
+    m: &Model,
+    st: &mut State,
+    link: impl Link + 'static,
+    split: usize,
+    page: usize,
+    budget: Option<usize>,
+) {
+    let layers = m.config.num_hidden_layers as u32;
+    let cfg = Configure {
+        first_layer: (split as u32).min(layers),
+        end_layer: layers,
+        page_size: page as u32,
+    };
+    st.remote = Some(HelperClient::connect(Box::new(link), m, cfg, DEFAULT_MAX_FRAME).unwrap());
+    st.host_kv_tokens = budget;
 }

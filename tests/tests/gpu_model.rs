@@ -10,12 +10,11 @@ use engine_core::backend::gpu::{GpuBackend, GpuOptions};
 use engine_core::backend::Act;
 use engine_core::generate::argmax;
 use engine_core::link::pair;
-use engine_core::protocol::Configure;
-use engine_core::remote::{HelperClient, DEFAULT_MAX_FRAME};
+use engine_core::remote::DEFAULT_MAX_FRAME;
 use engine_core::split::{prefill, SplitPlan};
 use engine_core::{Backend, CpuBackend, LayerKind, Logits, Model};
 use phone_ios::{Helper, HelperOptions};
-use tests::{fixtures_dir, max_abs_diff, Reference};
+use tests::{attach, fixtures_dir, max_abs_diff, Reference};
 
 fn gpu() -> &'static GpuBackend {
     static GPU: OnceLock<GpuBackend> = OnceLock::new();
@@ -91,14 +90,7 @@ fn gpu_host_with_cpu_helper_and_the_reverse_give_the_same_tokens() {
                 Helper::new(m, helper, opts).serve(&mut helper_end)
             });
             let mut st = m.new_state(16);
-            let cfg = Configure {
-                first_layer: 4,
-                end_layer: 8,
-                page_size: 16,
-            };
-            st.remote =
-                Some(HelperClient::connect(Box::new(host_end), m, cfg, DEFAULT_MAX_FRAME).unwrap());
-            st.host_kv_tokens = Some(48);
+            attach(m, &mut st, host_end, 4, 16, Some(48));
             let (mut logits, report) = prefill(m, host, &mut st, &prompt, &plan).unwrap();
             assert!(report.on_helper > 0 && report.interleaved > 0, "{report:?}");
             let mut ids = Vec::new();
@@ -158,14 +150,7 @@ fn gpu_host_and_gpu_helper_match_the_gpu_host_alone_bit_for_bit() {
             Helper::new(m, helper, opts).serve(&mut helper_end)
         });
         let mut st = m.new_state(page);
-        let cfg = Configure {
-            first_layer: 4,
-            end_layer: 8,
-            page_size: page as u32,
-        };
-        st.remote =
-            Some(HelperClient::connect(Box::new(host_end), m, cfg, DEFAULT_MAX_FRAME).unwrap());
-        st.host_kv_tokens = Some(48);
+        attach(m, &mut st, host_end, 4, page, Some(48));
         let (logits, report) = prefill(m, gpu(), &mut st, &prompt, &plan).unwrap();
         assert!(report.on_helper > 0 && report.interleaved > 0, "{report:?}");
         let got = decode(&mut st, logits);

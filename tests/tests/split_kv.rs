@@ -6,7 +6,7 @@ use engine_core::protocol::{decode, encode, Configure, Intro, Message, Role, PRO
 use engine_core::remote::{HelperClient, DEFAULT_MAX_FRAME};
 use engine_core::{CpuBackend, Logits, Model};
 use phone_ios::{Helper, HelperOptions, SessionEnd};
-use tests::{fixtures_dir, Reference};
+use tests::{attach, fixtures_dir, Reference};
 
 fn model(fixture: &str) -> Model {
     Model::load_dir(&fixtures_dir().join(fixture)).unwrap()
@@ -34,14 +34,15 @@ fn run(
         if budget.is_some() {
             let (host_end, mut helper_end) = pair();
             scope.spawn(move || Helper::new(m, &CpuBackend, opts()).serve(&mut helper_end));
-            let cfg = Configure {
-                first_layer: 0,
-                end_layer: 0,
-                page_size: page as u32,
-            };
-            st.remote =
-                Some(HelperClient::connect(Box::new(host_end), m, cfg, DEFAULT_MAX_FRAME).unwrap());
-            st.host_kv_tokens = budget;
+            // No layers on the helper: pages only.
+            attach(
+                m,
+                &mut st,
+                host_end,
+                m.config.num_hidden_layers,
+                page,
+                budget,
+            );
         }
         let mut logits = Vec::new();
         for chunk in prompt.chunks(ubatch) {

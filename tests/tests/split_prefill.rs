@@ -9,27 +9,10 @@ use engine_core::remote::{HelperClient, DEFAULT_MAX_FRAME};
 use engine_core::split::{prefill, SplitPlan};
 use engine_core::{CpuBackend, Logits, Model, State};
 use phone_ios::{Helper, HelperOptions};
-use tests::{fixtures_dir, Reference};
+use tests::{attach, fixtures_dir, Reference};
 
 fn model(fixture: &str) -> Model {
     Model::load_dir(&fixtures_dir().join(fixture)).unwrap()
-}
-
-fn attach(
-    m: &Model,
-    st: &mut State,
-    link: impl Link + 'static,
-    split: usize,
-    page: usize,
-    budget: Option<usize>,
-) {
-    let cfg = Configure {
-        first_layer: split as u32,
-        end_layer: m.config.num_hidden_layers as u32,
-        page_size: page as u32,
-    };
-    st.remote = Some(HelperClient::connect(Box::new(link), m, cfg, DEFAULT_MAX_FRAME).unwrap());
-    st.host_kv_tokens = budget;
 }
 
 /// Two turns: prompt 1, `gen` greedy tokens, prompt 2, `gen` more. Returns all logits.
