@@ -15,7 +15,7 @@ use crate::ModelConfig;
 #[cfg_attr(feature = "cli", derive(clap::Args))]
 pub struct BackendOptions {
     /// cpu, or gpu (wgpu: Metal, Vulkan or DX12; a software Vulkan adapter such as lavapipe
-    /// counts). The GPU backend reads every op's result back for now: correct, not yet fast.
+    /// counts, and is far slower than the CPU backend).
     #[cfg_attr(feature = "cli", arg(long, default_value = "cpu"))]
     pub backend: String,
 }

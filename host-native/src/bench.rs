@@ -8,14 +8,13 @@ use engine_core::generate::argmax;
 use engine_core::split::{minimum, prefill};
 use engine_core::Logits;
 
-use crate::helper::{stats_json, HelperArgs};
-use crate::load::{self, BackendOptions, SynthOptions};
+use crate::helper::stats_json;
+use crate::load::{self, EngineArgs};
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// A checkpoint directory, or a preset (tiny, qwen35-0.8b).
-    #[arg(long)]
-    model: String,
+    #[command(flatten)]
+    engine: EngineArgs,
     #[arg(long, default_value_t = 512)]
     prompt_tokens: usize,
     #[arg(long, default_value_t = 64)]
@@ -25,19 +24,9 @@ pub struct Args {
     depth: usize,
     #[arg(long, default_value_t = 512)]
     ubatch: usize,
-    #[arg(long, default_value_t = 4096)]
-    page_size: usize,
-    #[arg(long)]
-    threads: Option<usize>,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
-    #[command(flatten)]
-    synth: SynthOptions,
-    #[command(flatten)]
-    backend: BackendOptions,
-    #[command(flatten)]
-    helper: HelperArgs,
 }
 
 /// Peak resident set size of this process (Linux's VmHWM), if the platform reports it.
@@ -52,9 +41,9 @@ pub fn run(a: Args) -> Result<()> {
     if a.prompt_tokens == 0 {
         bail!("--prompt-tokens must be at least 1");
     }
-    load::init_threads(a.threads)?;
-    let model = load::load(&a.model, &a.synth, None)?.model;
-    let (be, what) = a.backend.make()?;
+    load::init_threads(a.engine.threads)?;
+    let model = load::load(&a.engine.model, &a.engine.synth, None)?.model;
+    let (be, what) = a.engine.backend.make()?;
     let be = &*be;
     eprintln!("backend: {what}");
     let v = model.config.vocab_size as u64;
@@ -68,8 +57,11 @@ pub fn run(a: Args) -> Result<()> {
     };
     let depth: Vec<u32> = (0..a.depth).map(|_| next_id()).collect();
     let prompt: Vec<u32> = (0..a.prompt_tokens).map(|_| next_id()).collect();
-    let mut state = model.new_state(a.page_size);
-    let link = a.helper.attach(&model, &mut state, a.page_size)?;
+    let mut state = model.new_state(a.engine.page_size);
+    let link = a
+        .engine
+        .helper
+        .attach(&model, &mut state, a.engine.page_size)?;
     for chunk in depth.chunks(a.ubatch.max(1)) {
         model.forward(be, &mut state, chunk, Logits::None, None)?;
     }
@@ -78,7 +70,7 @@ pub fn run(a: Args) -> Result<()> {
     }
     let c = &model.config;
     let (moved_before, pos_before) = (state.remote_kv_len(), state.pos);
-    let plan = a.helper.plan(a.ubatch);
+    let plan = a.engine.helper.plan(a.ubatch);
     let split_ubatch = plan.ubatch.max(1);
     let t0 = Instant::now();
     let (mut logits, split) = prefill(&model, be, &mut state, &prompt, &plan)?;
@@ -100,7 +92,7 @@ pub fn run(a: Args) -> Result<()> {
             split.synced_rows,
             split.mirror_synced,
         ) + minimum::offload(c, state.remote_kv_len() - moved_before);
-        let pages = moved_before / a.page_size;
+        let pages = moved_before / a.engine.page_size;
         if split.on_helper > 0 {
             // A split prefill moves pages only at its end: every ubatch sees the pages moved
             // before it, the host's layers for every row, the tail's for the rows it ran.
@@ -115,17 +107,17 @@ pub fn run(a: Args) -> Result<()> {
         } else {
             // Ubatch by ubatch on the host (in pairs past interleave_from), pages moving after
             // each step as the budget demands.
-            let budget = a.helper.host_kv_tokens().unwrap_or(usize::MAX);
+            let budget = a.engine.helper.host_kv_tokens().unwrap_or(usize::MAX);
             let (mut remote, mut pos, mut attend) = (moved_before, pos_before, 0);
             let chunks: Vec<usize> = prompt.chunks(split_ubatch).map(|c| c.len()).collect();
             let mut i = 0;
             while i < chunks.len() {
                 let step = if pos >= plan.interleave_from { 2 } else { 1 };
                 let rows: usize = chunks[i..(i + step).min(chunks.len())].iter().sum();
-                attend += minimum::attend(c, 0..n, rows, remote / a.page_size);
+                attend += minimum::attend(c, 0..n, rows, remote / a.engine.page_size);
                 pos += rows;
-                while pos - remote > budget && remote + a.page_size <= pos {
-                    remote += a.page_size;
+                while pos - remote > budget && remote + a.engine.page_size <= pos {
+                    remote += a.engine.page_size;
                 }
                 i += step;
             }
@@ -137,7 +129,7 @@ pub fn run(a: Args) -> Result<()> {
     for _ in 0..a.gen {
         let before = state.remote_kv_len();
         logits = model.forward(be, &mut state, &[argmax(&logits)], Logits::Last, None)?;
-        decode_min += minimum::attend(c, 0..n, 1, before / a.page_size)
+        decode_min += minimum::attend(c, 0..n, 1, before / a.engine.page_size)
             + minimum::offload(c, state.remote_kv_len() - before);
     }
     let decode_s = t1.elapsed().as_secs_f64();
@@ -153,7 +145,7 @@ pub fn run(a: Args) -> Result<()> {
     let peak = peak_rss_bytes();
     if a.json {
         let obj = serde_json::json!({
-            "model": a.model,
+            "model": a.engine.model,
             "weight_dtype": model.weight_dtype().map_or("none", |d| d.name()),
             "weight_bytes": weight_bytes as u64,
             "threads": threads,
@@ -179,7 +171,7 @@ pub fn run(a: Args) -> Result<()> {
     } else {
         println!(
             "model {} ({} weights, {:.0} MB), {} threads, depth {}",
-            a.model,
+            a.engine.model,
             model.weight_dtype().map_or("none", |d| d.name()),
             weight_bytes / 1e6,
             threads,

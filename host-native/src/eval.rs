@@ -9,14 +9,12 @@ use engine_core::weights::{save_raw, RawTensor};
 use engine_core::Logits;
 use safetensors::Dtype;
 
-use crate::helper::HelperArgs;
-use crate::load::{self, BackendOptions, SynthOptions};
+use crate::load::{self, EngineArgs};
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// A checkpoint directory (or a preset).
-    #[arg(long)]
-    model: String,
+    #[command(flatten)]
+    engine: EngineArgs,
     /// Token ids separated by whitespace or commas (brackets are ignored, so a JSON array works).
     #[arg(long)]
     ids_file: PathBuf,
@@ -25,16 +23,6 @@ pub struct Args {
     gen: usize,
     #[arg(long)]
     out: PathBuf,
-    #[arg(long, default_value_t = 4096)]
-    page_size: usize,
-    #[arg(long)]
-    threads: Option<usize>,
-    #[command(flatten)]
-    synth: SynthOptions,
-    #[command(flatten)]
-    backend: BackendOptions,
-    #[command(flatten)]
-    helper: HelperArgs,
 }
 
 fn parse_ids(text: &str) -> Result<Vec<u32>> {
@@ -48,20 +36,22 @@ fn parse_ids(text: &str) -> Result<Vec<u32>> {
 }
 
 pub fn run(a: Args) -> Result<()> {
-    load::init_threads(a.threads)?;
+    load::init_threads(a.engine.threads)?;
     let text = std::fs::read_to_string(&a.ids_file)
         .with_context(|| format!("reading {}", a.ids_file.display()))?;
     let ids = parse_ids(&text).with_context(|| format!("{}", a.ids_file.display()))?;
     if ids.is_empty() {
         bail!("{}: no token ids", a.ids_file.display());
     }
-    let model = load::load(&a.model, &a.synth, None)?.model;
-    let (be, what) = a.backend.make()?;
+    let model = load::load(&a.engine.model, &a.engine.synth, None)?.model;
+    let (be, what) = a.engine.backend.make()?;
     let be = &*be;
     eprintln!("backend: {what}");
     let v = model.config.vocab_size;
-    let mut state = model.new_state(a.page_size);
-    a.helper.attach(&model, &mut state, a.page_size)?;
+    let mut state = model.new_state(a.engine.page_size);
+    a.engine
+        .helper
+        .attach(&model, &mut state, a.engine.page_size)?;
     let prefill = model.forward(be, &mut state, &ids, Logits::All, None)?;
     let mut gen_ids: Vec<i64> = Vec::with_capacity(a.gen);
     let mut gen_logits: Vec<f32> = Vec::with_capacity(a.gen * v);

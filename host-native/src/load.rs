@@ -1,4 +1,5 @@
-//! Resolving `--model DIR|PRESET` into a model and its tokenizer, and the thread pool.
+//! The options every command that runs the model shares, resolving `--model DIR|PRESET` into a
+//! model and its tokenizer, and the thread pool.
 
 use std::path::{Path, PathBuf};
 
@@ -7,6 +8,29 @@ use engine_core::source::load_model;
 pub use engine_core::source::{BackendOptions, SynthOptions};
 use engine_core::tokenizer::Tokenizer;
 use engine_core::Model;
+
+use crate::helper::HelperArgs;
+
+/// What `run`, `eval`, `bench` and `serve` all take: the model, how its cache is paged, where
+/// its math runs, and its helper.
+#[derive(clap::Args)]
+pub struct EngineArgs {
+    /// A Qwen3.5 checkpoint directory, or a preset (tiny, qwen35-0.8b).
+    #[arg(long)]
+    pub model: String,
+    /// KV cache page size in positions.
+    #[arg(long, default_value_t = 4096)]
+    pub page_size: usize,
+    /// Threads for the model's math (default: one per core).
+    #[arg(long)]
+    pub threads: Option<usize>,
+    #[command(flatten)]
+    pub synth: SynthOptions,
+    #[command(flatten)]
+    pub backend: BackendOptions,
+    #[command(flatten)]
+    pub helper: HelperArgs,
+}
 
 pub struct Loaded {
     pub model: Model,

@@ -8,14 +8,12 @@ use anyhow::Result;
 use engine_core::generate::{Generation, Sampler, SamplingParams};
 use engine_core::tokenizer::{ChatMessage, StreamDecoder};
 
-use crate::helper::HelperArgs;
-use crate::load::{self, BackendOptions, SynthOptions};
+use crate::load::{self, EngineArgs};
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// A Qwen3.5 checkpoint directory, or a preset (tiny, qwen35-0.8b).
-    #[arg(long)]
-    model: String,
+    #[command(flatten)]
+    engine: EngineArgs,
     #[arg(long)]
     prompt: String,
     #[arg(long, default_value_t = 128)]
@@ -34,28 +32,17 @@ pub struct Args {
     /// Send the prompt as is, without the chat template.
     #[arg(long)]
     raw: bool,
-    /// KV cache page size in positions.
-    #[arg(long, default_value_t = 4096)]
-    page_size: usize,
     /// Prompt tokens per forward pass.
     #[arg(long, default_value_t = 512)]
     ubatch: usize,
-    #[arg(long)]
-    threads: Option<usize>,
     /// A tokenizer.json to use instead of the model's.
     #[arg(long)]
     tokenizer: Option<PathBuf>,
-    #[command(flatten)]
-    synth: SynthOptions,
-    #[command(flatten)]
-    backend: BackendOptions,
-    #[command(flatten)]
-    helper: HelperArgs,
 }
 
 pub fn run(a: Args) -> Result<()> {
-    load::init_threads(a.threads)?;
-    let l = load::load(&a.model, &a.synth, a.tokenizer.as_deref())?;
+    load::init_threads(a.engine.threads)?;
+    let l = load::load(&a.engine.model, &a.engine.synth, a.tokenizer.as_deref())?;
     // A vocabulary without chat markers (the presets' byte-level one) gets the prompt as is.
     let chat = !a.raw && l.tokenizer.token_id("<|im_start|>").is_some();
     let text = if !chat {
@@ -81,14 +68,17 @@ pub fn run(a: Args) -> Result<()> {
         min_p: a.min_p,
         seed: a.seed,
     })?;
-    let (be, what) = a.backend.make()?;
+    let (be, what) = a.engine.backend.make()?;
     let be = &*be;
     eprintln!("backend: {what}");
-    let mut state = l.model.new_state(a.page_size);
-    let link_stats = a.helper.attach(&l.model, &mut state, a.page_size)?;
+    let mut state = l.model.new_state(a.engine.page_size);
+    let link_stats = a
+        .engine
+        .helper
+        .attach(&l.model, &mut state, a.engine.page_size)?;
     let mut generation = Generation::new(&l.model, be, state, sampler, stop);
     let t0 = Instant::now();
-    let split = generation.prefill(&prompt, &a.helper.plan(a.ubatch))?;
+    let split = generation.prefill(&prompt, &a.engine.helper.plan(a.ubatch))?;
     let prefill_s = t0.elapsed().as_secs_f64();
     let mut decoder = StreamDecoder::new(&l.tokenizer);
     let mut out = std::io::stdout().lock();

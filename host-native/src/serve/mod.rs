@@ -23,8 +23,7 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use tracing::info;
 
-use crate::helper::HelperArgs;
-use crate::load::{self, BackendOptions, SynthOptions};
+use crate::load::{self, EngineArgs};
 use conversation::Conversation;
 use engine::Engine;
 use metrics::Metrics;
@@ -40,9 +39,8 @@ GET /metrics (Prometheus). Try:
     -d '{\"model\": \"tiny\", \"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}], \"max_tokens\": 16}'
 docs/SERVE.md describes queueing, conversation reuse, errors and metrics.")]
 pub struct Args {
-    /// A Qwen3.5 checkpoint directory, or a preset (tiny, qwen35-0.8b).
-    #[arg(long)]
-    model: String,
+    #[command(flatten)]
+    engine: EngineArgs,
     /// The model id clients name in requests (`model`); by default the directory's name or the
     /// preset.
     #[arg(long)]
@@ -69,27 +67,15 @@ pub struct Args {
     /// and for chats where the new turn starts); each is a copy of every DeltaNet layer's state.
     #[arg(long, default_value_t = 4)]
     checkpoints: usize,
-    /// KV cache page size in positions.
-    #[arg(long, default_value_t = 4096)]
-    page_size: usize,
     /// Prompt tokens per forward pass on the host alone.
     #[arg(long, default_value_t = 512)]
     ubatch: usize,
-    /// Threads for the model's math.
-    #[arg(long)]
-    threads: Option<usize>,
     /// A tokenizer.json to use instead of the model's.
     #[arg(long)]
     tokenizer: Option<PathBuf>,
     /// Log level: error, warn, info, debug, trace, or a tracing filter (RUST_LOG wins).
     #[arg(long, default_value = "info")]
     log: String,
-    #[command(flatten)]
-    synth: SynthOptions,
-    #[command(flatten)]
-    backend: BackendOptions,
-    #[command(flatten)]
-    helper: HelperArgs,
 }
 
 /// A directory's last component, or the preset's name.
@@ -101,12 +87,12 @@ fn model_id(spec: &str) -> String {
 
 pub fn run(a: Args) -> Result<()> {
     terminal::init_logging(&a.log)?;
-    load::init_threads(a.threads)?;
-    if a.page_size == 0 || a.ubatch == 0 {
+    load::init_threads(a.engine.threads)?;
+    if a.engine.page_size == 0 || a.ubatch == 0 {
         bail!("--page-size and --ubatch must be at least 1");
     }
-    let l = terminal::spinner(format!("loading {}", a.model), || {
-        load::load(&a.model, &a.synth, a.tokenizer.as_deref())
+    let l = terminal::spinner(format!("loading {}", a.engine.model), || {
+        load::load(&a.engine.model, &a.engine.synth, a.tokenizer.as_deref())
     })?;
     let config = &l.model.config;
     info!(
@@ -122,19 +108,23 @@ pub fn run(a: Args) -> Result<()> {
             config.max_position_embeddings
         );
     }
-    let (backend, what) = a.backend.make()?;
+    let (backend, what) = a.engine.backend.make()?;
     info!("backend: {what}");
-    let mut state = l.model.new_state(a.page_size);
-    let link = a.helper.attach(&l.model, &mut state, a.page_size)?;
+    let mut state = l.model.new_state(a.engine.page_size);
+    let link = a
+        .engine
+        .helper
+        .attach(&l.model, &mut state, a.engine.page_size)?;
     let prompt = ctx.min(2048);
     let plan = a
+        .engine
         .helper
-        .plan_for(&l.model, &state, a.page_size, ctx, prompt);
+        .plan_for(&l.model, &state, a.engine.page_size, ctx, prompt);
     eprint!(
         "plan for a {ctx}-token context and a {prompt}-token prompt:\n{}",
         plan.text
     );
-    let split = a.helper.plan(a.ubatch);
+    let split = a.engine.helper.plan(a.ubatch);
     // Segments of whole ubatches (pairs stay pairs past interleave_from); with a helper long
     // enough that only one ubatch in 32 misses the pipeline (the last runs on the host).
     let segment = split.ubatch * if link.is_some() { 32 } else { 4 };
@@ -147,7 +137,7 @@ pub fn run(a: Args) -> Result<()> {
     let metrics = Arc::new(Metrics::default());
     let queue = Arc::new(Queue::new(a.queue));
     let app = Arc::new(App {
-        name: a.name.clone().unwrap_or_else(|| model_id(&a.model)),
+        name: a.name.clone().unwrap_or_else(|| model_id(&a.engine.model)),
         created: routes::unix_now(),
         tokenizer: l.tokenizer.clone(),
         vocab: config.vocab_size,
@@ -164,7 +154,7 @@ pub fn run(a: Args) -> Result<()> {
         tokenizer: l.tokenizer,
         model: l.model,
         state,
-        page_size: a.page_size,
+        page_size: a.engine.page_size,
         plan: split,
         segment,
         stop_ids,
