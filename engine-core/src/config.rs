@@ -226,6 +226,15 @@ impl ModelConfig {
         (self.head_dim as f32 * self.partial_rotary_factor) as usize
     }
 
+    /// Values of one DeltaNet layer's state for one sequence: the recurrent state
+    /// `[v_heads, dk, dv]` and the conv history `[kernel - 1, conv_dim]`.
+    pub fn delta_state_len(&self) -> (usize, usize) {
+        (
+            self.linear_num_value_heads * self.linear_key_head_dim * self.linear_value_head_dim,
+            (self.linear_conv_kernel_dim - 1) * self.conv_dim(),
+        )
+    }
+
     pub fn linear_key_dim(&self) -> usize {
         self.linear_num_key_heads * self.linear_key_head_dim
     }

@@ -325,7 +325,7 @@ fn sync_mirror(be: &dyn Backend, state: &mut State) -> Result<Option<usize>> {
                         WireTensor::f32(vec![d.conv.len()], be.download(&d.conv)),
                     ));
                 }
-                LayerState::DeltaNet(_) => {}
+                LayerState::DeltaNet(_) | LayerState::Elsewhere => {}
             }
         }
         let client = state.remote.as_mut().expect("a helper is attached");
@@ -465,8 +465,8 @@ pub mod minimum {
     }
 
     fn delta_state(c: &ModelConfig) -> usize {
-        let s = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim;
-        (s + (c.linear_conv_kernel_dim - 1) * c.conv_dim()) * 4
+        let (s, conv) = c.delta_state_len();
+        (s + conv) * 4
     }
 
     /// A split prefill: residual rows to the helper, their new KV rows of the tail's full

@@ -20,7 +20,8 @@ struct Args {
     /// The same checkpoint directory or preset as the host's.
     #[arg(long)]
     model: String,
-    /// Memory for KV pages, in bytes (suffixes K, M, G allowed).
+    /// Memory for KV pages and the DeltaNet state of the layers a host assigns, in bytes
+    /// (suffixes K, M, G allowed).
     #[arg(long, default_value = "4G", value_parser = parse_bytes)]
     mem_budget: u64,
     /// Largest frame accepted, in bytes (suffixes allowed).

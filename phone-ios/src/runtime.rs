@@ -25,7 +25,8 @@ use engine_core::{LayerKind, Model, ModelConfig, State};
 const MAX_SEQS: usize = 64;
 
 pub struct HelperOptions {
-    /// Bytes of KV pages this helper keeps at most.
+    /// Bytes of KV pages and DeltaNet state (of the assigned layers, per sequence) this helper
+    /// keeps at most.
     pub mem_budget: u64,
     pub max_frame: usize,
 }
@@ -74,10 +75,11 @@ struct Session {
     counters: BTreeMap<String, u64>,
 }
 
-impl Session {
-    fn kv_bytes(&self) -> u64 {
-        self.seqs.values().map(|s| s.kv_bytes() as u64).sum()
-    }
+/// Memory the budget covers: KV rows and the DeltaNet states of the assigned layers.
+fn held_bytes(seqs: &BTreeMap<u64, State>) -> u64 {
+    seqs.values()
+        .map(|s| (s.kv_bytes() + s.delta_bytes()) as u64)
+        .sum()
 }
 
 /// A request that cannot be served: the reply is an Error frame with this code and message.
@@ -243,7 +245,10 @@ impl<'a> Helper<'a> {
             Message::Ping { nonce } => return Ok(Message::Pong { nonce }),
             Message::Stats(_) => {
                 let mut counters = s.counters.clone();
-                counters.insert("kv_bytes".into(), s.kv_bytes());
+                let kv: usize = s.seqs.values().map(State::kv_bytes).sum();
+                let delta: usize = s.seqs.values().map(State::delta_bytes).sum();
+                counters.insert("kv_bytes".into(), kv as u64);
+                counters.insert("delta_state_bytes".into(), delta as u64);
                 return Ok(Message::Stats(counters));
             }
             _ => {}
@@ -254,7 +259,7 @@ impl<'a> Helper<'a> {
             .ok_or_else(|| Refusal("order", format!("{:?} before Configure", msg.msg_type())))?;
         let page_size = cfg.page_size as usize;
         let budget = self.opts.mem_budget;
-        let used = s.kv_bytes();
+        let used = held_bytes(&s.seqs);
         let charge = |rows: usize, layers: usize| -> Result<(), Refusal> {
             let bytes = (rows * layers * c.num_key_value_heads * c.head_dim * 8) as u64;
             if used + bytes > budget {
@@ -287,7 +292,7 @@ impl<'a> Helper<'a> {
                     ));
                 }
                 charge(rows, 1)?;
-                let st = self.seq_state(&mut s.seqs, seq, page_size)?;
+                let st = self.seq_state(&mut s.seqs, seq, &cfg)?;
                 append_rows(
                     self.backend,
                     kv_of(st, layer),
@@ -398,7 +403,7 @@ impl<'a> Helper<'a> {
                         format!("prefill chunk at {pos}, this helper's mirror is at {at} with {held} KV rows"),
                     ));
                 }
-                let st = self.seq_state(&mut s.seqs, seq, page_size)?;
+                let st = self.seq_state(&mut s.seqs, seq, &cfg)?;
                 if pos as usize != st.pos {
                     return Err(Refusal(
                         "order",
@@ -461,9 +466,7 @@ impl<'a> Helper<'a> {
                     Refusal("order", format!("mirror position {pos} is out of range"))
                 })?;
                 let c = &self.identity().config;
-                let state_len =
-                    c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim;
-                let conv_len = (c.linear_conv_kernel_dim - 1) * c.conv_dim();
+                let (state_len, conv_len) = c.delta_state_len();
                 let range = cfg.first_layer as usize..cfg.end_layer as usize;
                 let want = |kind: LayerKind| -> Vec<u32> {
                     range
@@ -511,7 +514,7 @@ impl<'a> Helper<'a> {
                         ));
                     }
                 }
-                let st = self.seq_state(&mut s.seqs, seq, page_size)?;
+                let st = self.seq_state(&mut s.seqs, seq, &cfg)?;
                 for (&l, (k, v)) in kv_layers.iter().zip(kv) {
                     append_rows(self.backend, kv_of(st, l), l, pos as usize, k.data, v.data)?;
                 }
@@ -567,23 +570,43 @@ impl<'a> Helper<'a> {
         }
     }
 
-    /// The state of sequence `seq`, made on first use; at most `MAX_SEQS` per session, since
-    /// each holds the DeltaNet state of every layer whatever a peer sends.
+    /// The state of sequence `seq`, made on first use with DeltaNet state for the assigned
+    /// layers only, which counts against the memory budget; at most `MAX_SEQS` per session,
+    /// since every sequence costs memory whether or not its pages arrive.
     fn seq_state<'s>(
         &self,
         seqs: &'s mut BTreeMap<u64, State>,
         seq: u64,
-        page_size: usize,
+        cfg: &Configure,
     ) -> Result<&'s mut State, Refusal> {
-        if !seqs.contains_key(&seq) && seqs.len() >= MAX_SEQS {
-            return Err(Refusal(
-                "memory",
-                format!("this helper serves at most {MAX_SEQS} sequences per host"),
-            ));
+        if !seqs.contains_key(&seq) {
+            if seqs.len() >= MAX_SEQS {
+                return Err(Refusal(
+                    "memory",
+                    format!("this helper serves at most {MAX_SEQS} sequences per host"),
+                ));
+            }
+            let c = &self.identity().config;
+            let runs = cfg.first_layer as usize..cfg.end_layer as usize;
+            let (s, conv) = c.delta_state_len();
+            let delta_layers = runs
+                .clone()
+                .filter(|&l| c.layer_types[l] == LayerKind::LinearAttention)
+                .count();
+            let need = (delta_layers * (s + conv) * std::mem::size_of::<f32>()) as u64;
+            let (used, budget) = (held_bytes(seqs), self.opts.mem_budget);
+            if used + need > budget {
+                return Err(Refusal(
+                    "memory",
+                    format!(
+                        "sequence {seq} needs {need} bytes of DeltaNet state for layers {runs:?}; \
+                         {used} of this helper's budget of {budget} are in use"
+                    ),
+                ));
+            }
+            seqs.insert(seq, State::for_layers(c, cfg.page_size as usize, runs));
         }
-        Ok(seqs
-            .entry(seq)
-            .or_insert_with(|| self.identity().new_state(page_size)))
+        Ok(seqs.get_mut(&seq).expect("made above"))
     }
 
     fn check_full_layer(&self, layer: u32) -> Result<(), Refusal> {
@@ -608,7 +631,9 @@ impl<'a> Helper<'a> {
 fn kv_of(st: &mut State, layer: u32) -> &mut PagedKv {
     match &mut st.layers[layer as usize] {
         LayerState::Attention(kv) => kv,
-        LayerState::DeltaNet(_) => unreachable!("checked to be a full-attention layer"),
+        LayerState::DeltaNet(_) | LayerState::Elsewhere => {
+            unreachable!("checked to be a full-attention layer")
+        }
     }
 }
 

@@ -2,9 +2,11 @@
 //! the same tokens, and bit-identical logits, as the host alone.
 
 use engine_core::link::{pair, Link};
-use engine_core::protocol::{decode, encode, Configure, Intro, Message, Role, PROTOCOL_VERSION};
+use engine_core::protocol::{
+    decode, encode, Configure, Intro, Message, Role, WireTensor, PROTOCOL_VERSION,
+};
 use engine_core::remote::{HelperClient, DEFAULT_MAX_FRAME};
-use engine_core::{CpuBackend, Logits, Model};
+use engine_core::{CpuBackend, LayerKind, Logits, Model};
 use phone_ios::{Helper, HelperOptions, SessionEnd};
 use tests::{attach, fixtures_dir, Reference};
 
@@ -120,6 +122,105 @@ fn helper_refuses_a_host_with_another_model() {
     });
 }
 
+/// A host's handshake for `m`.
+fn hello(m: &Model) -> Message {
+    Message::Hello(Intro {
+        version: PROTOCOL_VERSION,
+        fingerprint: m.fingerprint.clone(),
+        role: Role::Host,
+        mem_offer: 0,
+        backends: vec![],
+        max_frame: 1 << 20,
+    })
+}
+
+/// The helper's budget covers DeltaNet state, and a sequence holds it only for the layers the
+/// helper runs: a pages-only helper holds none; a helper running layers 4.. refuses a second
+/// sequence whose state would not fit, naming the bytes, and the first goes on.
+#[test]
+fn the_helper_budget_counts_the_deltanet_state_of_its_own_layers_only() {
+    let m = model("tiny_fp32");
+    let c = &m.config;
+    let (s_len, conv_len) = c.delta_state_len();
+    let split = 4;
+    let runs = split..c.num_hidden_layers;
+    let delta_layers = runs
+        .clone()
+        .filter(|&l| c.layer_types[l] == LayerKind::LinearAttention)
+        .count();
+    let need = (delta_layers * (s_len + conv_len) * 4) as u64;
+    let kv_row = (c.num_key_value_heads * c.head_dim * 2 * 4) as u64;
+    let stats = |reply: Message| match reply {
+        Message::Stats(s) => (s["kv_bytes"], s["delta_state_bytes"]),
+        other => panic!("expected stats, got {other:?}"),
+    };
+    for first_layer in [c.num_hidden_layers, split] {
+        std::thread::scope(|scope| {
+            let (mut host, mut helper_end) = pair();
+            let mr = &m;
+            let budget = HelperOptions {
+                mem_budget: need + 64 * kv_row,
+                max_frame: DEFAULT_MAX_FRAME,
+            };
+            scope.spawn(move || Helper::new(mr, &CpuBackend, budget).serve(&mut helper_end));
+            let mut ask = |req: u32, msg: Message| -> Message {
+                host.send(encode(req, &msg)).unwrap();
+                decode(&host.recv().unwrap(), 1 << 24).unwrap().1
+            };
+            assert!(matches!(ask(0, hello(&m)), Message::Welcome(_)));
+            let cfg = Configure {
+                first_layer: first_layer as u32,
+                end_layer: c.num_hidden_layers as u32,
+                page_size: 4,
+            };
+            assert_eq!(ask(1, Message::Configure(cfg)), Message::Ack);
+            if first_layer == c.num_hidden_layers {
+                let rows = WireTensor::f32(vec![4, 32], vec![0.5; 4 * 32]);
+                let page = Message::KvAppend {
+                    seq: 0,
+                    layer: 3,
+                    start: 0,
+                    k: rows.clone(),
+                    v: rows,
+                };
+                assert_eq!(ask(2, page), Message::Ack);
+                assert_eq!(
+                    stats(ask(3, Message::Stats(Default::default()))),
+                    (4 * kv_row, 0)
+                );
+                return;
+            }
+            let chunk = |seq: u64, pos: u64| Message::PrefillChunk {
+                seq,
+                pos,
+                want_state: true,
+                residual: WireTensor::f32(vec![2, c.hidden_size], vec![0.1; 2 * c.hidden_size]),
+            };
+            assert!(matches!(ask(2, chunk(0, 0)), Message::ChunkState { .. }));
+            // Layer 7's two new rows and layers 4-6's states.
+            assert_eq!(
+                stats(ask(3, Message::Stats(Default::default()))),
+                (2 * kv_row, need)
+            );
+            match ask(4, chunk(1, 0)) {
+                Message::Error { code, message } => {
+                    assert_eq!(code, "memory", "{message}");
+                    assert!(
+                        message.contains(&format!("needs {need} bytes")),
+                        "{message}"
+                    );
+                }
+                other => panic!("expected a refusal, got {other:?}"),
+            }
+            assert!(matches!(ask(5, chunk(0, 2)), Message::ChunkState { .. }));
+            assert_eq!(
+                stats(ask(6, Message::Stats(Default::default()))),
+                (4 * kv_row, need)
+            );
+        });
+    }
+}
+
 #[test]
 fn bad_requests_get_errors_and_leave_state_intact_bad_frames_end_the_session() {
     let m = model("tiny_fp32");
@@ -131,21 +232,7 @@ fn bad_requests_get_errors_and_leave_state_intact_bad_frames_end_the_session() {
             host.send(encode(req, &msg)).unwrap();
             decode(&host.recv().unwrap(), 1 << 24).unwrap().1
         };
-        let fp = m.fingerprint.clone();
-        assert!(matches!(
-            ask(
-                0,
-                Message::Hello(Intro {
-                    version: PROTOCOL_VERSION,
-                    fingerprint: fp,
-                    role: Role::Host,
-                    mem_offer: 0,
-                    backends: vec![],
-                    max_frame: 1 << 20
-                })
-            ),
-            Message::Welcome(_)
-        ));
+        assert!(matches!(ask(0, hello(&m)), Message::Welcome(_)));
         let rows =
             |n: usize| engine_core::protocol::WireTensor::f32(vec![n, 32], vec![0.5; n * 32]);
         let append = |layer: u32, start: u64| Message::KvAppend {

@@ -422,6 +422,11 @@ impl Model {
                     a.finish(be, attention.finish(be, state.remote.as_mut())?, &gate)
                 }
                 (Mixer::DeltaNet(d), LayerState::DeltaNet(st)) => d.forward(be, c, &normed, st),
+                (Mixer::DeltaNet(_), LayerState::Elsewhere) => {
+                    return Err(Error::Invalid(format!(
+                        "layer {i} does not run on this device: its sequence state holds none of it"
+                    )))
+                }
                 _ => unreachable!("State::check_matches verified the layer kinds"),
             };
             self.close_layer(be, pass, &y, trace.as_deref_mut())?;

@@ -3,6 +3,8 @@
 //! in the backend that runs the sequence (on a GPU host, on the device): they leave it only
 //! when they cross the link.
 
+use std::ops::Range;
+
 use crate::backend::{Act, Backend};
 use crate::config::{LayerKind, ModelConfig};
 use crate::error::{Error, Result};
@@ -42,6 +44,10 @@ pub struct Checkpoint {
 pub enum LayerState {
     Attention(PagedKv),
     DeltaNet(DeltaState),
+    /// A DeltaNet layer this device never runs (a helper's, outside the layers it is
+    /// assigned): no state, so a helper that holds only KV pages spends no memory on
+    /// recurrent state. Running the layer on this state is an error.
+    Elsewhere,
 }
 
 pub struct State {
@@ -57,23 +63,27 @@ pub struct State {
 
 impl State {
     pub fn new(c: &ModelConfig, page_size: usize) -> State {
+        State::for_layers(c, page_size, 0..c.layer_types.len())
+    }
+
+    /// A state for a device that runs only `runs` of the layers: DeltaNet layers outside it
+    /// are [`LayerState::Elsewhere`]. Every full-attention layer keeps a cache (a helper holds
+    /// the pages of all of them).
+    pub fn for_layers(c: &ModelConfig, page_size: usize, runs: Range<usize>) -> State {
         let layers = c
             .layer_types
             .iter()
-            .map(|k| match k {
+            .enumerate()
+            .map(|(i, k)| match k {
+                LayerKind::LinearAttention if !runs.contains(&i) => LayerState::Elsewhere,
                 LayerKind::FullAttention => LayerState::Attention(PagedKv::new(
                     page_size,
                     c.num_key_value_heads,
                     c.head_dim,
                 )),
                 LayerKind::LinearAttention => LayerState::DeltaNet(DeltaState {
-                    s: Act::Host(vec![
-                        0.0;
-                        c.linear_num_value_heads
-                            * c.linear_key_head_dim
-                            * c.linear_value_head_dim
-                    ]),
-                    conv: Act::Host(vec![0.0; (c.linear_conv_kernel_dim - 1) * c.conv_dim()]),
+                    s: Act::Host(vec![0.0; c.delta_state_len().0]),
+                    conv: Act::Host(vec![0.0; c.delta_state_len().1]),
                 }),
             })
             .collect();
@@ -92,7 +102,7 @@ impl State {
             .iter()
             .find_map(|l| match l {
                 LayerState::Attention(kv) => Some(kv.remote_len()),
-                LayerState::DeltaNet(_) => None,
+                LayerState::DeltaNet(_) | LayerState::Elsewhere => None,
             })
             .unwrap_or(0)
     }
@@ -105,7 +115,7 @@ impl State {
             .enumerate()
             .filter_map(|(i, l)| match l {
                 LayerState::DeltaNet(d) => Some((i, d.duplicate(be))),
-                LayerState::Attention(_) => None,
+                LayerState::Attention(_) | LayerState::Elsewhere => None,
             })
             .collect();
         Checkpoint {
@@ -223,7 +233,10 @@ impl State {
                 matches!(
                     (s, k),
                     (LayerState::Attention(_), LayerKind::FullAttention)
-                        | (LayerState::DeltaNet(_), LayerKind::LinearAttention)
+                        | (
+                            LayerState::DeltaNet(_) | LayerState::Elsewhere,
+                            LayerKind::LinearAttention
+                        )
                 )
             });
         if ok {
@@ -241,7 +254,18 @@ impl State {
             .iter()
             .map(|l| match l {
                 LayerState::Attention(kv) => kv.bytes(),
-                LayerState::DeltaNet(_) => 0,
+                LayerState::DeltaNet(_) | LayerState::Elsewhere => 0,
+            })
+            .sum()
+    }
+
+    /// Bytes held by DeltaNet states (recurrent and conv), a fixed amount per layer run here.
+    pub fn delta_bytes(&self) -> usize {
+        self.layers
+            .iter()
+            .map(|l| match l {
+                LayerState::DeltaNet(d) => (d.s.len() + d.conv.len()) * std::mem::size_of::<f32>(),
+                LayerState::Attention(_) | LayerState::Elsewhere => 0,
             })
             .sum()
     }
