@@ -11,7 +11,9 @@
 //! completes with the same tokens.
 
 use crate::backend::{Act, Backend};
-use crate::config::LayerKind;
+use std::ops::Range;
+
+use crate::config::{LayerKind, ModelConfig};
 use crate::error::{Error, Result};
 use crate::model::{LayerState, Logits, Model, Pass, State};
 use crate::protocol::{Message, WireTensor};
@@ -199,7 +201,7 @@ fn pipelined(
     // Replies taken off the link so far; a refused batch drains the rest.
     let mut replied = 0usize;
     let pipelined = (|| -> Result<()> {
-        if let Some(rows) = sync_mirror(be, state)? {
+        if let Some(rows) = sync_mirror(be, &model.config, state)? {
             report.synced_rows = rows;
             report.mirror_synced = true;
         }
@@ -285,7 +287,7 @@ fn full_layers(model: &Model, layers: &std::ops::Range<usize>) -> Vec<usize> {
 /// Bring the helper's mirror of its layers up to `state.pos`: the KV rows the host produced
 /// since the watermark (rows already handed over as pages are there) and the DeltaNet states.
 /// Returns the KV rows pushed, or `None` if the mirror was current. `be` reads them to the host.
-fn sync_mirror(be: &dyn Backend, state: &mut State) -> Result<Option<usize>> {
+fn sync_mirror(be: &dyn Backend, c: &ModelConfig, state: &mut State) -> Result<Option<usize>> {
     let client = state.remote.as_ref().expect("a helper is attached");
     let (from, to) = (client.mirror_pos, state.pos);
     if from >= to && !client.mirror_stale {
@@ -308,36 +310,10 @@ fn sync_mirror(be: &dyn Backend, state: &mut State) -> Result<Option<usize>> {
     loop {
         let end = (at + per_piece).min(to);
         let last = end == to;
-        let (mut kv_layers, mut kv, mut delta_layers, mut states) =
-            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        for l in tail.clone() {
-            match &state.layers[l] {
-                LayerState::Attention(cache) => {
-                    let (k, v) = cache.rows(be, at, end - at)?;
-                    let shape = vec![end - at, cache.row_width()];
-                    kv_layers.push(l as u32);
-                    kv.push((WireTensor::f32(shape.clone(), k), WireTensor::f32(shape, v)));
-                }
-                LayerState::DeltaNet(d) if last => {
-                    delta_layers.push(l as u32);
-                    states.push((
-                        WireTensor::f32(vec![d.s.len()], be.download(&d.s)),
-                        WireTensor::f32(vec![d.conv.len()], be.download(&d.conv)),
-                    ));
-                }
-                LayerState::DeltaNet(_) | LayerState::Elsewhere => {}
-            }
-        }
+        let payload = ChunkPayload::read(be, c, state, tail.clone(), at..end, last)?;
         let client = state.remote.as_mut().expect("a helper is attached");
         let seq = client.seq();
-        let req = client.send(&Message::ChunkState {
-            seq,
-            pos: at as u64,
-            kv_layers,
-            kv,
-            delta_layers,
-            states,
-        })?;
+        let req = client.send(&payload.into_message(seq, at))?;
         match client.reply(req)? {
             Message::Ack => {}
             other => return Err(unexpected("Ack", &other)),
@@ -348,6 +324,87 @@ fn sync_mirror(be: &dyn Backend, state: &mut State) -> Result<Option<usize>> {
             return Ok(Some(to - rows_from));
         }
         at = end;
+    }
+}
+
+/// What a `ChunkState` carries: the KV rows of a range of positions of every full-attention
+/// layer among some layers and, if asked, those layers' DeltaNet states. Both ends send one:
+/// the helper answering a prefill chunk, the host syncing the helper's mirror.
+pub struct ChunkPayload {
+    pub kv_layers: Vec<u32>,
+    pub kv: Vec<(WireTensor, WireTensor)>,
+    pub delta_layers: Vec<u32>,
+    pub states: Vec<(WireTensor, WireTensor)>,
+}
+
+impl ChunkPayload {
+    /// Rows `rows` of the full-attention layers among `layers` and (with `with_states`) the
+    /// DeltaNet states of the others, read from `be` in one go (one wait on a GPU).
+    pub fn read(
+        be: &dyn Backend,
+        c: &ModelConfig,
+        st: &State,
+        layers: Range<usize>,
+        rows: Range<usize>,
+        with_states: bool,
+    ) -> Result<ChunkPayload> {
+        let (mut kv_layers, mut delta_layers, mut parts) = (Vec::new(), Vec::new(), Vec::new());
+        let mut states_of = Vec::new();
+        for l in layers {
+            match &st.layers[l] {
+                LayerState::Attention(kv) => {
+                    kv_layers.push(l as u32);
+                    parts.extend(kv.row_parts(rows.start, rows.len())?);
+                }
+                LayerState::DeltaNet(d) if with_states => {
+                    delta_layers.push(l as u32);
+                    states_of.push(d);
+                }
+                LayerState::DeltaNet(_) | LayerState::Elsewhere => {}
+            }
+        }
+        for d in &states_of {
+            parts.push((&d.s, 0..d.s.len()));
+            parts.push((&d.conv, 0..d.conv.len()));
+        }
+        let mut host = be.download_ranges(&parts).into_iter();
+        let mut take = |shape: Vec<usize>| {
+            let n = shape.iter().product();
+            WireTensor::f32(shape, host.by_ref().take(n).collect())
+        };
+        let width = c.num_key_value_heads * c.head_dim;
+        let kv = kv_layers
+            .iter()
+            .map(|_| (take(vec![rows.len(), width]), take(vec![rows.len(), width])))
+            .collect();
+        let states = delta_layers
+            .iter()
+            .map(|_| {
+                let s = take(vec![
+                    c.linear_num_value_heads,
+                    c.linear_key_head_dim,
+                    c.linear_value_head_dim,
+                ]);
+                (s, take(vec![c.linear_conv_kernel_dim - 1, c.conv_dim()]))
+            })
+            .collect();
+        Ok(ChunkPayload {
+            kv_layers,
+            kv,
+            delta_layers,
+            states,
+        })
+    }
+
+    pub fn into_message(self, seq: u64, pos: usize) -> Message {
+        Message::ChunkState {
+            seq,
+            pos: pos as u64,
+            kv_layers: self.kv_layers,
+            kv: self.kv,
+            delta_layers: self.delta_layers,
+            states: self.states,
+        }
     }
 }
 

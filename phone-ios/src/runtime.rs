@@ -15,11 +15,12 @@ use std::sync::{Arc, Mutex};
 use engine_core::backend::{AttnShape, Backend};
 use engine_core::kv::{download_partials, KvPage, PagedKv};
 use engine_core::link::{Link, LinkError};
-use engine_core::model::{DeltaState, LayerState};
+use engine_core::model::LayerState;
 use engine_core::protocol::{
     decode, encode, Configure, Intro, Message, Role, WireTensor, PROTOCOL_VERSION,
 };
-use engine_core::{LayerKind, Model, ModelConfig, State};
+use engine_core::split::ChunkPayload;
+use engine_core::{LayerKind, Model, State};
 
 /// Sequences one host may keep on this helper at once.
 const MAX_SEQS: usize = 64;
@@ -420,18 +421,10 @@ impl<'a> Helper<'a> {
                     .run_layers(self.backend, st, &mut x, pos as usize, layers.clone(), None)
                     .map_err(|e| Refusal("prefill", e.to_string()))?;
                 st.pos += rows;
-                let states_of = if want_state { layers } else { 0..0 };
-                let (kv, delta_layers, states) =
-                    chunk_reply(self.backend, c, st, &full, pos as usize, rows, states_of)
-                        .map_err(|e| Refusal("prefill", e.to_string()))?;
-                Ok(Message::ChunkState {
-                    seq,
-                    pos,
-                    kv_layers: full,
-                    kv,
-                    delta_layers,
-                    states,
-                })
+                let pos = pos as usize;
+                ChunkPayload::read(self.backend, c, st, layers, pos..pos + rows, want_state)
+                    .map(|p| p.into_message(seq, pos))
+                    .map_err(|e| Refusal("prefill", e.to_string()))
             }
             Message::ChunkState {
                 seq,
@@ -661,67 +654,6 @@ fn append_rows(
     v.drain(..skip * width);
     kv.append(be, &be.upload(k), &be.upload(v));
     Ok(())
-}
-
-/// KV rows per full-attention layer, the DeltaNet layers whose states follow, and the states:
-/// a `ChunkState`'s payload.
-type ChunkReply = (
-    Vec<(WireTensor, WireTensor)>,
-    Vec<u32>,
-    Vec<(WireTensor, WireTensor)>,
-);
-
-/// What a prefill chunk answers with, read from the backend in one go (one wait on a GPU): the
-/// KV rows `pos .. pos + rows` of each of the `full` layers, then the DeltaNet states of
-/// `states_of` (empty when the host did not ask for them).
-fn chunk_reply(
-    be: &dyn Backend,
-    c: &ModelConfig,
-    st: &State,
-    full: &[u32],
-    pos: usize,
-    rows: usize,
-    states_of: Range<usize>,
-) -> engine_core::Result<ChunkReply> {
-    let mut parts = Vec::new();
-    for &l in full {
-        let LayerState::Attention(kv) = &st.layers[l as usize] else {
-            unreachable!("the layers of `full` are full attention")
-        };
-        parts.extend(kv.row_parts(pos, rows)?);
-    }
-    let delta: Vec<(u32, &DeltaState)> = states_of
-        .filter_map(|l| match &st.layers[l] {
-            LayerState::DeltaNet(d) => Some((l as u32, d)),
-            _ => None,
-        })
-        .collect();
-    for (_, d) in &delta {
-        parts.push((&d.s, 0..d.s.len()));
-        parts.push((&d.conv, 0..d.conv.len()));
-    }
-    let mut host = be.download_ranges(&parts).into_iter();
-    let mut take = |shape: Vec<usize>| {
-        let n = shape.iter().product();
-        WireTensor::f32(shape, host.by_ref().take(n).collect())
-    };
-    let width = c.num_key_value_heads * c.head_dim;
-    let kv = full
-        .iter()
-        .map(|_| (take(vec![rows, width]), take(vec![rows, width])))
-        .collect();
-    let states = delta
-        .iter()
-        .map(|_| {
-            let s = take(vec![
-                c.linear_num_value_heads,
-                c.linear_key_head_dim,
-                c.linear_value_head_dim,
-            ]);
-            (s, take(vec![c.linear_conv_kernel_dim - 1, c.conv_dim()]))
-        })
-        .collect();
-    Ok((kv, delta.iter().map(|(l, _)| *l).collect(), states))
 }
 
 fn send(link: &mut dyn Link, req: u32, msg: Message) -> Result<(), LinkError> {
