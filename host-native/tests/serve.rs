@@ -571,3 +571,37 @@ fn stop_strings_and_seeded_sampling() {
     assert_eq!(text, greedy[..greedy.find(&stop).unwrap()]);
     assert!(s.metric("tether_decode_tokens_per_second") > 0.0);
 }
+
+/// SIGTERM (what a service manager or `docker stop` sends) lets the request in flight finish,
+/// then the server exits 0.
+#[cfg(unix)]
+#[test]
+fn sigterm_finishes_the_request_in_flight_then_exits_cleanly() {
+    let mut s = Server::start("tiny", &[]);
+    let body = json!({"model": "tiny", "prompt": "Hello", "max_tokens": 48, "temperature": 0,
+                      "stream": true,
+                      "stream_options": {"include_usage": true}});
+    let mut events = s.stream("/v1/completions", &body);
+    let first = events.next().expect("a first chunk");
+    let pid = s.child.id();
+    let sent = Command::new("sh")
+        .args(["-c", &format!("kill -TERM {pid}")])
+        .status()
+        .unwrap();
+    assert!(sent.success());
+    let (_, finish, usage) = collect_stream(std::iter::once(first).chain(events), false);
+    assert_eq!(finish, "length");
+    assert_eq!(usage["completion_tokens"], 48);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let status = loop {
+        if let Some(status) = s.child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "still running 20 s after SIGTERM"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(status.success(), "{status}");
+}

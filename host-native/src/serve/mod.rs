@@ -192,10 +192,7 @@ pub fn run(a: Args) -> Result<()> {
             app.name, a.queue, a.timeout
         );
         axum::serve(listener, routes::router(app))
-            .with_graceful_shutdown(async {
-                let _ = tokio::signal::ctrl_c().await;
-                info!("shutting down");
-            })
+            .with_graceful_shutdown(shutdown_signal())
             .await
             .context("serving HTTP")
     })?;
@@ -203,6 +200,27 @@ pub fn run(a: Args) -> Result<()> {
     // The engine notices at its next job; a generation in progress ends with its client.
     drop(worker);
     Ok(())
+}
+
+/// Ctrl-C, or SIGTERM (what a service manager or `docker stop` sends): stop accepting, let
+/// requests in flight finish, then exit 0.
+async fn shutdown_signal() {
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term => {}
+    }
+    info!("shutting down");
 }
 
 struct CloseOnDrop(Arc<Queue>);
