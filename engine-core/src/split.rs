@@ -244,7 +244,7 @@ fn pipelined(
                 });
             let holds_pages = state.remote_kv_len() > 0;
             if !kept {
-                state.remote = None;
+                state.detach_helper();
             }
             if holds_pages && !kept {
                 return Err(Error::Remote(format!(

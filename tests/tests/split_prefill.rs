@@ -133,6 +133,8 @@ fn dying_helper(m: &Model, mut host_side: MemoryLink, frames: usize) {
     });
 }
 
+/// With or without a host KV budget (one that has not moved any page yet), the host detaches
+/// the dead helper, keeps its whole KV, and decodes on: the same logits as the host alone.
 #[test]
 fn a_helper_that_dies_mid_batch_costs_time_not_tokens() {
     let m = model("tiny_fp32_T150");
@@ -142,14 +144,19 @@ fn a_helper_that_dies_mid_batch_costs_time_not_tokens() {
         ubatch: 16,
         ..SplitPlan::default()
     };
-    let (want, _) = prefill(&m, &CpuBackend, &mut m.new_state(16), &prompt, &plan).unwrap();
+    let mut alone = m.new_state(16);
+    let (want, _) = prefill(&m, &CpuBackend, &mut alone, &prompt, &plan).unwrap();
+    let next = argmax(&want);
+    let want_next = m
+        .forward(&CpuBackend, &mut alone, &[next], Logits::Last, None)
+        .unwrap();
     // 2 frames: Hello and Configure; then it dies after 0, 1 or 4 ubatches.
-    for frames in [2, 3, 6] {
+    for (frames, budget) in [(2, None), (3, None), (6, None), (3, Some(1000))] {
         std::thread::scope(|scope| {
             let (host_end, relay) = pair();
             scope.spawn(|| dying_helper(&m, relay, frames));
             let mut st = m.new_state(16);
-            attach(&m, &mut st, host_end, 4, 16, None);
+            attach(&m, &mut st, host_end, 4, 16, budget);
             let (got, report) = prefill(&m, &CpuBackend, &mut st, &prompt, &plan).unwrap();
             assert!(
                 report.fallback.is_some(),
@@ -160,6 +167,10 @@ fn a_helper_that_dies_mid_batch_costs_time_not_tokens() {
                 "after {frames} frames: logits differ from the host alone"
             );
             assert!(st.remote.is_none());
+            let got_next = m
+                .forward(&CpuBackend, &mut st, &[next], Logits::Last, None)
+                .unwrap_or_else(|e| panic!("budget {budget:?}: decoding after the loss: {e}"));
+            assert!(got_next == want_next, "budget {budget:?}: decode differs");
         });
     }
 }

@@ -95,6 +95,14 @@ impl State {
         }
     }
 
+    /// Forget a helper that is gone: from now on this host keeps its whole KV (no budget), and
+    /// any pages the helper held are lost (the caller has checked there were none, or fails
+    /// the sequence).
+    pub fn detach_helper(&mut self) {
+        self.remote = None;
+        self.host_kv_tokens = None;
+    }
+
     /// Positions of every full-attention layer whose KV lives on the helper (pages move for
     /// all layers together, so one number describes them all).
     pub fn remote_kv_len(&self) -> usize {
