@@ -49,17 +49,33 @@ impl HelperArgs {
         state: &mut State,
         page_size: usize,
     ) -> Result<Option<StatsHandle>> {
-        let Some(url) = &self.helper else {
+        if self.helper.is_none() {
             if self.host_kv_tokens.is_some() {
                 bail!("--host-kv-tokens needs --helper: there is nowhere to move pages to");
             }
             return Ok(None);
+        }
+        let stats = StatsHandle::default();
+        self.reattach(model, state, page_size, &stats)?;
+        Ok(Some(stats))
+    }
+
+    /// Connect (again) to the helper named and attach it to `state`, counting its traffic
+    /// into `stats`, so a server that reconnects after losing it goes on with the same totals.
+    pub fn reattach(
+        &self,
+        model: &Model,
+        state: &mut State,
+        page_size: usize,
+        stats: &StatsHandle,
+    ) -> Result<()> {
+        let Some(url) = &self.helper else {
+            bail!("no --helper to connect to");
         };
         let profile = link_profile(&self.link)?;
         let ws = ws::connect(url, self.max_frame)
             .with_context(|| format!("connecting to the helper at {url}"))?;
-        let link = ShapedLink::new(ws, profile);
-        let stats = link.stats_handle();
+        let link = ShapedLink::new(ws, profile).counting_into(stats.clone());
         let n = model.config.num_hidden_layers;
         let split = self.split_layer.unwrap_or_else(|| default_split_layer(n));
         if split > n || (!split.is_multiple_of(4) && split != n) {
@@ -74,7 +90,7 @@ impl HelperArgs {
             .with_context(|| format!("handshake with the helper at {url}"))?;
         state.remote = Some(client);
         state.host_kv_tokens = self.host_kv_tokens;
-        Ok(Some(stats))
+        Ok(())
     }
 }
 

@@ -605,3 +605,114 @@ fn sigterm_finishes_the_request_in_flight_then_exits_cleanly() {
     };
     assert!(status.success(), "{status}");
 }
+
+/// A TCP relay in front of a helper that the test can cut like a pulled cable: `cut` closes
+/// every relayed connection and refuses new ones until `mend`.
+struct Cable {
+    url: String,
+    up: Arc<std::sync::atomic::AtomicBool>,
+    open: Arc<std::sync::Mutex<Vec<std::net::TcpStream>>>,
+}
+
+impl Cable {
+    fn to(helper_url: &str) -> Cable {
+        use std::net::{TcpListener, TcpStream};
+        use std::sync::atomic::Ordering;
+        let target = helper_url.trim_start_matches("ws://").to_string();
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let url = format!("ws://{}", listener.local_addr().unwrap());
+        let up = Arc::new(std::sync::atomic::AtomicBool::new(true));
+        let open = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let (up2, open2) = (up.clone(), open.clone());
+        std::thread::spawn(move || {
+            for client in listener.incoming() {
+                let Ok(client) = client else { continue };
+                if !up2.load(Ordering::SeqCst) {
+                    continue; // dropped: the connection closes at once
+                }
+                let server = TcpStream::connect(&target).unwrap();
+                let mut open = open2.lock().unwrap();
+                for (mut from, mut to) in [
+                    (client.try_clone().unwrap(), server.try_clone().unwrap()),
+                    (server.try_clone().unwrap(), client.try_clone().unwrap()),
+                ] {
+                    std::thread::spawn(move || {
+                        let _ = std::io::copy(&mut from, &mut to);
+                        let _ = to.shutdown(std::net::Shutdown::Both);
+                    });
+                }
+                open.extend([client, server]);
+            }
+        });
+        Cable { url, up, open }
+    }
+
+    fn cut(&self) {
+        self.up.store(false, std::sync::atomic::Ordering::SeqCst);
+        for s in self.open.lock().unwrap().drain(..) {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+    }
+
+    fn mend(&self) {
+        self.up.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// A helper lost with this sequence's KV pages fails the request in flight with a clear error;
+/// once it can be reached again the server reconnects before the next request, and the answer
+/// is the one it gave with the helper before.
+#[test]
+fn a_lost_helper_is_reconnected_before_a_later_request() {
+    let cable = Cable::to(&start_helper());
+    let s = Server::start(
+        "tiny",
+        &[
+            "--helper",
+            &cable.url,
+            "--helper-retry",
+            "0",
+            "--page-size",
+            "16",
+            "--host-kv-tokens",
+            "48",
+            "--split-min",
+            "32",
+            "--split-ubatch",
+            "16",
+            "--split-layer",
+            "4",
+        ],
+    );
+    let prompt = "A prompt long enough that its oldest KV pages move to the helper. ".repeat(3);
+    let body = json!({"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0});
+    let (status, before) = s.post("/v1/completions", &body);
+    assert_eq!(status, 200, "{before}");
+    assert!(s.metric("tether_kv_pages{device=\"helper\"}") > 0.0);
+    assert_eq!(s.metric("tether_helper_attached"), 1.0);
+
+    cable.cut();
+    let other = json!({"model": "tiny", "prompt": "Something else.", "max_tokens": 4});
+    let (status, err) = s.post("/v1/completions", &other);
+    assert_eq!(status, 500, "{err}");
+    eprintln!("while the helper was gone: {err}");
+    assert!(
+        err["error"]["message"].as_str().unwrap().contains("helper"),
+        "{err}"
+    );
+    assert_eq!(s.metric("tether_helper_attached"), 0.0);
+    // Unreachable: the next request runs on the host alone.
+    let (status, alone) = s.post("/v1/completions", &body);
+    assert_eq!(status, 200, "{alone}");
+    assert_eq!(s.metric("tether_helper_reconnects_total"), 0.0);
+
+    cable.mend();
+    let (status, after) = s.post("/v1/completions", &body);
+    assert_eq!(status, 200, "{after}");
+    assert_eq!(s.metric("tether_helper_reconnects_total"), 1.0);
+    assert_eq!(s.metric("tether_helper_attached"), 1.0);
+    assert!(s.metric("tether_kv_pages{device=\"helper\"}") > 0.0);
+    let text = |v: &Value| v["choices"][0]["text"].as_str().unwrap().to_string();
+    assert_eq!(text(&after), text(&before));
+    assert_eq!(text(&alone), text(&before));
+}

@@ -204,6 +204,13 @@ impl<L: Link> ShapedLink<L> {
     pub fn stats_handle(&self) -> StatsHandle {
         self.out.stats.clone()
     }
+
+    /// Count into `stats` instead of a handle of its own: a link that replaces a lost one
+    /// goes on with the same totals.
+    pub fn counting_into(mut self, stats: StatsHandle) -> ShapedLink<L> {
+        self.out.stats = stats;
+        self
+    }
 }
 
 /// Hands each frame to the inner link when the modelled link would deliver it. One thread for

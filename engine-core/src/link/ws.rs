@@ -9,7 +9,7 @@
 //! close, so the reader stops at either and the protocol's own Ping/Pong frames do liveness.
 
 use std::io::ErrorKind;
-use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread;
@@ -108,7 +108,7 @@ pub fn connect(url: &str, max_frame: usize) -> Result<WsLink, LinkError> {
         .ok_or_else(|| LinkError::Io(format!("link URL {url}: no host")))?;
     // An IPv6 host comes bracketed, as written in the URL.
     let host = host.trim_start_matches('[').trim_end_matches(']');
-    let stream = TcpStream::connect((host, uri.port_u16().unwrap_or(80)))
+    let stream = connect_tcp(host, uri.port_u16().unwrap_or(80))
         .map_err(io_error(format!("connecting to {url}")))?;
     let peer = stream
         .peer_addr()
@@ -118,6 +118,27 @@ pub fn connect(url: &str, max_frame: usize) -> Result<WsLink, LinkError> {
         tungstenite::client::client_with_config(url, stream, Some(config(max_frame)))
             .map_err(|e| handshake_error(e, peer))?;
     WsLink::start(reader, writer, Role::Client, max_frame, peer)
+}
+
+/// How long a connection attempt may take: a helper that is unplugged or asleep on a network
+/// (no refusal, no answer) must not hold its host for the system's minutes-long default.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A TCP connection to the first of `host`'s addresses that answers within the timeout.
+fn connect_tcp(host: &str, port: u16) -> std::io::Result<TcpStream> {
+    let mut last = None;
+    for addr in (host, port).to_socket_addrs()? {
+        match TcpStream::connect_timeout(&addr, CONNECT_TIMEOUT) {
+            Ok(s) => return Ok(s),
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(last.unwrap_or_else(|| {
+        std::io::Error::new(
+            std::io::ErrorKind::NotFound,
+            format!("{host} has no address"),
+        )
+    }))
 }
 
 /// Where a helper waits for its host.

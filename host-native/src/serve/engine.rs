@@ -5,9 +5,10 @@
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use engine_core::generate::Sampler;
+use engine_core::link::StatsHandle;
 use engine_core::model::LayerState;
 use engine_core::split::{self, SplitPlan};
 use engine_core::tokenizer::{StreamDecoder, Tokenizer};
@@ -19,6 +20,7 @@ use super::conversation::Conversation;
 use super::metrics::{KvPlacement, Metrics};
 use super::queue::{Event, Finish, FinishReason, Job, Queue};
 use super::terminal;
+use crate::helper::HelperArgs;
 
 pub struct Engine {
     pub model: Model,
@@ -35,6 +37,19 @@ pub struct Engine {
     pub conversation: Conversation,
     pub metrics: Arc<Metrics>,
     pub timeout_s: u64,
+    /// The helper the server was started with, reconnected after it is lost.
+    pub helper: Option<Reconnect>,
+}
+
+/// How to get a lost helper back (a cable pulled and plugged in again, a helper restarted):
+/// before a request, at most every `every`, connect again and start a fresh sequence with it.
+pub struct Reconnect {
+    pub args: HelperArgs,
+    /// The link's counters, which a new link goes on counting into.
+    pub stats: StatsHandle,
+    pub every: Duration,
+    /// No attempt before this.
+    pub next_try: Instant,
 }
 
 /// How a job ended, short of an engine error.
@@ -63,8 +78,11 @@ impl Engine {
             self.metrics.set_active(true);
             self.serve(job);
             self.metrics.set_active(false);
-            self.metrics
-                .job_done(t.elapsed().as_secs_f64(), self.kv_placement());
+            self.metrics.job_done(
+                t.elapsed().as_secs_f64(),
+                self.kv_placement(),
+                self.state.remote.is_some(),
+            );
         }
         debug!("engine stopped");
     }
@@ -109,10 +127,37 @@ impl Engine {
         self.conversation.reset(be, &self.state);
     }
 
+    /// If the helper was lost and it is time to try, connect again; on success the sequence
+    /// starts afresh with it (the cached conversation is dropped: the new helper holds none of
+    /// it). A failed attempt leaves everything as it was.
+    fn reconnect_helper(&mut self) {
+        let Some(r) = &mut self.helper else {
+            return;
+        };
+        if self.state.remote.is_some() || Instant::now() < r.next_try {
+            return;
+        }
+        r.next_try = Instant::now() + r.every;
+        let mut state = self.model.new_state(self.page_size);
+        match r
+            .args
+            .reattach(&self.model, &mut state, self.page_size, &r.stats)
+        {
+            Ok(()) => {
+                info!("the helper is back; new requests use it again");
+                self.state = state;
+                self.conversation.reset(&*self.backend, &self.state);
+                self.metrics.helper_reconnected();
+            }
+            Err(e) => debug!("the helper is still gone: {e:#}"),
+        }
+    }
+
     fn generate(&mut self, job: &Job) -> Result<Outcome> {
         if let Some(o) = interrupted(job) {
             return Ok(o);
         }
+        self.reconnect_helper();
         let be = &*self.backend;
         let t0 = Instant::now();
         let restored = self

@@ -42,6 +42,10 @@ struct Counters {
     /// Seconds an engine job takes, smoothed; sizes `Retry-After`.
     job_seconds: f64,
     kv: KvPlacement,
+    /// Whether the sequence had a helper after the last request.
+    helper_attached: bool,
+    /// Times a lost helper was connected again.
+    helper_reconnects: u64,
 }
 
 impl Metrics {
@@ -91,7 +95,15 @@ impl Metrics {
         }
     }
 
-    pub fn job_done(&self, seconds: f64, kv: KvPlacement) {
+    pub fn set_helper_attached(&self, attached: bool) {
+        self.lock().helper_attached = attached;
+    }
+
+    pub fn helper_reconnected(&self) {
+        self.lock().helper_reconnects += 1;
+    }
+
+    pub fn job_done(&self, seconds: f64, kv: KvPlacement, helper_attached: bool) {
         let mut c = self.lock();
         c.job_seconds = if c.job_seconds == 0.0 {
             seconds
@@ -99,6 +111,7 @@ impl Metrics {
             0.8 * c.job_seconds + 0.2 * seconds
         };
         c.kv = kv;
+        c.helper_attached = helper_attached;
     }
 
     /// A guess at when a refused client may find room: the jobs ahead of it at the usual
@@ -201,6 +214,20 @@ impl Metrics {
             "Requests that ran past the time limit.",
             c.timed_out as f64,
         );
+        if link.is_some() {
+            one(
+                "tether_helper_attached",
+                "gauge",
+                "1 while the sequence has its helper, 0 once it is lost (until it reconnects).",
+                f64::from(u8::from(c.helper_attached)),
+            );
+            one(
+                "tether_helper_reconnects_total",
+                "counter",
+                "Times a lost helper was connected again.",
+                c.helper_reconnects as f64,
+            );
+        }
         let _ = writeln!(
             t,
             "# HELP tether_responses_total HTTP responses by route and status.\n# TYPE tether_responses_total counter"

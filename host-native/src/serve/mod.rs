@@ -18,14 +18,14 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use tracing::info;
 
 use crate::load::{self, EngineArgs};
 use conversation::Conversation;
-use engine::Engine;
+use engine::{Engine, Reconnect};
 use metrics::Metrics;
 use queue::Queue;
 use routes::App;
@@ -73,6 +73,10 @@ pub struct Args {
     /// A tokenizer.json to use instead of the model's.
     #[arg(long)]
     tokenizer: Option<PathBuf>,
+    /// Seconds between attempts to reconnect to a helper that was lost, made before a request
+    /// (0: before every request).
+    #[arg(long, default_value_t = 10)]
+    helper_retry: u64,
     /// Log level: error, warn, info, debug, trace, or a tracing filter (RUST_LOG wins).
     #[arg(long, default_value = "info")]
     log: String,
@@ -135,6 +139,7 @@ pub fn run(a: Args) -> Result<()> {
             .filter_map(|t| l.tokenizer.token_id(t)),
     );
     let metrics = Arc::new(Metrics::default());
+    metrics.set_helper_attached(link.is_some());
     let queue = Arc::new(Queue::new(a.queue));
     let app = Arc::new(App {
         name: a.name.clone().unwrap_or_else(|| model_id(&a.engine.model)),
@@ -144,7 +149,7 @@ pub fn run(a: Args) -> Result<()> {
         ctx,
         queue: queue.clone(),
         metrics: metrics.clone(),
-        link,
+        link: link.clone(),
         timeout: Duration::from_secs(a.timeout),
         next_id: AtomicU64::new(0),
     });
@@ -160,6 +165,12 @@ pub fn run(a: Args) -> Result<()> {
         stop_ids,
         metrics,
         timeout_s: a.timeout,
+        helper: link.map(|stats| Reconnect {
+            args: a.engine.helper.clone(),
+            stats,
+            every: Duration::from_secs(a.helper_retry),
+            next_try: Instant::now(),
+        }),
     };
     let worker = {
         let queue = queue.clone();
