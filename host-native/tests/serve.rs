@@ -276,22 +276,25 @@ fn start_helper() -> String {
     url
 }
 
+/// Small pages, a small host KV budget and a split from layer 4, so that even short prompts
+/// use the helper on the tiny model.
+const SPLIT: [&str; 10] = [
+    "--page-size",
+    "16",
+    "--host-kv-tokens",
+    "48",
+    "--split-min",
+    "32",
+    "--split-ubatch",
+    "16",
+    "--split-layer",
+    "4",
+];
+
 #[test]
 fn a_helper_changes_no_token_and_keeps_the_conversation_too() {
     let url = start_helper();
-    let split = [
-        "--page-size",
-        "16",
-        "--host-kv-tokens",
-        "48",
-        "--split-min",
-        "32",
-        "--split-ubatch",
-        "16",
-        "--split-layer",
-        "4",
-    ];
-    let with = Server::start("tiny", &[&["--helper", &url][..], &split[..]].concat());
+    let with = Server::start("tiny", &[&["--helper", &url][..], &SPLIT[..]].concat());
     // The same ubatch size on the host alone: then the split changes no bit.
     let alone = Server::start("tiny", &["--page-size", "16", "--ubatch", "16"]);
     let first = "A long first message, so that the prefill is split between host and helper and \
@@ -668,21 +671,10 @@ fn a_lost_helper_is_reconnected_before_a_later_request() {
     let s = Server::start(
         "tiny",
         &[
-            "--helper",
-            &cable.url,
-            "--helper-retry",
-            "0",
-            "--page-size",
-            "16",
-            "--host-kv-tokens",
-            "48",
-            "--split-min",
-            "32",
-            "--split-ubatch",
-            "16",
-            "--split-layer",
-            "4",
-        ],
+            &["--helper", &cable.url, "--helper-retry", "0"][..],
+            &SPLIT[..],
+        ]
+        .concat(),
     );
     let prompt = "A prompt long enough that its oldest KV pages move to the helper. ".repeat(3);
     let body = json!({"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0});
