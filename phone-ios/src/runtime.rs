@@ -1,7 +1,7 @@
 //! The helper runtime: serves one host at a time over any `Link`. It holds the KV pages a host
 //! gives it, with their page boundaries, and answers attention queries with one partial per
-//! page, computed by the same backend code the host would have used, so the host's merge is
-//! bit-identical to attending over the pages itself.
+//! page, computed by the same backend code the host would have used: with the same backend on
+//! both sides, the host's merge is bit-identical to attending over the pages itself.
 //!
 //! A frame that does not decode gets an `Error` frame and ends the session (the peer is not
 //! speaking our protocol); a well-formed request that cannot be served (wrong layer, rows out
@@ -261,7 +261,9 @@ impl<'a> Helper<'a> {
         let page_size = cfg.page_size as usize;
         let budget = self.opts.mem_budget;
         let used = held_bytes(&s.seqs);
-        let charge = |rows: usize, layers: usize| -> Result<(), Refusal> {
+        // The bytes of KV rows a request adds, if they fit: a new sequence then checks its
+        // DeltaNet state on top of them (`seq_state`).
+        let charge = |rows: usize, layers: usize| -> Result<u64, Refusal> {
             let bytes = (rows * layers * c.num_key_value_heads * c.head_dim * 8) as u64;
             if used + bytes > budget {
                 return Err(Refusal(
@@ -269,7 +271,7 @@ impl<'a> Helper<'a> {
                     format!("{used} + {bytes} bytes exceeds this helper's budget of {budget}"),
                 ));
             }
-            Ok(())
+            Ok(bytes)
         };
         match msg {
             Message::KvAppend {
@@ -292,8 +294,8 @@ impl<'a> Helper<'a> {
                         format!("KV page at {start} of shape {:?}: expected a page start and [1..={page_size}, {width}]", k.shape),
                     ));
                 }
-                charge(rows, 1)?;
-                let st = self.seq_state(&mut s.seqs, seq, &cfg)?;
+                let adds = charge(rows, 1)?;
+                let st = self.seq_state(&mut s.seqs, seq, &cfg, adds)?;
                 append_rows(
                     self.backend,
                     kv_of(st, layer),
@@ -338,6 +340,13 @@ impl<'a> Helper<'a> {
                             "layer {layer}: asked to attend up to {end}, this helper holds {}",
                             kv.len()
                         ),
+                    ));
+                }
+                // Positions index 32-bit tables on a GPU; no context comes near that.
+                if let Some(&p) = positions.iter().find(|&&p| p > u64::from(u32::MAX)) {
+                    return Err(Refusal(
+                        "shape",
+                        format!("query position {p} is beyond 32 bits"),
                     ));
                 }
                 let pos: Vec<usize> = positions.iter().map(|&p| p as usize).collect();
@@ -393,7 +402,7 @@ impl<'a> Helper<'a> {
                     .filter(|&l| c.layer_types[l] == LayerKind::FullAttention)
                     .map(|l| l as u32)
                     .collect();
-                charge(rows, full.len())?;
+                let adds = charge(rows, full.len())?;
                 let (at, held) = s.seqs.get_mut(&seq).map_or((0, 0), |st| {
                     let held = full.iter().map(|&l| kv_of(st, l).len()).max().unwrap_or(0);
                     (st.pos, held)
@@ -404,7 +413,7 @@ impl<'a> Helper<'a> {
                         format!("prefill chunk at {pos}, this helper's mirror is at {at} with {held} KV rows"),
                     ));
                 }
-                let st = self.seq_state(&mut s.seqs, seq, &cfg)?;
+                let st = self.seq_state(&mut s.seqs, seq, &cfg, adds)?;
                 if pos as usize != st.pos {
                     return Err(Refusal(
                         "order",
@@ -444,7 +453,7 @@ impl<'a> Helper<'a> {
                         format!("mirror rows must all be [{rows}, {width}]"),
                     ));
                 }
-                charge(rows, kv_layers.len())?;
+                let adds = charge(rows, kv_layers.len())?;
                 for &l in kv_layers.iter().chain(&delta_layers) {
                     if !(cfg.first_layer..cfg.end_layer).contains(&l) {
                         return Err(Refusal(
@@ -507,7 +516,7 @@ impl<'a> Helper<'a> {
                         ));
                     }
                 }
-                let st = self.seq_state(&mut s.seqs, seq, &cfg)?;
+                let st = self.seq_state(&mut s.seqs, seq, &cfg, adds)?;
                 for (&l, (k, v)) in kv_layers.iter().zip(kv) {
                     append_rows(self.backend, kv_of(st, l), l, pos as usize, k.data, v.data)?;
                 }
@@ -564,13 +573,15 @@ impl<'a> Helper<'a> {
     }
 
     /// The state of sequence `seq`, made on first use with DeltaNet state for the assigned
-    /// layers only, which counts against the memory budget; at most `MAX_SEQS` per session,
-    /// since every sequence costs memory whether or not its pages arrive.
+    /// layers only, which counts against the memory budget together with the `adds` bytes of
+    /// KV rows the request brings; at most `MAX_SEQS` per session, since every sequence costs
+    /// memory whether or not its pages arrive.
     fn seq_state<'s>(
         &self,
         seqs: &'s mut BTreeMap<u64, State>,
         seq: u64,
         cfg: &Configure,
+        adds: u64,
     ) -> Result<&'s mut State, Refusal> {
         if !seqs.contains_key(&seq) {
             if seqs.len() >= MAX_SEQS {
@@ -588,12 +599,13 @@ impl<'a> Helper<'a> {
                 .count();
             let need = (delta_layers * (s + conv) * std::mem::size_of::<f32>()) as u64;
             let (used, budget) = (held_bytes(seqs), self.opts.mem_budget);
-            if used + need > budget {
+            if used + adds + need > budget {
                 return Err(Refusal(
                     "memory",
                     format!(
-                        "sequence {seq} needs {need} bytes of DeltaNet state for layers {runs:?}; \
-                         {used} of this helper's budget of {budget} are in use"
+                        "sequence {seq} needs {need} bytes of DeltaNet state for layers {runs:?} \
+                         and {adds} of KV rows; {used} of this helper's budget of {budget} are \
+                         in use"
                     ),
                 ));
             }

@@ -135,8 +135,9 @@ fn hello(m: &Model) -> Message {
 }
 
 /// The helper's budget covers DeltaNet state, and a sequence holds it only for the layers the
-/// helper runs: a pages-only helper holds none; a helper running layers 4.. refuses a second
-/// sequence whose state would not fit, naming the bytes, and the first goes on.
+/// helper runs: a pages-only helper holds none; a new sequence must fit with its first rows (a
+/// budget one byte short refuses it and holds nothing); a helper running layers 4.. refuses a
+/// second sequence whose state would not fit, naming the bytes, and the first goes on.
 #[test]
 fn the_helper_budget_counts_the_deltanet_state_of_its_own_layers_only() {
     let m = model("tiny_fp32");
@@ -154,12 +155,18 @@ fn the_helper_budget_counts_the_deltanet_state_of_its_own_layers_only() {
         Message::Stats(s) => (s["kv_bytes"], s["delta_state_bytes"]),
         other => panic!("expected stats, got {other:?}"),
     };
-    for first_layer in [c.num_hidden_layers, split] {
+    // (first layer the helper runs, its budget): pages only; a budget one byte short of a new
+    // sequence's state plus its first rows; room for one sequence and two chunks.
+    for (first_layer, mem_budget) in [
+        (c.num_hidden_layers, need + 64 * kv_row),
+        (split, need + 2 * kv_row - 1),
+        (split, need + 4 * kv_row),
+    ] {
         std::thread::scope(|scope| {
             let (mut host, mut helper_end) = pair();
             let mr = &m;
             let budget = HelperOptions {
-                mem_budget: need + 64 * kv_row,
+                mem_budget,
                 max_frame: DEFAULT_MAX_FRAME,
             };
             scope.spawn(move || Helper::new(mr, &CpuBackend, budget).serve(&mut helper_end));
@@ -196,6 +203,13 @@ fn the_helper_budget_counts_the_deltanet_state_of_its_own_layers_only() {
                 want_state: true,
                 residual: WireTensor::f32(vec![2, c.hidden_size], vec![0.1; 2 * c.hidden_size]),
             };
+            if mem_budget < need + 2 * kv_row {
+                assert!(
+                    matches!(ask(2, chunk(0, 0)), Message::Error { code, .. } if code == "memory")
+                );
+                assert_eq!(stats(ask(3, Message::Stats(Default::default()))), (0, 0));
+                return;
+            }
             assert!(matches!(ask(2, chunk(0, 0)), Message::ChunkState { .. }));
             // Layer 7's two new rows and layers 4-6's states.
             assert_eq!(

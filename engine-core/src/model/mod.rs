@@ -320,8 +320,7 @@ impl Model {
     }
 
     /// Run `tokens` at positions `state.pos ..`, advancing `state`; returns logits `[rows, vocab]`
-    /// for the rows `logits` asks for (the only values read back, besides attention partials
-    /// and link traffic). If `trace` is given, the residual after each layer is read back and
+    /// for the rows `logits` asks for (the only values read back, besides link traffic). If `trace` is given, the residual after each layer is read back and
     /// pushed to it (`[tokens, hidden]` per layer) to find the first layer that diverges.
     pub fn forward(
         &self,

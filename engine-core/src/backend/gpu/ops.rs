@@ -74,7 +74,8 @@ pub fn embed(gpu: &Gpu, table: &GpuMatrix, ids: &GpuTensor) -> GpuTensor {
 /// Which matmul kernel to run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum MatmulKernel {
-    /// One workgroup per output element (decode).
+    /// One workgroup per weight row and group of up to [`MATVEC_MAX_T`] rows of x, each
+    /// weight read once for all of them (decode).
     Vector,
     /// 16 x 16 output tiles (prefill).
     Tiled,
