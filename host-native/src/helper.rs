@@ -1,7 +1,7 @@
 //! `--helper ws://ADDR`: tether a `tether-helper` to a sequence's state.
 
 use anyhow::{bail, Context, Result};
-use engine_core::link::{ws, LinkProfile, LinkStats, ShapedLink, StatsHandle};
+use engine_core::link::{ws, Link, LinkProfile, LinkStats, ShapedLink, StatsHandle};
 use engine_core::plan::{Plan, PlanInput};
 use engine_core::protocol::Configure;
 use engine_core::remote::{HelperClient, DEFAULT_MAX_FRAME};
@@ -69,13 +69,34 @@ impl HelperArgs {
         page_size: usize,
         stats: &StatsHandle,
     ) -> Result<()> {
+        let link = self.connect(stats)?;
+        self.attach_link(model, state, page_size, link)
+    }
+
+    /// The link to the helper named, counting into `stats`: the part of attaching that may
+    /// wait on the network (up to the connect and handshake timeouts), so a server can do it
+    /// on a thread of its own.
+    pub fn connect(&self, stats: &StatsHandle) -> Result<Box<dyn Link>> {
         let Some(url) = &self.helper else {
             bail!("no --helper to connect to");
         };
         let profile = link_profile(&self.link)?;
         let ws = ws::connect(url, self.max_frame)
             .with_context(|| format!("connecting to the helper at {url}"))?;
-        let link = ShapedLink::new(ws, profile).counting_into(stats.clone());
+        Ok(Box::new(
+            ShapedLink::new(ws, profile).counting_into(stats.clone()),
+        ))
+    }
+
+    /// Configure the helper at the other end of `link` and attach it to `state`.
+    pub fn attach_link(
+        &self,
+        model: &Model,
+        state: &mut State,
+        page_size: usize,
+        link: Box<dyn Link>,
+    ) -> Result<()> {
+        let url = self.helper.as_deref().unwrap_or("the link");
         let n = model.config.num_hidden_layers;
         let split = self.split_layer.unwrap_or_else(|| default_split_layer(n));
         if split > n || (!split.is_multiple_of(4) && split != n) {
@@ -86,7 +107,7 @@ impl HelperArgs {
             end_layer: n as u32,
             page_size: u32::try_from(page_size).context("--page-size")?,
         };
-        let client = HelperClient::connect(Box::new(link), model, configure, self.max_frame)
+        let client = HelperClient::connect(link, model, configure, self.max_frame)
             .with_context(|| format!("handshake with the helper at {url}"))?;
         state.remote = Some(client);
         state.host_kv_tokens = self.host_kv_tokens;

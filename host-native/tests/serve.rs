@@ -610,12 +610,17 @@ fn sigterm_finishes_the_request_in_flight_then_exits_cleanly() {
 }
 
 /// A TCP relay in front of a helper that the test can cut like a pulled cable: `cut` closes
-/// every relayed connection and refuses new ones until `mend`.
+/// every relayed connection and refuses new ones; `hang` accepts them and never answers (a
+/// helper asleep on a network); `mend` relays again.
 struct Cable {
     url: String,
-    up: Arc<std::sync::atomic::AtomicBool>,
+    mode: Arc<std::sync::atomic::AtomicU8>,
     open: Arc<std::sync::Mutex<Vec<std::net::TcpStream>>>,
 }
+
+const RELAY: u8 = 0;
+const REFUSE: u8 = 1;
+const HANG: u8 = 2;
 
 impl Cable {
     fn to(helper_url: &str) -> Cable {
@@ -624,17 +629,22 @@ impl Cable {
         let target = helper_url.trim_start_matches("ws://").to_string();
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let url = format!("ws://{}", listener.local_addr().unwrap());
-        let up = Arc::new(std::sync::atomic::AtomicBool::new(true));
+        let mode = Arc::new(std::sync::atomic::AtomicU8::new(RELAY));
         let open = Arc::new(std::sync::Mutex::new(Vec::new()));
-        let (up2, open2) = (up.clone(), open.clone());
+        let (mode2, open2) = (mode.clone(), open.clone());
         std::thread::spawn(move || {
             for client in listener.incoming() {
                 let Ok(client) = client else { continue };
-                if !up2.load(Ordering::SeqCst) {
-                    continue; // dropped: the connection closes at once
+                let mut open = open2.lock().unwrap();
+                match mode2.load(Ordering::SeqCst) {
+                    REFUSE => continue, // dropped: the connection closes at once
+                    HANG => {
+                        open.push(client);
+                        continue;
+                    }
+                    _ => {}
                 }
                 let server = TcpStream::connect(&target).unwrap();
-                let mut open = open2.lock().unwrap();
                 for (mut from, mut to) in [
                     (client.try_clone().unwrap(), server.try_clone().unwrap()),
                     (server.try_clone().unwrap(), client.try_clone().unwrap()),
@@ -647,24 +657,21 @@ impl Cable {
                 open.extend([client, server]);
             }
         });
-        Cable { url, up, open }
+        Cable { url, mode, open }
     }
 
-    fn cut(&self) {
-        self.up.store(false, std::sync::atomic::Ordering::SeqCst);
+    fn set(&self, mode: u8) {
+        self.mode.store(mode, std::sync::atomic::Ordering::SeqCst);
         for s in self.open.lock().unwrap().drain(..) {
             let _ = s.shutdown(std::net::Shutdown::Both);
         }
     }
-
-    fn mend(&self) {
-        self.up.store(true, std::sync::atomic::Ordering::SeqCst);
-    }
 }
 
 /// A helper lost with this sequence's KV pages fails the request in flight with a clear error;
-/// once it can be reached again the server reconnects before the next request, and the answer
-/// is the one it gave with the helper before.
+/// while it cannot be reached requests run on the host alone, without waiting for a helper that
+/// does not answer; once it can be reached again the server reconnects before the next
+/// request, and the answer is the one it gave with the helper before.
 #[test]
 fn a_lost_helper_is_reconnected_before_a_later_request() {
     let cable = Cable::to(&start_helper());
@@ -683,7 +690,7 @@ fn a_lost_helper_is_reconnected_before_a_later_request() {
     assert!(s.metric("tether_kv_pages{device=\"helper\"}") > 0.0);
     assert_eq!(s.metric("tether_helper_attached"), 1.0);
 
-    cable.cut();
+    cable.set(REFUSE);
     let other = json!({"model": "tiny", "prompt": "Something else.", "max_tokens": 4});
     let (status, err) = s.post("/v1/completions", &other);
     assert_eq!(status, 500, "{err}");
@@ -693,12 +700,20 @@ fn a_lost_helper_is_reconnected_before_a_later_request() {
         "{err}"
     );
     assert_eq!(s.metric("tether_helper_attached"), 0.0);
-    // Unreachable: the next request runs on the host alone.
+    // Refusing: the next request runs on the host alone.
     let (status, alone) = s.post("/v1/completions", &body);
     assert_eq!(status, 200, "{alone}");
+    // Silent: the attempt goes on in the background (its handshake would time out after
+    // 10 s) and the request does not wait for it.
+    cable.set(HANG);
+    let t = Instant::now();
+    let (status, silent) = s.post("/v1/completions", &body);
+    assert_eq!(status, 200, "{silent}");
+    let waited = t.elapsed();
+    assert!(waited < Duration::from_secs(8), "{waited:?}");
     assert_eq!(s.metric("tether_helper_reconnects_total"), 0.0);
 
-    cable.mend();
+    cable.set(RELAY);
     let (status, after) = s.post("/v1/completions", &body);
     assert_eq!(status, 200, "{after}");
     assert_eq!(s.metric("tether_helper_reconnects_total"), 1.0);
@@ -707,4 +722,5 @@ fn a_lost_helper_is_reconnected_before_a_later_request() {
     let text = |v: &Value| v["choices"][0]["text"].as_str().unwrap().to_string();
     assert_eq!(text(&after), text(&before));
     assert_eq!(text(&alone), text(&before));
+    assert_eq!(text(&silent), text(&before));
 }

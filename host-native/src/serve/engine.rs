@@ -4,11 +4,11 @@
 //! checks whether the client is still there and the time limit still holds.
 
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 use engine_core::generate::Sampler;
-use engine_core::link::StatsHandle;
+use engine_core::link::{Link, StatsHandle};
 use engine_core::model::LayerState;
 use engine_core::split::{self, SplitPlan};
 use engine_core::tokenizer::{StreamDecoder, Tokenizer};
@@ -42,14 +42,76 @@ pub struct Engine {
 }
 
 /// How to get a lost helper back (a cable pulled and plugged in again, a helper restarted):
-/// before a request, at most every `every`, connect again and start a fresh sequence with it.
+/// before a request, connect again on a thread of its own (attempts start at most every
+/// `every`) and start a fresh sequence with it.
 pub struct Reconnect {
-    pub args: HelperArgs,
+    args: HelperArgs,
     /// The link's counters, which a new link goes on counting into.
-    pub stats: StatsHandle,
-    pub every: Duration,
-    /// No attempt before this.
-    pub next_try: Instant,
+    stats: StatsHandle,
+    every: Duration,
+    /// No new attempt before this.
+    next_try: Instant,
+    /// An attempt under way.
+    pending: Option<mpsc::Receiver<anyhow::Result<Box<dyn Link>>>>,
+}
+
+/// How long a request waits for a connection attempt it started: a helper that answers, or
+/// refuses, does so at once; one that does not is left to connect in the background while the
+/// request runs on the host alone, and the next request picks up what came of it.
+const RECONNECT_WAIT: Duration = Duration::from_secs(1);
+
+impl Reconnect {
+    pub fn new(args: HelperArgs, stats: StatsHandle, every: Duration) -> Reconnect {
+        Reconnect {
+            args,
+            stats,
+            every,
+            next_try: Instant::now(),
+            pending: None,
+        }
+    }
+
+    /// A link to the helper if an attempt has one within [`RECONNECT_WAIT`]: the one under
+    /// way, or one started now if it is time. An attempt that failed makes room for a new one
+    /// at once when the last started `every` ago.
+    fn link(&mut self) -> Option<Box<dyn Link>> {
+        for _ in 0..2 {
+            if self.pending.is_none() {
+                if Instant::now() < self.next_try {
+                    return None;
+                }
+                self.start();
+            }
+            match self.pending.as_ref()?.recv_timeout(RECONNECT_WAIT) {
+                Err(mpsc::RecvTimeoutError::Timeout) => return None,
+                Ok(Ok(link)) => {
+                    self.pending = None;
+                    return Some(link);
+                }
+                Ok(Err(e)) => {
+                    debug!("the helper is still gone: {e:#}");
+                    self.pending = None;
+                }
+                Err(mpsc::RecvTimeoutError::Disconnected) => self.pending = None,
+            }
+        }
+        None
+    }
+
+    /// Start an attempt on a thread of its own; attempts start at most every `every`.
+    fn start(&mut self) {
+        self.next_try = Instant::now() + self.every;
+        let (tx, rx) = mpsc::channel();
+        let (args, stats) = (self.args.clone(), self.stats.clone());
+        let started = std::thread::Builder::new()
+            .name("helper-reconnect".into())
+            .spawn(move || {
+                let _ = tx.send(args.connect(&stats));
+            });
+        if started.is_ok() {
+            self.pending = Some(rx);
+        }
+    }
 }
 
 /// How a job ended, short of an engine error.
@@ -127,21 +189,23 @@ impl Engine {
         self.conversation.reset(be, &self.state);
     }
 
-    /// If the helper was lost and it is time to try, connect again; on success the sequence
+    /// If the helper was lost and a connection to it comes (see [`Reconnect`]), the sequence
     /// starts afresh with it (the cached conversation is dropped: the new helper holds none of
     /// it). A failed attempt leaves everything as it was.
     fn reconnect_helper(&mut self) {
+        if self.state.remote.is_some() {
+            return;
+        }
         let Some(r) = &mut self.helper else {
             return;
         };
-        if self.state.remote.is_some() || Instant::now() < r.next_try {
+        let Some(link) = r.link() else {
             return;
-        }
-        r.next_try = Instant::now() + r.every;
+        };
         let mut state = self.model.new_state(self.page_size);
         match r
             .args
-            .reattach(&self.model, &mut state, self.page_size, &r.stats)
+            .attach_link(&self.model, &mut state, self.page_size, link)
         {
             Ok(()) => {
                 info!("the helper is back; new requests use it again");
@@ -149,7 +213,7 @@ impl Engine {
                 self.conversation.reset(&*self.backend, &self.state);
                 self.metrics.helper_reconnected();
             }
-            Err(e) => debug!("the helper is still gone: {e:#}"),
+            Err(e) => debug!("the helper answered but could not be attached: {e:#}"),
         }
     }
 

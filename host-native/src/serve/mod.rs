@@ -18,7 +18,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use tracing::info;
@@ -165,11 +165,12 @@ pub fn run(a: Args) -> Result<()> {
         stop_ids,
         metrics,
         timeout_s: a.timeout,
-        helper: link.map(|stats| Reconnect {
-            args: a.engine.helper.clone(),
-            stats,
-            every: Duration::from_secs(a.helper_retry),
-            next_try: Instant::now(),
+        helper: link.map(|stats| {
+            Reconnect::new(
+                a.engine.helper.clone(),
+                stats,
+                Duration::from_secs(a.helper_retry),
+            )
         }),
     };
     let worker = {
