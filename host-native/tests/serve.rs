@@ -713,14 +713,22 @@ fn a_lost_helper_is_reconnected_before_a_later_request() {
     assert!(waited < Duration::from_secs(8), "{waited:?}");
     assert_eq!(s.metric("tether_helper_reconnects_total"), 0.0);
 
-    cable.set(RELAY);
-    let (status, after) = s.post("/v1/completions", &body);
-    assert_eq!(status, 200, "{after}");
-    assert_eq!(s.metric("tether_helper_reconnects_total"), 1.0);
-    assert_eq!(s.metric("tether_helper_attached"), 1.0);
-    assert!(s.metric("tether_kv_pages{device=\"helper\"}") > 0.0);
     let text = |v: &Value| v["choices"][0]["text"].as_str().unwrap().to_string();
-    assert_eq!(text(&after), text(&before));
     assert_eq!(text(&alone), text(&before));
     assert_eq!(text(&silent), text(&before));
+
+    // Reachable again: the next request reconnects (the attempt is on a thread of its own and
+    // waited for up to 1 s, so a loaded machine may need a second request).
+    cable.set(RELAY);
+    for attempt in 0.. {
+        let (status, after) = s.post("/v1/completions", &body);
+        assert_eq!(status, 200, "{after}");
+        assert_eq!(text(&after), text(&before));
+        if s.metric("tether_helper_reconnects_total") == 1.0 {
+            break;
+        }
+        assert!(attempt < 3, "not reconnected after {attempt} requests");
+    }
+    assert_eq!(s.metric("tether_helper_attached"), 1.0);
+    assert!(s.metric("tether_kv_pages{device=\"helper\"}") > 0.0);
 }

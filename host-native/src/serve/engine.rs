@@ -138,19 +138,25 @@ impl Engine {
         while let Some(job) = queue.pop() {
             let t = Instant::now();
             self.metrics.set_active(true);
-            self.serve(job);
+            let last = self.serve(&job);
             self.metrics.set_active(false);
             self.metrics.job_done(
                 t.elapsed().as_secs_f64(),
                 self.kv_placement(),
                 self.state.remote.is_some(),
             );
+            // After the metrics: a client that reads /metrics once answered sees this job.
+            if let Some(event) = last {
+                // A client that left in the meantime no longer listens; nothing to do about it.
+                let _ = job.events.send(event);
+            }
         }
         debug!("engine stopped");
     }
 
-    fn serve(&mut self, job: Job) {
-        let event = match self.generate(&job) {
+    /// Run `job`; returns the event that ends its stream (none for a client that left).
+    fn serve(&mut self, job: &Job) -> Option<Event> {
+        let event = match self.generate(job) {
             Ok(Outcome::Finished(f)) => Event::Done(f),
             Ok(Outcome::Cancelled) => {
                 self.metrics.cancelled();
@@ -158,7 +164,7 @@ impl Engine {
                     request = job.id,
                     "client disconnected; generation cancelled"
                 );
-                return;
+                return None;
             }
             Ok(Outcome::TimedOut) => {
                 self.metrics.timed_out();
@@ -174,8 +180,7 @@ impl Engine {
                 Event::Failed(ApiError::server(format!("generation failed: {e}")))
             }
         };
-        // A client that left in the meantime no longer listens; nothing to do about it.
-        let _ = job.events.send(event);
+        Some(event)
     }
 
     /// After an error the state may be half-updated: start again from position 0, on the
