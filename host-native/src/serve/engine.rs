@@ -12,7 +12,7 @@ use engine_core::link::{Link, StatsHandle};
 use engine_core::model::LayerState;
 use engine_core::split::{self, SplitPlan};
 use engine_core::tokenizer::{StreamDecoder, Tokenizer};
-use engine_core::{Backend, Logits, Model, Result, State};
+use engine_core::{Backend, Error, Logits, Model, Result, State};
 use tracing::{debug, info, warn};
 
 use super::api::ApiError;
@@ -112,6 +112,17 @@ impl Reconnect {
             self.pending = Some(rx);
         }
     }
+}
+
+/// A request's decoding so far. It outlives a redo: when the helper is lost mid-request the
+/// host runs the request again alone and feeds these tokens instead of sampling them again,
+/// so the sampler, the streamed text and the stop-string scan go on where they were.
+struct Decoding {
+    sampler: Sampler,
+    decoder: StreamDecoder,
+    scan: StopScan,
+    /// Tokens sampled and sent so far.
+    tokens: Vec<u32>,
 }
 
 /// How a job ended, short of an engine error.
@@ -227,6 +238,33 @@ impl Engine {
             return Ok(o);
         }
         self.reconnect_helper();
+        let mut d = Decoding {
+            sampler: Sampler::new(job.sampling.clone())?,
+            decoder: StreamDecoder::new(&self.tokenizer),
+            scan: StopScan::new(&job.stop),
+            tokens: Vec::new(),
+        };
+        let had_helper = self.state.remote.is_some();
+        match self.attempt(job, &mut d) {
+            // The host holds every token of the request: it redoes the request alone, in the
+            // same ubatches, and feeds the tokens already sent instead of sampling them
+            // again, so the client's stream goes on as if nothing had happened.
+            Err(Error::Remote(why)) if had_helper => {
+                warn!(
+                    request = job.id,
+                    "the helper was lost ({why}); the host redoes the request alone"
+                );
+                self.state = self.model.new_state(self.page_size);
+                self.conversation.reset(&*self.backend, &self.state);
+                self.attempt(job, &mut d)
+            }
+            r => r,
+        }
+    }
+
+    /// Prefill what the conversation cache lacks of the prompt, feed the tokens `d` already
+    /// holds (none unless this is a redo), then sample and stream the rest.
+    fn attempt(&mut self, job: &Job, d: &mut Decoding) -> Result<Outcome> {
         let be = &*self.backend;
         let t0 = Instant::now();
         let restored = self
@@ -264,10 +302,13 @@ impl Engine {
         self.metrics.prefill(job.prompt.len(), new.len(), prefill_s);
 
         let t1 = Instant::now();
-        let mut sampler = Sampler::new(job.sampling.clone())?;
-        let mut decoder = StreamDecoder::new(&self.tokenizer);
-        let mut scan = StopScan::new(&job.stop);
-        let mut n = 0;
+        for &tok in &d.tokens {
+            logits = self
+                .model
+                .forward(be, &mut self.state, &[tok], Logits::Last, None)?;
+            self.conversation.consumed(&[tok]);
+        }
+        let mut n = d.tokens.len();
         let mut reason = FinishReason::Length;
         let mut stopped_by_string = false;
         while n < job.max_tokens {
@@ -275,13 +316,14 @@ impl Engine {
                 self.metrics.decode(n, t1.elapsed().as_secs_f64());
                 return Ok(o);
             }
-            let tok = sampler.sample(&logits);
+            let tok = d.sampler.sample(&logits);
             if self.stop_ids.contains(&tok) {
                 reason = FinishReason::Stop;
                 break;
             }
             n += 1;
-            let (text, stopped) = scan.push(&decoder.push(tok)?);
+            d.tokens.push(tok);
+            let (text, stopped) = d.scan.push(&d.decoder.push(tok)?);
             if !text.is_empty() && job.events.send(Event::Text(text)).is_err() {
                 self.metrics.decode(n, t1.elapsed().as_secs_f64());
                 return Ok(Outcome::Cancelled);
@@ -300,11 +342,11 @@ impl Engine {
             }
         }
         if !stopped_by_string {
-            let (mut text, stopped) = scan.push(&decoder.finish()?);
+            let (mut text, stopped) = d.scan.push(&d.decoder.finish()?);
             if stopped {
                 reason = FinishReason::Stop;
             } else {
-                text.push_str(&scan.finish());
+                text.push_str(&d.scan.finish());
             }
             if !text.is_empty() {
                 let _ = job.events.send(Event::Text(text));
