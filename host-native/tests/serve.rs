@@ -668,21 +668,29 @@ impl Cable {
     }
 }
 
+/// A server whose helper is behind a [`Cable`], reconnecting to it at most every `retry`
+/// seconds, with the [`SPLIT`] options.
+fn behind_a_cable(retry: &str) -> (Cable, Server) {
+    let cable = Cable::to(&start_helper());
+    let args = [
+        &["--helper", &cable.url, "--helper-retry", retry][..],
+        &SPLIT[..],
+    ]
+    .concat();
+    let s = Server::start("tiny", &args);
+    (cable, s)
+}
+
+/// Long enough, repeated 3 times, that the oldest KV pages move to the helper under [`SPLIT`].
+const LONG_PROMPT: &str = "A prompt long enough that its oldest KV pages move to the helper. ";
+
 /// While a lost helper cannot be reached requests run on the host alone, without waiting for a
 /// helper that does not answer; once it can be reached again the server reconnects before the
 /// next request, and the answer is the one it gave with the helper before.
 #[test]
 fn a_lost_helper_is_reconnected_before_a_later_request() {
-    let cable = Cable::to(&start_helper());
-    let s = Server::start(
-        "tiny",
-        &[
-            &["--helper", &cable.url, "--helper-retry", "0"][..],
-            &SPLIT[..],
-        ]
-        .concat(),
-    );
-    let prompt = "A prompt long enough that its oldest KV pages move to the helper. ".repeat(3);
+    let (cable, s) = behind_a_cable("0");
+    let prompt = LONG_PROMPT.repeat(3);
     let body = json!({"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0});
     let (status, before) = s.post("/v1/completions", &body);
     assert_eq!(status, 200, "{before}");
@@ -734,17 +742,9 @@ fn a_lost_helper_is_reconnected_before_a_later_request() {
 /// to the same text as an answer that never lost its helper.
 #[test]
 fn a_helper_lost_mid_stream_costs_time_not_tokens() {
-    let cable = Cable::to(&start_helper());
     // No reconnection during the test: the loss must show in the metrics.
-    let s = Server::start(
-        "tiny",
-        &[
-            &["--helper", &cable.url, "--helper-retry", "3600"][..],
-            &SPLIT[..],
-        ]
-        .concat(),
-    );
-    let prompt = "A prompt long enough that its oldest KV pages move to the helper. ".repeat(3);
+    let (cable, s) = behind_a_cable("3600");
+    let prompt = LONG_PROMPT.repeat(3);
     let mut body = json!({"model": "tiny", "prompt": prompt, "max_tokens": 120, "temperature": 0,
                           "stream_options": {"include_usage": true}});
     let (status, whole) = s.post("/v1/completions", &body);
