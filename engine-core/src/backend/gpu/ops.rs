@@ -247,34 +247,25 @@ fn elementwise(gpu: &Gpu, entry: &'static str, n: usize, params: [u32; 4], binds
     );
 }
 
+/// `a = entry(a, b)` element by element, in place.
+fn binary(gpu: &Gpu, entry: &'static str, a: &GpuTensor, b: &GpuTensor) {
+    assert_eq!(a.len(), b.len(), "{entry}: operands of different lengths");
+    elementwise(gpu, entry, a.len(), [0; 4], &[(1, t_of(a)), (2, t_of(b))]);
+}
+
 /// `gate = silu(gate) * up` (SwiGLU).
 pub fn silu_mul(gpu: &Gpu, gate: &GpuTensor, up: &GpuTensor) {
-    assert_eq!(gate.len(), up.len());
-    elementwise(
-        gpu,
-        "silu_mul",
-        gate.len(),
-        [0; 4],
-        &[(1, t_of(gate)), (2, t_of(up))],
-    );
+    binary(gpu, "silu_mul", gate, up);
 }
 
 /// `x = x * sigmoid(gate)` (the attention output gate).
 pub fn sigmoid_mul(gpu: &Gpu, x: &GpuTensor, gate: &GpuTensor) {
-    assert_eq!(x.len(), gate.len());
-    elementwise(
-        gpu,
-        "sigmoid_mul",
-        x.len(),
-        [0; 4],
-        &[(1, t_of(x)), (2, t_of(gate))],
-    );
+    binary(gpu, "sigmoid_mul", x, gate);
 }
 
 /// `a = a + b` (residuals).
 pub fn add(gpu: &Gpu, a: &GpuTensor, b: &GpuTensor) {
-    assert_eq!(a.len(), b.len());
-    elementwise(gpu, "add", a.len(), [0; 4], &[(1, t_of(a)), (2, t_of(b))]);
+    binary(gpu, "add", a, b);
 }
 
 /// `a = a * s`.
