@@ -368,26 +368,22 @@ pub fn begin_attention(
     })
 }
 
-/// Host copies of `parts` (a helper's answer, which crosses the link), in one read.
-pub fn download_partials(be: &dyn Backend, parts: &[ActPartials]) -> Vec<Partials> {
-    let ranges: Vec<(&Act, Range<usize>)> = parts
+/// Host copies of `parts` (a helper's answer, which crosses the link) in one read, laid out
+/// as the link carries them: every part's `o`, then every `m`, then every `l`.
+pub fn download_partials(
+    be: &dyn Backend,
+    parts: &[ActPartials],
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let ranges: Vec<(&Act, Range<usize>)> = [0, 1, 2]
         .iter()
-        .flat_map(|p| [&p.o, &p.m, &p.l])
+        .flat_map(|&i| parts.iter().map(move |p| [&p.o, &p.m, &p.l][i]))
         .map(|a| (a, 0..a.len()))
         .collect();
-    let mut host = be.download_ranges(&ranges).into_iter();
-    parts
-        .iter()
-        .map(|p| {
-            let mut take = |n: usize| host.by_ref().take(n).collect::<Vec<f32>>();
-            Partials {
-                head_dim: p.head_dim,
-                o: take(p.rows * p.head_dim),
-                m: take(p.rows),
-                l: take(p.rows),
-            }
-        })
-        .collect()
+    let mut o = be.download_ranges(&ranges);
+    let rows: usize = parts.iter().map(|p| p.rows).sum();
+    let mut m = o.split_off(o.len() - 2 * rows);
+    let l = m.split_off(rows);
+    (o, m, l)
 }
 
 #[cfg(test)]

@@ -356,14 +356,9 @@ impl<'a> Helper<'a> {
                     .filter(|p| (p.start as u64) < end)
                     .collect();
                 let rows = pos.len() * shape.q_heads;
-                let (mut o, mut m, mut l) = (Vec::new(), Vec::new(), Vec::new());
                 let q = self.backend.upload(q.data);
                 let parts = self.backend.attend_pages(shape, &q, &pos, &pages);
-                for p in download_partials(self.backend, &parts) {
-                    o.extend(p.o);
-                    m.extend(p.m);
-                    l.extend(p.l);
-                }
+                let (o, m, l) = download_partials(self.backend, &parts);
                 let n = pages.len();
                 Ok(Message::AttnPartials {
                     seq,
@@ -592,12 +587,7 @@ impl<'a> Helper<'a> {
             }
             let c = &self.identity().config;
             let runs = cfg.first_layer as usize..cfg.end_layer as usize;
-            let (s, conv) = c.delta_state_len();
-            let delta_layers = runs
-                .clone()
-                .filter(|&l| c.layer_types[l] == LayerKind::LinearAttention)
-                .count();
-            let need = (delta_layers * (s + conv) * std::mem::size_of::<f32>()) as u64;
+            let need = State::delta_bytes_for(c, runs.clone()) as u64;
             let (used, budget) = (held_bytes(seqs), self.opts.mem_budget);
             if used + adds + need > budget {
                 return Err(Refusal(

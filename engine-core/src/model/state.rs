@@ -267,6 +267,17 @@ impl State {
             .sum()
     }
 
+    /// Bytes of DeltaNet state a [`State::for_layers`] with `runs` holds, known before making
+    /// it (a helper checks its budget first).
+    pub fn delta_bytes_for(c: &ModelConfig, runs: Range<usize>) -> usize {
+        let (s, conv) = c.delta_state_len();
+        let layers = c.layer_types[runs]
+            .iter()
+            .filter(|&&k| k == LayerKind::LinearAttention)
+            .count();
+        layers * (s + conv) * std::mem::size_of::<f32>()
+    }
+
     /// Bytes held by DeltaNet states (recurrent and conv), a fixed amount per layer run here.
     pub fn delta_bytes(&self) -> usize {
         self.layers

@@ -200,9 +200,16 @@ impl Engine {
         let be = &*self.backend;
         if let Err(e) = self.state.rewind(be, self.conversation.origin()) {
             warn!("the helper is gone ({e}); continuing on the host alone");
-            self.state = self.model.new_state(self.page_size);
+            self.start_afresh(self.model.new_state(self.page_size));
+        } else {
+            self.conversation.reset(be, &self.state);
         }
-        self.conversation.reset(be, &self.state);
+    }
+
+    /// Make `state` the sequence, with no cached conversation (none of it is in `state`).
+    fn start_afresh(&mut self, state: State) {
+        self.state = state;
+        self.conversation.reset(&*self.backend, &self.state);
     }
 
     /// If the helper was lost and a connection to it comes (see [`Reconnect`]), the sequence
@@ -225,8 +232,7 @@ impl Engine {
         {
             Ok(()) => {
                 info!("the helper is back; new requests use it again");
-                self.state = state;
-                self.conversation.reset(&*self.backend, &self.state);
+                self.start_afresh(state);
                 self.metrics.helper_reconnected();
             }
             Err(e) => debug!("the helper answered but could not be attached: {e:#}"),
@@ -254,8 +260,7 @@ impl Engine {
                     request = job.id,
                     "the helper was lost ({why}); the host redoes the request alone"
                 );
-                self.state = self.model.new_state(self.page_size);
-                self.conversation.reset(&*self.backend, &self.state);
+                self.start_afresh(self.model.new_state(self.page_size));
                 self.attempt(job, &mut d)
             }
             r => r,
