@@ -135,6 +135,25 @@ fn matmul_matches_cpu_for_every_weight_format_and_kernel() {
     }
 }
 
+/// Rows of x in groups (what a product wider than one binding takes, such as every prompt
+/// row's logits over a real vocabulary) give the product of one pass, bit for bit.
+#[test]
+fn rows_in_groups_give_the_product_of_one_pass() {
+    let g = gpu();
+    let mut rng = Rng(3);
+    let (t, rows, cols) = (11, 21, 40);
+    let xg = g.upload_f32(&rng.vec(t * cols));
+    let w = matrix(rows, cols, &rng.vec(rows * cols), DType::F32);
+    let wg = g.upload_matrix(&w, WeightFormat::F32).unwrap();
+    for which in [MatmulKernel::Vector, MatmulKernel::Tiled] {
+        let whole = down(&ops::matmul_with(g, &xg, &wg, which));
+        for group in [1, 4, 10] {
+            let grouped = down(&ops::matmul_in_groups(g, &xg, &wg, which, group));
+            assert!(grouped == whole, "{which:?} in groups of {group}");
+        }
+    }
+}
+
 #[test]
 fn weights_split_into_row_blocks_give_the_same_product() {
     let g = gpu();
@@ -367,9 +386,58 @@ fn l2_normalise(x: &mut [f32], d: usize, scale: f32) {
     }
 }
 
+/// Both forms of the delta rule on `t` tokens of seeded inputs against the CPU's, from a
+/// random state: outputs and the advanced state.
+fn check_delta(s: DeltaShape, t: usize, rng: &mut Rng) {
+    let g = gpu();
+    let mut q = rng.vec(t * s.k_heads * s.dk);
+    let mut k = rng.vec(t * s.k_heads * s.dk);
+    l2_normalise(&mut q, s.dk, 1.0 / (s.dk as f32).sqrt());
+    l2_normalise(&mut k, s.dk, 1.0);
+    let v = rng.vec(t * s.v_heads * s.dv);
+    // Mostly slow decay, so that the state after hundreds of tokens still remembers many.
+    let gate: Vec<f32> = (0..t * s.v_heads).map(|_| -0.2 * rng.uniform()).collect();
+    let beta: Vec<f32> = (0..t * s.v_heads).map(|_| rng.uniform()).collect();
+    let s0 = rng.vec(s.v_heads * s.dk * s.dv);
+    let up = |x: &[f32]| g.upload_f32(x);
+    let (qg, kg, vg, gg, bg) = (up(&q), up(&k), up(&v), up(&gate), up(&beta));
+    let inputs = || GpuDeltaInputs {
+        q: &qg,
+        k: &kg,
+        v: &vg,
+        g: &gg,
+        beta: &bg,
+    };
+    let cpu_in = || DeltaInputs::<[f32]> {
+        q: &q,
+        k: &k,
+        v: &v,
+        g: &gate,
+        beta: &beta,
+    };
+    for chunked in [false, true] {
+        let mut st = s0.clone();
+        let mut want = vec![0.0; t * s.v_heads * s.dv];
+        let state = g.upload_f32(&s0);
+        let out = if chunked {
+            cpu::delta::chunked(s, cpu_in(), &mut st, &mut want);
+            ops::delta_rule_chunked(g, s, inputs(), &state)
+        } else {
+            cpu::delta::recurrent(s, cpu_in(), &mut st, &mut want);
+            ops::delta_rule_recurrent(g, s, inputs(), &state)
+        };
+        let form = if chunked { "chunked" } else { "recurrent" };
+        let what = format!(
+            "delta {form} t={t} {}/{} heads dk={} dv={}",
+            s.k_heads, s.v_heads, s.dk, s.dv
+        );
+        check(&format!("{what} out"), &down(&out), &want, TOL_F32);
+        check(&format!("{what} state"), &down(&state), &st, TOL_F32);
+    }
+}
+
 #[test]
 fn delta_rule_matches_cpu_in_both_forms() {
-    let g = gpu();
     let mut rng = Rng(10);
     let shapes = [
         DeltaShape {
@@ -387,50 +455,32 @@ fn delta_rule_matches_cpu_in_both_forms() {
     ];
     for s in shapes {
         for t in [1usize, 5, 33, 70] {
-            let mut q = rng.vec(t * s.k_heads * s.dk);
-            let mut k = rng.vec(t * s.k_heads * s.dk);
-            l2_normalise(&mut q, s.dk, 1.0 / (s.dk as f32).sqrt());
-            l2_normalise(&mut k, s.dk, 1.0);
-            let v = rng.vec(t * s.v_heads * s.dv);
-            let gate: Vec<f32> = (0..t * s.v_heads).map(|_| -2.0 * rng.uniform()).collect();
-            let beta: Vec<f32> = (0..t * s.v_heads).map(|_| rng.uniform()).collect();
-            let s0 = rng.vec(s.v_heads * s.dk * s.dv);
-            let up = |x: &[f32]| g.upload_f32(x);
-            let (qg, kg, vg, gg, bg) = (up(&q), up(&k), up(&v), up(&gate), up(&beta));
-            let inputs = || GpuDeltaInputs {
-                q: &qg,
-                k: &kg,
-                v: &vg,
-                g: &gg,
-                beta: &bg,
-            };
-            let cpu_in = || DeltaInputs::<[f32]> {
-                q: &q,
-                k: &k,
-                v: &v,
-                g: &gate,
-                beta: &beta,
-            };
-            for chunked in [false, true] {
-                let mut st = s0.clone();
-                let mut want = vec![0.0; t * s.v_heads * s.dv];
-                let state = g.upload_f32(&s0);
-                let out = if chunked {
-                    cpu::delta::chunked(s, cpu_in(), &mut st, &mut want);
-                    ops::delta_rule_chunked(g, s, inputs(), &state)
-                } else {
-                    cpu::delta::recurrent(s, cpu_in(), &mut st, &mut want);
-                    ops::delta_rule_recurrent(g, s, inputs(), &state)
-                };
-                let form = if chunked { "chunked" } else { "recurrent" };
-                let what = format!(
-                    "delta {form} t={t} {}/{} heads dk={} dv={}",
-                    s.k_heads, s.v_heads, s.dk, s.dv
-                );
-                check(&format!("{what} out"), &down(&out), &want, TOL_F32);
-                check(&format!("{what} state"), &down(&state), &st, TOL_F32);
-            }
+            check_delta(s, t, &mut rng);
         }
+    }
+}
+
+/// Sequences long enough that one invocation running them whole would pass llvmpipe's 65535
+/// loop iterations (ops.rs's LOOP_BUDGET): the fixtures' key width from 640 tokens on, and
+/// the real model's (128) from about 170. Before the kernels ran in spans, the state (then
+/// every later output) went wrong there on lavapipe.
+#[test]
+fn delta_rule_stays_exact_past_the_software_drivers_loop_limit() {
+    let mut rng = Rng(13);
+    let tiny = DeltaShape {
+        k_heads: 2,
+        v_heads: 4,
+        dk: 16,
+        dv: 16,
+    };
+    let real_keys = DeltaShape {
+        k_heads: 1,
+        v_heads: 2,
+        dk: 128,
+        dv: 16,
+    };
+    for (s, t) in [(tiny, 700), (tiny, 2100), (real_keys, 300)] {
+        check_delta(s, t, &mut rng);
     }
 }
 
@@ -527,6 +577,37 @@ fn attention_partials_match_cpu_per_page() {
                 );
             }
         }
+    }
+}
+
+/// Pages long enough that one `attn_prefill` invocation over the whole page would pass
+/// llvmpipe's loop limit (the real head width of 256 from about 960 keys, the fixtures' 16
+/// from about 10000), with query rows at its end, inside it and before it.
+#[test]
+fn prefill_attention_over_long_pages_matches_cpu() {
+    let g = gpu();
+    let mut rng = Rng(14);
+    for (q_heads, kv_heads, head_dim, len) in [(2, 1, 256, 1100), (4, 2, 16, 10300)] {
+        let shape = AttnShape {
+            q_heads,
+            kv_heads,
+            head_dim,
+        };
+        let row = kv_heads * head_dim;
+        let q_pos: Vec<usize> = (len - 12..len + 1).chain([5, 500]).collect();
+        let t = q_pos.len();
+        let q = rng.vec(t * q_heads * head_dim);
+        let (page, gp) = pages(0, len, rng.vec(len * row), rng.vec(len * row));
+        let pos_g = g.upload_u32(&q_pos.iter().map(|&p| p as u32).collect::<Vec<_>>());
+        let got = ops::attend_page(g, shape, &g.upload_f32(&q), &pos_g, &gp, 0.125);
+        let scaled: Vec<f32> = q.iter().map(|v| v * 0.125).collect();
+        let want = cpu_attend(shape, &scaled, &q_pos, &page);
+        check_partials(
+            &format!("attention {q_heads}/{kv_heads}x{head_dim} page of {len}"),
+            &partials_of(&got),
+            &want,
+            TOL_F32,
+        );
     }
 }
 

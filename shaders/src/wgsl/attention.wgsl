@@ -8,7 +8,10 @@
 //
 // attn_prefill: BQ query rows of one head per workgroup; their scaled queries sit in workgroup
 //   memory, key tiles of BK are scored into workgroup memory, and each row's output is
-//   accumulated by LANES threads, each owning every LANES-th dim.
+//   accumulated by LANES threads, each owning every LANES-th dim. One dispatch runs the page's
+//   keys key_begin .. key_end (the host cuts a long page into spans: ops.rs's LOOP_BUDGET); a
+//   span that does not end the page leaves its running (unnormalised o, max, sum) in o, m, l,
+//   where the next span resumes from them, so the cuts change no bit.
 // attn_decode: one (row, head) per workgroup, the page's visible keys cut into `splits` ranges
 //   of `split_len` (one workgroup each, so a long page keeps the device busy for one query);
 //   split s writes partials at [s, t * q_heads, ...], merged afterwards by attn_merge.
@@ -22,6 +25,8 @@ struct Params {
     scale: f32,
     splits: u32,
     split_len: u32,
+    key_begin: u32,
+    key_end: u32,
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -104,14 +109,33 @@ fn attn_prefill(
         }
         qs[i] = x;
     }
+    let r = lid / LANES;
+    let lane = lid % LANES;
+    let row = r0 + r;
+    let resume = p.key_begin > 0u;
     if lid < BQ {
         var vis = 0u;
+        var mx = NEG;
+        var sum = 0.0;
         if r0 + lid < p.t {
             vis = visible(r0 + lid);
+            if resume {
+                mx = m[(r0 + lid) * p.q_heads + h];
+                sum = l[(r0 + lid) * p.q_heads + h];
+            }
         }
         row_vis[lid] = vis;
-        row_m[lid] = NEG;
-        row_l[lid] = 0.0;
+        row_m[lid] = mx;
+        row_l[lid] = sum;
+    }
+    var acc: array<f32, DPT>;
+    if resume && row < p.t {
+        for (var c = 0u; c < DPT; c++) {
+            let d = lane + c * LANES;
+            if d < HEAD_DIM {
+                acc[c] = o[(row * p.q_heads + h) * HEAD_DIM + d];
+            }
+        }
     }
     workgroupBarrier();
     if lid == 0u {
@@ -119,13 +143,10 @@ fn attn_prefill(
         for (var i = 0u; i < BQ; i++) {
             most = max(most, row_vis[i]);
         }
-        n_keys = most;
+        n_keys = min(most, p.key_end);
     }
     let keys = workgroupUniformLoad(&n_keys);
-    let r = lid / LANES;
-    let lane = lid % LANES;
-    var acc: array<f32, DPT>;
-    for (var k0 = 0u; k0 < keys; k0 += BK) {
+    for (var k0 = p.key_begin; k0 < keys; k0 += BK) {
         // Scores of the tile; NEG where the key is not visible to the row.
         for (var i = lid; i < BQ * BK; i += 64u) {
             let rr = i / BK;
@@ -186,13 +207,28 @@ fn attn_prefill(
         }
         workgroupBarrier();
     }
-    let row = r0 + r;
-    if row < p.t {
+    if row >= p.t {
+        return;
+    }
+    let idx = row * p.q_heads + h;
+    if p.key_end < p.len {
+        // Not the page's last span: hand the running values on as they are.
         for (var c = 0u; c < DPT; c++) {
             let d = lane + c * LANES;
             if d < HEAD_DIM {
-                write_partial(row * p.q_heads + h, d, acc[c], row_m[r], row_l[r], lane == 0u && c == 0u);
+                o[idx * HEAD_DIM + d] = acc[c];
             }
+        }
+        if lane == 0u {
+            m[idx] = row_m[r];
+            l[idx] = row_l[r];
+        }
+        return;
+    }
+    for (var c = 0u; c < DPT; c++) {
+        let d = lane + c * LANES;
+        if d < HEAD_DIM {
+            write_partial(idx, d, acc[c], row_m[r], row_l[r], lane == 0u && c == 0u);
         }
     }
 }

@@ -13,9 +13,13 @@
 //   its column c: ks = K S[:, c], qs = Q S[:, c] (S read once),
 //   v_new = T diag(beta) (v[:, c] - diag(e^gc) ks), o = diag(e^gc) qs + QK v_new, and
 //   S[:, c] = e^gc_last S[:, c] + K^T diag(e^(gc_last - gc)) v_new.
+// Both run tokens t0 .. t_end of the inputs: the host dispatches a long sequence in spans
+// (ops.rs's LOOP_BUDGET), the state carrying over in its buffer, so spans change no bit (the
+// chunked form's spans start on a chunk boundary).
 
 struct Params {
-    t: u32,
+    t0: u32,
+    t_end: u32,
     k_heads: u32,
     v_heads: u32,
     dk: u32,
@@ -65,7 +69,7 @@ fn delta_recurrent(
         return;
     }
     let sb = ln.h * p.dk * p.dv + ln.col;
-    for (var i = 0u; i < p.t; i++) {
+    for (var i = p.t0; i < p.t_end; i++) {
         let gi = i * p.v_heads + ln.h;
         let decay = exp(g[gi]);
         let kb = qk_row(i, ln.kh);
@@ -109,8 +113,8 @@ fn delta_chunked(
     var qs: array<f32, CHUNK>;
     var ks: array<f32, CHUNK>;
     var vn: array<f32, CHUNK>;
-    for (var c0 = 0u; c0 < p.t; c0 += CHUNK) {
-        let n = min(CHUNK, p.t - c0);
+    for (var c0 = p.t0; c0 < p.t_end; c0 += CHUNK) {
+        let n = min(CHUNK, p.t_end - c0);
         if lid == 0u {
             var acc = 0.0;
             for (var i = 0u; i < n; i++) {

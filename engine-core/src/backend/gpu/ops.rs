@@ -93,14 +93,49 @@ pub fn matmul(gpu: &Gpu, x: &GpuTensor, w: &GpuMatrix) -> GpuTensor {
     matmul_with(gpu, x, w, which)
 }
 
-/// [`matmul`] with the kernel chosen by the caller; one dispatch per weight block, each
-/// writing its rows' columns of `out`.
+/// [`matmul`] with the kernel chosen by the caller, in as few row groups as the binding size
+/// allows (see [`matmul_in_groups`]).
 pub fn matmul_with(gpu: &Gpu, x: &GpuTensor, w: &GpuMatrix, which: MatmulKernel) -> GpuTensor {
+    let row_bytes = 4 * w.rows.max(w.cols) as u64;
+    let group = usize::try_from(gpu.max_binding() / row_bytes).unwrap_or(usize::MAX);
+    matmul_in_groups(gpu, x, w, which, group.max(1))
+}
+
+/// [`matmul`] over at most `group` rows of `x` at a time. A row of logits is the vocabulary
+/// wide (1 MB for Qwen3.5's 248320 tokens), so the logits of every prompt row (`tether eval`)
+/// pass one binding (128 MiB on many devices) from about 135 rows: each group's rows of `x`
+/// are copied out, multiplied, and their products copied into place (copies have no binding
+/// limit).
+pub fn matmul_in_groups(
+    gpu: &Gpu,
+    x: &GpuTensor,
+    w: &GpuMatrix,
+    which: MatmulKernel,
+    group: usize,
+) -> GpuTensor {
     assert_eq!(x.len() % w.cols, 0, "x is not [t, {}]", w.cols);
     let t = x.len() / w.cols;
     let out = gpu.alloc(t * w.rows);
-    if out.is_empty() {
+    if t <= group {
+        matmul_into(gpu, x, w, which, &out);
         return out;
+    }
+    for t0 in (0..t).step_by(group) {
+        let n = group.min(t - t0);
+        let rows = gpu.alloc(n * w.cols);
+        gpu.copy(x, t0 * w.cols, &rows, 0, n * w.cols);
+        let part = gpu.alloc(n * w.rows);
+        matmul_into(gpu, &rows, w, which, &part);
+        gpu.copy(&part, 0, &out, t0 * w.rows, n * w.rows);
+    }
+    out
+}
+
+/// `out = x w^T` by `which`: one dispatch per weight block, each writing its rows' columns.
+fn matmul_into(gpu: &Gpu, x: &GpuTensor, w: &GpuMatrix, which: MatmulKernel, out: &GpuTensor) {
+    let t = x.len() / w.cols;
+    if out.is_empty() {
+        return;
     }
     for b in &w.blocks {
         let params = [
@@ -111,7 +146,7 @@ pub fn matmul_with(gpu: &Gpu, x: &GpuTensor, w: &GpuMatrix, which: MatmulKernel)
             u(b.rows),
             u(w.rows),
         ];
-        let binds = [(1, Bind::Buffer(&b.buffer)), (2, t_of(x)), (3, t_of(&out))];
+        let binds = [(1, Bind::Buffer(&b.buffer)), (2, t_of(x)), (3, t_of(out))];
         let spec = weight_spec(w.format);
         match which {
             MatmulKernel::Vector => gpu.dispatch(
@@ -132,7 +167,6 @@ pub fn matmul_with(gpu: &Gpu, x: &GpuTensor, w: &GpuMatrix, which: MatmulKernel)
             ),
         }
     }
-    out
 }
 
 /// Norm of `rows` rows of `dim` values: one workgroup per row.
@@ -363,6 +397,45 @@ pub type GpuDeltaInputs<'a> = DeltaInputs<'a, GpuTensor>;
 /// 12 KiB at 32, under WebGPU's 16 KiB minimum).
 pub const DELTA_CHUNK: usize = 32;
 
+/// Loop iterations one invocation of a kernel may run, all its loops together. llvmpipe (the
+/// software Vulkan driver behind lavapipe, which CI and GPU-less machines run) ends every loop
+/// of an invocation once 65535 iterations have run in total (gallivm's
+/// `LP_MAX_TGSI_LOOP_ITERATIONS`, shared by all the loops of a shader), silently: the results
+/// are then wrong, not an error. Kernels whose loops grow with the sequence (the delta rule over
+/// tokens, prefill attention over a page's keys) are dispatched in spans that each stay within
+/// half that limit (the counts below are upper bounds written from the kernels' loops; a driver
+/// that unrolls a loop only runs fewer). What a span carries to the next (the DeltaNet state,
+/// attention's running max, sum and output) waits in its buffers between spans, so where the
+/// spans are cut changes no bit. Other kernels loop over model dimensions only (a matmul's
+/// columns, a norm's width, the vocabulary for argmax, the pages merged), far below it.
+pub const LOOP_BUDGET: usize = 32768;
+
+/// Upper bound of the loop iterations of one `delta_chunked` invocation per chunk of
+/// [`DELTA_CHUNK`] tokens with keys of `dk`: the chunk's gates, the k.k and q.k products
+/// (`CHUNK^2 / WG` entries of `dk` each), the forward substitution (`CHUNK^2 / 2`), the state
+/// read and write (`dk` rows of `CHUNK` each, twice) and the four per-token loops over the
+/// chunk (`2 * CHUNK^2` at most).
+fn delta_chunk_iterations(dk: usize) -> usize {
+    let c = DELTA_CHUNK;
+    c + (c * c).div_ceil(WG) * (dk + 1) + c * c / 2 + c + 2 * dk * (c + 1) + 2 * c * c + 4 * c
+}
+
+/// Upper bound of the loop iterations of one `delta_recurrent` invocation per token: two loops
+/// over the `dk` rows of its state column.
+fn delta_token_iterations(dk: usize) -> usize {
+    2 * dk + 1
+}
+
+/// Tokens per dispatch of a delta-rule entry for keys of `dk`: within [`LOOP_BUDGET`], and
+/// whole chunks for the chunked form.
+fn delta_span(entry: &str, dk: usize) -> usize {
+    if entry == "delta_chunked" {
+        DELTA_CHUNK * (LOOP_BUDGET / delta_chunk_iterations(dk)).max(1)
+    } else {
+        (LOOP_BUDGET / delta_token_iterations(dk)).max(1)
+    }
+}
+
 fn delta(
     gpu: &Gpu,
     entry: &'static str,
@@ -377,25 +450,34 @@ fn delta(
     assert_eq!(x.beta.len(), x.g.len());
     assert_eq!(state.len(), s.v_heads * s.dk * s.dv);
     let out = gpu.alloc(t * s.v_heads * s.dv);
-    if out.is_empty() {
-        return out;
+    let spec = Spec::new().with("CHUNK", u(DELTA_CHUNK));
+    let span = delta_span(entry, s.dk);
+    for t0 in (0..t).step_by(span) {
+        let t_end = (t0 + span).min(t);
+        gpu.dispatch(
+            k("delta"),
+            entry,
+            &spec,
+            &[
+                u(t0),
+                u(t_end),
+                u(s.k_heads),
+                u(s.v_heads),
+                u(s.dk),
+                u(s.dv),
+            ],
+            &[
+                (1, t_of(x.q)),
+                (2, t_of(x.k)),
+                (3, t_of(x.v)),
+                (4, t_of(x.g)),
+                (5, t_of(x.beta)),
+                (6, t_of(state)),
+                (7, t_of(&out)),
+            ],
+            grid(s.v_heads * s.dv.div_ceil(WG)),
+        );
     }
-    gpu.dispatch(
-        k("delta"),
-        entry,
-        &Spec::new().with("CHUNK", u(DELTA_CHUNK)),
-        &[u(t), u(s.k_heads), u(s.v_heads), u(s.dk), u(s.dv)],
-        &[
-            (1, t_of(x.q)),
-            (2, t_of(x.k)),
-            (3, t_of(x.v)),
-            (4, t_of(x.g)),
-            (5, t_of(x.beta)),
-            (6, t_of(state)),
-            (7, t_of(&out)),
-        ],
-        grid(s.v_heads * s.dv.div_ceil(WG)),
-    );
     out
 }
 
@@ -466,8 +548,37 @@ struct Split {
     len: usize,
 }
 
-/// `attn_prefill` when `split` is `None`, else `attn_decode` writing `split.parts` stacked
-/// partials.
+/// Keys per `attn_prefill` score tile (its `BK`).
+const PREFILL_KEYS: usize = 32;
+
+/// Upper bound of the loop iterations of one `attn_prefill` invocation per tile of
+/// [`PREFILL_KEYS`] keys: scoring `PREFILL_ROWS * PREFILL_KEYS / 64` (row, key) pairs of
+/// `head_dim` products each, the row's max and exp-sum over the tile, and its
+/// `head_dim / 8` dims each accumulating the tile's values.
+fn prefill_tile_iterations(head_dim: usize) -> usize {
+    let k = PREFILL_KEYS;
+    1 + (PREFILL_ROWS * k).div_ceil(64) * (head_dim + 1)
+        + 2 * k
+        + 1
+        + head_dim.div_ceil(8) * (k + 1)
+}
+
+/// Keys per `attn_prefill` dispatch: whole tiles within [`LOOP_BUDGET`], leaving room for the
+/// loops before and after the tiles (loading the queries, resuming, writing).
+fn prefill_span(head_dim: usize) -> usize {
+    let fixed = 4 * head_dim + 2 * PREFILL_ROWS;
+    PREFILL_KEYS * ((LOOP_BUDGET - fixed) / prefill_tile_iterations(head_dim)).max(1)
+}
+
+/// Upper bound of the loop iterations of one `attn_decode` invocation over `split_len` keys:
+/// per 64 keys, one query's `head_dim` products, two reductions of 6 steps, and
+/// `head_dim / 64` dims accumulating 64 values each.
+fn decode_iterations(head_dim: usize, split_len: usize) -> usize {
+    head_dim + split_len.div_ceil(64) * (1 + head_dim + 12 + head_dim.div_ceil(64) * 65)
+}
+
+/// `attn_prefill` when `split` is `None` (in spans of [`prefill_span`] keys), else
+/// `attn_decode` writing `split.parts` stacked partials.
 fn attend(
     gpu: &Gpu,
     shape: AttnShape,
@@ -486,44 +597,59 @@ fn attend(
     assert_eq!(q.len(), t * q_heads * d);
     assert!(page.k.len() >= page.len * kv_heads * d && page.v.len() == page.k.len());
     let rows = t * q_heads;
-    let (entry, splits, split_len, groups) = match split {
+    let (entry, splits, split_len, groups, span) = match split {
         None => (
             "attn_prefill",
             1,
             page.len,
             grid(t.div_ceil(PREFILL_ROWS) * q_heads),
+            prefill_span(d),
         ),
-        Some(s) => ("attn_decode", s.parts, s.len, grid(rows * s.parts)),
+        Some(s) => {
+            assert!(
+                decode_iterations(d, s.len) <= LOOP_BUDGET,
+                "decode split of {} keys past the loop budget",
+                s.len
+            );
+            // One dispatch: each workgroup's loop is bounded by its split.
+            let span = page.len.max(1);
+            ("attn_decode", s.parts, s.len, grid(rows * s.parts), span)
+        }
     };
     let out = GpuPartials::alloc(gpu, splits * rows, d);
     if rows == 0 {
         return out;
     }
-    gpu.dispatch(
-        k("attention"),
-        entry,
-        &Spec::new().with("HEAD_DIM", u(d)),
-        &[
-            u(t),
-            u(q_heads),
-            u(kv_heads),
-            u(page.start),
-            u(page.len),
-            f(scale),
-            u(splits),
-            u(split_len),
-        ],
-        &[
-            (1, t_of(q)),
-            (2, t_of(q_pos)),
-            (3, t_of(&page.k)),
-            (4, t_of(&page.v)),
-            (5, t_of(&out.o)),
-            (6, t_of(&out.m)),
-            (7, t_of(&out.l)),
-        ],
-        groups,
-    );
+    // An empty page still runs one span, which writes its rows as having seen no key.
+    for key_begin in (0..page.len.max(1)).step_by(span) {
+        gpu.dispatch(
+            k("attention"),
+            entry,
+            &Spec::new().with("HEAD_DIM", u(d)),
+            &[
+                u(t),
+                u(q_heads),
+                u(kv_heads),
+                u(page.start),
+                u(page.len),
+                f(scale),
+                u(splits),
+                u(split_len),
+                u(key_begin),
+                u((key_begin + span).min(page.len)),
+            ],
+            &[
+                (1, t_of(q)),
+                (2, t_of(q_pos)),
+                (3, t_of(&page.k)),
+                (4, t_of(&page.v)),
+                (5, t_of(&out.o)),
+                (6, t_of(&out.m)),
+                (7, t_of(&out.l)),
+            ],
+            groups,
+        );
+    }
     out
 }
 
