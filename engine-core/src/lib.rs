@@ -6,8 +6,8 @@
 pub mod backend;
 pub mod config;
 pub mod error;
-pub mod fingerprint;
 pub mod generate;
+pub mod identity;
 pub mod kv;
 pub mod link;
 pub mod model;

@@ -47,7 +47,7 @@ pub struct HelperClient {
 }
 
 impl HelperClient {
-    /// Introduce this host (the model's fingerprint), check the helper runs the same model, and
+    /// Introduce this host (the model's identity), check the helper runs the same model, and
     /// assign it its part.
     pub fn connect(
         link: Box<dyn Link>,
@@ -66,7 +66,8 @@ impl HelperClient {
             early: Default::default(),
             helper: Intro {
                 version: PROTOCOL_VERSION,
-                fingerprint: String::new(),
+                model: String::new(),
+                model_digest: String::new(),
                 role: Role::Helper,
                 mem_offer: 0,
                 backends: Vec::new(),
@@ -75,18 +76,21 @@ impl HelperClient {
         };
         let hello = Message::Hello(Intro {
             version: PROTOCOL_VERSION,
-            fingerprint: model.fingerprint.clone(),
+            model: model.identity.name.clone(),
+            model_digest: model.identity.digest.clone(),
             role: Role::Host,
             mem_offer: 0,
             backends: vec!["cpu".into()],
             max_frame: max_frame as u64,
         });
         match c.request(hello)? {
-            Message::Welcome(intro) if intro.fingerprint == model.fingerprint => c.helper = intro,
+            Message::Welcome(intro) if intro.model_digest == model.identity.digest => {
+                c.helper = intro
+            }
             Message::Welcome(intro) => {
                 return Err(Error::Remote(format!(
-                    "the helper runs a different model (fingerprint {}, ours {})",
-                    intro.fingerprint, model.fingerprint
+                    "the helper runs a different model: {} there, {} here",
+                    intro.model, model.identity.name
                 )))
             }
             other => return Err(unexpected("Welcome", &other)),

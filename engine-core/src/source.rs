@@ -3,6 +3,7 @@
 //! cannot drift apart.
 
 use crate::error::{Error, Result};
+use crate::identity::ModelIdentity;
 #[cfg(not(target_arch = "wasm32"))]
 use crate::model::Model;
 use crate::synth;
@@ -77,6 +78,16 @@ impl SynthOptions {
         let tensors = synth::random_weights(&config, self.dtype()?, self.weight_seed)?;
         Ok((config, tensors))
     }
+
+    /// The preset's identity: its shape, dtype and seed.
+    pub fn identity(&self, preset: &str, config: &ModelConfig) -> Result<ModelIdentity> {
+        Ok(ModelIdentity::of_preset(
+            preset,
+            config,
+            self.dtype()?,
+            self.weight_seed,
+        ))
+    }
 }
 
 /// `spec` is a checkpoint directory, or a preset name when no such directory exists.
@@ -86,59 +97,52 @@ pub fn load_model(spec: &str, o: &SynthOptions) -> Result<Model> {
         Source::Dir(dir) => Model::load_dir(dir),
         Source::Preset => {
             let (config, tensors) = o.tensors(spec)?;
-            Model::from_tensors(config, &tensors)
+            let identity = o.identity(spec, &config)?;
+            Model::with_identity(config, &tensors, identity)
         }
     }
 }
 
-/// `spec`'s config and whole-model fingerprint, with no layers built: what a helper shows in
-/// the handshake before a host assigns it layers. A checkpoint is only memory-mapped (the
-/// fingerprint reads samples of each tensor); a preset's tensors are generated one at a time
-/// and dropped.
+/// `spec`'s config and whole-model identity, with no layers built: what a helper shows in the
+/// handshake before a host assigns it layers. A checkpoint's weight files are hashed once and
+/// cached ([`ModelIdentity::of_checkpoint`]); a preset generates nothing.
 #[cfg(not(target_arch = "wasm32"))]
 pub fn load_identity(spec: &str, o: &SynthOptions) -> Result<Model> {
-    let (config, tensors, fingerprint) = match Source::parse(spec)? {
+    let (config, identity) = match Source::parse(spec)? {
         Source::Dir(dir) => {
             let config = Model::read_config(dir)?;
-            let tensors = crate::weights::load_dir(dir)?;
-            let fp = crate::fingerprint::model_fingerprint(&config, &tensors);
-            (config, TensorMap::new(), fp)
+            let identity = ModelIdentity::of_checkpoint(dir, &config)?;
+            (config, identity)
         }
         Source::Preset => {
             let config = o.config(spec)?;
-            let (_, fp) =
-                synth::random_weights_where(&config, o.dtype()?, o.weight_seed, &|_| false, true)?;
-            (
-                config,
-                TensorMap::new(),
-                fp.expect("asked for the fingerprint"),
-            )
+            let identity = o.identity(spec, &config)?;
+            (config, identity)
         }
     };
-    Model::layers_only(config, &tensors, 0..0, fingerprint)
+    Model::layers_only(config, &TensorMap::new(), 0..0, identity)
 }
 
-/// Only `layers` of `spec` (no embedding, no head): a helper's assignment. `fingerprint` is
-/// the whole model's, from [`load_identity`]. Other layers' weights are never read (a
-/// checkpoint is memory-mapped) or generated (a preset).
+/// Only `layers` of `spec` (no embedding, no head): a helper's assignment. `identity` is the
+/// whole model's, from [`load_identity`]. Other layers' weights are never read (a checkpoint
+/// is memory-mapped) or generated (a preset).
 #[cfg(not(target_arch = "wasm32"))]
 pub fn load_layers(
     spec: &str,
     o: &SynthOptions,
     layers: std::ops::Range<usize>,
-    fingerprint: &str,
+    identity: &ModelIdentity,
 ) -> Result<Model> {
     let (config, tensors) = match Source::parse(spec)? {
         Source::Dir(dir) => (Model::read_config(dir)?, crate::weights::load_dir(dir)?),
         Source::Preset => {
             let config = o.config(spec)?;
             let keep = |name: &str| layer_of(name).is_some_and(|l| layers.contains(&l));
-            let (tensors, _) =
-                synth::random_weights_where(&config, o.dtype()?, o.weight_seed, &keep, false)?;
+            let tensors = synth::random_weights_where(&config, o.dtype()?, o.weight_seed, &keep)?;
             (config, tensors)
         }
     };
-    Model::layers_only(config, &tensors, layers, fingerprint.to_string())
+    Model::layers_only(config, &tensors, layers, identity.clone())
 }
 
 /// The layer a tensor belongs to, from its normalised name (`model.layers.N.`).

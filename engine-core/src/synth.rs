@@ -9,7 +9,6 @@ use rayon::prelude::*;
 
 use crate::config::{LayerKind, ModelConfig};
 use crate::error::{Error, Result};
-use crate::fingerprint::Fingerprinter;
 use crate::tensor::{DType, Data, Elems, Tensor};
 use crate::weights::TensorMap;
 
@@ -129,39 +128,25 @@ fn fill(name: &str, n: usize, init: &Init, seed: u64, dtype: DType) -> Data {
 
 /// Every tensor of a Qwen3.5 text model with `config`'s shapes, seeded and stored as `dtype`.
 pub fn random_weights(c: &ModelConfig, dtype: DType, seed: u64) -> Result<TensorMap> {
-    Ok(random_weights_where(c, dtype, seed, &|_| true, false)?.0)
+    random_weights_where(c, dtype, seed, &|_| true)
 }
 
-/// The tensors `keep` selects and, with `fingerprint`, the whole model's fingerprint. Each
-/// tensor has its own seeded stream, so any subset comes out the same as in the whole model;
-/// for the fingerprint every tensor is generated in name order and dropped unless kept, so a
-/// helper holds only its layers' weights yet knows the whole model's identity.
+/// The tensors `keep` selects. Each tensor has its own seeded stream, so any subset comes out
+/// the same as in the whole model: a helper generates only its layers' weights.
 pub fn random_weights_where(
     c: &ModelConfig,
     dtype: DType,
     seed: u64,
     keep: &dyn Fn(&str) -> bool,
-    fingerprint: bool,
-) -> Result<(TensorMap, Option<String>)> {
-    let mut specs = tensor_specs(c)?;
-    specs.sort_by(|a, b| a.0.cmp(&b.0));
-    let mut print = fingerprint.then(|| Fingerprinter::new(c));
+) -> Result<TensorMap> {
     let mut out = TensorMap::new();
-    for (name, shape, init) in specs {
-        let kept = keep(&name);
-        if !kept && print.is_none() {
-            continue;
-        }
-        let data = fill(&name, shape.iter().product(), &init, seed, dtype);
-        let t = Tensor { shape, data };
-        if let Some(p) = print.as_mut() {
-            p.add(&name, &t);
-        }
-        if kept {
-            out.insert(name, t);
+    for (name, shape, init) in tensor_specs(c)? {
+        if keep(&name) {
+            let data = fill(&name, shape.iter().product(), &init, seed, dtype);
+            out.insert(name, Tensor { shape, data });
         }
     }
-    Ok((out, print.map(|p| p.finish())))
+    Ok(out)
 }
 
 /// Name, shape and initialisation of every tensor of a model with `c`'s shapes.

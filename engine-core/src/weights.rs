@@ -64,9 +64,10 @@ pub fn add_safetensors(bytes: SharedBytes, what: &str, out: &mut TensorMap) -> R
     Ok(())
 }
 
-/// Load every `*.safetensors` of a checkpoint directory (memory-mapped).
+/// The weight files of a checkpoint directory, in name order: the shards
+/// `model.safetensors.index.json` lists, or `model.safetensors`.
 #[cfg(not(target_arch = "wasm32"))]
-pub fn load_dir(dir: &std::path::Path) -> Result<TensorMap> {
+pub fn checkpoint_files(dir: &std::path::Path) -> Result<Vec<std::path::PathBuf>> {
     let index = dir.join("model.safetensors.index.json");
     let files: Vec<String> = if index.exists() {
         let text = std::fs::read_to_string(&index).map_err(|e| Error::io(&index, e))?;
@@ -93,9 +94,14 @@ pub fn load_dir(dir: &std::path::Path) -> Result<TensorMap> {
             dir.display()
         )));
     };
+    Ok(files.iter().map(|f| dir.join(f)).collect())
+}
+
+/// Load every weight file of a checkpoint directory (memory-mapped).
+#[cfg(not(target_arch = "wasm32"))]
+pub fn load_dir(dir: &std::path::Path) -> Result<TensorMap> {
     let mut out = TensorMap::new();
-    for f in files {
-        let path = dir.join(&f);
+    for path in checkpoint_files(dir)? {
         let file = std::fs::File::open(&path).map_err(|e| Error::io(&path, e))?;
         // SAFETY: the mapping is read-only; tether never writes checkpoint files while a model
         // that maps them is loaded (a file changed underneath by another process is the

@@ -72,7 +72,7 @@ fn run(a: Args) -> Result<()> {
         load_identity(&a.model, &a.synth).with_context(|| format!("loading model {}", a.model))?;
     let load = |layers: std::ops::Range<usize>| {
         eprintln!("building layers {layers:?} of {}", a.model);
-        load_layers(&a.model, &a.synth, layers, &identity.fingerprint)
+        load_layers(&a.model, &a.synth, layers, &identity.identity)
     };
     let max_frame = usize::try_from(a.max_frame).context("--max-frame")?;
     let listener = WsListener::bind(&a.listen, max_frame)
@@ -80,8 +80,8 @@ fn run(a: Args) -> Result<()> {
     // The first stdout line says where to connect (with --listen HOST:0 the port is chosen here).
     println!("tether-helper listening on ws://{}", listener.local_addr());
     eprintln!(
-        "model {} (fingerprint {}), KV budget {} bytes",
-        a.model, identity.fingerprint, a.mem_budget
+        "model {} (digest {}), KV budget {} bytes",
+        identity.identity.name, identity.identity.digest, a.mem_budget
     );
     let (backend, what) = a.backend.make()?;
     eprintln!("backend: {what}");

@@ -51,7 +51,7 @@ pub enum Weights<'a> {
     /// A whole model, whatever layers a host assigns.
     Whole(&'a Model),
     /// Only the layers a host assigns, built when it configures the session; `identity`
-    /// (config and the whole checkpoint's fingerprint, no layers) answers the handshake.
+    /// (config and the whole model's identity, no layers) answers the handshake.
     Assigned {
         identity: &'a Model,
         load: &'a LoadLayers<'a>,
@@ -105,8 +105,8 @@ impl<'a> Helper<'a> {
         }
     }
 
-    /// Config and fingerprint: the model as the handshake knows it.
-    fn identity(&self) -> &Model {
+    /// Config and identity: the model as the handshake knows it.
+    fn model(&self) -> &Model {
         match &self.weights {
             Weights::Whole(m) => m,
             Weights::Assigned { identity, .. } => identity,
@@ -136,7 +136,8 @@ impl<'a> Helper<'a> {
     fn intro(&self) -> Intro {
         Intro {
             version: PROTOCOL_VERSION,
-            fingerprint: self.identity().fingerprint.clone(),
+            model: self.model().identity.name.clone(),
+            model_digest: self.model().identity.digest.clone(),
             role: Role::Helper,
             mem_offer: self.opts.mem_budget,
             backends: vec![self.backend.name().to_string()],
@@ -177,16 +178,13 @@ impl<'a> Helper<'a> {
                                 format!("protocol {} vs {PROTOCOL_VERSION}", intro.version),
                             );
                         }
-                        if intro.fingerprint != self.identity().fingerprint {
-                            return refuse(
-                                link,
-                                req,
-                                "fingerprint",
-                                format!(
-                                    "this helper runs a different model (fingerprint {}, the host's {})",
-                                    self.identity().fingerprint, intro.fingerprint
-                                ),
+                        let ours = &self.model().identity;
+                        if intro.model_digest != ours.digest {
+                            let why = format!(
+                                "this helper runs a different model: {} here, {} on the host",
+                                ours.name, intro.model
                             );
+                            return refuse(link, req, "model", why);
                         }
                         greeted = true;
                         if send(link, req, Message::Welcome(self.intro())).is_err() {
@@ -220,7 +218,7 @@ impl<'a> Helper<'a> {
     }
 
     fn handle(&self, s: &mut Session, msg: Message) -> Result<Message, Refusal> {
-        let c = &self.identity().config;
+        let c = &self.model().config;
         if let Message::Configure(cfg) = &msg {
             let n = c.num_hidden_layers as u32;
             if cfg.first_layer > cfg.end_layer || cfg.end_layer > n || cfg.page_size == 0 {
@@ -421,7 +419,7 @@ impl<'a> Helper<'a> {
                 let mut x = self.backend.upload(residual.data);
                 s.layers
                     .as_deref()
-                    .unwrap_or(self.identity())
+                    .unwrap_or(self.model())
                     .run_layers(self.backend, st, &mut x, pos as usize, layers.clone(), None)
                     .map_err(|e| Refusal("prefill", e.to_string()))?;
                 st.pos += rows;
@@ -462,7 +460,7 @@ impl<'a> Helper<'a> {
                 let end = (pos as usize).checked_add(rows).ok_or_else(|| {
                     Refusal("order", format!("mirror position {pos} is out of range"))
                 })?;
-                let c = &self.identity().config;
+                let c = &self.model().config;
                 let (state_len, conv_len) = c.delta_state_len();
                 let range = cfg.first_layer as usize..cfg.end_layer as usize;
                 let want = |kind: LayerKind| -> Vec<u32> {
@@ -585,7 +583,7 @@ impl<'a> Helper<'a> {
                     format!("this helper serves at most {MAX_SEQS} sequences per host"),
                 ));
             }
-            let c = &self.identity().config;
+            let c = &self.model().config;
             let runs = cfg.first_layer as usize..cfg.end_layer as usize;
             let need = State::delta_bytes_for(c, runs.clone()) as u64;
             let (used, budget) = (held_bytes(seqs), self.opts.mem_budget);
@@ -605,7 +603,7 @@ impl<'a> Helper<'a> {
     }
 
     fn check_full_layer(&self, layer: u32) -> Result<(), Refusal> {
-        match self.identity().config.layer_types.get(layer as usize) {
+        match self.model().config.layer_types.get(layer as usize) {
             Some(LayerKind::FullAttention) => Ok(()),
             Some(LayerKind::LinearAttention) => Err(Refusal(
                 "layer",
@@ -615,7 +613,7 @@ impl<'a> Helper<'a> {
                 "layer",
                 format!(
                     "layer {layer} does not exist (the model has {})",
-                    self.identity().config.num_hidden_layers
+                    self.model().config.num_hidden_layers
                 ),
             )),
         }

@@ -32,7 +32,8 @@ fn arb_message() -> impl Strategy<Value = Message> {
     let intro =
         (any::<u64>(), any::<bool>(), "[a-z0-9]{0,16}").prop_map(|(mem, helper, fp)| Intro {
             version: 1,
-            fingerprint: fp,
+            model: format!("model {fp}"),
+            model_digest: fp,
             role: if helper { Role::Helper } else { Role::Host },
             mem_offer: mem,
             backends: vec!["cpu".into()],

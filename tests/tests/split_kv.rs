@@ -112,13 +112,14 @@ fn helper_refuses_a_host_with_another_model() {
             .err()
             .unwrap()
             .to_string();
+        // Both models by name: the fixtures' directories.
         assert!(
-            err.contains("fingerprint") && err.contains("different model"),
+            err.contains("different model")
+                && err.contains("tiny_fp32 here")
+                && err.contains("tiny_bf16 on the host"),
             "{err}"
         );
-        assert!(
-            matches!(h.join().unwrap(), SessionEnd::Refused(e) if e.starts_with("fingerprint"))
-        );
+        assert!(matches!(h.join().unwrap(), SessionEnd::Refused(e) if e.starts_with("model")));
     });
 }
 
@@ -126,7 +127,8 @@ fn helper_refuses_a_host_with_another_model() {
 fn hello(m: &Model) -> Message {
     Message::Hello(Intro {
         version: PROTOCOL_VERSION,
-        fingerprint: m.fingerprint.clone(),
+        model: m.identity.name.clone(),
+        model_digest: m.identity.digest.clone(),
         role: Role::Host,
         mem_offer: 0,
         backends: vec![],
@@ -307,7 +309,8 @@ fn helper_that_vanishes(m: &Model, mut link: impl Link) {
         let reply = match msg {
             Message::Hello(_) => Message::Welcome(Intro {
                 version: PROTOCOL_VERSION,
-                fingerprint: m.fingerprint.clone(),
+                model: m.identity.name.clone(),
+                model_digest: m.identity.digest.clone(),
                 role: Role::Helper,
                 mem_offer: 1 << 30,
                 backends: vec![],

@@ -16,6 +16,7 @@ pub use state::{Checkpoint, DeltaState, LayerState, State};
 use crate::backend::{Act, Backend, Param};
 use crate::config::{LayerKind, ModelConfig};
 use crate::error::{Error, Result};
+use crate::identity::ModelIdentity;
 use crate::kv::PendingAttention;
 use crate::tensor::{Matrix, Tensor};
 use crate::weights::TensorMap;
@@ -95,9 +96,8 @@ struct Layer {
 
 pub struct Model {
     pub config: ModelConfig,
-    /// Identity for the host-helper handshake (`fingerprint::model_fingerprint`), always of
-    /// the whole checkpoint.
-    pub fingerprint: String,
+    /// Identity for the host-helper handshake, always of the whole model.
+    pub identity: ModelIdentity,
     /// The embedding and the head; a helper that runs only middle or tail layers has neither.
     ends: Option<Ends>,
     /// Layers built on this device (all of them, or a helper's share).
@@ -159,20 +159,30 @@ impl<'a> Loader<'a> {
 
 impl Model {
     /// Build the model from named tensors (text-only naming, see `weights::normalise_name`).
+    /// Its identity is a digest of every tensor byte ([`ModelIdentity::of_tensors`]).
     pub fn from_tensors(config: ModelConfig, tensors: &TensorMap) -> Result<Model> {
-        let fingerprint = crate::fingerprint::model_fingerprint(&config, tensors);
+        let identity = ModelIdentity::of_tensors("weights in memory", &config, tensors);
+        Model::with_identity(config, tensors, identity)
+    }
+
+    /// The whole model, with an identity its source knows (a checkpoint's, a preset's).
+    pub fn with_identity(
+        config: ModelConfig,
+        tensors: &TensorMap,
+        identity: ModelIdentity,
+    ) -> Result<Model> {
         let all = 0..config.num_hidden_layers;
-        Model::build(config, tensors, all, true, fingerprint)
+        Model::build(config, tensors, all, true, identity)
     }
 
     /// Only `layers`, without embedding and head: what a helper runs. `tensors` need hold only
-    /// those layers; `fingerprint` is the whole checkpoint's, so the handshake still compares
-    /// whole models.
+    /// those layers; `identity` is the whole model's, so the handshake still compares whole
+    /// models.
     pub fn layers_only(
         config: ModelConfig,
         tensors: &TensorMap,
         layers: std::ops::Range<usize>,
-        fingerprint: String,
+        identity: ModelIdentity,
     ) -> Result<Model> {
         if layers.start > layers.end || layers.end > config.num_hidden_layers {
             return Err(Error::Invalid(format!(
@@ -180,7 +190,7 @@ impl Model {
                 config.num_hidden_layers
             )));
         }
-        Model::build(config, tensors, layers, false, fingerprint)
+        Model::build(config, tensors, layers, false, identity)
     }
 
     fn build(
@@ -188,7 +198,7 @@ impl Model {
         tensors: &TensorMap,
         loaded: std::ops::Range<usize>,
         with_ends: bool,
-        fingerprint: String,
+        identity: ModelIdentity,
     ) -> Result<Model> {
         config.validate()?;
         let c = &config;
@@ -238,7 +248,7 @@ impl Model {
             }));
         }
         Ok(Model {
-            fingerprint,
+            identity,
             ends,
             loaded,
             layers,
@@ -275,7 +285,8 @@ impl Model {
     pub fn load_dir(dir: &std::path::Path) -> Result<Model> {
         let config = Model::read_config(dir)?;
         let tensors = crate::weights::load_dir(dir)?;
-        Model::from_tensors(config, &tensors)
+        let identity = ModelIdentity::of_checkpoint(dir, &config)?;
+        Model::with_identity(config, &tensors, identity)
     }
 
     /// A checkpoint directory's `config.json`.

@@ -14,7 +14,7 @@
 //! looked at, so a peer cannot make us allocate by announcing a size.
 
 pub const MAGIC: [u8; 2] = *b"TH";
-pub const PROTOCOL_VERSION: u8 = 1;
+pub const PROTOCOL_VERSION: u8 = 2;
 pub const HEADER_LEN: usize = 16;
 
 macro_rules! msg_types {
@@ -46,7 +46,7 @@ macro_rules! msg_types {
 }
 
 msg_types! {
-    Hello = 1, "Either side's introduction: version, model fingerprint, role, memory, backends, frame limit.";
+    Hello = 1, "Either side's introduction: version, model name and digest, role, memory, backends, frame limit.";
     Welcome = 2, "The helper accepts a host's Hello.";
     Configure = 3, "The host assigns layers and page geometry to the helper.";
     PrefillChunk = 4, "Residual rows entering the helper's layers for one ubatch.";

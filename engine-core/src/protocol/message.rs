@@ -46,9 +46,11 @@ pub enum Role {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Intro {
     pub version: u8,
-    /// `fingerprint::model_fingerprint`: config + weight digest; peers with different models
+    /// The model's name, for messages (`identity::ModelIdentity::name`).
+    pub model: String,
+    /// The model's digest (`identity::ModelIdentity::digest`); peers with different digests
     /// must not talk.
-    pub fingerprint: String,
+    pub model_digest: String,
     pub role: Role,
     /// Bytes of memory offered for KV pages and mirrored state (0 from a host).
     pub mem_offer: u64,
