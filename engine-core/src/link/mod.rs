@@ -3,7 +3,11 @@
 //! so the same engine code runs over an in-process pair in tests, a shaped link in benchmarks
 //! and a WebSocket in production.
 
+#[cfg(all(feature = "secure", not(target_arch = "wasm32")))]
+pub mod keys;
 pub mod memory;
+#[cfg(all(feature = "secure", not(target_arch = "wasm32")))]
+pub mod secure;
 #[cfg(not(target_arch = "wasm32"))]
 pub mod shaped;
 #[cfg(all(feature = "ws", not(target_arch = "wasm32")))]
@@ -26,6 +30,10 @@ pub enum LinkError {
     TooLarge { len: usize, limit: usize },
     #[error("link: {0}")]
     Io(String),
+    /// A secure link's handshake turned us away, or we turned the peer away: the reason is
+    /// shown on both sides.
+    #[error("refused: {0}")]
+    Refused(String),
 }
 
 /// One end of a bidirectional, ordered, reliable frame channel.
