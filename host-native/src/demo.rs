@@ -1,5 +1,6 @@
 //! `tether demo`: the whole idea in one command. A helper starts on loopback (in this process,
-//! over a real WebSocket), a prompt long enough for a split prefill and KV-page offload runs
+//! over a real WebSocket, paired with a fresh code and encrypted as any helper), a prompt long
+//! enough for a split prefill and KV-page offload runs
 //! with a small host budget, the output streams, and the same request then runs on the host
 //! alone to check that the split changed nothing.
 
@@ -8,6 +9,10 @@ use std::time::Instant;
 
 use anyhow::{ensure, Result};
 use engine_core::generate::argmax;
+use std::sync::Mutex;
+
+use engine_core::link::keys::{Keypair, PairingCode, PublicKey};
+use engine_core::link::secure::{self, wire_limit, Dial, Gate};
 use engine_core::link::{ws, ShapedLink};
 use engine_core::protocol::Configure;
 use engine_core::remote::{HelperClient, DEFAULT_MAX_FRAME};
@@ -113,7 +118,7 @@ pub fn run(a: Args) -> Result<()> {
         .collect();
     let plan = SplitPlan::default();
 
-    let listener = ws::WsListener::bind("127.0.0.1:0", DEFAULT_MAX_FRAME)?;
+    let listener = ws::WsListener::bind("127.0.0.1:0", wire_limit(DEFAULT_MAX_FRAME))?;
     let url = format!("ws://{}", listener.local_addr());
     let backend = CpuBackend;
     let helper = Helper::new(
@@ -124,13 +129,29 @@ pub fn run(a: Args) -> Result<()> {
             max_frame: DEFAULT_MAX_FRAME,
         },
     );
+    // Keys of this run only: the demo leaves nothing in the key stores.
+    let (host_keys, helper_keys) = (Keypair::generate(), Keypair::generate());
+    let code = Mutex::new(PairingCode::new());
+    let shown = code.lock().expect("a fresh lock").shown();
     let (split_run, report, stats, remote_rows) = std::thread::scope(|scope| -> Result<_> {
         scope.spawn(|| {
-            if let Ok(mut link) = listener.accept() {
+            let nobody = |_: &PublicKey| false;
+            let gate = Gate {
+                insecure: false,
+                known: &nobody,
+                pairing: Some(&code),
+            };
+            let paired = listener
+                .accept()
+                .and_then(|ws| secure::accept(ws, &helper_keys, &gate));
+            if let Ok((mut link, _)) = paired {
                 helper.serve(&mut link);
             }
         });
-        let link = ShapedLink::new(ws::connect(&url, DEFAULT_MAX_FRAME)?, profile.clone());
+        let ws = ws::connect(&url, wire_limit(DEFAULT_MAX_FRAME))?;
+        let (link, _) = secure::connect(ws, &host_keys, Dial::Pair(&shown))?;
+        eprintln!("[demo] paired with the helper (code {shown}); the link is encrypted (Noise)");
+        let link = ShapedLink::new(link, profile.clone());
         let stats = link.stats_handle();
         let cfg = Configure {
             first_layer: split as u32,

@@ -1,7 +1,10 @@
 //! `--helper ws://ADDR`: tether a `tether-helper` to a sequence's state.
 
 use anyhow::{bail, Context, Result};
-use engine_core::link::{ws, Link, LinkProfile, LinkStats, ShapedLink, StatsHandle};
+use engine_core::link::keys::{config_dir, short, KeyStore, Keypair};
+use engine_core::link::secure::{self, wire_limit, Dial, SecureLink};
+use engine_core::link::ws::{self, WsLink};
+use engine_core::link::{Link, LinkError, LinkProfile, LinkStats, ShapedLink, StatsHandle};
 use engine_core::plan::{Plan, PlanInput};
 use engine_core::protocol::Configure;
 use engine_core::remote::{HelperClient, DEFAULT_MAX_FRAME};
@@ -38,6 +41,13 @@ pub struct HelperArgs {
     /// the helper attends the other's queries over the old KV pages it holds.
     #[arg(long, default_value_t = 65536)]
     interleave_from: usize,
+    /// The pairing code the helper shows: pairs with it on the first connection and remembers
+    /// its key (later runs need no code).
+    #[arg(long)]
+    pair: Option<String>,
+    /// A plain link to a helper started with --insecure: no pairing, no encryption.
+    #[arg(long)]
+    insecure: bool,
 }
 
 impl HelperArgs {
@@ -81,11 +91,49 @@ impl HelperArgs {
             bail!("no --helper to connect to");
         };
         let profile = link_profile(&self.link)?;
-        let ws = ws::connect(url, self.max_frame)
+        let link = self
+            .secure(url)
             .with_context(|| format!("connecting to the helper at {url}"))?;
         Ok(Box::new(
-            ShapedLink::new(ws, profile).counting_into(stats.clone()),
+            ShapedLink::new(link, profile).counting_into(stats.clone()),
         ))
+    }
+
+    /// The paired, encrypted link to the helper at `url` (plain with --insecure): by the key
+    /// remembered for `url`, else (or if the helper no longer answers to that key) by the
+    /// pairing code, whose key is then remembered.
+    fn secure(&self, url: &str) -> Result<SecureLink<WsLink>> {
+        let open = || ws::connect(url, wire_limit(self.max_frame));
+        if self.insecure {
+            let (link, _) = secure::connect(open()?, &Keypair::generate(), Dial::Insecure)?;
+            return Ok(link);
+        }
+        let dir = config_dir()?;
+        let mut store =
+            KeyStore::open(&dir, "host").with_context(|| format!("keys in {}", dir.display()))?;
+        if let Some(key) = store.peer(url) {
+            match secure::connect(open()?, store.keypair(), Dial::Known(key)) {
+                Ok((link, _)) => return Ok(link),
+                Err(LinkError::Refused(why)) if self.pair.is_some() => {
+                    eprintln!("the helper refused the remembered key ({why}); pairing again");
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+        let Some(code) = &self.pair else {
+            bail!(
+                "no helper is paired at {url} yet: start tether-helper there, then pass the \
+                 pairing code it shows with --pair CODE (once)"
+            );
+        };
+        let (link, key) = secure::connect(open()?, store.keypair(), Dial::Pair(code))?;
+        let key = key.context("the helper gave no key")?;
+        store.add(url, &key)?;
+        eprintln!(
+            "paired with the helper at {url} (key {}); later connections need no --pair",
+            short(&key)
+        );
+        Ok(link)
     }
 
     /// Configure the helper at the other end of `link` and attach it to `state`.

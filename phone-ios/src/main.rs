@@ -1,8 +1,16 @@
 //! `tether-helper`: serve this device's memory and compute to a tether host over WebSocket.
 
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
+
 use anyhow::{bail, Context, Result};
 use clap::Parser;
-use engine_core::link::ws::WsListener;
+use engine_core::link::keys::{config_dir, short, KeyStore, Keypair, PairingCode, PublicKey};
+use engine_core::link::secure::{self, wire_limit, Accepted, Gate};
+use engine_core::link::ws::{Pending, WsListener};
+use engine_core::link::Link;
+use engine_core::protocol::{encode, Message};
 use engine_core::remote::DEFAULT_MAX_FRAME;
 use engine_core::source::{load_identity, load_layers, BackendOptions, SynthOptions};
 use phone_ios::{Helper, HelperOptions, Weights};
@@ -32,6 +40,14 @@ struct Args {
     /// Serve one host, then exit.
     #[arg(long)]
     once: bool,
+    /// A plain link: no pairing, no encryption; any host that reaches the port may use this
+    /// helper. For loopback tests and a cable you trust; hosts must say --insecure too.
+    #[arg(long)]
+    insecure: bool,
+    /// Show a pairing code for a new host even though hosts are paired already (without it,
+    /// a code is shown only while none is).
+    #[arg(long)]
+    pair_new: bool,
     #[command(flatten)]
     synth: SynthOptions,
     #[command(flatten)]
@@ -75,8 +91,9 @@ fn run(a: Args) -> Result<()> {
         load_layers(&a.model, &a.synth, layers, &identity.identity)
     };
     let max_frame = usize::try_from(a.max_frame).context("--max-frame")?;
-    let listener = WsListener::bind(&a.listen, max_frame)
-        .with_context(|| format!("listening on {}", a.listen))?;
+    let listener = WsListener::bind(&a.listen, wire_limit(max_frame))
+        .with_context(|| format!("listening on {}", a.listen))?
+        .allow_browsers(!a.insecure);
     // The first stdout line says where to connect (with --listen HOST:0 the port is chosen here).
     println!("tether-helper listening on ws://{}", listener.local_addr());
     eprintln!(
@@ -96,20 +113,151 @@ fn run(a: Args) -> Result<()> {
             max_frame,
         },
     );
-    loop {
-        let mut link = match listener.accept() {
-            Ok(l) => l,
+    let doors = Doors::new(&a, &listener)?;
+    std::thread::scope(|scope| loop {
+        let pending = match listener.next() {
+            Ok(p) => p,
             Err(e) => {
-                eprintln!("a connection failed its handshake: {e}");
+                eprintln!("accepting a connection failed: {e}");
                 continue;
             }
         };
-        let peer = link.peer_addr();
+        if a.once {
+            if doors.session(&helper, pending) {
+                return Ok(());
+            }
+            continue;
+        }
+        // Each connection's handshakes on a thread of its own: a silent or slow peer holds
+        // up nobody else.
+        let (doors, helper) = (&doors, &helper);
+        scope.spawn(move || doors.session(helper, pending));
+    })
+}
+
+/// Who may come in, and who is in: the key store and pairing code of a secure helper, and
+/// the host being served (one at a time; others are told so).
+struct Doors {
+    /// `None` with --insecure.
+    store: Option<Mutex<KeyStore>>,
+    /// This run's key pair: the store's, or a throwaway one for a plain link.
+    keys: Keypair,
+    code: Mutex<PairingCode>,
+    /// Whether a new host may pair now.
+    pairing: AtomicBool,
+    pair_new: bool,
+    serving: Mutex<Option<SocketAddr>>,
+    /// Where hosts connect, for the pairing hint.
+    addr: SocketAddr,
+}
+
+impl Doors {
+    fn new(a: &Args, listener: &WsListener) -> Result<Doors> {
+        let store = if a.insecure {
+            eprintln!(
+                "WARNING: --insecure: this helper takes plain, unauthenticated links; anyone who \
+                 reaches {} can use it and read what crosses the link",
+                listener.local_addr()
+            );
+            None
+        } else {
+            let dir = config_dir()?;
+            Some(
+                KeyStore::open(&dir, "helper")
+                    .with_context(|| format!("keys in {}", dir.display()))?,
+            )
+        };
+        let keys = store
+            .as_ref()
+            .map_or_else(Keypair::generate, |s| s.keypair().clone());
+        let pairing = store.as_ref().is_some_and(|s| s.is_empty() || a.pair_new);
+        let doors = Doors {
+            store: store.map(Mutex::new),
+            keys,
+            code: Mutex::new(PairingCode::new()),
+            pairing: AtomicBool::new(pairing),
+            pair_new: a.pair_new,
+            serving: Mutex::new(None),
+            addr: listener.local_addr(),
+        };
+        if pairing {
+            doors.show_code();
+        } else if doors.store.is_some() {
+            eprintln!("paired hosts only (--pair-new to pair another)");
+        }
+        Ok(doors)
+    }
+
+    fn show_code(&self) {
+        let code = self.code.lock().unwrap_or_else(|e| e.into_inner()).shown();
+        println!("pairing code: {code}");
+        eprintln!(
+            "on the host: tether run --helper ws://{} --pair {code} ...",
+            self.addr
+        );
+    }
+
+    /// One connection, from its WebSocket upgrade to the end of its session; true if a host
+    /// was served.
+    fn session(&self, helper: &Helper, pending: Pending) -> bool {
+        let peer = pending.peer_addr();
+        let mut link = match pending.upgrade().and_then(|ws| self.let_in(ws, peer)) {
+            Ok(link) => link,
+            Err(e) => {
+                eprintln!("{peer}: {e}");
+                return false;
+            }
+        };
+        {
+            let mut serving = self.serving.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(other) = *serving {
+                let why = format!(
+                    "this helper is serving another host ({other}); try again when it is done"
+                );
+                eprintln!("{peer}: refused: {why}");
+                let _ = link.send(encode(0, &Message::error("busy", why)));
+                return false;
+            }
+            *serving = Some(peer);
+        }
         eprintln!("host {peer} connected");
         let end = helper.serve(&mut link);
         eprintln!("host {peer}: session ended ({end:?})");
-        if a.once {
-            return Ok(());
+        *self.serving.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        true
+    }
+
+    /// The secure handshake; remembers a host that pairs.
+    fn let_in<L: Link>(
+        &self,
+        ws: L,
+        peer: SocketAddr,
+    ) -> Result<secure::SecureLink<L>, engine_core::link::LinkError> {
+        let known = |k: &PublicKey| {
+            self.store
+                .as_ref()
+                .is_some_and(|s| s.lock().unwrap_or_else(|e| e.into_inner()).knows(k))
+        };
+        let gate = Gate {
+            insecure: self.store.is_none(),
+            known: &known,
+            pairing: self.pairing.load(Ordering::SeqCst).then_some(&self.code),
+        };
+        let result = secure::accept(ws, &self.keys, &gate);
+        if let Err(engine_core::link::LinkError::Refused(why)) = &result {
+            if why.contains("new one") {
+                self.show_code();
+            }
         }
+        let (link, who) = result?;
+        if let (Accepted::Paired(key), Some(store)) = (who, &self.store) {
+            let mut store = store.lock().unwrap_or_else(|e| e.into_inner());
+            store.add(&peer.to_string(), &key)?;
+            eprintln!("paired with host {peer} (key {})", short(&key));
+            if !self.pair_new {
+                self.pairing.store(false, Ordering::SeqCst);
+            }
+        }
+        Ok(link)
     }
 }

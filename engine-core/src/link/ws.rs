@@ -16,8 +16,9 @@ use std::thread;
 use std::time::Duration;
 
 use tungstenite::error::{CapacityError, ProtocolError};
+use tungstenite::handshake::server::{ErrorResponse, Request, Response};
 use tungstenite::handshake::{HandshakeError, HandshakeRole};
-use tungstenite::http::Uri;
+use tungstenite::http::{StatusCode, Uri};
 use tungstenite::protocol::{Role, WebSocketConfig};
 use tungstenite::{Message, WebSocket};
 
@@ -146,6 +147,7 @@ pub struct WsListener {
     listener: TcpListener,
     local_addr: SocketAddr,
     max_frame: usize,
+    browsers: bool,
 }
 
 impl WsListener {
@@ -159,7 +161,16 @@ impl WsListener {
             listener,
             local_addr,
             max_frame,
+            browsers: false,
         })
+    }
+
+    /// Whether WebSocket upgrades from web pages (requests with an `Origin` header) are let
+    /// through. Off by default: any page a user opens may try to reach a loopback port, so a
+    /// helper lets browsers in only when its links are paired and encrypted.
+    pub fn allow_browsers(mut self, allowed: bool) -> Self {
+        self.browsers = allowed;
+        self
     }
 
     /// The bound address, with the port the system chose for port 0.
@@ -167,17 +178,68 @@ impl WsListener {
         self.local_addr
     }
 
-    /// Waits for the next connection and completes its WebSocket handshake. An error concerns
-    /// that connection only; the listener can accept again.
-    pub fn accept(&self) -> Result<WsLink, LinkError> {
+    /// Waits for the next TCP connection. Its WebSocket handshake is [`Pending::upgrade`],
+    /// which a server runs on a thread of its own so that a slow or silent peer never holds
+    /// up the next one.
+    pub fn next(&self) -> Result<Pending, LinkError> {
         let (stream, peer) = self
             .listener
             .accept()
             .map_err(io_error(format!("accepting on {}", self.local_addr)))?;
+        Ok(Pending {
+            stream,
+            peer,
+            max_frame: self.max_frame,
+            browsers: self.browsers,
+        })
+    }
+
+    /// Waits for the next connection and completes its WebSocket handshake. An error concerns
+    /// that connection only; the listener can accept again.
+    pub fn accept(&self) -> Result<WsLink, LinkError> {
+        self.next()?.upgrade()
+    }
+}
+
+/// A TCP connection whose WebSocket handshake is still to come.
+pub struct Pending {
+    stream: TcpStream,
+    peer: SocketAddr,
+    max_frame: usize,
+    browsers: bool,
+}
+
+impl Pending {
+    pub fn peer_addr(&self) -> SocketAddr {
+        self.peer
+    }
+
+    /// The WebSocket handshake (within [`HANDSHAKE_TIMEOUT`]); a web page's request is turned
+    /// away with 403 unless the listener allows browsers.
+    pub fn upgrade(self) -> Result<WsLink, LinkError> {
+        let Pending {
+            stream,
+            peer,
+            max_frame,
+            browsers,
+        } = self;
         let writer = prepare(&stream, peer)?;
-        let reader = tungstenite::accept_with_config(stream, Some(config(self.max_frame)))
-            .map_err(|e| handshake_error(e, peer))?;
-        WsLink::start(reader, writer, Role::Server, self.max_frame, peer)
+        let check_origin = |req: &Request, resp: Response| match req.headers().get("origin") {
+            Some(origin) if !browsers => {
+                let body = format!(
+                    "this helper does not take links from web pages ({}) unless it pairs them",
+                    origin.to_str().unwrap_or("?")
+                );
+                let mut refusal = ErrorResponse::new(Some(body));
+                *refusal.status_mut() = StatusCode::FORBIDDEN;
+                Err(refusal)
+            }
+            _ => Ok(resp),
+        };
+        let reader =
+            tungstenite::accept_hdr_with_config(stream, check_origin, Some(config(max_frame)))
+                .map_err(|e| handshake_error(e, peer))?;
+        WsLink::start(reader, writer, Role::Server, max_frame, peer)
     }
 }
 
@@ -445,6 +507,32 @@ mod tests {
             client.recv_timeout(WAIT),
             Err(LinkError::Closed(_))
         ));
+    }
+
+    #[test]
+    fn web_pages_are_turned_away_unless_browsers_are_allowed() {
+        use tungstenite::client::IntoClientRequest;
+        for allowed in [false, true] {
+            let listener = WsListener::bind("127.0.0.1:0", 1024)
+                .unwrap()
+                .allow_browsers(allowed);
+            let addr = listener.local_addr();
+            thread::scope(|s| {
+                let server = s.spawn(|| listener.accept());
+                let mut req = format!("ws://{addr}/").into_client_request().unwrap();
+                req.headers_mut()
+                    .insert("origin", "http://any-page.example".parse().unwrap());
+                let client = tungstenite::client(req, TcpStream::connect(addr).unwrap());
+                let server = server.join().unwrap();
+                assert_eq!(client.is_ok(), allowed);
+                assert_eq!(server.is_ok(), allowed);
+                if let Err(HandshakeError::Failure(tungstenite::Error::Http(resp))) = client {
+                    assert_eq!(resp.status(), 403);
+                } else {
+                    assert!(allowed, "refused, but not with an HTTP status");
+                }
+            });
+        }
     }
 
     #[test]
