@@ -88,6 +88,7 @@ struct Inner {
 }
 
 /// Why a request was not admitted or queued.
+#[derive(Debug)]
 pub enum Refused {
     Full,
     Closed,
@@ -242,5 +243,64 @@ impl Drop for Ticket {
         if self.queue.remove(self.id) {
             self.metrics.cancelled();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn job(id: u64) -> Job {
+        Job {
+            id,
+            prompt: vec![1],
+            turn_start: None,
+            max_tokens: 1,
+            sampling: SamplingParams {
+                temperature: 0.0,
+                top_k: 0,
+                top_p: 1.0,
+                min_p: 0.0,
+                seed: 0,
+            },
+            stop: Vec::new(),
+            deadline: Instant::now(),
+            cancel: Arc::default(),
+            events: tokio::sync::mpsc::unbounded_channel().0,
+        }
+    }
+
+    fn held(q: &Queue) -> (usize, u64) {
+        let l = q.load();
+        (l.waiting, l.bytes)
+    }
+
+    #[test]
+    fn admission_is_bounded_by_count_and_bytes_and_given_back() {
+        let q = Arc::new(Queue::new(3, 100));
+        let a = q.admit(60).unwrap();
+        // Past the bytes, though not the count.
+        assert!(matches!(q.admit(41), Err(Refused::Full)));
+        // Dropped unused (a client that left while it was tokenised): given back.
+        drop(q.admit(40).unwrap());
+        assert_eq!(held(&q), (1, 60));
+        q.push(job(1), a).unwrap();
+        let b = q.admit(10).unwrap();
+        let c = q.admit(10).unwrap();
+        assert_eq!(held(&q), (3, 80));
+        // Past the count, though not the bytes.
+        assert!(matches!(q.admit(1), Err(Refused::Full)));
+        assert_eq!(q.pop().map(|j| j.id), Some(1));
+        assert_eq!(held(&q), (2, 20));
+        q.push(job(2), b).unwrap();
+        assert!(q.remove(2));
+        assert!(!q.remove(2));
+        drop(c);
+        assert_eq!(held(&q), (0, 0));
+        let d = q.admit(50).unwrap();
+        q.close();
+        assert!(matches!(q.push(job(3), d), Err(Refused::Closed)));
+        assert!(matches!(q.admit(1), Err(Refused::Closed)));
+        assert_eq!(held(&q), (0, 0));
     }
 }
