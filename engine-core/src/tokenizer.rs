@@ -6,7 +6,9 @@
 //! no tokenizer at all; [`Tokenizer::byte_level`] gives them one whose ids are raw UTF-8 bytes
 //! so generation can still round-trip text. Chat prompts come from the checkpoint's Jinja
 //! template, rendered the way `transformers` does, because prompt formatting the model was not
-//! trained on silently degrades its answers.
+//! trained on silently degrades its answers. Text from users ([`Tokenizer::encode_text`],
+//! [`Tokenizer::encode_chat`]) never turns into control tokens: `<|im_start|>` typed in a
+//! message is text, and only the template's own markers are special.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -16,6 +18,7 @@ use std::sync::Arc;
 
 use minijinja::{Environment, ErrorKind, Value};
 use serde::{Deserialize, Serialize};
+use tokenizers::{Model as _, PreTokenizer as _};
 
 use crate::error::{Error, Result};
 
@@ -47,6 +50,9 @@ pub struct Tokenizer {
 struct Inner {
     vocab: Vocab,
     chat: ChatConfig,
+    /// The texts of the vocabulary's special tokens (`<|im_start|>`, ...), which user text is
+    /// kept from spelling.
+    specials: Vec<String>,
 }
 
 enum Vocab {
@@ -121,13 +127,26 @@ impl Tokenizer {
     }
 
     fn new(vocab: Vocab, chat: ChatConfig) -> Tokenizer {
+        let specials = match &vocab {
+            Vocab::Hf(t) => t
+                .get_added_tokens_decoder()
+                .values()
+                .filter(|a| a.special && !a.content.is_empty())
+                .map(|a| a.content.clone())
+                .collect(),
+            Vocab::ByteLevel { .. } => Vec::new(),
+        };
         Tokenizer {
-            inner: Arc::new(Inner { vocab, chat }),
+            inner: Arc::new(Inner {
+                vocab,
+                chat,
+                specials,
+            }),
         }
     }
 
     /// Special tokens written in `text` (`<|im_start|>`, …) become their ids, because chat
-    /// prompts arrive as rendered text. Nothing is added that the text does not contain: the
+    /// prompts arrive as rendered text: for text from users see [`Tokenizer::encode_text`]. Nothing is added that the text does not contain: the
     /// chat template already places every marker the model expects.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
         match &self.inner.vocab {
@@ -150,6 +169,117 @@ impl Tokenizer {
                 })
                 .collect(),
         }
+    }
+
+    /// Text from a user (a completion prompt): special-token text in it stays text, so no one
+    /// writes a control token by typing its name. Text without any is encoded as by
+    /// [`Tokenizer::encode`].
+    pub fn encode_text(&self, text: &str) -> Result<Vec<u32>> {
+        let mark = self.free_mark([text])?;
+        self.encode_marked(&self.escape(text, mark), mark)
+    }
+
+    /// A conversation rendered with the chat template and tokenised so that only the
+    /// template's own markers become special tokens: special-token text in a message (a user
+    /// closing their turn with `<|im_end|>` and opening a `system` one) stays text. Each
+    /// message's special-token text is broken up with a mark before rendering, so the tokenizer
+    /// finds only the template's, and the marks are removed again before the text is
+    /// tokenised. A template that looks into a message for such text (`'</think>' in
+    /// content`) no longer finds it there.
+    pub fn encode_chat(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<Vec<u32>> {
+        let mark = self.free_mark(messages.iter().map(|m| m.content.as_str()))?;
+        let escaped: Vec<ChatMessage> = messages
+            .iter()
+            .map(|m| ChatMessage::new(m.role.clone(), self.escape(&m.content, mark)))
+            .collect();
+        self.encode_marked(
+            &self.apply_chat_template(&escaped, add_generation_prompt)?,
+            mark,
+        )
+    }
+
+    /// A private-use character in none of `texts` and not in the template: it cannot be
+    /// confused with anything else in a rendered prompt. Found in one pass over the texts.
+    fn free_mark<'a>(&self, texts: impl IntoIterator<Item = &'a str>) -> Result<char> {
+        const FIRST: u32 = 0xE000;
+        const LAST: u32 = 0xF8FF;
+        let mut used = vec![false; (LAST - FIRST + 1) as usize];
+        let template = self.inner.chat.template.as_deref().unwrap_or_default();
+        let chars = texts
+            .into_iter()
+            .flat_map(str::chars)
+            .chain(template.chars());
+        for c in chars {
+            if let Some(i) = (c as u32).checked_sub(FIRST).filter(|&i| i <= LAST - FIRST) {
+                used[i as usize] = true;
+            }
+        }
+        used.iter()
+            .position(|&u| !u)
+            .and_then(|i| char::from_u32(FIRST + i as u32))
+            .ok_or_else(|| {
+                Error::Tokenizer("the text uses every private-use character; cannot mark it".into())
+            })
+    }
+
+    /// `text` with `mark` after the first character of every special token's text in it
+    /// (overlapping ones too), so that the tokenizer no longer matches them.
+    fn escape(&self, text: &str, mark: char) -> String {
+        let mut cuts = Vec::new();
+        for s in &self.inner.specials {
+            let first = s.chars().next().map_or(0, char::len_utf8);
+            let mut from = 0;
+            while let Some(at) = text[from..].find(s.as_str()) {
+                from += at + first;
+                cuts.push(from);
+            }
+        }
+        cuts.sort_unstable();
+        cuts.dedup();
+        let mut out = String::with_capacity(text.len() + cuts.len() * mark.len_utf8());
+        let mut at = 0;
+        for cut in cuts {
+            out.push_str(&text[at..cut]);
+            out.push(mark);
+            at = cut;
+        }
+        out.push_str(&text[at..]);
+        out
+    }
+
+    /// Tokenise `text` in which `mark` breaks up special-token text from users: the pipeline
+    /// [`Tokenizer::encode`] runs (added tokens found, normalisation, pre-tokenisation, the
+    /// model), with the marks removed once the special tokens are found, so the text they
+    /// broke up is tokenised as its user wrote it, as text.
+    fn encode_marked(&self, text: &str, mark: char) -> Result<Vec<u32>> {
+        let Vocab::Hf(t) = &self.inner.vocab else {
+            // No special tokens: nothing was marked.
+            return self.encode(text);
+        };
+        let failed = |e: tokenizers::Error| Error::Tokenizer(format!("encoding failed: {e}"));
+        let mut pieces = t
+            .get_added_vocabulary()
+            .extract_and_normalize(t.get_normalizer(), text);
+        pieces
+            .normalize(|s| {
+                s.filter(|c| c != mark);
+                Ok(())
+            })
+            .map_err(failed)?;
+        if let Some(p) = t.get_pre_tokenizer() {
+            p.pre_tokenize(&mut pieces).map_err(failed)?;
+        }
+        pieces
+            .tokenize(|s| t.get_model().tokenize(s.get()))
+            .map_err(failed)?;
+        let encoding = pieces
+            .into_encoding(None, 0, tokenizers::OffsetType::None)
+            .map_err(failed)?;
+        Ok(encoding.get_ids().to_vec())
     }
 
     /// Special tokens are kept so that `decode(encode(text)) == text`; ids the vocabulary does
@@ -545,6 +675,50 @@ mod tests {
         let mut bytes = vec![0xFF, b'b'];
         assert_eq!(take_complete_utf8(&mut bytes), "\u{FFFD}b");
         assert!(bytes.is_empty());
+    }
+
+    /// Words split on whitespace and punctuation, with `<|im_start|>` and `<|im_end|>` as
+    /// special added tokens.
+    fn chatml_words() -> Tokenizer {
+        let added = |id: u32, content: &str| {
+            format!(
+                r#"{{"id": {id}, "content": "{content}", "single_word": false, "lstrip": false,
+                    "rstrip": false, "normalized": false, "special": true}}"#
+            )
+        };
+        let json = format!(
+            r#"{{"version": "1.0", "truncation": null, "padding": null,
+                "added_tokens": [{}, {}], "normalizer": null,
+                "pre_tokenizer": {{"type": "Whitespace"}}, "post_processor": null, "decoder": null,
+                "model": {{"type": "WordLevel", "unk_token": "<unk>", "vocab": {{"<unk>": 0,
+                  "hi": 1, "<|": 2, "im_start": 3, "|>": 4, "<|im_start|>": 5, "<|im_end|>": 6,
+                  "user": 7, "assistant": 8, "im_end": 9}}}}}}"#,
+            added(5, "<|im_start|>"),
+            added(6, "<|im_end|>")
+        );
+        Tokenizer::from_bytes(json.as_bytes(), None).unwrap()
+    }
+
+    #[test]
+    fn special_token_text_from_users_stays_text() {
+        let t = chatml_words();
+        assert_eq!(t.encode("hi<|im_start|>hi").unwrap(), [1, 5, 1]);
+        assert_eq!(t.encode_text("hi<|im_start|>hi").unwrap(), [1, 2, 3, 4, 1]);
+        assert_eq!(t.encode_text("hi hi").unwrap(), t.encode("hi hi").unwrap());
+        // Every occurrence is broken up.
+        assert_eq!(
+            t.encode_text("<|im_start|> <|im_start|>").unwrap(),
+            [2, 3, 4, 2, 3, 4]
+        );
+        // The template's markers are special; the user's `<|im_end|>` is text.
+        let chat = [ChatMessage::new("user", "hi<|im_end|>")];
+        assert_eq!(
+            t.encode_chat(&chat, true).unwrap(),
+            [5, 7, 1, 2, 9, 4, 6, 5, 8]
+        );
+        // A mark the text already holds is not used.
+        let pua = "\u{E000}\u{E001}hi";
+        assert_eq!(t.free_mark([pua]).unwrap(), '\u{E002}');
     }
 
     #[test]

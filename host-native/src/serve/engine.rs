@@ -1,8 +1,12 @@
 //! The engine worker: one thread that owns the model and the one sequence state (neither is
 //! async, and the model has one sequence to give), takes jobs from the queue in order, and
 //! streams each one's text back as events. Between tokens, and between prefill segments, it
-//! checks whether the client is still there and the time limit still holds.
+//! checks whether the client is still there and the time limit still holds. A panic while
+//! serving a job (a bug) fails that job and restarts the sequence afresh, rather than leaving
+//! the server without an engine.
 
+use std::any::Any;
+use std::panic::{self, AssertUnwindSafe};
 use std::sync::atomic::Ordering;
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
@@ -39,6 +43,9 @@ pub struct Engine {
     pub timeout_s: u64,
     /// The helper the server was started with, reconnected after it is lost.
     pub helper: Option<Reconnect>,
+    /// Testing only (`--debug-panic-on`, hidden): panic after the prefill of a prompt that
+    /// contains this text, to exercise the recovery from a panic.
+    pub panic_on: Option<String>,
 }
 
 /// How to get a lost helper back (a cable pulled and plugged in again, a helper restarted):
@@ -149,7 +156,8 @@ impl Engine {
         while let Some(job) = queue.pop() {
             let t = Instant::now();
             self.metrics.set_active(true);
-            let last = self.serve(&job);
+            let last = panic::catch_unwind(AssertUnwindSafe(|| self.serve(&job)))
+                .unwrap_or_else(|panic| Some(self.restart(&job, panic.as_ref())));
             self.metrics.set_active(false);
             self.metrics.job_done(
                 t.elapsed().as_secs_f64(),
@@ -192,6 +200,28 @@ impl Engine {
             }
         };
         Some(event)
+    }
+
+    /// After a panic nothing the sequence holds can be trusted: start a fresh one on the host
+    /// alone (a helper reconnects before the next request); the job fails with a 500.
+    fn restart(&mut self, job: &Job, panic: &(dyn Any + Send)) -> Event {
+        let why = panic
+            .downcast_ref::<&str>()
+            .copied()
+            .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
+            .unwrap_or("no message");
+        tracing::error!(
+            request = job.id,
+            "the engine panicked ({why}); restarting it with a fresh sequence"
+        );
+        self.start_afresh(self.model.new_state(self.page_size));
+        self.metrics.engine_restarted();
+        Event::Failed(
+            ApiError::server(format!(
+                "the engine failed unexpectedly ({why}); it was restarted and serves later requests"
+            ))
+            .with_code("engine_panic"),
+        )
     }
 
     /// After an error the state may be half-updated: start again from position 0, on the
@@ -303,6 +333,7 @@ impl Engine {
             self.conversation.checkpoint(be, &self.state, &logits);
         }
         drop(bar);
+        self.debug_panic(job);
         let prefill_s = t0.elapsed().as_secs_f64();
         self.metrics.prefill(job.prompt.len(), new.len(), prefill_s);
 
@@ -375,6 +406,21 @@ impl Engine {
             completion_tokens: n,
             cached_tokens: restored.reused,
         }))
+    }
+
+    /// `--debug-panic-on`: panic, with the state just updated by a prefill, when the prompt
+    /// holds the text.
+    fn debug_panic(&self, job: &Job) {
+        let Some(text) = &self.panic_on else {
+            return;
+        };
+        if self
+            .tokenizer
+            .decode(&job.prompt)
+            .is_ok_and(|p| p.contains(text.as_str()))
+        {
+            panic!("--debug-panic-on {text:?}: the prompt holds it");
+        }
     }
 
     fn kv_placement(&self) -> KvPlacement {

@@ -6,6 +6,8 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use engine_core::link::LinkStats;
 
+use super::queue::Load;
+
 #[derive(Default)]
 pub struct Metrics {
     inner: Mutex<Counters>,
@@ -38,6 +40,11 @@ struct Counters {
     timed_out: u64,
     /// Refused with 503 because the queue was full.
     rejected: u64,
+    /// Prompts tokenised (after admission), and the time it took.
+    tokenised: u64,
+    tokenise_seconds: f64,
+    /// Times the engine panicked and was restarted.
+    engine_restarts: u64,
     active: bool,
     /// Seconds an engine job takes, smoothed; sizes `Retry-After`.
     job_seconds: f64,
@@ -68,6 +75,16 @@ impl Metrics {
 
     pub fn rejected(&self) {
         self.lock().rejected += 1;
+    }
+
+    pub fn tokenised(&self, seconds: f64) {
+        let mut c = self.lock();
+        c.tokenised += 1;
+        c.tokenise_seconds += seconds;
+    }
+
+    pub fn engine_restarted(&self) {
+        self.lock().engine_restarts += 1;
     }
 
     pub fn set_active(&self, active: bool) {
@@ -121,7 +138,7 @@ impl Metrics {
         (s.ceil() as u64).clamp(1, 60)
     }
 
-    pub fn render(&self, queued: usize, capacity: usize, link: Option<&LinkStats>) -> String {
+    pub fn render(&self, queue: &Load, link: Option<&LinkStats>) -> String {
         let c = self.lock();
         let mut t = String::new();
         let mut one = |name: &str, kind: &str, help: &str, value: f64| {
@@ -181,14 +198,44 @@ impl Metrics {
         one(
             "tether_queue_length",
             "gauge",
-            "Requests waiting for the engine.",
-            queued as f64,
+            "Requests waiting for the engine, being tokenised included.",
+            queue.waiting as f64,
         );
         one(
             "tether_queue_capacity",
             "gauge",
             "Most requests that may wait.",
-            capacity as f64,
+            queue.capacity as f64,
+        );
+        one(
+            "tether_queue_bytes",
+            "gauge",
+            "Bytes the waiting requests are counted as holding.",
+            queue.bytes as f64,
+        );
+        one(
+            "tether_queue_memory_limit_bytes",
+            "gauge",
+            "Most bytes the waiting requests may hold.",
+            queue.budget as f64,
+        );
+        one(
+            "tether_prompts_tokenised_total",
+            "counter",
+            "Prompts tokenised (after admission to the queue).",
+            c.tokenised as f64,
+        );
+        one(
+            "tether_tokenise_seconds_total",
+            "counter",
+            "Time spent tokenising prompts.",
+            c.tokenise_seconds,
+        );
+        one(
+            "tether_engine_restarts_total",
+            "counter",
+            "Times the engine panicked and was restarted with a fresh sequence.",
+            c.engine_restarts as f64,
         );
         one(
             "tether_active_requests",
@@ -199,7 +246,7 @@ impl Metrics {
         one(
             "tether_requests_rejected_total",
             "counter",
-            "Requests refused with 503 because the queue was full.",
+            "Requests refused with 503 because the queue was full (by count or by memory).",
             c.rejected as f64,
         );
         one(

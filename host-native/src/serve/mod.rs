@@ -1,14 +1,19 @@
 //! `tether serve`: an OpenAI-compatible HTTP server in front of one engine.
 //!
 //! Many clients, one sequence: HTTP runs on tokio, the model on one plain thread
-//! ([`engine::Engine`]) fed by a bounded FIFO ([`queue::Queue`]). A full queue answers 503
-//! with `Retry-After`; a client that disconnects cancels its request. The engine keeps the
-//! last conversation's state, so a request that extends it prefills only the new tokens
-//! ([`conversation`]). docs/SERVE.md describes the endpoints, queueing, reuse and metrics.
+//! ([`engine::Engine`]) fed by a FIFO ([`queue::Queue`]) bounded by count and by memory. A
+//! request is admitted before its prompt is tokenised; a full queue answers 503 with
+//! `Retry-After`; a client that disconnects cancels its request. The engine keeps the last
+//! conversation's state, so a request that extends it prefills only the new tokens
+//! ([`conversation`]). The context is sized to the free memory ([`memory`]); only JSON POSTs
+//! are read and CORS is off by default ([`cross_site`]). docs/SERVE.md describes the
+//! endpoints, limits, queueing, reuse and metrics.
 
 mod api;
 mod conversation;
+mod cross_site;
 mod engine;
+mod memory;
 mod metrics;
 mod queue;
 mod routes;
@@ -21,11 +26,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use tracing::info;
+use tracing::{info, warn};
 
 use crate::load::{self, EngineArgs};
 use conversation::Conversation;
+use cross_site::Cors;
 use engine::{Engine, Reconnect};
+use memory::Footprint;
 use metrics::Metrics;
 use queue::Queue;
 use routes::App;
@@ -37,7 +44,7 @@ GET /metrics (Prometheus). Try:
   tether serve --model tiny --port 8080 &
   curl -s localhost:8080/v1/chat/completions -H 'content-type: application/json' \\
     -d '{\"model\": \"tiny\", \"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}], \"max_tokens\": 16}'
-docs/SERVE.md describes queueing, conversation reuse, errors and metrics.")]
+docs/SERVE.md describes the limits, queueing, conversation reuse, errors and metrics.")]
 pub struct Args {
     #[command(flatten)]
     engine: EngineArgs,
@@ -52,15 +59,21 @@ pub struct Args {
     /// Port to listen on; 0 picks a free one. The first line on stdout gives the address.
     #[arg(long, default_value_t = 8080)]
     port: u16,
-    /// Requests that may wait while one is generated; more are refused with 503.
-    #[arg(long, default_value_t = 8)]
+    /// Requests that may wait (being tokenised or queued) while one is generated; more are
+    /// refused with 503.
+    #[arg(long, default_value_t = 512)]
     queue: usize,
+    /// Bytes the waiting requests may hold together, each counted as its body plus 4 bytes per
+    /// position of the context; past it requests are refused with 503. A size like 512M
+    /// (default: a sixteenth of the memory available at start).
+    #[arg(long, value_parser = memory::parse_size)]
+    queue_memory: Option<u64>,
     /// Time limit of a request in seconds, from its arrival (waiting included); past it the
     /// request ends with a timeout error.
     #[arg(long, default_value_t = 600)]
     timeout: u64,
-    /// Positions a request may use, prompt and completion together (default: the model's
-    /// max_position_embeddings).
+    /// Positions a request may use, prompt and completion together (default: as many as fit
+    /// in half the memory available at start, at most the model's max_position_embeddings).
     #[arg(long)]
     ctx_size: Option<usize>,
     /// State checkpoints kept for conversation reuse (the end of each of the latest prompts,
@@ -77,9 +90,17 @@ pub struct Args {
     /// (0: before every request).
     #[arg(long, default_value_t = 10)]
     helper_retry: u64,
+    /// Let web pages from this origin call the server (CORS), e.g. http://localhost:3000;
+    /// repeatable; `*` allows any page. Off by default: browsers keep pages from calling.
+    #[arg(long = "cors", value_name = "ORIGIN")]
+    cors: Vec<String>,
     /// Log level: error, warn, info, debug, trace, or a tracing filter (RUST_LOG wins).
     #[arg(long, default_value = "info")]
     log: String,
+    /// Testing only: the engine panics after prefilling a prompt that contains this text,
+    /// to exercise the recovery from a panic.
+    #[arg(long, hide = true)]
+    debug_panic_on: Option<String>,
 }
 
 /// A directory's last component, or the preset's name.
@@ -105,12 +126,22 @@ pub fn run(a: Args) -> Result<()> {
         config.num_hidden_layers,
         l.model.weight_bytes() as f64 / (1u64 << 20) as f64
     );
-    let ctx = a.ctx_size.unwrap_or(config.max_position_embeddings);
-    if ctx == 0 || ctx > config.max_position_embeddings {
-        bail!(
-            "--ctx-size {ctx}: must be between 1 and the model's {} positions",
-            config.max_position_embeddings
-        );
+    let available = memory::available();
+    let context = memory::choose_context(
+        a.ctx_size,
+        Footprint::of(config, a.checkpoints),
+        available,
+        a.engine.page_size,
+        config.max_position_embeddings,
+    )?;
+    let ctx = context.tokens;
+    info!(
+        "context: {ctx} tokens (KV {} bytes/token, {} free)",
+        context.footprint.per_token,
+        available.map_or_else(|| "unknown".into(), memory::gib)
+    );
+    if let Some(w) = &context.warning {
+        warn!("{w}");
     }
     let (backend, what) = a.engine.backend.make()?;
     info!("backend: {what}");
@@ -140,14 +171,27 @@ pub fn run(a: Args) -> Result<()> {
     );
     let metrics = Arc::new(Metrics::default());
     metrics.set_helper_attached(link.is_some());
-    let queue = Arc::new(Queue::new(a.queue));
+    let budget = a
+        .queue_memory
+        .unwrap_or_else(|| memory::queue_budget(available));
+    if budget < memory::request_bytes(0, ctx) {
+        bail!(
+            "--queue-memory {budget}: not even one request fits (each counts as its body and 4 bytes per position of the {ctx}-token context)"
+        );
+    }
+    let queue = Arc::new(Queue::new(a.queue, budget));
     let app = Arc::new(App {
         name: a.name.clone().unwrap_or_else(|| model_id(&a.engine.model)),
         created: routes::unix_now(),
         tokenizer: l.tokenizer.clone(),
         vocab: config.vocab_size,
         ctx,
+        footprint: context.footprint,
         queue: queue.clone(),
+        tokenisers: tokio::sync::Semaphore::new(
+            std::thread::available_parallelism().map_or(1, usize::from),
+        ),
+        cors: Arc::new(Cors::new(&a.cors)?),
         metrics: metrics.clone(),
         link: link.clone(),
         timeout: Duration::from_secs(a.timeout),
@@ -172,14 +216,15 @@ pub fn run(a: Args) -> Result<()> {
                 Duration::from_secs(a.helper_retry),
             )
         }),
+        panic_on: a.debug_panic_on.clone(),
     };
     let worker = {
         let queue = queue.clone();
         std::thread::Builder::new()
             .name("engine".into())
             .spawn(move || {
-                // However the engine ends (a panic included), waiting and later requests are
-                // answered rather than left hanging.
+                // However the engine ends (a panic outside a job included), waiting and later
+                // requests are answered rather than left hanging.
                 let _close = CloseOnDrop(queue.clone());
                 engine.run(&queue);
             })
@@ -199,9 +244,13 @@ pub fn run(a: Args) -> Result<()> {
         // The first stdout line, for scripts and tests that started us on port 0.
         println!("listening on http://{addr}");
         std::io::stdout().flush()?;
+        let load = app.queue.load();
         info!(
-            "serving `{}` on http://{addr}/v1 (queue {}, time limit {} s)",
-            app.name, a.queue, a.timeout
+            "serving `{}` on http://{addr}/v1 (queue {} requests, {} MiB; time limit {} s)",
+            app.name,
+            load.capacity,
+            load.budget >> 20,
+            a.timeout
         );
         axum::serve(listener, routes::router(app))
             .with_graceful_shutdown(shutdown_signal())

@@ -1,6 +1,7 @@
-//! The bounded FIFO in front of the engine's one active sequence. A request that finds it full
-//! is refused at once (503) instead of waiting unboundedly; a request whose client goes away
-//! leaves it at once, so a disconnected client never holds a place.
+//! The bounded FIFO in front of the engine's one active sequence. A request is admitted first,
+//! against a count and a memory bound, and only then tokenised and queued; one that finds no
+//! room is refused at once (503) instead of waiting unboundedly. A request whose client goes
+//! away leaves at once, so a disconnected client never holds a place.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -70,29 +71,69 @@ pub struct Finish {
 pub struct Queue {
     inner: Mutex<Inner>,
     ready: Condvar,
+    /// Most requests admitted and not yet taken by the engine (`--queue`).
     capacity: usize,
+    /// Most bytes those requests may hold together (`--queue-memory`).
+    budget: u64,
 }
 
 struct Inner {
-    jobs: VecDeque<Job>,
+    /// Waiting jobs, each with the bytes it was admitted with.
+    jobs: VecDeque<(Job, u64)>,
+    /// Requests admitted and still being tokenised.
+    tokenising: usize,
+    /// Bytes of every admitted request not yet taken by the engine.
+    bytes: u64,
     closed: bool,
 }
 
-/// Why a job was not queued.
+/// Why a request was not admitted or queued.
+#[derive(Debug)]
 pub enum Refused {
     Full,
     Closed,
 }
 
+/// How full the queue is, for `/metrics` and error messages.
+pub struct Load {
+    /// Requests admitted and not yet taken by the engine, being tokenised included.
+    pub waiting: usize,
+    pub capacity: usize,
+    pub bytes: u64,
+    pub budget: u64,
+}
+
+/// A place in the queue, taken before a request is tokenised (so a request that will be
+/// refused is refused before any work is spent on it); dropping it unused gives it back.
+pub struct Admission {
+    queue: Arc<Queue>,
+    bytes: u64,
+    /// Passed on to a waiting job, which gives the bytes back when it leaves the queue.
+    queued: bool,
+}
+
+impl Drop for Admission {
+    fn drop(&mut self) {
+        if !self.queued {
+            let mut q = self.queue.lock();
+            q.tokenising -= 1;
+            q.bytes -= self.bytes;
+        }
+    }
+}
+
 impl Queue {
-    pub fn new(capacity: usize) -> Queue {
+    pub fn new(capacity: usize, budget: u64) -> Queue {
         Queue {
             inner: Mutex::new(Inner {
                 jobs: VecDeque::new(),
+                tokenising: 0,
+                bytes: 0,
                 closed: false,
             }),
             ready: Condvar::new(),
             capacity,
+            budget,
         }
     }
 
@@ -101,24 +142,44 @@ impl Queue {
         self.inner.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    pub fn capacity(&self) -> usize {
-        self.capacity
+    pub fn load(&self) -> Load {
+        let q = self.lock();
+        Load {
+            waiting: q.jobs.len() + q.tokenising,
+            capacity: self.capacity,
+            bytes: q.bytes,
+            budget: self.budget,
+        }
     }
 
-    /// Requests waiting (not counting the one being generated).
-    pub fn len(&self) -> usize {
-        self.lock().jobs.len()
-    }
-
-    pub fn push(&self, job: Job) -> Result<(), Refused> {
+    /// Admit a request that will hold `bytes` while it waits, if both the count and the
+    /// memory bound leave room for it.
+    pub fn admit(self: &Arc<Self>, bytes: u64) -> Result<Admission, Refused> {
         let mut q = self.lock();
         if q.closed {
             return Err(Refused::Closed);
         }
-        if q.jobs.len() >= self.capacity {
+        if q.jobs.len() + q.tokenising >= self.capacity || q.bytes + bytes > self.budget {
             return Err(Refused::Full);
         }
-        q.jobs.push_back(job);
+        q.tokenising += 1;
+        q.bytes += bytes;
+        Ok(Admission {
+            queue: self.clone(),
+            bytes,
+            queued: false,
+        })
+    }
+
+    /// Queue an admitted request's job.
+    pub fn push(&self, job: Job, mut admission: Admission) -> Result<(), Refused> {
+        let mut q = self.lock();
+        if q.closed {
+            return Err(Refused::Closed);
+        }
+        admission.queued = true;
+        q.tokenising -= 1;
+        q.jobs.push_back((job, admission.bytes));
         self.ready.notify_one();
         Ok(())
     }
@@ -130,7 +191,8 @@ impl Queue {
             if q.closed {
                 return None;
             }
-            if let Some(job) = q.jobs.pop_front() {
+            if let Some((job, bytes)) = q.jobs.pop_front() {
+                q.bytes -= bytes;
                 return Some(job);
             }
             q = self.ready.wait(q).unwrap_or_else(PoisonError::into_inner);
@@ -140,9 +202,13 @@ impl Queue {
     /// Take a waiting job out (its client left); false if it is not waiting (running or done).
     pub fn remove(&self, id: u64) -> bool {
         let mut q = self.lock();
-        let before = q.jobs.len();
-        q.jobs.retain(|j| j.id != id);
-        q.jobs.len() != before
+        let Some(at) = q.jobs.iter().position(|(j, _)| j.id == id) else {
+            return false;
+        };
+        if let Some((_, bytes)) = q.jobs.remove(at) {
+            q.bytes -= bytes;
+        }
+        true
     }
 
     pub fn is_closed(&self) -> bool {
@@ -154,7 +220,8 @@ impl Queue {
     pub fn close(&self) {
         let mut q = self.lock();
         q.closed = true;
-        q.jobs.clear();
+        let held: u64 = q.jobs.drain(..).map(|(_, bytes)| bytes).sum();
+        q.bytes -= held;
         self.ready.notify_all();
     }
 }
@@ -176,5 +243,64 @@ impl Drop for Ticket {
         if self.queue.remove(self.id) {
             self.metrics.cancelled();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn job(id: u64) -> Job {
+        Job {
+            id,
+            prompt: vec![1],
+            turn_start: None,
+            max_tokens: 1,
+            sampling: SamplingParams {
+                temperature: 0.0,
+                top_k: 0,
+                top_p: 1.0,
+                min_p: 0.0,
+                seed: 0,
+            },
+            stop: Vec::new(),
+            deadline: Instant::now(),
+            cancel: Arc::default(),
+            events: tokio::sync::mpsc::unbounded_channel().0,
+        }
+    }
+
+    fn held(q: &Queue) -> (usize, u64) {
+        let l = q.load();
+        (l.waiting, l.bytes)
+    }
+
+    #[test]
+    fn admission_is_bounded_by_count_and_bytes_and_given_back() {
+        let q = Arc::new(Queue::new(3, 100));
+        let a = q.admit(60).unwrap();
+        // Past the bytes, though not the count.
+        assert!(matches!(q.admit(41), Err(Refused::Full)));
+        // Dropped unused (a client that left while it was tokenised): given back.
+        drop(q.admit(40).unwrap());
+        assert_eq!(held(&q), (1, 60));
+        q.push(job(1), a).unwrap();
+        let b = q.admit(10).unwrap();
+        let c = q.admit(10).unwrap();
+        assert_eq!(held(&q), (3, 80));
+        // Past the count, though not the bytes.
+        assert!(matches!(q.admit(1), Err(Refused::Full)));
+        assert_eq!(q.pop().map(|j| j.id), Some(1));
+        assert_eq!(held(&q), (2, 20));
+        q.push(job(2), b).unwrap();
+        assert!(q.remove(2));
+        assert!(!q.remove(2));
+        drop(c);
+        assert_eq!(held(&q), (0, 0));
+        let d = q.admit(50).unwrap();
+        q.close();
+        assert!(matches!(q.push(job(3), d), Err(Refused::Closed)));
+        assert!(matches!(q.admit(1), Err(Refused::Closed)));
+        assert_eq!(held(&q), (0, 0));
     }
 }

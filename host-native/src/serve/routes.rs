@@ -1,6 +1,6 @@
-//! The HTTP side: parse and check a request, tokenise its prompt, queue it for the engine and
-//! turn the engine's events into an OpenAI response, streamed (server-sent events ending with
-//! `data: [DONE]`) or whole.
+//! The HTTP side: parse and check a request, admit it to the queue, tokenise its prompt, queue
+//! it for the engine and turn the engine's events into an OpenAI response, streamed
+//! (server-sent events ending with `data: [DONE]`) or whole.
 
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -21,13 +21,21 @@ use engine_core::tokenizer::Tokenizer;
 use futures_util::stream;
 use serde_json::{json, Value};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+use tokio::sync::Semaphore;
 
 use super::api::{self, ApiError, ChatRequest, CompletionRequest, Prompt, Settings};
+use super::cross_site::{self, Cors};
+use super::memory::{self, Footprint};
 use super::metrics::Metrics;
-use super::queue::{Event, Finish, Job, Queue, Refused, Ticket};
+use super::queue::{Admission, Event, Finish, Job, Queue, Refused, Ticket};
 
 /// Largest request body: a whole long context of text, with room to spare.
 const MAX_BODY: usize = 64 << 20;
+
+/// Bytes of text per position of the context a prompt may have before it is tokenised: four
+/// times English prose's average, so only text of long single-token runs that would fit is
+/// refused, and a prompt that cannot fit is refused without tokenising megabytes first.
+const PROMPT_BYTES_PER_TOKEN: usize = 16;
 
 /// What every handler shares.
 pub struct App {
@@ -38,7 +46,13 @@ pub struct App {
     pub vocab: usize,
     /// Positions a request may use: prompt plus completion.
     pub ctx: usize,
+    /// What the context costs, for `/health`.
+    pub footprint: Footprint,
     pub queue: Arc<Queue>,
+    /// Tokenisations that may run at once (one per core): each holds many times its text in
+    /// memory while it runs.
+    pub tokenisers: Semaphore,
+    pub cors: Arc<Cors>,
     pub metrics: Arc<Metrics>,
     pub link: Option<StatsHandle>,
     pub timeout: Duration,
@@ -61,8 +75,13 @@ pub fn router(app: Arc<App>) -> Router {
                 "this endpoint does not take that method",
             )
         })
+        .layer(middleware::from_fn(cross_site::require_json))
         .layer(middleware::from_fn_with_state(app.clone(), count))
         .layer(DefaultBodyLimit::max(MAX_BODY))
+        .layer(middleware::from_fn_with_state(
+            app.cors.clone(),
+            cross_site::cors,
+        ))
         .with_state(app)
 }
 
@@ -97,64 +116,130 @@ fn body_error(rejection: BytesRejection) -> ApiError {
 
 async fn chat(State(app): State<Arc<App>>, body: Result<Bytes, BytesRejection>) -> Response {
     let run = async {
-        let req: ChatRequest = api::parse(&body.map_err(body_error)?)?;
+        let body = body.map_err(body_error)?;
+        let req: ChatRequest = api::parse(&body)?;
         app.check_model(&req.common.model)?;
         let settings = req.common.validate()?;
         let messages = req.chat_messages()?;
+        let text = messages.iter().map(|m| m.content.len()).sum();
+        let admission = app.admit("messages", body.len(), text)?;
+        // Only the messages are needed from here on.
+        drop((body, req));
         let tok = app.tokenizer.clone();
-        let (prompt, turn_start) = blocking(move || {
-            let prompt = tok.encode(&tok.apply_chat_template(&messages, true)?)?;
-            // The history alone, to find where the new turn starts (a template that cannot
-            // render it just gets no checkpoint there).
-            let history = tok
-                .apply_chat_template(&messages, false)
-                .and_then(|t| tok.encode(&t))
-                .unwrap_or_default();
-            let turn_start = prompt
-                .iter()
-                .zip(&history)
-                .take_while(|(a, b)| a == b)
-                .count();
-            Ok((prompt, turn_start))
-        })
-        .await
-        .map_err(|e| e.with_param("messages"))?;
-        app.submit(true, prompt, Some(turn_start), settings).await
+        let (prompt, turn_start) = app
+            .tokenise("messages", move || {
+                let prompt = tok.encode_chat(&messages, true)?;
+                // The history alone, to find where the new turn starts (a template that cannot
+                // render it just gets no checkpoint there).
+                let history = tok.encode_chat(&messages, false).unwrap_or_default();
+                let turn_start = prompt
+                    .iter()
+                    .zip(&history)
+                    .take_while(|(a, b)| a == b)
+                    .count();
+                Ok((prompt, turn_start))
+            })
+            .await?;
+        app.submit(admission, true, prompt, Some(turn_start), settings)
+            .await
     };
     run.await.unwrap_or_else(IntoResponse::into_response)
 }
 
 async fn completions(State(app): State<Arc<App>>, body: Result<Bytes, BytesRejection>) -> Response {
     let run = async {
-        let req: CompletionRequest = api::parse(&body.map_err(body_error)?)?;
+        let body = body.map_err(body_error)?;
+        let req: CompletionRequest = api::parse(&body)?;
         app.check_model(&req.common.model)?;
         let settings = req.common.validate()?;
-        let prompt = match req.prompt()? {
+        let prompt = req.prompt()?;
+        let text = match &prompt {
+            Prompt::Text(t) => t.len(),
+            Prompt::Ids(_) => 0,
+        };
+        let admission = app.admit("prompt", body.len(), text)?;
+        // Only the prompt is needed from here on.
+        drop((body, req));
+        let prompt = match prompt {
             Prompt::Ids(ids) => ids,
             Prompt::Text(text) => {
                 let tok = app.tokenizer.clone();
-                blocking(move || tok.encode(&text))
-                    .await
-                    .map_err(|e| e.with_param("prompt"))?
+                app.tokenise("prompt", move || tok.encode_text(&text))
+                    .await?
             }
         };
-        app.submit(false, prompt, None, settings).await
+        app.submit(admission, false, prompt, None, settings).await
     };
     run.await.unwrap_or_else(IntoResponse::into_response)
 }
 
-/// Tokenising a long prompt takes a while: off the async workers. Its errors (a template that
-/// raised, text the vocabulary cannot hold) are the request's fault.
-async fn blocking<T: Send + 'static>(
-    f: impl FnOnce() -> engine_core::Result<T> + Send + 'static,
-) -> Result<T, ApiError> {
-    tokio::task::spawn_blocking(f)
-        .await
-        .map_err(|e| ApiError::server(format!("tokenising failed: {e}")))?
-        .map_err(|e| ApiError::invalid(e.to_string()))
-}
-
 impl App {
+    /// Refuse a prompt whose `text` bytes cannot fit the context (before any is tokenised),
+    /// then take a place in the queue for the request.
+    fn admit(&self, param: &str, body: usize, text: usize) -> Result<Admission, ApiError> {
+        let max = self.ctx.saturating_mul(PROMPT_BYTES_PER_TOKEN);
+        if text > max {
+            return Err(ApiError::param(
+                param,
+                format!(
+                    "The prompt has {text} bytes of text; this server tokenises at most {max} \
+                     ({PROMPT_BYTES_PER_TOKEN} per position of its {}-token context). Please \
+                     reduce the length of the {param}.",
+                    self.ctx
+                ),
+            )
+            .with_code("context_length_exceeded"));
+        }
+        self.queue
+            .admit(memory::request_bytes(body, self.ctx))
+            .map_err(|r| self.refused(r))
+    }
+
+    /// The 503 for a request the queue refused.
+    fn refused(&self, r: Refused) -> ApiError {
+        match r {
+            Refused::Full => {
+                self.metrics.rejected();
+                let load = self.queue.load();
+                ApiError::unavailable(
+                    format!(
+                        "the server is busy ({} requests waiting, holding {} of {} KiB); retry later",
+                        load.waiting,
+                        load.bytes >> 10,
+                        load.budget >> 10
+                    ),
+                    self.metrics.retry_after(load.waiting),
+                )
+                .with_code("queue_full")
+            }
+            Refused::Closed => {
+                ApiError::unavailable("the engine has stopped", 60).with_code("engine_stopped")
+            }
+        }
+    }
+
+    /// Tokenise an admitted prompt off the async workers, at most one per core at a time. Its
+    /// errors (a template that raised, text the vocabulary cannot hold) are the request's
+    /// fault, reported against `param`.
+    async fn tokenise<T: Send + 'static>(
+        &self,
+        param: &str,
+        f: impl FnOnce() -> engine_core::Result<T> + Send + 'static,
+    ) -> Result<T, ApiError> {
+        let _turn = self
+            .tokenisers
+            .acquire()
+            .await
+            .map_err(|e| ApiError::server(format!("tokenising failed: {e}")))?;
+        let t = Instant::now();
+        let out = tokio::task::spawn_blocking(f)
+            .await
+            .map_err(|e| ApiError::server(format!("tokenising failed: {e}")))?
+            .map_err(|e| ApiError::invalid(e.to_string()).with_param(param));
+        self.metrics.tokenised(t.elapsed().as_secs_f64());
+        out
+    }
+
     fn check_model(&self, model: &str) -> Result<(), ApiError> {
         if model == self.name {
             Ok(())
@@ -171,6 +256,7 @@ impl App {
     /// Check the prompt against the vocabulary and the context, queue it, and answer.
     async fn submit(
         &self,
+        admission: Admission,
         chat: bool,
         prompt: Vec<u32>,
         turn_start: Option<usize>,
@@ -226,23 +312,9 @@ impl App {
             cancel: cancel.clone(),
             events,
         };
-        match self.queue.push(job) {
-            Ok(()) => {}
-            Err(Refused::Full) => {
-                self.metrics.rejected();
-                let queued = self.queue.len();
-                return Err(ApiError::unavailable(
-                    format!("the server is busy ({queued} requests waiting); retry later"),
-                    self.metrics.retry_after(queued),
-                )
-                .with_code("queue_full"));
-            }
-            Err(Refused::Closed) => {
-                return Err(
-                    ApiError::unavailable("the engine has stopped", 60).with_code("engine_stopped")
-                )
-            }
-        }
+        self.queue
+            .push(job, admission)
+            .map_err(|r| self.refused(r))?;
         let events = Events {
             rx,
             deadline: Some(deadline),
@@ -463,13 +535,18 @@ async fn health(State(app): State<Arc<App>>) -> Response {
         )
             .into_response();
     }
-    Json(json!({"status": "ok", "queued": app.queue.len()})).into_response()
+    Json(json!({
+        "status": "ok",
+        "queued": app.queue.load().waiting,
+        "context_tokens": app.ctx,
+        "kv_bytes_per_token": app.footprint.per_token,
+        "state_bytes": app.footprint.fixed,
+    }))
+    .into_response()
 }
 
 async fn metrics(State(app): State<Arc<App>>) -> Response {
     let link = app.link.as_ref().map(StatsHandle::snapshot);
-    let body = app
-        .metrics
-        .render(app.queue.len(), app.queue.capacity(), link.as_ref());
+    let body = app.metrics.render(&app.queue.load(), link.as_ref());
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], body).into_response()
 }

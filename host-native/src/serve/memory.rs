@@ -1,0 +1,240 @@
+//! What the server may take of this machine's memory. The context is sized to the memory free
+//! at start rather than to the model's maximum (262144 positions for Qwen3.5, whose KV alone
+//! would take 6 GiB on the 0.8B model), and the queue is bounded by the bytes its requests
+//! hold rather than by their number.
+
+use std::mem::size_of;
+
+use anyhow::{bail, Context, Result};
+use engine_core::config::{LayerKind, ModelConfig};
+use engine_core::State;
+
+/// The share of the available memory the context may take (one half): the rest is for the
+/// weights a checkpoint maps (page cache, which the OS counts as available but which must stay
+/// resident), prefill scratch, the queue, and the rest of the machine.
+const CONTEXT_SHARE: u64 = 2;
+
+/// The share of the available memory the queue may hold by default (one sixteenth).
+const QUEUE_SHARE: u64 = 16;
+
+/// The queue's budget where the available memory is unknown.
+const QUEUE_FALLBACK: u64 = 256 << 20;
+
+/// What one sequence costs in memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Footprint {
+    /// Bytes per position of context: the K and V rows (f32) of every full-attention layer.
+    pub per_token: u64,
+    /// Bytes however long the context: the DeltaNet states of the live sequence, of the empty
+    /// origin and of each conversation checkpoint, and each checkpoint's saved logits.
+    pub fixed: u64,
+}
+
+impl Footprint {
+    pub fn of(c: &ModelConfig, checkpoints: usize) -> Footprint {
+        let full = c
+            .layer_types
+            .iter()
+            .filter(|&&k| k == LayerKind::FullAttention)
+            .count();
+        let per_token = full * 2 * c.num_key_value_heads * c.head_dim * size_of::<f32>();
+        let states = (2 + checkpoints) * State::delta_bytes_for(c, 0..c.num_hidden_layers);
+        let logits = checkpoints * c.vocab_size * size_of::<f32>();
+        Footprint {
+            per_token: per_token as u64,
+            fixed: (states + logits) as u64,
+        }
+    }
+
+    /// Bytes a context of `ctx` positions takes: KV is allocated a page of `page_size`
+    /// positions at a time.
+    pub fn bytes(&self, ctx: usize, page_size: usize) -> u64 {
+        self.fixed + self.per_token * (ctx.div_ceil(page_size) * page_size) as u64
+    }
+
+    /// The most positions, in whole pages, whose KV fits in `budget` beside the fixed part.
+    pub fn fitting(&self, budget: u64, page_size: usize) -> usize {
+        let page = self.per_token * page_size as u64;
+        let pages = budget.saturating_sub(self.fixed) / page.max(1);
+        usize::try_from(pages)
+            .unwrap_or(usize::MAX)
+            .saturating_mul(page_size)
+    }
+}
+
+/// Memory the system can give now without swapping: `MemAvailable` on Linux (which counts
+/// reclaimable cache); `None` where that is not known.
+pub fn available() -> Option<u64> {
+    mem_available(&std::fs::read_to_string("/proc/meminfo").ok()?)
+}
+
+fn mem_available(meminfo: &str) -> Option<u64> {
+    let kib = meminfo
+        .lines()
+        .find_map(|l| l.strip_prefix("MemAvailable:"))?
+        .trim()
+        .strip_suffix("kB")?
+        .trim()
+        .parse::<u64>()
+        .ok()?;
+    Some(kib * 1024)
+}
+
+pub fn gib(bytes: u64) -> String {
+    format!("{:.1} GiB", bytes as f64 / (1u64 << 30) as f64)
+}
+
+/// How the context was chosen, for the log and `/health`.
+pub struct ContextChoice {
+    pub tokens: usize,
+    pub footprint: Footprint,
+    /// Set when `--ctx-size` asked for more than fits: what to warn about.
+    pub warning: Option<String>,
+}
+
+/// The context to serve: `asked` (`--ctx-size`), or as many whole pages as fit in half the
+/// available memory; never more than the model's `max` positions.
+pub fn choose_context(
+    asked: Option<usize>,
+    fp: Footprint,
+    available: Option<u64>,
+    page_size: usize,
+    max: usize,
+) -> Result<ContextChoice> {
+    let fits = available.map(|a| fp.fitting(a / CONTEXT_SHARE, page_size));
+    let (tokens, warning) = match (asked, fits) {
+        (Some(n), _) if n == 0 || n > max => {
+            bail!("--ctx-size {n}: must be between 1 and the model's {max} positions")
+        }
+        (Some(n), Some(fits)) if n > fits => {
+            let a = available.unwrap_or_default();
+            let why = format!(
+                "--ctx-size {n}: its KV and state take {} ({} bytes per token), more than half of the {} available ({fits} tokens would fit); the server may swap or be killed",
+                gib(fp.bytes(n, page_size)),
+                fp.per_token,
+                gib(a)
+            );
+            (n, Some(why))
+        }
+        (Some(n), _) => (n, None),
+        (None, Some(0)) => bail!(
+            "not even one KV page of {page_size} positions ({}) fits in half of the {} available: free some memory, or pass a smaller --page-size or --ctx-size",
+            gib(fp.bytes(1, page_size)),
+            gib(available.unwrap_or_default())
+        ),
+        (None, Some(fits)) => (fits.min(max), None),
+        (None, None) => (
+            max,
+            Some(format!(
+                "the free memory is unknown on this system: the context is the model's maximum, {max} tokens ({}); pass --ctx-size to fit this machine",
+                gib(fp.bytes(max, page_size))
+            )),
+        ),
+    };
+    Ok(ContextChoice {
+        tokens,
+        footprint: fp,
+        warning,
+    })
+}
+
+/// The queue's byte budget by default: a sixteenth of the available memory.
+pub fn queue_budget(available: Option<u64>) -> u64 {
+    available.map_or(QUEUE_FALLBACK, |a| a / QUEUE_SHARE)
+}
+
+/// Bytes a request waiting in the queue counts as holding: its body, and its token ids (4
+/// bytes each), as many as a whole context of `ctx` positions.
+pub fn request_bytes(body: usize, ctx: usize) -> u64 {
+    (body + ctx * size_of::<u32>()) as u64
+}
+
+/// A size for a flag: bytes, or a number with K, M or G (powers of 1024).
+pub fn parse_size(s: &str) -> Result<u64> {
+    let s = s.trim();
+    let (digits, unit) = match s.char_indices().find(|(_, c)| !c.is_ascii_digit()) {
+        Some((i, _)) => s.split_at(i),
+        None => (s, ""),
+    };
+    let shift = match unit.trim().to_ascii_uppercase().as_str() {
+        "" | "B" => 0,
+        "K" | "KB" | "KIB" => 10,
+        "M" | "MB" | "MIB" => 20,
+        "G" | "GB" | "GIB" => 30,
+        other => bail!("`{s}`: unknown unit `{other}` (use K, M or G)"),
+    };
+    let n: u64 = digits
+        .parse()
+        .with_context(|| format!("`{s}`: expected a size like 512M"))?;
+    n.checked_mul(1 << shift)
+        .with_context(|| format!("`{s}`: too large"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use engine_core::synth::preset;
+    use engine_core::{CpuBackend, Logits};
+
+    /// The tiny preset: 8 layers, L L L F twice, so 2 full-attention layers of 2 KV heads of
+    /// 16 dimensions: 2 layers x (K and V) x 2 x 16 x 4 bytes = 512 bytes a position.
+    #[test]
+    fn the_tiny_model_footprint_is_what_its_state_holds() {
+        let c = preset("tiny").unwrap();
+        let fp = Footprint::of(&c, 4);
+        assert_eq!(fp.per_token, 512);
+        // What a real sequence holds after a forward pass of 3 positions.
+        let model = engine_core::source::load_model("tiny", &Default::default()).unwrap();
+        let mut state = model.new_state(16);
+        model
+            .forward(&CpuBackend, &mut state, &[1, 2, 3], Logits::Last, None)
+            .unwrap();
+        assert_eq!(state.kv_bytes() as u64, 3 * fp.per_token);
+        // The live state, the origin and 4 checkpoints, each checkpoint with 256 logits.
+        assert_eq!(fp.fixed, 6 * state.delta_bytes() as u64 + 4 * 256 * 4);
+    }
+
+    #[test]
+    fn the_context_is_whole_pages_of_half_the_free_memory() {
+        let fp = Footprint {
+            per_token: 512,
+            fixed: 1000,
+        };
+        // 3 pages of 16 positions and a bit, beside the fixed part.
+        let budget = 1000 + 3 * 16 * 512 + 511;
+        assert_eq!(fp.fitting(budget, 16), 48);
+        assert_eq!(fp.fitting(999, 16), 0);
+        assert_eq!(fp.bytes(17, 16), 1000 + 32 * 512);
+        let ctx = |asked, avail| choose_context(asked, fp, avail, 16, 4096);
+        let c = ctx(None, Some(2 * budget)).unwrap();
+        assert_eq!((c.tokens, c.warning.is_none()), (48, true));
+        // Capped at the model's maximum.
+        assert_eq!(ctx(None, Some(1 << 40)).unwrap().tokens, 4096);
+        // Asking for more than fits is served, with a warning naming the numbers.
+        let c = ctx(Some(64), Some(2 * budget)).unwrap();
+        assert_eq!(c.tokens, 64);
+        let w = c.warning.unwrap();
+        assert!(
+            w.contains("512 bytes per token") && w.contains("48 tokens"),
+            "{w}"
+        );
+        assert!(ctx(Some(5000), Some(1 << 40)).is_err());
+        assert!(ctx(None, Some(100)).is_err());
+        // Unknown free memory: the model's maximum, with a warning.
+        let c = ctx(None, None).unwrap();
+        assert_eq!((c.tokens, c.warning.is_some()), (4096, true));
+    }
+
+    #[test]
+    fn meminfo_and_sizes() {
+        let meminfo = "MemTotal:       24000000 kB\nMemFree:         9000000 kB\nMemAvailable:   15728640 kB\n";
+        assert_eq!(mem_available(meminfo), Some(15 << 30));
+        assert_eq!(mem_available("MemTotal: 1 kB\n"), None);
+        assert_eq!(parse_size("512M").unwrap(), 512 << 20);
+        assert_eq!(parse_size("100K").unwrap(), 100 << 10);
+        assert_eq!(parse_size("2g").unwrap(), 2 << 30);
+        assert_eq!(parse_size("4096").unwrap(), 4096);
+        assert!(parse_size("12X").is_err());
+        assert!(parse_size("M").is_err());
+    }
+}
