@@ -21,11 +21,18 @@ struct Server {
 
 impl Server {
     fn start(model: &str, extra: &[&str]) -> Server {
+        // Keys of its own: a server that pairs with a helper remembers it there, not in the
+        // user's config directory.
+        static SERVERS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = SERVERS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let keys =
+            std::env::temp_dir().join(format!("tether-serve-keys-{}-{n}", std::process::id()));
         let (child, line) = spawn_announcing(
             Command::new(env!("CARGO_BIN_EXE_tether"))
                 .args(["serve", "--model", model, "--port", "0", "--threads", "1"])
                 .args(["--log", "warn"])
-                .args(extra),
+                .args(extra)
+                .env("TETHER_CONFIG_DIR", keys),
         );
         let base = line
             .strip_prefix("listening on ")
@@ -281,15 +288,19 @@ fn chat_on_a_synthetic_model_reuses_the_conversation() {
 
 /// A helper in this process, over a real WebSocket on loopback, for any number of hosts in
 /// turn; returns its URL.
-fn start_helper() -> String {
+fn start_helper() -> Helper {
+    use engine_core::link::keys::{Keypair, PairingCode, PublicKey};
+    use engine_core::link::secure::{self, wire_limit, Accepted, Gate};
     use engine_core::link::ws::WsListener;
     use engine_core::remote::DEFAULT_MAX_FRAME;
     let model: &'static engine_core::Model = Box::leak(Box::new(
         engine_core::source::load_model("tiny", &engine_core::source::SynthOptions::default())
             .unwrap(),
     ));
-    let listener = WsListener::bind("127.0.0.1:0", DEFAULT_MAX_FRAME).unwrap();
+    let listener = WsListener::bind("127.0.0.1:0", wire_limit(DEFAULT_MAX_FRAME)).unwrap();
     let url = format!("ws://{}", listener.local_addr());
+    let code = PairingCode::new();
+    let shown = code.shown();
     std::thread::spawn(move || {
         let helper = phone_ios::Helper::new(
             model,
@@ -299,11 +310,32 @@ fn start_helper() -> String {
                 max_frame: DEFAULT_MAX_FRAME,
             },
         );
-        while let Ok(mut link) = listener.accept() {
+        let keys = Keypair::generate();
+        let code = std::sync::Mutex::new(code);
+        let paired = std::sync::Mutex::new(Vec::<PublicKey>::new());
+        while let Ok(ws) = listener.accept() {
+            let known = |k: &PublicKey| paired.lock().unwrap().contains(k);
+            let gate = Gate {
+                insecure: false,
+                known: &known,
+                pairing: Some(&code),
+            };
+            let Ok((mut link, who)) = secure::accept(ws, &keys, &gate) else {
+                continue;
+            };
+            if let Accepted::Paired(k) = who {
+                paired.lock().unwrap().push(k);
+            }
             helper.serve(&mut link);
         }
     });
-    url
+    Helper { url, code: shown }
+}
+
+/// A helper's address and pairing code.
+struct Helper {
+    url: String,
+    code: String,
 }
 
 /// Small pages, a small host KV budget and a split from layer 4, so that even short prompts
@@ -323,8 +355,9 @@ const SPLIT: [&str; 10] = [
 
 #[test]
 fn a_helper_changes_no_token_and_keeps_the_conversation_too() {
-    let url = start_helper();
-    let with = Server::start("tiny", &[&["--helper", &url][..], &SPLIT[..]].concat());
+    let h = start_helper();
+    let pair = ["--helper", &h.url, "--pair", &h.code];
+    let with = Server::start("tiny", &[&pair[..], &SPLIT[..]].concat());
     // The same ubatch size on the host alone: then the split changes no bit.
     let alone = Server::start("tiny", &["--page-size", "16", "--ubatch", "16"]);
     let first = "A long first message, so that the prefill is split between host and helper and \
@@ -706,10 +739,19 @@ impl Cable {
 
 /// A server whose helper is behind a [`Cable`], reconnecting to it at most every `retry`
 /// seconds, with the [`SPLIT`] options.
+/// The server pairs on its first connection; its reconnections are by the remembered keys.
 fn behind_a_cable(retry: &str) -> (Cable, Server) {
-    let cable = Cable::to(&start_helper());
+    let h = start_helper();
+    let cable = Cable::to(&h.url);
     let args = [
-        &["--helper", &cable.url, "--helper-retry", retry][..],
+        &[
+            "--helper",
+            &cable.url,
+            "--pair",
+            &h.code,
+            "--helper-retry",
+            retry,
+        ][..],
         &SPLIT[..],
     ]
     .concat();

@@ -95,7 +95,10 @@ fn run(a: Args) -> Result<()> {
         .with_context(|| format!("listening on {}", a.listen))?
         .allow_browsers(!a.insecure);
     // The first stdout line says where to connect (with --listen HOST:0 the port is chosen here).
-    println!("tether-helper listening on ws://{}", listener.local_addr());
+    say(&format!(
+        "tether-helper listening on ws://{}",
+        listener.local_addr()
+    ));
     eprintln!(
         "model {} (digest {}), KV budget {} bytes",
         identity.identity.name, identity.identity.digest, a.mem_budget
@@ -133,6 +136,14 @@ fn run(a: Args) -> Result<()> {
         let (doors, helper) = (&doors, &helper);
         scope.spawn(move || doors.session(helper, pending));
     })
+}
+
+/// A line for whoever started the helper (a script reads the address and the code from
+/// stdout); a closed stdout must not stop a helper, so write errors are ignored.
+fn say(line: &str) {
+    use std::io::Write;
+    let mut out = std::io::stdout();
+    let _ = writeln!(out, "{line}").and_then(|()| out.flush());
 }
 
 /// Who may come in, and who is in: the key store and pairing code of a secure helper, and
@@ -190,7 +201,7 @@ impl Doors {
 
     fn show_code(&self) {
         let code = self.code.lock().unwrap_or_else(|e| e.into_inner()).shown();
-        println!("pairing code: {code}");
+        say(&format!("pairing code: {code}"));
         eprintln!(
             "on the host: tether run --helper ws://{} --pair {code} ...",
             self.addr

@@ -1,40 +1,90 @@
-//! `tether-helper` as a separate process over WebSocket on loopback: the same tokens and
-//! bit-identical logits as the host alone, and a clear error when the process dies.
+//! `tether-helper` as a separate process over WebSocket on loopback, paired and encrypted as
+//! a user runs it: the same tokens and bit-identical logits as the host alone, a clear error
+//! when the process dies, and pairing that survives a restart of the helper and lets no
+//! stranger in.
 
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
 
-use engine_core::link::ws;
+use engine_core::link::keys::{KeyStore, Keypair};
+use engine_core::link::secure::{self, wire_limit, Dial, SecureLink};
+use engine_core::link::ws::{self, WsLink};
+use engine_core::link::LinkError;
 use engine_core::protocol::Configure;
 use engine_core::remote::{HelperClient, DEFAULT_MAX_FRAME};
 use engine_core::{CpuBackend, Logits, Model, State};
-use tests::{fixtures_dir, spawn_announcing, Reference};
+use tests::{fixtures_dir, spawn_announcing_lines, Reference};
 
 struct HelperProcess {
     child: Child,
     url: String,
+    /// The pairing code it shows, if it takes a new host.
+    code: Option<String>,
+}
+
+/// A fresh directory for one helper's keys.
+fn key_dir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("tether-keys-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    d
 }
 
 impl HelperProcess {
+    /// A helper with a fresh key store: it shows a pairing code.
     fn start(model: &str) -> HelperProcess {
-        let (child, line) =
-            spawn_announcing(Command::new(env!("CARGO_BIN_EXE_tether-helper")).args([
-                "--listen",
-                "127.0.0.1:0",
-                "--model",
-                model,
-                "--threads",
-                "1",
-            ]));
-        let url = line
+        let name = format!("{:?}", std::thread::current().id());
+        HelperProcess::start_with(
+            model,
+            &key_dir(&name.replace(|c: char| !c.is_alphanumeric(), "")),
+            true,
+        )
+    }
+
+    /// A helper keeping its keys in `keys`; `pairing` says whether it is expected to show a code.
+    fn start_with(model: &str, keys: &Path, pairing: bool) -> HelperProcess {
+        let (child, lines) = spawn_announcing_lines(
+            Command::new(env!("CARGO_BIN_EXE_tether-helper"))
+                .args([
+                    "--listen",
+                    "127.0.0.1:0",
+                    "--model",
+                    model,
+                    "--threads",
+                    "1",
+                ])
+                .env("TETHER_CONFIG_DIR", keys),
+            1 + usize::from(pairing),
+        );
+        let url = lines[0]
             .split_whitespace()
             .last()
             .expect("the helper prints its address")
             .to_string();
-        HelperProcess { child, url }
+        let code = lines.get(1).map(|l| {
+            l.strip_prefix("pairing code: ")
+                .unwrap_or_else(|| panic!("expected the pairing code, got {l:?}"))
+                .to_string()
+        });
+        HelperProcess { child, url, code }
+    }
+
+    /// A link as a host with `keys` dials it: by pairing code if the helper shows one.
+    fn dial(&self, keys: &Keypair, how: Dial) -> Result<SecureLink<WsLink>, LinkError> {
+        let ws = ws::connect(&self.url, wire_limit(DEFAULT_MAX_FRAME))?;
+        secure::connect(ws, keys, how).map(|(link, _)| link)
+    }
+
+    /// A paired, encrypted link for a new host.
+    fn link(&self) -> SecureLink<WsLink> {
+        let code = self
+            .code
+            .as_deref()
+            .expect("the helper shows a pairing code");
+        self.dial(&Keypair::generate(), Dial::Pair(code)).unwrap()
     }
 
     fn attach(&self, m: &Model, st: &mut State, page: usize, budget: usize) {
-        let link = ws::connect(&self.url, DEFAULT_MAX_FRAME).unwrap();
+        let link = self.link();
         let cfg = Configure {
             first_layer: 0,
             end_layer: 0,
@@ -134,7 +184,7 @@ fn killing_the_helper_process_during_a_split_prefill_costs_time_not_tokens() {
     // host finishes with the host-alone logits.
     for delay_ms in [0u64, 5, 15, 40, 100] {
         let mut helper = HelperProcess::start(dir.to_str().unwrap());
-        let link = ws::connect(&helper.url, DEFAULT_MAX_FRAME).unwrap();
+        let link = helper.link();
         let cfg = Configure {
             first_layer: 4,
             end_layer: 8,
@@ -177,7 +227,7 @@ fn a_helper_process_splits_then_interleaves_bit_identically() {
             .unwrap();
     }
     let helper = HelperProcess::start(dir.to_str().unwrap());
-    let link = ws::connect(&helper.url, DEFAULT_MAX_FRAME).unwrap();
+    let link = helper.link();
     let cfg = Configure {
         first_layer: 4,
         end_layer: 8,
@@ -197,4 +247,63 @@ fn a_helper_process_splits_then_interleaves_bit_identically() {
         got == want,
         "logits differ from the host alone ({report:?})"
     );
+}
+
+/// Pairing as a user does it, against the real binary: the helper shows a code; a host pairs
+/// with it and is remembered across a restart of the helper (which then shows no code); a
+/// stranger, a wrong code and a plain link are refused with reasons, and nothing is served
+/// to them.
+#[test]
+fn a_paired_host_is_remembered_and_strangers_are_refused() {
+    let dir = fixtures_dir().join("tiny_fp32");
+    let m = Model::load_dir(&dir).unwrap();
+    let keys = key_dir("remembered");
+    let host_dir = key_dir("remembered-host");
+    let host = KeyStore::open(&host_dir, "host").unwrap().keypair().clone();
+    let cfg = Configure {
+        first_layer: 0,
+        end_layer: 0,
+        page_size: 8,
+    };
+    let mut helper = HelperProcess::start_with(dir.to_str().unwrap(), &keys, true);
+    let code = helper.code.clone().unwrap();
+    let wrong = format!(
+        "{:06}",
+        (code.replace('-', "").parse::<u32>().unwrap() + 1) % 1_000_000
+    );
+    let err = helper
+        .dial(&Keypair::generate(), Dial::Pair(&wrong))
+        .err()
+        .unwrap();
+    assert!(err.to_string().contains("wrong pairing code"), "{err}");
+    let link = helper.dial(&host, Dial::Pair(&code)).unwrap();
+    assert!(link.is_encrypted());
+    HelperClient::connect(Box::new(link), &m, cfg.clone(), DEFAULT_MAX_FRAME).unwrap();
+    // Pairing is closed once a host has paired (no --pair-new).
+    let err = helper
+        .dial(&Keypair::generate(), Dial::Pair(&code))
+        .err()
+        .unwrap();
+    assert!(err.to_string().contains("not taking new hosts"), "{err}");
+
+    // Restarted with the same keys: no code shown, the host is known.
+    let _ = helper.child.kill();
+    let _ = helper.child.wait();
+    let helper = HelperProcess::start_with(dir.to_str().unwrap(), &keys, false);
+    let helper_key = KeyStore::open(&keys, "helper").unwrap().keypair().public;
+    let link = helper.dial(&host, Dial::Known(helper_key)).unwrap();
+    HelperClient::connect(Box::new(link), &m, cfg, DEFAULT_MAX_FRAME).unwrap();
+    let err = helper
+        .dial(&Keypair::generate(), Dial::Known(helper_key))
+        .err()
+        .unwrap();
+    assert!(
+        err.to_string().contains("has not paired with this host"),
+        "{err}"
+    );
+    let err = helper.dial(&host, Dial::Insecure).err().unwrap();
+    assert!(err.to_string().contains("without --insecure"), "{err}");
+    for d in [keys, host_dir] {
+        let _ = std::fs::remove_dir_all(d);
+    }
 }

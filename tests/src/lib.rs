@@ -72,17 +72,30 @@ pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
 /// Start `cmd` with its stdout piped and return it with the first line it prints, trimmed: the
 /// address a server says it is listening on (`tether serve`, `tether-helper`).
 pub fn spawn_announcing(cmd: &mut std::process::Command) -> (std::process::Child, String) {
+    let (child, mut lines) = spawn_announcing_lines(cmd, 1);
+    (child, lines.remove(0))
+}
+
+/// [`spawn_announcing`] for the first `n` lines (a helper's address, then its pairing code).
+pub fn spawn_announcing_lines(
+    cmd: &mut std::process::Command,
+    n: usize,
+) -> (std::process::Child, Vec<String>) {
     use std::io::BufRead;
     let mut child = cmd
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::null())
         .spawn()
         .unwrap_or_else(|e| panic!("starting {cmd:?}: {e}"));
-    let mut line = String::new();
-    std::io::BufReader::new(child.stdout.take().expect("stdout is piped"))
-        .read_line(&mut line)
-        .unwrap();
-    (child, line.trim().to_string())
+    let mut out = std::io::BufReader::new(child.stdout.take().expect("stdout is piped"));
+    let lines = (0..n)
+        .map(|_| {
+            let mut line = String::new();
+            out.read_line(&mut line).unwrap();
+            line.trim().to_string()
+        })
+        .collect();
+    (child, lines)
 }
 
 /// A small deterministic generator (xorshift), so the tests need no RNG crate.

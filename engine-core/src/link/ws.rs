@@ -224,6 +224,8 @@ impl Pending {
             browsers,
         } = self;
         let writer = prepare(&stream, peer)?;
+        // tungstenite's callback type fixes the large error (an HTTP response).
+        #[allow(clippy::result_large_err)]
         let check_origin = |req: &Request, resp: Response| match req.headers().get("origin") {
             Some(origin) if !browsers => {
                 let body = format!(
