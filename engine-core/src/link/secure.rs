@@ -17,8 +17,9 @@
 //! After the handshake the helper sends one empty `DATA` frame: the host learns there that
 //! the helper accepted it (a wrong pairing code is refused at that point instead).
 
-use std::sync::{Arc, Mutex, PoisonError};
-use std::time::Duration;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{mpsc, Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
 
 use snow::{HandshakeState, StatelessTransportState};
 use spake2::{Ed25519Group, Identity, Password, Spake2};
@@ -421,38 +422,91 @@ impl Sealer {
     }
 }
 
-/// A [`Link`] whose frames are encrypted and authenticated (or, with `--insecure`, plain).
+/// A link that hears nothing from its peer for this long takes the peer as lost (a killed
+/// process, a pulled cable, a laptop gone to sleep: nothing says goodbye). Both sides send an
+/// empty frame every sixth of it when they have nothing else to say, so only a peer that is
+/// really gone (or a frame that takes longer than this to cross the link) trips it.
+pub const SILENCE: Duration = Duration::from_secs(60);
+
+/// A [`Link`] whose frames are encrypted and authenticated (or, with `--insecure`, plain),
+/// with liveness both ways: keep-alive frames out, a deadline on silence in. An empty frame is
+/// a keep-alive and is never delivered (protocol frames are never empty).
 pub struct SecureLink<L: Link> {
     inner: L,
     sealer: Option<Arc<Sealer>>,
     recv_nonce: u64,
     /// Why the link failed, once a frame did not authenticate: it stays failed.
     broken: Option<String>,
+    silence: Duration,
+    last_heard: Instant,
+    /// The keep-alive thread's period (ms); dropping the link stops the thread.
+    every_ms: Arc<AtomicU64>,
+    _keepalive: mpsc::Sender<()>,
+}
+
+/// Sends an empty frame every `every_ms` until `stop`'s sender is dropped (or the link fails).
+fn keepalive(mut out: Box<dyn LinkSender>, stop: mpsc::Receiver<()>, every_ms: Arc<AtomicU64>) {
+    loop {
+        let every = Duration::from_millis(every_ms.load(Ordering::Relaxed));
+        match stop.recv_timeout(every) {
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                if out.send(Vec::new()).is_err() {
+                    return;
+                }
+            }
+            _ => return,
+        }
+    }
 }
 
 impl<L: Link> SecureLink<L> {
     fn plain(inner: L) -> Self {
-        SecureLink {
-            inner,
-            sealer: None,
-            recv_nonce: 0,
-            broken: None,
-        }
+        SecureLink::start(inner, None)
     }
 
     fn encrypted(inner: L, hs: HandshakeState) -> Result<Self, LinkError> {
         let noise = hs
             .into_stateless_transport_mode()
             .map_err(noise_err("handshake"))?;
-        Ok(SecureLink {
+        let sealer = Arc::new(Sealer {
+            noise,
+            send_nonce: Mutex::new(0),
+        });
+        Ok(SecureLink::start(inner, Some(sealer)))
+    }
+
+    fn start(inner: L, sealer: Option<Arc<Sealer>>) -> Self {
+        let (stop, stopped) = mpsc::channel();
+        let every_ms = Arc::new(AtomicU64::new((SILENCE / 6).as_millis() as u64));
+        let out = Box::new(SecureSender {
+            inner: inner.sender(),
+            sealer: sealer.clone(),
+        });
+        let period = every_ms.clone();
+        // Without a thread there is no keep-alive, and the peer drops the link in time: a
+        // failure to start one is not an error here.
+        let _ = std::thread::Builder::new()
+            .name("link-keepalive".into())
+            .spawn(move || keepalive(out, stopped, period));
+        SecureLink {
             inner,
-            sealer: Some(Arc::new(Sealer {
-                noise,
-                send_nonce: Mutex::new(0),
-            })),
+            sealer,
             recv_nonce: 0,
             broken: None,
-        })
+            silence: SILENCE,
+            last_heard: Instant::now(),
+            every_ms,
+            _keepalive: stop,
+        }
+    }
+
+    /// Another silence deadline (and keep-alive period, a sixth of it) than [`SILENCE`]; both
+    /// sides of a link must agree.
+    pub fn with_silence(mut self, silence: Duration) -> Self {
+        self.silence = silence;
+        let every = (silence / 6).as_millis().max(1) as u64;
+        self.every_ms.store(every, Ordering::Relaxed);
+        self
     }
 
     /// Whether frames are encrypted (false only for `--insecure`).
@@ -545,16 +599,38 @@ impl<L: Link> Link for SecureLink<L> {
     }
 
     fn recv(&mut self) -> Result<Vec<u8>, LinkError> {
-        self.check()?;
-        let frame = self.inner.recv()?;
-        self.open(frame)
+        loop {
+            if let Some(frame) = self.recv_timeout(self.silence)? {
+                return Ok(frame);
+            }
+        }
     }
 
+    /// Waits for a frame that is not a keep-alive, up to `timeout`; a peer silent past the
+    /// deadline is lost ([`LinkError::Closed`]).
     fn recv_timeout(&mut self, timeout: Duration) -> Result<Option<Vec<u8>>, LinkError> {
-        self.check()?;
-        match self.inner.recv_timeout(timeout)? {
-            Some(frame) => self.open(frame).map(Some),
-            None => Ok(None),
+        let until = Instant::now() + timeout;
+        loop {
+            self.check()?;
+            let lost_at = self.last_heard + self.silence;
+            let now = Instant::now();
+            if now >= lost_at {
+                return Err(LinkError::Closed(format!(
+                    "nothing from the peer for {:?}: taken as lost",
+                    self.silence
+                )));
+            }
+            if now >= until {
+                return Ok(None);
+            }
+            let Some(frame) = self.inner.recv_timeout(until.min(lost_at) - now)? else {
+                continue;
+            };
+            self.last_heard = Instant::now();
+            let frame = self.open(frame)?;
+            if !frame.is_empty() {
+                return Ok(Some(frame));
+            }
         }
     }
 
@@ -631,7 +707,8 @@ mod tests {
         assert_eq!(who, Accepted::Paired(host.public));
         assert!(c.is_encrypted() && h.is_encrypted());
         // Frames of every size, across chunk boundaries, from the link and a sender handle.
-        for n in [0, 1, CHUNK - 1, CHUNK, CHUNK + 1, 3 * CHUNK + 5] {
+        // (Empty frames are the keep-alives: never delivered.)
+        for n in [1, CHUNK - 1, CHUNK, CHUNK + 1, 3 * CHUNK + 5] {
             c.send(numbered(n)).unwrap();
             assert_eq!(h.recv().unwrap(), numbered(n));
             h.sender().send(numbered(n + 1)).unwrap();
@@ -807,5 +884,36 @@ mod tests {
                 "{what}"
             );
         }
+    }
+
+    #[test]
+    fn keepalives_hold_an_idle_link_and_a_silent_peer_is_lost() {
+        let (host, helper) = (Keypair::generate(), Keypair::generate());
+        let host_pub = host.public;
+        let known = move |k: &PublicKey| *k == host_pub;
+        let g = gate(&known, None);
+        let silence = Duration::from_millis(300);
+        // Both sides keep the deadline: an idle second passes without a word, and a frame
+        // after it still arrives.
+        let (a, b) = pair();
+        let (c, h) = meet(a, Dial::Known(helper.public), &host, &helper, &g, b);
+        let mut c = c.unwrap().0.with_silence(silence);
+        let mut h = h.unwrap().0.with_silence(silence);
+        assert_eq!(h.recv_timeout(Duration::from_secs(1)).unwrap(), None);
+        c.send(b"still here".to_vec()).unwrap();
+        assert_eq!(h.recv().unwrap(), b"still here");
+        // A host that stops talking (its keep-alives far apart, as a frozen process's) is lost
+        // once the deadline passes, idle or waiting.
+        let (a, b) = pair();
+        let (c, h) = meet(a, Dial::Known(helper.public), &host, &helper, &g, b);
+        let _quiet = c.unwrap().0;
+        let mut h = h.unwrap().0.with_silence(silence);
+        let t = Instant::now();
+        let err = h.recv().unwrap_err();
+        assert!(
+            matches!(&err, LinkError::Closed(e) if e.contains("taken as lost")),
+            "{err}"
+        );
+        assert!(t.elapsed() >= silence && t.elapsed() < 10 * silence);
     }
 }
