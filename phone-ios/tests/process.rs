@@ -42,6 +42,11 @@ impl HelperProcess {
 
     /// A helper keeping its keys in `keys`; `pairing` says whether it is expected to show a code.
     fn start_with(model: &str, keys: &Path, pairing: bool) -> HelperProcess {
+        HelperProcess::start_args(model, keys, &[], pairing)
+    }
+
+    /// [`Self::start_with`] with more arguments.
+    fn start_args(model: &str, keys: &Path, args: &[&str], pairing: bool) -> HelperProcess {
         let (child, lines) = spawn_announcing_lines(
             Command::new(env!("CARGO_BIN_EXE_tether-helper"))
                 .args([
@@ -52,6 +57,7 @@ impl HelperProcess {
                     "--threads",
                     "1",
                 ])
+                .args(args)
                 .env("TETHER_CONFIG_DIR", keys),
             1 + usize::from(pairing),
         );
@@ -306,4 +312,49 @@ fn a_paired_host_is_remembered_and_strangers_are_refused() {
     for d in [keys, host_dir] {
         let _ = std::fs::remove_dir_all(d);
     }
+}
+
+/// One host at a time: a second, paired host is told the helper is busy (and by whom) instead
+/// of waiting, and gets in once the first has gone.
+#[test]
+fn a_second_host_is_told_the_helper_is_busy() {
+    let dir = fixtures_dir().join("tiny_fp32");
+    let m = Model::load_dir(&dir).unwrap();
+    let keys = key_dir("busy");
+    // --pair-new keeps pairing open, so both hosts pair with the one code.
+    let helper = HelperProcess::start_args(dir.to_str().unwrap(), &keys, &["--pair-new"], true);
+    let code = helper.code.clone().unwrap();
+    let cfg = Configure {
+        first_layer: 0,
+        end_layer: 0,
+        page_size: 8,
+    };
+    let (a, b) = (Keypair::generate(), Keypair::generate());
+    let first = helper.dial(&a, Dial::Pair(&code)).unwrap();
+    let first = HelperClient::connect(Box::new(first), &m, cfg.clone(), DEFAULT_MAX_FRAME).unwrap();
+    let second = helper.dial(&b, Dial::Pair(&code)).unwrap();
+    let err = HelperClient::connect(Box::new(second), &m, cfg.clone(), DEFAULT_MAX_FRAME)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        err.contains("busy") && err.contains("serving another host"),
+        "{err}"
+    );
+    // The first host goes; the second, now known, gets in.
+    drop(first);
+    let helper_key = KeyStore::open(&keys, "helper").unwrap().keypair().public;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let link = helper.dial(&b, Dial::Known(helper_key)).unwrap();
+        match HelperClient::connect(Box::new(link), &m, cfg.clone(), DEFAULT_MAX_FRAME) {
+            Ok(_) => break,
+            Err(e) if std::time::Instant::now() < deadline => {
+                assert!(e.to_string().contains("busy"), "{e}");
+                std::thread::sleep(std::time::Duration::from_millis(50));
+            }
+            Err(e) => panic!("the helper stayed busy: {e}"),
+        }
+    }
+    let _ = std::fs::remove_dir_all(keys);
 }
