@@ -123,6 +123,24 @@ impl Rng {
     }
 }
 
+/// A helper on `be` with a 1 GiB budget, serving on a thread of `scope` until the returned
+/// host end of its in-memory link is dropped.
+pub fn spawn_helper<'scope, 'env>(
+    scope: &'scope std::thread::Scope<'scope, 'env>,
+    m: &'env Model,
+    be: &'env dyn engine_core::Backend,
+) -> engine_core::link::MemoryLink {
+    let (host_end, mut helper_end) = engine_core::link::pair();
+    scope.spawn(move || {
+        let opts = phone_ios::HelperOptions {
+            mem_budget: 1 << 30,
+            max_frame: DEFAULT_MAX_FRAME,
+        };
+        phone_ios::Helper::new(m, be, opts).serve(&mut helper_end)
+    });
+    host_end
+}
+
 /// Tether `st` to the helper at the other end of `link`: it runs the layers from `split` on
 /// (none when `split` is the layer count) and holds KV pages of `page` positions; the host
 /// keeps at most `budget` positions of KV (`None`: all of them).

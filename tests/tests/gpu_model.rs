@@ -9,12 +9,9 @@ use std::sync::OnceLock;
 use engine_core::backend::gpu::{GpuBackend, GpuOptions};
 use engine_core::backend::Act;
 use engine_core::generate::argmax;
-use engine_core::link::pair;
-use engine_core::remote::DEFAULT_MAX_FRAME;
 use engine_core::split::{prefill, SplitPlan};
 use engine_core::{Backend, CpuBackend, LayerKind, Logits, Model};
-use phone_ios::{Helper, HelperOptions};
-use tests::{attach, fixtures_dir, max_abs_diff, Reference};
+use tests::{attach, fixtures_dir, max_abs_diff, spawn_helper, Reference};
 
 fn gpu() -> &'static GpuBackend {
     static GPU: OnceLock<GpuBackend> = OnceLock::new();
@@ -81,14 +78,7 @@ fn gpu_host_with_cpu_helper_and_the_reverse_give_the_same_tokens() {
     let pairs: [(&dyn Backend, &dyn Backend); 2] = [(gpu(), &CpuBackend), (&CpuBackend, gpu())];
     for (host, helper) in pairs {
         std::thread::scope(|scope| {
-            let (host_end, mut helper_end) = pair();
-            scope.spawn(move || {
-                let opts = HelperOptions {
-                    mem_budget: 1 << 30,
-                    max_frame: DEFAULT_MAX_FRAME,
-                };
-                Helper::new(m, helper, opts).serve(&mut helper_end)
-            });
+            let host_end = spawn_helper(scope, m, helper);
             let mut st = m.new_state(16);
             attach(m, &mut st, host_end, 4, 16, Some(48));
             let (mut logits, report) = prefill(m, host, &mut st, &prompt, &plan).unwrap();
@@ -140,15 +130,7 @@ fn gpu_host_and_gpu_helper_match_the_gpu_host_alone_bit_for_bit() {
         interleave_from: 96,
     };
     std::thread::scope(|scope| {
-        let (host_end, mut helper_end) = pair();
-        let helper = &helper;
-        scope.spawn(move || {
-            let opts = HelperOptions {
-                mem_budget: 1 << 30,
-                max_frame: DEFAULT_MAX_FRAME,
-            };
-            Helper::new(m, helper, opts).serve(&mut helper_end)
-        });
+        let host_end = spawn_helper(scope, m, &helper);
         let mut st = m.new_state(page);
         attach(m, &mut st, host_end, 4, page, Some(48));
         let (logits, report) = prefill(m, gpu(), &mut st, &prompt, &plan).unwrap();

@@ -13,12 +13,9 @@ use std::sync::OnceLock;
 
 use engine_core::backend::gpu::{GpuBackend, GpuOptions};
 use engine_core::generate::argmax;
-use engine_core::link::pair;
-use engine_core::remote::DEFAULT_MAX_FRAME;
 use engine_core::split::{prefill, SplitPlan};
 use engine_core::{Backend, CpuBackend, Logits, Model, State};
-use phone_ios::{Helper, HelperOptions};
-use tests::{attach, fixtures_dir, max_abs_diff, Rng};
+use tests::{attach, fixtures_dir, max_abs_diff, spawn_helper, Rng};
 
 const LENGTHS: [usize; 8] = [1, 31, 33, 511, 513, 700, 1100, 2100];
 /// Greedy steps after each prompt.
@@ -185,14 +182,7 @@ fn split(host: &dyn Backend, helper: &dyn Backend, len: usize) -> Answer {
         interleave_from: 600,
     };
     std::thread::scope(|scope| {
-        let (host_end, mut helper_end) = pair();
-        scope.spawn(move || {
-            let opts = HelperOptions {
-                mem_budget: 1 << 30,
-                max_frame: DEFAULT_MAX_FRAME,
-            };
-            Helper::new(m, helper, opts).serve(&mut helper_end)
-        });
+        let host_end = spawn_helper(scope, m, helper);
         let mut st = m.new_state(PAGE);
         attach(m, &mut st, host_end, 4, PAGE, Some(256));
         let (last, report) = prefill(m, host, &mut st, &prompt(len), &plan).unwrap();
