@@ -25,6 +25,9 @@ use engine_core::{LayerKind, Model, State};
 /// Sequences one host may keep on this helper at once.
 const MAX_SEQS: usize = 64;
 
+/// Bytes a reply's header and metadata may take beside its tensors.
+const REPLY_SLACK: usize = 4096;
+
 pub struct HelperOptions {
     /// Bytes of KV pages and DeltaNet state (of the assigned layers, per sequence) this helper
     /// keeps at most.
@@ -354,6 +357,20 @@ impl<'a> Helper<'a> {
                     .filter(|p| (p.start as u64) < end)
                     .collect();
                 let rows = pos.len() * shape.q_heads;
+                // A small query over many pages asks for many partials: the reply must fit a
+                // frame, and nothing is computed (or allocated) for one that would not.
+                let reply = pages.len() * rows * (shape.head_dim + 2) * 4 + REPLY_SLACK;
+                if reply > self.opts.max_frame {
+                    return Err(Refusal(
+                        "size",
+                        format!(
+                            "the partials of {} pages for {rows} query rows take {reply} bytes, \
+                             past the frame limit of {}",
+                            pages.len(),
+                            self.opts.max_frame
+                        ),
+                    ));
+                }
                 let q = self.backend.upload(q.data);
                 let parts = self.backend.attend_pages(shape, &q, &pos, &pages);
                 let (o, m, l) = download_partials(self.backend, &parts);

@@ -302,6 +302,65 @@ fn bad_requests_get_errors_and_leave_state_intact_bad_frames_end_the_session() {
     });
 }
 
+/// A query of a few rows over many pages asks for a reply many times its size: one that would
+/// not fit the helper's frame limit is refused before anything is computed, and the pages stay.
+#[test]
+fn a_query_whose_partials_would_pass_the_frame_limit_is_refused() {
+    let m = model("tiny_fp32");
+    std::thread::scope(|scope| {
+        let (mut host, mut helper_end) = pair();
+        let mr = &m;
+        let small = HelperOptions {
+            mem_budget: 1 << 20,
+            max_frame: 16 << 10,
+        };
+        scope.spawn(move || Helper::new(mr, &CpuBackend, small).serve(&mut helper_end));
+        let mut ask = |req: u32, msg: Message| -> Message {
+            host.send(encode(req, &msg)).unwrap();
+            decode(&host.recv().unwrap(), 1 << 24).unwrap().1
+        };
+        assert!(matches!(ask(0, hello(&m)), Message::Welcome(_)));
+        let cfg = Configure {
+            first_layer: 0,
+            end_layer: 0,
+            page_size: 4,
+        };
+        assert_eq!(ask(1, Message::Configure(cfg)), Message::Ack);
+        let rows =
+            |n: usize| engine_core::protocol::WireTensor::f32(vec![n, 32], vec![0.5; n * 32]);
+        for page in 0..16u64 {
+            let append = Message::KvAppend {
+                seq: 0,
+                layer: 3,
+                start: page * 4,
+                k: rows(4),
+                v: rows(4),
+            };
+            assert_eq!(ask(2 + page as u32, append), Message::Ack);
+        }
+        // 8 rows of 4 heads over 16 pages: 36 KB of partials from a 2 KB query.
+        let query = |t: usize| Message::AttnQuery {
+            seq: 0,
+            layer: 3,
+            positions: (64..64 + t as u64).collect(),
+            end: 64,
+            q: engine_core::protocol::WireTensor::f32(vec![t, 4, 16], vec![0.1; t * 64]),
+        };
+        match ask(30, query(8)) {
+            Message::Error { code, message } => {
+                assert_eq!(code, "size");
+                assert!(message.contains("past the frame limit"), "{message}");
+            }
+            other => panic!("expected a refusal, got {other:?}"),
+        }
+        // One row fits, over all 16 pages, still held.
+        match ask(31, query(1)) {
+            Message::AttnPartials { page_starts, .. } => assert_eq!(page_starts.len(), 16),
+            other => panic!("{other:?}"),
+        }
+    });
+}
+
 /// A stand-in helper that completes the handshake and Configure, then vanishes.
 fn helper_that_vanishes(m: &Model, mut link: impl Link) {
     for _ in 0..2 {
