@@ -9,7 +9,7 @@ use clap::Parser;
 use engine_core::link::keys::{config_dir, short, KeyStore, Keypair, PairingCode, PublicKey};
 use engine_core::link::secure::{self, wire_limit, Accepted, Gate};
 use engine_core::link::ws::{Pending, WsListener};
-use engine_core::link::Link;
+use engine_core::link::{Link, LinkProfile, ShapedLink};
 use engine_core::protocol::{encode, Message};
 use engine_core::remote::DEFAULT_MAX_FRAME;
 use engine_core::source::{load_identity, load_layers, BackendOptions, SynthOptions};
@@ -48,6 +48,10 @@ struct Args {
     /// a code is shown only while none is).
     #[arg(long)]
     pair_new: bool,
+    /// Shape what this helper sends like a real link (usb-c-10g, usb2, wifi) or leave it
+    /// (unlimited), as the host's --link shapes what it sends: both for both directions.
+    #[arg(long, default_value = "unlimited")]
+    link: String,
     #[command(flatten)]
     synth: SynthOptions,
     #[command(flatten)]
@@ -160,10 +164,19 @@ struct Doors {
     serving: Mutex<Option<SocketAddr>>,
     /// Where hosts connect, for the pairing hint.
     addr: SocketAddr,
+    /// How this helper's sending direction is shaped (--link).
+    profile: LinkProfile,
 }
 
 impl Doors {
     fn new(a: &Args, listener: &WsListener) -> Result<Doors> {
+        let profile = LinkProfile::preset(&a.link).with_context(|| {
+            format!(
+                "--link {}: known profiles are {}",
+                a.link,
+                LinkProfile::PRESETS.join(", ")
+            )
+        })?;
         let store = if a.insecure {
             eprintln!(
                 "WARNING: --insecure: this helper takes plain, unauthenticated links; anyone who \
@@ -190,6 +203,7 @@ impl Doors {
             pair_new: a.pair_new,
             serving: Mutex::new(None),
             addr: listener.local_addr(),
+            profile,
         };
         if pairing {
             doors.show_code();
@@ -213,7 +227,7 @@ impl Doors {
     fn session(&self, helper: &Helper, pending: Pending) -> bool {
         let peer = pending.peer_addr();
         let mut link = match pending.upgrade().and_then(|ws| self.let_in(ws, peer)) {
-            Ok(link) => link,
+            Ok(link) => ShapedLink::new(link, self.profile.clone()),
             Err(e) => {
                 eprintln!("{peer}: {e}");
                 return false;

@@ -218,7 +218,8 @@ fn killing_the_helper_process_during_a_split_prefill_costs_time_not_tokens() {
 }
 
 /// Over WebSocket to a real process: a prompt that is layer-pipelined up to position 64 and
-/// interleaved past it, with pages on the helper, gives the plain host-alone logits bit for bit.
+/// interleaved past it, with pages on the helper, gives the plain host-alone logits bit for bit,
+/// with the helper's replies shaped like Wi-Fi.
 #[test]
 fn a_helper_process_splits_then_interleaves_bit_identically() {
     use engine_core::split::{prefill, SplitPlan};
@@ -232,7 +233,13 @@ fn a_helper_process_splits_then_interleaves_bit_identically() {
             .forward(&CpuBackend, &mut host, c, Logits::Last, None)
             .unwrap();
     }
-    let helper = HelperProcess::start(dir.to_str().unwrap());
+    // The helper's replies shaped like Wi-Fi (--link): slower, the same bits.
+    let helper = HelperProcess::start_args(
+        dir.to_str().unwrap(),
+        &key_dir("interleave"),
+        &["--link", "wifi"],
+        true,
+    );
     let link = helper.link();
     let cfg = Configure {
         first_layer: 4,
@@ -357,4 +364,26 @@ fn a_second_host_is_told_the_helper_is_busy() {
         }
     }
     let _ = std::fs::remove_dir_all(keys);
+}
+
+#[test]
+fn an_unknown_link_profile_is_an_error_naming_the_known_ones() {
+    let out = Command::new(env!("CARGO_BIN_EXE_tether-helper"))
+        .args([
+            "--model",
+            "tiny",
+            "--listen",
+            "127.0.0.1:0",
+            "--insecure",
+            "--link",
+            "pigeon",
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("--link pigeon") && err.contains("usb-c-10g"),
+        "{err}"
+    );
 }
