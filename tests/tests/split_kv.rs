@@ -302,6 +302,49 @@ fn bad_requests_get_errors_and_leave_state_intact_bad_frames_end_the_session() {
     });
 }
 
+/// A helper whose memory runs out refuses a page: the page stays on the host (past its budget)
+/// and the sequence goes on, bit for bit the host alone's, instead of failing.
+#[test]
+fn a_page_the_helper_refuses_stays_on_the_host() {
+    let m = model("tiny_fp32");
+    let prompt: Vec<u32> = (0..40).map(|i| (i * 7 % 256) as u32).collect();
+    // Prompt, then two steps: the steps attend pages wherever they ended up.
+    let steps = |st: &mut engine_core::State| -> Vec<f32> {
+        m.forward(&CpuBackend, st, &prompt, Logits::Last, None)
+            .unwrap();
+        [1u32, 2]
+            .iter()
+            .flat_map(|&t| {
+                m.forward(&CpuBackend, st, &[t], Logits::Last, None)
+                    .unwrap()
+            })
+            .collect()
+    };
+    let alone = steps(&mut m.new_state(4));
+    std::thread::scope(|scope| {
+        let (host_end, mut helper_end) = pair();
+        // Room for three of the pages (1 KiB each: 4 rows of k and v, 32 wide).
+        let tight = HelperOptions {
+            mem_budget: 3 << 10,
+            max_frame: DEFAULT_MAX_FRAME,
+        };
+        let mr = &m;
+        scope.spawn(move || Helper::new(mr, &CpuBackend, tight).serve(&mut helper_end));
+        let mut st = m.new_state(4);
+        attach(
+            &m,
+            &mut st,
+            host_end,
+            m.config.num_hidden_layers,
+            4,
+            Some(8),
+        );
+        let got = steps(&mut st);
+        assert!(st.remote_full && st.remote_kv_len() > 0);
+        assert!(got == alone, "logits differ from the host alone's");
+    });
+}
+
 /// A query of a few rows over many pages asks for a reply many times its size: one that would
 /// not fit the helper's frame limit is refused before anything is computed, and the pages stay.
 #[test]

@@ -59,6 +59,9 @@ pub struct State {
     /// KV positions per layer kept on this device when a remote is attached; whole pages past
     /// it move to the remote after every forward pass.
     pub host_kv_tokens: Option<usize>,
+    /// The remote refused a page for lack of memory: pages now stay here, past the budget,
+    /// rather than fail the sequence (and are not offered again, a round trip each).
+    pub remote_full: bool,
 }
 
 impl State {
@@ -92,6 +95,7 @@ impl State {
             layers,
             remote: None,
             host_kv_tokens: None,
+            remote_full: false,
         }
     }
 
@@ -101,6 +105,7 @@ impl State {
     pub fn detach_helper(&mut self) {
         self.remote = None;
         self.host_kv_tokens = None;
+        self.remote_full = false;
     }
 
     /// Positions of every full-attention layer whose KV lives on the helper (pages move for
@@ -205,7 +210,7 @@ impl State {
     /// `host_kv_tokens` positions per layer stay here (a partial page never moves); `be` reads
     /// each page to the host for the link. Returns the number of pages moved per layer.
     pub fn offload(&mut self, be: &dyn Backend) -> Result<usize> {
-        let Some(host_tokens) = self.host_kv_tokens else {
+        let Some(host_tokens) = self.host_kv_tokens.filter(|_| !self.remote_full) else {
             return Ok(0);
         };
         let Some(remote) = self.remote.as_mut() else {
@@ -214,23 +219,31 @@ impl State {
             ));
         };
         let mut moved = 0;
-        for (i, layer) in self.layers.iter_mut().enumerate() {
+        'layers: for (i, layer) in self.layers.iter_mut().enumerate() {
             let LayerState::Attention(kv) = layer else {
                 continue;
             };
             let mut n = 0;
-            // The page leaves only once the helper has acknowledged it: a refusal (its memory
-            // budget) keeps it here.
+            // The page leaves only once the helper has acknowledged it: a refusal of its
+            // memory budget keeps it here (each layer's pages are attended by where they are,
+            // so layers may hold different numbers of them on the helper).
             while kv.local_len() > host_tokens {
                 let Some(page) = kv.oldest_full_page() else {
                     break;
                 };
                 let (k, v) = kv.rows(be, page.start, page.len)?;
-                remote.store(i, page.start, kv.row_width(), k, v)?;
+                match remote.store(i, page.start, kv.row_width(), k, v) {
+                    Ok(()) => {}
+                    Err(Error::Refused { code, .. }) if code == "memory" => {
+                        self.remote_full = true;
+                        break 'layers;
+                    }
+                    Err(e) => return Err(e),
+                }
                 kv.drop_oldest_page();
                 n += 1;
+                moved = moved.max(n);
             }
-            moved = moved.max(n);
         }
         Ok(moved)
     }
