@@ -199,7 +199,10 @@ impl DigestCache {
         let Some(path) = self.path.as_ref().filter(|_| self.changed) else {
             return;
         };
-        let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+        // Named by process and thread: two loads at once each write their own.
+        let thread = format!("{:?}", std::thread::current().id());
+        let thread: String = thread.chars().filter(char::is_ascii_digit).collect();
+        let tmp = path.with_extension(format!("tmp{}-{thread}", std::process::id()));
         let written = path
             .parent()
             .map_or(Ok(()), std::fs::create_dir_all)

@@ -98,6 +98,10 @@ fn run(a: Args) -> Result<()> {
     let listener = WsListener::bind(&a.listen, wire_limit(max_frame))
         .with_context(|| format!("listening on {}", a.listen))?
         .allow_browsers(!a.insecure);
+    // Flags checked and keys read before the address is announced: a script that reads it may
+    // connect at once.
+    let doors = Doors::new(&a, &listener)?;
+    let (backend, what) = a.backend.make()?;
     // The first stdout line says where to connect (with --listen HOST:0 the port is chosen here).
     say(&format!(
         "tether-helper listening on ws://{}",
@@ -107,7 +111,6 @@ fn run(a: Args) -> Result<()> {
         "model {} (digest {}), KV budget {} bytes",
         identity.identity.name, identity.identity.digest, a.mem_budget
     );
-    let (backend, what) = a.backend.make()?;
     eprintln!("backend: {what}");
     let helper = Helper::with_weights(
         Weights::Assigned {
@@ -120,7 +123,7 @@ fn run(a: Args) -> Result<()> {
             max_frame,
         },
     );
-    let doors = Doors::new(&a, &listener)?;
+    doors.announce();
     std::thread::scope(|scope| loop {
         let pending = match listener.next() {
             Ok(p) => p,
@@ -205,12 +208,16 @@ impl Doors {
             addr: listener.local_addr(),
             profile,
         };
-        if pairing {
-            doors.show_code();
-        } else if doors.store.is_some() {
+        Ok(doors)
+    }
+
+    /// After the address line: the pairing code, if new hosts may pair.
+    fn announce(&self) {
+        if self.pairing.load(Ordering::SeqCst) {
+            self.show_code();
+        } else if self.store.is_some() {
             eprintln!("paired hosts only (--pair-new to pair another)");
         }
-        Ok(doors)
     }
 
     fn show_code(&self) {
