@@ -439,22 +439,25 @@ pub struct SecureLink<L: Link> {
     broken: Option<String>,
     silence: Duration,
     last_heard: Instant,
-    /// The keep-alive thread's period (ms); dropping the link stops the thread.
+    /// The keep-alive thread's period (ms).
     every_ms: Arc<AtomicU64>,
-    _keepalive: mpsc::Sender<()>,
+    /// A message makes the keep-alive thread read its period again; dropping the link (this
+    /// sender) stops it.
+    keepalive: mpsc::Sender<()>,
 }
 
-/// Sends an empty frame every `every_ms` until `stop`'s sender is dropped (or the link fails).
-fn keepalive(mut out: Box<dyn LinkSender>, stop: mpsc::Receiver<()>, every_ms: Arc<AtomicU64>) {
+/// Sends an empty frame every `every_ms` until `wake`'s sender is dropped (or the link fails).
+fn keepalive(mut out: Box<dyn LinkSender>, wake: mpsc::Receiver<()>, every_ms: Arc<AtomicU64>) {
     loop {
         let every = Duration::from_millis(every_ms.load(Ordering::Relaxed));
-        match stop.recv_timeout(every) {
+        match wake.recv_timeout(every) {
             Err(mpsc::RecvTimeoutError::Timeout) => {
                 if out.send(Vec::new()).is_err() {
                     return;
                 }
             }
-            _ => return,
+            Ok(()) => {}
+            Err(mpsc::RecvTimeoutError::Disconnected) => return,
         }
     }
 }
@@ -496,7 +499,7 @@ impl<L: Link> SecureLink<L> {
             silence: SILENCE,
             last_heard: Instant::now(),
             every_ms,
-            _keepalive: stop,
+            keepalive: stop,
         }
     }
 
@@ -506,6 +509,8 @@ impl<L: Link> SecureLink<L> {
         self.silence = silence;
         let every = (silence / 6).as_millis().max(1) as u64;
         self.every_ms.store(every, Ordering::Relaxed);
+        // The thread may be waiting out the old period already.
+        let _ = self.keepalive.send(());
         self
     }
 
@@ -892,23 +897,24 @@ mod tests {
         let host_pub = host.public;
         let known = move |k: &PublicKey| *k == host_pub;
         let g = gate(&known, None);
-        let silence = Duration::from_millis(300);
-        // Both sides keep the deadline: an idle second passes without a word, and a frame
-        // after it still arrives.
+        let silence = Duration::from_secs(1);
+        // Both sides keep the deadline: an idle 2.5 s pass without a word, and a frame after
+        // them still arrives.
         let (a, b) = pair();
         let (c, h) = meet(a, Dial::Known(helper.public), &host, &helper, &g, b);
         let mut c = c.unwrap().0.with_silence(silence);
         let mut h = h.unwrap().0.with_silence(silence);
-        assert_eq!(h.recv_timeout(Duration::from_secs(1)).unwrap(), None);
+        assert_eq!(h.recv_timeout(Duration::from_millis(2500)).unwrap(), None);
         c.send(b"still here".to_vec()).unwrap();
         assert_eq!(h.recv().unwrap(), b"still here");
         // A host that stops talking (its keep-alives far apart, as a frozen process's) is lost
         // once the deadline passes, idle or waiting.
+        // The deadline counts from the last word heard: the handshake, after `t`.
+        let t = Instant::now();
         let (a, b) = pair();
         let (c, h) = meet(a, Dial::Known(helper.public), &host, &helper, &g, b);
         let _quiet = c.unwrap().0;
         let mut h = h.unwrap().0.with_silence(silence);
-        let t = Instant::now();
         let err = h.recv().unwrap_err();
         assert!(
             matches!(&err, LinkError::Closed(e) if e.contains("taken as lost")),
