@@ -220,8 +220,12 @@ impl Doors {
         }
     }
 
+    fn code_now(&self) -> String {
+        self.code.lock().unwrap_or_else(|e| e.into_inner()).shown()
+    }
+
     fn show_code(&self) {
-        let code = self.code.lock().unwrap_or_else(|e| e.into_inner()).shown();
+        let code = self.code_now();
         say(&format!("pairing code: {code}"));
         eprintln!(
             "on the host: tether run --helper ws://{} --pair {code} ...",
@@ -275,11 +279,11 @@ impl Doors {
             known: &known,
             pairing: self.pairing.load(Ordering::SeqCst).then_some(&self.code),
         };
+        let shown = self.code_now();
         let result = secure::accept(ws, &self.keys, &gate);
-        if let Err(engine_core::link::LinkError::Refused(why)) = &result {
-            if why.contains("new one") {
-                self.show_code();
-            }
+        // Wrong codes may have drawn a new one: show it.
+        if result.is_err() && self.code_now() != shown {
+            self.show_code();
         }
         let (link, who) = result?;
         if let (Accepted::Paired(key), Some(store)) = (who, &self.store) {

@@ -123,6 +123,12 @@ fn helper_refuses_a_host_with_another_model() {
     });
 }
 
+/// Sends `msg` as request `req` over `host` and waits for the reply.
+fn ask(host: &mut impl Link, req: u32, msg: Message) -> Message {
+    host.send(encode(req, &msg)).unwrap();
+    decode(&host.recv().unwrap(), 1 << 24).unwrap().1
+}
+
 /// A host's handshake for `m`.
 fn hello(m: &Model) -> Message {
     Message::Hello(Intro {
@@ -172,10 +178,7 @@ fn the_helper_budget_counts_the_deltanet_state_of_its_own_layers_only() {
                 max_frame: DEFAULT_MAX_FRAME,
             };
             scope.spawn(move || Helper::new(mr, &CpuBackend, budget).serve(&mut helper_end));
-            let mut ask = |req: u32, msg: Message| -> Message {
-                host.send(encode(req, &msg)).unwrap();
-                decode(&host.recv().unwrap(), 1 << 24).unwrap().1
-            };
+            let mut ask = |req: u32, msg: Message| ask(&mut host, req, msg);
             assert!(matches!(ask(0, hello(&m)), Message::Welcome(_)));
             let cfg = Configure {
                 first_layer: first_layer as u32,
@@ -244,10 +247,7 @@ fn bad_requests_get_errors_and_leave_state_intact_bad_frames_end_the_session() {
         let (mut host, mut helper_end) = pair();
         let mr = &m;
         let h = scope.spawn(move || Helper::new(mr, &CpuBackend, opts()).serve(&mut helper_end));
-        let mut ask = |req: u32, msg: Message| -> Message {
-            host.send(encode(req, &msg)).unwrap();
-            decode(&host.recv().unwrap(), 1 << 24).unwrap().1
-        };
+        let mut ask = |req: u32, msg: Message| ask(&mut host, req, msg);
         assert!(matches!(ask(0, hello(&m)), Message::Welcome(_)));
         let rows =
             |n: usize| engine_core::protocol::WireTensor::f32(vec![n, 32], vec![0.5; n * 32]);
@@ -358,10 +358,7 @@ fn a_query_whose_partials_would_pass_the_frame_limit_is_refused() {
             max_frame: 16 << 10,
         };
         scope.spawn(move || Helper::new(mr, &CpuBackend, small).serve(&mut helper_end));
-        let mut ask = |req: u32, msg: Message| -> Message {
-            host.send(encode(req, &msg)).unwrap();
-            decode(&host.recv().unwrap(), 1 << 24).unwrap().1
-        };
+        let mut ask = |req: u32, msg: Message| ask(&mut host, req, msg);
         assert!(matches!(ask(0, hello(&m)), Message::Welcome(_)));
         let cfg = Configure {
             first_layer: 0,

@@ -160,9 +160,30 @@ fn spake(digits: &str) -> (Spake2<Ed25519Group>, Vec<u8>) {
     )
 }
 
-fn psk(key: &[u8]) -> Result<[u8; 32], LinkError> {
-    key.try_into()
-        .map_err(|_| LinkError::Io("SPAKE2 gave a key of the wrong size".into()))
+/// The pairing handshake's Noise state: SPAKE2 finished with the peer's message `theirs`, its
+/// key as the PSK; `Err` if the peer's message is malformed.
+fn pairing_noise(
+    keys: &Keypair,
+    spake: Spake2<Ed25519Group>,
+    theirs: &[u8],
+    initiator: bool,
+) -> Result<HandshakeState, String> {
+    let key = spake
+        .finish(theirs)
+        .map_err(|_| "a malformed pairing message")?;
+    let psk: [u8; 32] = key
+        .try_into()
+        .map_err(|_| "SPAKE2 gave a key of the wrong size")?;
+    let pro = prologue(MODE_PAIR);
+    let b = builder(PAIR, &pro)
+        .local_private_key(&keys.secret)
+        .and_then(|b| b.psk(3, &psk));
+    let hs = if initiator {
+        b.and_then(|b| b.build_initiator())
+    } else {
+        b.and_then(|b| b.build_responder())
+    };
+    hs.map_err(|e| format!("pairing: {e}"))
 }
 
 /// The host's side: dial `how` over `link`; returns the secure link and the helper's key.
@@ -195,15 +216,7 @@ pub fn connect<L: Link>(
             first.extend_from_slice(&msg);
             send_handshake(&mut link, &first)?;
             let theirs = recv_handshake(&mut link)?;
-            let key = spake
-                .finish(&theirs)
-                .map_err(|_| refused("pairing failed"))?;
-            let key = psk(&key)?;
-            let mut hs = builder(PAIR, &pro)
-                .local_private_key(&keys.secret)
-                .and_then(|b| b.psk(3, &key))
-                .and_then(|b| b.build_initiator())
-                .map_err(noise_err("pairing"))?;
+            let mut hs = pairing_noise(keys, spake, &theirs, true).map_err(refused)?;
             write_noise(&mut link, &mut hs)?;
             let msg = recv_handshake(&mut link)?;
             if !read_noise(&mut hs, &msg) {
@@ -321,16 +334,7 @@ fn accept_pairing<L: Link>(
         .to_string();
     let (spake, msg) = spake(&digits);
     send_handshake(&mut link, &msg)?;
-    let key = spake
-        .finish(spake_msg)
-        .map_err(|_| refuse(&mut link, "a malformed pairing message".into()))?;
-    let key = psk(&key)?;
-    let pro = prologue(MODE_PAIR);
-    let mut hs = builder(PAIR, &pro)
-        .local_private_key(&keys.secret)
-        .and_then(|b| b.psk(3, &key))
-        .and_then(|b| b.build_responder())
-        .map_err(noise_err("pairing"))?;
+    let mut hs = pairing_noise(keys, spake, spake_msg, false).map_err(|e| refuse(&mut link, e))?;
     let msg = recv_handshake(&mut link)?;
     if !read_noise(&mut hs, &msg) {
         return Err(refuse(&mut link, "a malformed pairing message".into()));

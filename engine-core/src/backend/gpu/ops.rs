@@ -426,19 +426,11 @@ fn delta_token_iterations(dk: usize) -> usize {
     2 * dk + 1
 }
 
-/// Tokens per dispatch of a delta-rule entry for keys of `dk`: within [`LOOP_BUDGET`], and
-/// whole chunks for the chunked form.
-fn delta_span(entry: &str, dk: usize) -> usize {
-    if entry == "delta_chunked" {
-        DELTA_CHUNK * (LOOP_BUDGET / delta_chunk_iterations(dk)).max(1)
-    } else {
-        (LOOP_BUDGET / delta_token_iterations(dk)).max(1)
-    }
-}
-
+/// `entry` of the delta kernel over `span` tokens per dispatch (within [`LOOP_BUDGET`]).
 fn delta(
     gpu: &Gpu,
     entry: &'static str,
+    span: usize,
     s: DeltaShape,
     x: GpuDeltaInputs,
     state: &GpuTensor,
@@ -451,7 +443,6 @@ fn delta(
     assert_eq!(state.len(), s.v_heads * s.dk * s.dv);
     let out = gpu.alloc(t * s.v_heads * s.dv);
     let spec = Spec::new().with("CHUNK", u(DELTA_CHUNK));
-    let span = delta_span(entry, s.dk);
     for t0 in (0..t).step_by(span) {
         let t_end = (t0 + span).min(t);
         gpu.dispatch(
@@ -489,7 +480,8 @@ pub fn delta_rule_recurrent(
     x: GpuDeltaInputs,
     state: &GpuTensor,
 ) -> GpuTensor {
-    delta(gpu, "delta_recurrent", s, x, state)
+    let span = (LOOP_BUDGET / delta_token_iterations(s.dk)).max(1);
+    delta(gpu, "delta_recurrent", span, s, x, state)
 }
 
 /// The same function in chunks of [`DELTA_CHUNK`] tokens (WY form; prefill).
@@ -499,7 +491,9 @@ pub fn delta_rule_chunked(
     x: GpuDeltaInputs,
     state: &GpuTensor,
 ) -> GpuTensor {
-    delta(gpu, "delta_chunked", s, x, state)
+    // Whole chunks per span, so the chunking is the one of a single dispatch.
+    let span = DELTA_CHUNK * (LOOP_BUDGET / delta_chunk_iterations(s.dk)).max(1);
+    delta(gpu, "delta_chunked", span, s, x, state)
 }
 
 /// KV rows of positions `start .. start + len` on the device: `k`, `v` `[len, kv_heads *
