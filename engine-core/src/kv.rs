@@ -11,6 +11,7 @@ use std::ops::Range;
 
 use crate::backend::{Act, ActPartials, AttnShape, Backend};
 use crate::error::{Error, Result};
+use crate::page_file::PageFile;
 use crate::remote::HelperClient;
 
 /// KV rows for positions `start .. start + len`, token-major: row `j` holds
@@ -26,9 +27,10 @@ pub struct KvPage {
 }
 
 /// One layer's cache: pages of `page_size` positions, the last one possibly partial. The
-/// oldest `remote_len` positions (whole pages) may have moved to a helper; pages keep their
-/// boundaries wherever they live, so their partials, merged in page order, are the same
-/// computation as on the host.
+/// oldest `remote_len` positions (whole pages) may have left this device: the first
+/// `helper_len` of them are on a helper, the rest only in the sequence's page file (the disk
+/// tier, which also holds a copy of the helper's). Pages keep their boundaries wherever they
+/// live, so their partials, merged in page order, are the same computation as on the host.
 #[derive(Debug)]
 pub struct PagedKv {
     page_size: usize,
@@ -36,6 +38,7 @@ pub struct PagedKv {
     pages: Vec<KvPage>,
     len: usize,
     remote_len: usize,
+    helper_len: usize,
 }
 
 impl PagedKv {
@@ -47,6 +50,7 @@ impl PagedKv {
             pages: Vec::new(),
             len: 0,
             remote_len: 0,
+            helper_len: 0,
         }
     }
 
@@ -55,9 +59,33 @@ impl PagedKv {
         self.row
     }
 
-    /// Positions `0 .. remote_len()` live on the remote.
+    /// Positions `0 .. remote_len()` have left this device (for the helper or the disk).
     pub fn remote_len(&self) -> usize {
         self.remote_len
+    }
+
+    /// Positions `0 .. helper_len()` are on the helper; `helper_len() .. remote_len()` only on
+    /// the disk.
+    pub fn helper_len(&self) -> usize {
+        self.helper_len
+    }
+
+    /// The helper is gone: every page that left is now on the disk only.
+    pub fn lose_helper(&mut self) {
+        self.helper_len = 0;
+    }
+
+    /// The helper now also holds the page at `start` (the next one it lacks: helper pages are
+    /// always the oldest).
+    pub fn helper_took(&mut self, start: usize) {
+        debug_assert_eq!(start, self.helper_len);
+        self.helper_len = (self.helper_len + self.page_size).min(self.remote_len);
+    }
+
+    /// The start of the oldest page that left this device but is not on the helper: the next
+    /// to re-fill a helper with.
+    pub fn next_refill(&self) -> Option<usize> {
+        (self.helper_len < self.remote_len).then_some(self.helper_len)
     }
 
     /// Positions held on this device.
@@ -87,6 +115,7 @@ impl PagedKv {
         }
         self.pages.clear();
         self.remote_len = start;
+        self.helper_len = self.helper_len.min(start);
         self.len = start;
         self.append(be, &be.upload(k), &be.upload(v));
         Ok(())
@@ -133,9 +162,14 @@ impl PagedKv {
         self.pages.first().filter(|p| p.len == self.page_size)
     }
 
-    /// Forget the oldest local page once the remote holds it.
-    pub fn drop_oldest_page(&mut self) {
+    /// Forget the oldest local page once it is stored elsewhere: on the helper too if
+    /// `on_helper` (only while the helper holds every page before it, so its pages stay the
+    /// oldest).
+    pub fn drop_oldest_page(&mut self, on_helper: bool) {
         let page = self.pages.remove(0);
+        if on_helper && self.helper_len == self.remote_len {
+            self.helper_len += page.len;
+        }
         self.remote_len += page.len;
     }
 
@@ -301,71 +335,184 @@ impl Merger {
     }
 }
 
-/// Attention under way: the helper asked for its pages' partials, the host's pages done.
+/// Where the pages of one layer that left this device are: the helper (when one is attached
+/// and not lost) holds `0 .. kv.helper_len()`, the sequence's page file every one of them.
+pub struct Away<'a> {
+    pub layer: usize,
+    pub helper: Option<&'a mut HelperClient>,
+    pub disk: Option<&'a PageFile>,
+}
+
+impl Away<'_> {
+    /// A layer whose pages never left this device.
+    pub fn none(layer: usize) -> Self {
+        Away {
+            layer,
+            helper: None,
+            disk: None,
+        }
+    }
+}
+
+/// Pages read back from the disk at once at most, in bytes of K and V: a long sequence's
+/// spilled pages are attended a group at a time, never all in memory together.
+const DISK_GROUP_BYTES: usize = 64 << 20;
+
+/// The helper's share of an attention under way: its request, and what it was asked, so the
+/// same pages can be attended from the disk if the helper never answers.
+struct HelperShare {
+    req: u32,
+    /// The scaled queries as sent (kept only when a page file can stand in for the helper).
+    q: Option<Vec<f32>>,
+    positions: Vec<usize>,
+    end: usize,
+}
+
+/// Attention under way: the helper asked for its pages' partials, the rest done here.
 /// Partials merge in page order (the helper's, the oldest, first) whatever finished first.
 pub struct PendingAttention {
+    shape: AttnShape,
+    /// (query row, head) pairs.
     rows: usize,
-    head_dim: usize,
-    /// The request for the helper's partials, if it holds pages of this layer.
-    remote: Option<u32>,
+    page_size: usize,
+    helper: Option<HelperShare>,
+    /// Partials of the pages attended here: those read back from the disk, then this
+    /// device's own.
     local: Vec<ActPartials>,
 }
 
 impl PendingAttention {
     /// Whether the helper still owes its share.
     pub fn awaits_helper(&self) -> bool {
-        self.remote.is_some()
+        self.helper.is_some()
     }
 
-    /// Collect the helper's partials (from `remote`, the client the query went out on) and
-    /// merge on `be`: the attention output `[rows, head_dim]`.
-    pub fn finish(self, be: &dyn Backend, remote: Option<&mut HelperClient>) -> Result<Act> {
+    /// Collect the helper's partials and merge on `be`: the attention output
+    /// `[rows, head_dim]`. A helper that fails to answer (lost, or refusing) is replaced by
+    /// the page file: the same pages, attended here, give the same partials.
+    pub fn finish(self, be: &dyn Backend, away: Away) -> Result<Act> {
+        let (rows, d) = (self.rows, self.shape.head_dim);
         let mut parts = Vec::new();
-        if let Some(req) = self.remote {
-            let remote = remote.ok_or_else(|| {
-                Error::Remote("the helper attending this sequence's oldest pages is gone".into())
-            })?;
-            let theirs = remote.attend_reply(req, self.rows, self.head_dim)?;
-            parts.extend(theirs.into_iter().map(ActPartials::from));
+        if let Some(share) = self.helper {
+            let answer = match away.helper {
+                Some(client) => client.attend_reply(share.req, rows, d),
+                None => Err(Error::Remote(
+                    "the helper attending this sequence's oldest pages is gone".into(),
+                )),
+            };
+            match (answer, away.disk, share.q) {
+                (Ok(theirs), _, _) => parts.extend(theirs.into_iter().map(ActPartials::from)),
+                (Err(_), Some(disk), Some(q)) => parts.extend(attend_from_disk(
+                    be,
+                    self.shape,
+                    &be.upload(q),
+                    &share.positions,
+                    (disk, away.layer, self.page_size),
+                    0..share.end,
+                )?),
+                (Err(e), _, _) => return Err(e),
+            }
         }
         parts.extend(self.local);
-        Ok(be.merge_partials(self.rows, self.head_dim, parts))
+        Ok(be.merge_partials(rows, d, parts))
     }
 }
 
 /// Start attention of scaled queries `[t, q_heads, head_dim]` at absolute `positions` over
-/// every page of `kv` that any of them can see: the query for the remote's pages goes out
-/// first (read to the host only then), then this device attends its own while the remote
-/// works. The local pages are read now, so rows appended before [`PendingAttention::finish`]
-/// (a later ubatch's) are not seen.
+/// every page of `kv` that any of them can see: the query for the helper's pages goes out
+/// first (read to the host only then), then this device attends the pages only the disk
+/// holds and its own while the helper works. The local pages are read now, so rows appended
+/// before [`PendingAttention::finish`] (a later ubatch's) are not seen.
 pub fn begin_attention(
     be: &dyn Backend,
     shape: AttnShape,
     q: &Act,
     positions: &[usize],
     kv: &PagedKv,
-    remote: Option<(usize, &mut HelperClient)>,
+    away: Away,
 ) -> Result<PendingAttention> {
     let last = positions.iter().copied().max().unwrap_or(0);
-    let remote = match (kv.remote_len, remote) {
-        (0, _) => None,
-        (end, Some((layer, client))) => {
-            Some(client.attend_send(layer, shape, be.download(q), positions, end)?)
+    let end = kv.helper_len;
+    let helper = match away.helper {
+        Some(client) if end > 0 && !client.is_lost() => {
+            let sent = be.download(q);
+            let keep = away.disk.is_some().then(|| sent.clone());
+            match client.attend_send(away.layer, shape, sent, positions, end) {
+                Ok(req) => Some(HelperShare {
+                    req,
+                    q: keep,
+                    positions: positions.to_vec(),
+                    end,
+                }),
+                // The disk holds the same pages; without it the error stands.
+                Err(_) if away.disk.is_some() => None,
+                Err(e) => return Err(e),
+            }
         }
-        (_, None) => {
-            return Err(Error::Invalid(
-                "this sequence's oldest KV pages are on a helper that is not connected".into(),
-            ))
-        }
+        _ => None,
     };
+    let disk_from = if helper.is_some() { end } else { 0 };
+    let mut local = Vec::new();
+    if disk_from < kv.remote_len {
+        let disk = away.disk.ok_or_else(|| {
+            Error::Remote(
+                "this sequence's oldest KV pages were on a helper that is gone, and no page \
+                 file holds them"
+                    .into(),
+            )
+        })?;
+        local = attend_from_disk(
+            be,
+            shape,
+            q,
+            positions,
+            (disk, away.layer, kv.page_size),
+            disk_from..kv.remote_len,
+        )?;
+    }
     let pages: Vec<&KvPage> = kv.pages().iter().filter(|p| p.start <= last).collect();
-    let local = be.attend_pages(shape, q, positions, &pages);
+    local.extend(be.attend_pages(shape, q, positions, &pages));
     Ok(PendingAttention {
+        shape,
         rows: positions.len() * shape.q_heads,
-        head_dim: shape.head_dim,
-        remote,
+        page_size: kv.page_size,
+        helper,
         local,
     })
+}
+
+/// One partial per page of `layer` in `span` (whole pages of `page_size`), read back from the
+/// page file a group at a time and attended on `be` exactly as pages held in memory are.
+fn attend_from_disk(
+    be: &dyn Backend,
+    shape: AttnShape,
+    q: &Act,
+    positions: &[usize],
+    (disk, layer, page_size): (&PageFile, usize, usize),
+    span: Range<usize>,
+) -> Result<Vec<ActPartials>> {
+    let page_bytes = page_size * shape.kv_heads * shape.head_dim * 2 * 4;
+    let per_group = (DISK_GROUP_BYTES / page_bytes.max(1)).max(1);
+    let starts: Vec<usize> = span.step_by(page_size).collect();
+    let mut parts = Vec::with_capacity(starts.len());
+    for group in starts.chunks(per_group) {
+        let pages = group
+            .iter()
+            .map(|&start| {
+                let (k, v) = disk.read(layer, start)?;
+                let len = k.len() / (shape.kv_heads * shape.head_dim).max(1);
+                Ok(KvPage {
+                    start,
+                    len,
+                    k: be.upload(k),
+                    v: be.upload(v),
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let refs: Vec<&KvPage> = pages.iter().collect();
+        parts.extend(be.attend_pages(shape, q, positions, &refs));
+    }
+    Ok(parts)
 }
 
 /// Host copies of `parts` (a helper's answer, which crosses the link) in one read, laid out

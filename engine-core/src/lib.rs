@@ -11,6 +11,7 @@ pub mod identity;
 pub mod kv;
 pub mod link;
 pub mod model;
+pub mod page_file;
 pub mod plan;
 pub mod protocol;
 pub mod remote;

@@ -44,6 +44,10 @@ pub struct HelperClient {
     /// Replies that arrived while a later request was awaited: a pipelined
     /// prefill chunk's reply can come in while the host waits for an attention query.
     early: std::collections::BTreeMap<u32, Vec<u8>>,
+    /// Why the helper counts as gone (its link failed, it stopped answering or broke the
+    /// protocol): every later request fails at once with this, and the sequence's owner
+    /// detaches it (see `State::offload`).
+    lost: Option<String>,
 }
 
 impl HelperClient {
@@ -64,6 +68,7 @@ impl HelperClient {
             mirror_pos: 0,
             mirror_stale: false,
             early: Default::default(),
+            lost: None,
             helper: Intro {
                 version: PROTOCOL_VERSION,
                 model: String::new(),
@@ -122,13 +127,40 @@ impl HelperClient {
                 self.max_frame
             )));
         }
-        self.link.send(frame)?;
+        if let Some(why) = &self.lost {
+            return Err(Error::Remote(why.clone()));
+        }
+        if let Err(e) = self.link.send(frame) {
+            self.lost = Some(e.to_string());
+            return Err(e.into());
+        }
         Ok(req)
+    }
+
+    /// Why the helper is gone, if it is.
+    pub fn lost(&self) -> Option<&str> {
+        self.lost.as_deref()
+    }
+
+    pub fn is_lost(&self) -> bool {
+        self.lost.is_some()
     }
 
     /// The reply to request `req`. The helper answers in request order, so replies to requests
     /// sent before `req` may arrive first; they are kept for their own `reply` call.
     pub fn reply(&mut self, req: u32) -> Result<Message> {
+        if let Some(why) = &self.lost {
+            return Err(Error::Remote(why.clone()));
+        }
+        let reply = self.take_reply(req);
+        if let Err(Error::Remote(why)) = &reply {
+            self.lost = Some(why.clone());
+        }
+        reply
+    }
+
+    /// [`Self::reply`] on a helper not known to be gone.
+    fn take_reply(&mut self, req: u32) -> Result<Message> {
         let frame = match self.early.remove(&req) {
             Some(f) => f,
             None => loop {

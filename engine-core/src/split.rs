@@ -91,9 +91,13 @@ pub fn prefill(
     let (early, late) = chunks.split_at(early);
     let mut x = None;
     if !early.is_empty() {
+        // A helper still being re-filled from the page file lacks rows its mirror needs.
         let pipeline = state.remote.as_ref().is_some_and(|c| {
-            !c.prefill_layers.is_empty() && c.prefill_layers.end == model.config.num_hidden_layers
-        }) && tokens.len() > plan.min_tokens
+            !c.prefill_layers.is_empty()
+                && c.prefill_layers.end == model.config.num_hidden_layers
+                && !c.is_lost()
+        }) && state.helper_has_all_pages()
+            && tokens.len() > plan.min_tokens
             && early.len() > 1;
         x = Some(if pipeline {
             pipelined(model, be, state, early, &mut report)?
@@ -242,9 +246,11 @@ fn pipelined(
                         .all(|&r| !matches!(client.reply(r), Err(Error::Remote(_))))
                         && client.truncate(start).is_ok()
                 });
-            let holds_pages = state.remote_kv_len() > 0;
+            // Without a page file, pages the helper held are lost with it.
+            let holds_pages = state.remote_kv_len() > 0 && state.spill.is_none();
             if !kept {
-                state.detach_helper();
+                state.helper_lost = Some(e.to_string());
+                state.lose_helper();
             }
             if holds_pages && !kept {
                 return Err(Error::Remote(format!(

@@ -1,10 +1,12 @@
 //! `--helper ws://ADDR`: tether a `tether-helper` to a sequence's state.
 
 use anyhow::{bail, Context, Result};
+use engine_core::identity::cache_dir;
 use engine_core::link::keys::{config_dir, short, KeyStore, Keypair};
 use engine_core::link::secure::{self, wire_limit, Dial, SecureLink};
 use engine_core::link::ws::{self, WsLink};
 use engine_core::link::{Link, LinkError, LinkProfile, LinkStats, ShapedLink, StatsHandle};
+use engine_core::page_file::PageFile;
 use engine_core::plan::{Plan, PlanInput};
 use engine_core::protocol::Configure;
 use engine_core::remote::{HelperClient, DEFAULT_MAX_FRAME};
@@ -48,6 +50,12 @@ pub struct HelperArgs {
     /// A plain link to a helper started with --insecure: no pairing, no encryption.
     #[arg(long)]
     insecure: bool,
+    /// The disk tier: every KV page that leaves for the helper is also written to a page file
+    /// here (append-only, checksummed, removed with the sequence), so a helper lost mid-decode
+    /// costs time, not tokens. Default: `pages` in tether's cache directory
+    /// ($TETHER_CACHE_DIR, else the platform's).
+    #[arg(long, value_name = "DIR")]
+    spill_dir: Option<std::path::PathBuf>,
 }
 
 impl HelperArgs {
@@ -157,9 +165,25 @@ impl HelperArgs {
         };
         let client = HelperClient::connect(link, model, configure, self.max_frame)
             .with_context(|| format!("handshake with the helper at {url}"))?;
+        if state.spill.is_none() {
+            state.spill = Some(self.page_file()?);
+        }
+        // A state that lost its helper keeps its pages in the page file; this helper is
+        // re-filled from it a few pages per pass.
         state.remote = Some(client);
         state.host_kv_tokens = self.host_kv_tokens;
         Ok(())
+    }
+
+    /// A new page file in --spill-dir (or the default) for a sequence's disk tier.
+    fn page_file(&self) -> Result<PageFile> {
+        let dir = match &self.spill_dir {
+            Some(d) => d.clone(),
+            None => cache_dir()
+                .context("no cache directory for the page file: give --spill-dir DIR")?
+                .join("pages"),
+        };
+        PageFile::create(&dir).with_context(|| format!("--spill-dir {}", dir.display()))
     }
 }
 

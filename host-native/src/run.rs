@@ -114,6 +114,13 @@ pub fn run(a: Args) -> Result<()> {
             ))
         );
     }
+    if let Some(why) = &generation.state.helper_lost {
+        eprintln!(
+            "the helper was lost ({why}); its {} KV positions per layer were attended from the \
+             page file, so the tokens are the host-alone ones",
+            generation.state.remote_kv_len()
+        );
+    }
     if let Some(stats) = link_stats {
         let s = stats.snapshot();
         eprintln!(

@@ -161,3 +161,65 @@ pub fn attach(
     st.remote = Some(HelperClient::connect(Box::new(link), m, cfg, DEFAULT_MAX_FRAME).unwrap());
     st.host_kv_tokens = budget;
 }
+
+/// A new page file (the disk tier of a sequence's KV) in the temp directory.
+pub fn page_file() -> engine_core::page_file::PageFile {
+    let dir = std::env::temp_dir().join(format!("tether-test-pages-{}", std::process::id()));
+    engine_core::page_file::PageFile::create(&dir).unwrap()
+}
+
+/// A link that dies after a fixed number of operations (sends and receives): a helper
+/// unplugged at a chosen point of a sequence, the same point on every run. The inner link is
+/// dropped then, so the helper sees it close too. `ops` counts what went through.
+pub struct Fuse<L: Link> {
+    inner: Option<L>,
+    left: usize,
+    pub ops: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl<L: Link> Fuse<L> {
+    /// `link`, cut after `ops` operations (`usize::MAX`: never).
+    pub fn new(link: L, ops: usize) -> Fuse<L> {
+        Fuse {
+            inner: Some(link),
+            left: ops,
+            ops: Default::default(),
+        }
+    }
+
+    /// The inner link if the fuse still holds for one more operation.
+    fn live(&mut self) -> Result<&mut L, engine_core::link::LinkError> {
+        if self.left == 0 {
+            self.inner = None;
+        }
+        self.left = self.left.saturating_sub(1);
+        self.ops.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.inner.as_mut().ok_or_else(|| {
+            engine_core::link::LinkError::Closed("the fuse blew: the helper is unplugged".into())
+        })
+    }
+}
+
+impl<L: Link> Link for Fuse<L> {
+    fn send(&mut self, frame: Vec<u8>) -> Result<(), engine_core::link::LinkError> {
+        self.live()?.send(frame)
+    }
+
+    fn recv(&mut self) -> Result<Vec<u8>, engine_core::link::LinkError> {
+        self.live()?.recv()
+    }
+
+    fn recv_timeout(
+        &mut self,
+        timeout: std::time::Duration,
+    ) -> Result<Option<Vec<u8>>, engine_core::link::LinkError> {
+        self.live()?.recv_timeout(timeout)
+    }
+
+    fn sender(&self) -> Box<dyn engine_core::link::LinkSender> {
+        self.inner
+            .as_ref()
+            .expect("a fuse is asked for a sender before it blows")
+            .sender()
+    }
+}

@@ -5,8 +5,7 @@ use super::Loader;
 use crate::backend::{Act, AttnShape, Backend, Param};
 use crate::config::ModelConfig;
 use crate::error::Result;
-use crate::kv::{begin_attention, PagedKv, PendingAttention};
-use crate::remote::HelperClient;
+use crate::kv::{begin_attention, Away, PagedKv, PendingAttention};
 use crate::tensor::Matrix;
 
 pub(super) struct Attention {
@@ -63,7 +62,7 @@ impl Attention {
         x: &Act,
         positions: &[usize],
         kv: &mut PagedKv,
-        remote: Option<(usize, &mut HelperClient)>,
+        away: Away,
     ) -> Result<(PendingAttention, Act)> {
         let hd = self.shape.head_dim;
         let qg = be.matmul(x, &self.q_proj);
@@ -79,7 +78,7 @@ impl Attention {
         kv.append(be, &k, &v);
         be.scale(&mut q, 1.0 / (hd as f32).sqrt());
         Ok((
-            begin_attention(be, self.shape, &q, positions, kv, remote)?,
+            begin_attention(be, self.shape, &q, positions, kv, away)?,
             gate,
         ))
     }

@@ -17,7 +17,7 @@ use crate::backend::{Act, Backend, Param};
 use crate::config::{LayerKind, ModelConfig};
 use crate::error::{Error, Result};
 use crate::identity::ModelIdentity;
-use crate::kv::PendingAttention;
+use crate::kv::{Away, PendingAttention};
 use crate::tensor::{Matrix, Tensor};
 use crate::weights::TensorMap;
 
@@ -413,7 +413,7 @@ impl Model {
             let Mixer::Attention(a) = &self.layer(pass.next)?.mixer else {
                 unreachable!("a pass waits only at full-attention layers")
             };
-            let y = a.finish(be, w.attention.finish(be, state.remote.as_mut())?, &w.gate);
+            let y = a.finish(be, w.attention.finish(be, state.away(pass.next))?, &w.gate);
             self.close_layer(be, pass, &y, trace.as_deref_mut())?;
         }
         while pass.next < pass.end {
@@ -423,13 +423,17 @@ impl Model {
             be.rms_norm(&mut normed, &layer.norm_in, c.rms_norm_eps);
             let y = match (&layer.mixer, &mut state.layers[i]) {
                 (Mixer::Attention(a), LayerState::Attention(kv)) => {
-                    let remote = state.remote.as_mut().map(|r| (i, r));
-                    let (attention, gate) = a.begin(be, &normed, &positions, kv, remote)?;
+                    let away = Away {
+                        layer: i,
+                        helper: state.remote.as_mut(),
+                        disk: state.spill.as_ref(),
+                    };
+                    let (attention, gate) = a.begin(be, &normed, &positions, kv, away)?;
                     if pause && attention.awaits_helper() {
                         pass.waiting = Some(Waiting { attention, gate });
                         return Ok(());
                     }
-                    a.finish(be, attention.finish(be, state.remote.as_mut())?, &gate)
+                    a.finish(be, attention.finish(be, state.away(i))?, &gate)
                 }
                 (Mixer::DeltaNet(d), LayerState::DeltaNet(st)) => d.forward(be, c, &normed, st),
                 (Mixer::DeltaNet(_), LayerState::Elsewhere) => {

@@ -8,8 +8,14 @@ use std::ops::Range;
 use crate::backend::{Act, Backend};
 use crate::config::{LayerKind, ModelConfig};
 use crate::error::{Error, Result};
-use crate::kv::PagedKv;
+use crate::kv::{Away, PagedKv};
+use crate::page_file::PageFile;
 use crate::remote::HelperClient;
+
+/// Pages sent from the page file to a helper that lacks them, per forward pass at most: a
+/// helper that joins (or comes back) mid-sequence catches up a little after every pass, so
+/// no pass waits for the whole re-fill.
+const REFILL_PAGES: usize = 8;
 
 /// A fresh state is zeros on the host; a device backend moves it to the device the first time
 /// an op advances it, and it stays there.
@@ -56,12 +62,19 @@ pub struct State {
     pub layers: Vec<LayerState>,
     /// Where this sequence's oldest KV pages go once the host's budget is full.
     pub remote: Option<HelperClient>,
-    /// KV positions per layer kept on this device when a remote is attached; whole pages past
-    /// it move to the remote after every forward pass.
+    /// The disk tier: a copy of every page that leaves this device, written before it leaves,
+    /// so a lost helper's pages are attended from here (and re-fill the next helper).
+    pub spill: Option<PageFile>,
+    /// KV positions per layer kept on this device when a helper or page file takes pages;
+    /// whole pages past it move out after every forward pass.
     pub host_kv_tokens: Option<usize>,
-    /// The remote refused a page for lack of memory: pages now stay here, past the budget,
-    /// rather than fail the sequence (and are not offered again, a round trip each).
+    /// The helper refused a page for lack of memory: no more pages are offered to it (a round
+    /// trip each); they go to the page file only, or stay here without one, rather than fail
+    /// the sequence.
     pub remote_full: bool,
+    /// Why the last helper of this sequence was lost, if one was: the sequence went on from
+    /// the page file (callers report it).
+    pub helper_lost: Option<String>,
 }
 
 impl State {
@@ -94,18 +107,54 @@ impl State {
             pos: 0,
             layers,
             remote: None,
+            spill: None,
             host_kv_tokens: None,
             remote_full: false,
+            helper_lost: None,
         }
     }
 
-    /// Forget a helper that is gone: from now on this host keeps its whole KV (no budget), and
-    /// any pages the helper held are lost (the caller has checked there were none, or fails
-    /// the sequence).
-    pub fn detach_helper(&mut self) {
+    /// Forget a helper that is gone. Its pages are attended from the page file from now on,
+    /// and later pages go there within the same budget; without a page file this host keeps
+    /// its whole KV (no budget), and any pages the helper held are lost (the caller has checked
+    /// there were none, or fails the sequence).
+    pub fn lose_helper(&mut self) {
         self.remote = None;
-        self.host_kv_tokens = None;
         self.remote_full = false;
+        for l in &mut self.layers {
+            if let LayerState::Attention(kv) = l {
+                kv.lose_helper();
+            }
+        }
+        if self.spill.is_none() {
+            self.host_kv_tokens = None;
+        }
+    }
+
+    /// Detach the helper if a request found it gone, noting why.
+    fn drop_lost_helper(&mut self) {
+        if let Some(why) = self.remote.as_ref().and_then(|r| r.lost()) {
+            self.helper_lost = Some(why.to_string());
+            self.lose_helper();
+        }
+    }
+
+    /// Whether the helper holds every page that left this device (none wait in the page file
+    /// for a re-fill): only then can it mirror the tail layers in a split prefill.
+    pub fn helper_has_all_pages(&self) -> bool {
+        self.layers.iter().all(|l| match l {
+            LayerState::Attention(kv) => kv.helper_len() == kv.remote_len(),
+            LayerState::DeltaNet(_) | LayerState::Elsewhere => true,
+        })
+    }
+
+    /// Where layer `layer`'s pages that left this device are, for attention.
+    pub fn away(&mut self, layer: usize) -> Away<'_> {
+        Away {
+            layer,
+            helper: self.remote.as_mut(),
+            disk: self.spill.as_ref(),
+        }
     }
 
     /// Positions of every full-attention layer whose KV lives on the helper (pages move for
@@ -165,13 +214,14 @@ impl State {
             if len < kv.remote_len() {
                 let start = len / kv.page_size() * kv.page_size();
                 helper_len = start;
-                let remote = self.remote.as_mut().ok_or_else(|| {
-                    Error::Invalid(
-                        "the KV pages to rewind into are on a helper that is gone".into(),
-                    )
-                })?;
                 let rows = if len > start {
-                    Some(remote.fetch(i, start, len - start)?)
+                    Some(page_rows(
+                        self.spill.as_ref(),
+                        self.remote.as_mut(),
+                        (i, start),
+                        len - start,
+                        kv.row_width(),
+                    )?)
                 } else {
                     None
                 };
@@ -187,7 +237,15 @@ impl State {
             }
         }
         if let Some(remote) = self.remote.as_mut() {
-            remote.truncate(helper_len)?;
+            // A helper lost here changes nothing the rewind needs when the disk holds its
+            // pages: it is detached after the next pass.
+            match remote.truncate(helper_len) {
+                Err(Error::Remote(_)) if self.spill.is_some() => {}
+                r => r?,
+            }
+        }
+        if let Some(disk) = self.spill.as_mut() {
+            disk.forget_from(helper_len);
         }
         let mut refills = refills.into_iter().peekable();
         for (i, l) in self.layers.iter_mut().enumerate() {
@@ -206,46 +264,114 @@ impl State {
         Ok(())
     }
 
-    /// Move the oldest whole KV pages of every full-attention layer to the remote until at most
-    /// `host_kv_tokens` positions per layer stay here (a partial page never moves); `be` reads
-    /// each page to the host for the link. Returns the number of pages moved per layer.
+    /// Move the oldest whole KV pages of every full-attention layer out until at most
+    /// `host_kv_tokens` positions per layer stay here (a partial page never moves): each to
+    /// the page file first, then to the helper while it takes them. Then re-fill the helper a
+    /// little from the page file if it lacks pages (it joined late, or refused one before).
+    /// `be` reads each page to the host. Returns the number of pages moved per layer.
     pub fn offload(&mut self, be: &dyn Backend) -> Result<usize> {
-        let Some(host_tokens) = self.host_kv_tokens.filter(|_| !self.remote_full) else {
+        self.drop_lost_helper();
+        let Some(host_tokens) = self.host_kv_tokens else {
             return Ok(0);
         };
-        let Some(remote) = self.remote.as_mut() else {
+        if self.remote.is_none() && self.spill.is_none() {
             return Err(Error::Invalid(
-                "a host KV budget is set but no helper is attached".into(),
+                "a host KV budget is set but no helper or page file takes pages".into(),
             ));
-        };
+        }
         let mut moved = 0;
-        'layers: for (i, layer) in self.layers.iter_mut().enumerate() {
-            let LayerState::Attention(kv) = layer else {
-                continue;
-            };
+        for i in 0..self.layers.len() {
             let mut n = 0;
-            // The page leaves only once the helper has acknowledged it: a refusal of its
-            // memory budget keeps it here (each layer's pages are attended by where they are,
-            // so layers may hold different numbers of them on the helper).
-            while kv.local_len() > host_tokens {
-                let Some(page) = kv.oldest_full_page() else {
-                    break;
+            while let Some((start, len)) = self.page_to_move(i, host_tokens) {
+                let LayerState::Attention(kv) = &self.layers[i] else {
+                    unreachable!("page_to_move found a KV page")
                 };
-                let (k, v) = kv.rows(be, page.start, page.len)?;
-                match remote.store(i, page.start, kv.row_width(), k, v) {
-                    Ok(()) => {}
-                    Err(Error::Refused { code, .. }) if code == "memory" => {
-                        self.remote_full = true;
-                        break 'layers;
-                    }
-                    Err(e) => return Err(e),
+                let (k, v) = kv.rows(be, start, len)?;
+                let width = kv.row_width();
+                let in_step = kv.helper_len() == kv.remote_len();
+                if let Some(disk) = self.spill.as_mut() {
+                    disk.write(i, start, width, &k, &v)?;
                 }
-                kv.drop_oldest_page();
+                let on_helper = in_step && self.give_helper(i, start, width, k, v)?;
+                if !on_helper && self.spill.is_none() {
+                    // Refused, with no disk tier: the page stays here, past the budget.
+                    break;
+                }
+                if let LayerState::Attention(kv) = &mut self.layers[i] {
+                    kv.drop_oldest_page(on_helper);
+                }
                 n += 1;
                 moved = moved.max(n);
             }
         }
+        self.refill()?;
+        self.drop_lost_helper();
         Ok(moved)
+    }
+
+    /// The oldest local page of layer `i`, if it is whole and past the budget.
+    fn page_to_move(&self, i: usize, host_tokens: usize) -> Option<(usize, usize)> {
+        match &self.layers[i] {
+            LayerState::Attention(kv) if kv.local_len() > host_tokens => {
+                kv.oldest_full_page().map(|p| (p.start, p.len))
+            }
+            _ => None,
+        }
+    }
+
+    /// Offer the page of layer `i` at `start` to the helper, if one takes pages: whether it
+    /// now holds it. A refusal for memory stops further offers; a lost helper is detached
+    /// after this pass, and only a page file makes that survivable.
+    fn give_helper(
+        &mut self,
+        i: usize,
+        start: usize,
+        width: usize,
+        k: Vec<f32>,
+        v: Vec<f32>,
+    ) -> Result<bool> {
+        let Some(remote) = self.remote.as_mut().filter(|r| !r.is_lost()) else {
+            return Ok(false);
+        };
+        if self.remote_full {
+            return Ok(false);
+        }
+        match remote.store(i, start, width, k, v) {
+            Ok(()) => Ok(true),
+            Err(Error::Refused { code, .. }) if code == "memory" => {
+                self.remote_full = true;
+                Ok(false)
+            }
+            Err(Error::Remote(_)) if self.spill.is_some() => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Send the helper up to [`REFILL_PAGES`] pages it lacks from the page file, the layer
+    /// furthest behind first, so all layers catch up together.
+    fn refill(&mut self) -> Result<()> {
+        for _ in 0..REFILL_PAGES {
+            let next = self
+                .layers
+                .iter()
+                .enumerate()
+                .filter_map(|(i, l)| match l {
+                    LayerState::Attention(kv) => kv.next_refill().map(|s| (s, i, kv.row_width())),
+                    LayerState::DeltaNet(_) | LayerState::Elsewhere => None,
+                })
+                .min();
+            let (Some((start, i, width)), Some(disk)) = (next, self.spill.as_ref()) else {
+                return Ok(());
+            };
+            let (k, v) = disk.read(i, start)?;
+            if !self.give_helper(i, start, width, k, v)? {
+                return Ok(());
+            }
+            if let LayerState::Attention(kv) = &mut self.layers[i] {
+                kv.helper_took(start);
+            }
+        }
+        Ok(())
     }
 
     pub(crate) fn check_matches(&self, c: &ModelConfig) -> Result<()> {
@@ -301,4 +427,25 @@ impl State {
             })
             .sum()
     }
+}
+
+/// The first `rows` rows (of `width` values) of K and V of the page of layer `layer` at
+/// `start`, which left this device: from the page file if it holds them, else the helper.
+fn page_rows(
+    disk: Option<&PageFile>,
+    remote: Option<&mut HelperClient>,
+    (layer, start): (usize, usize),
+    rows: usize,
+    width: usize,
+) -> Result<(Vec<f32>, Vec<f32>)> {
+    if let Some(disk) = disk.filter(|d| d.holds(layer, start)) {
+        let (mut k, mut v) = disk.read(layer, start)?;
+        k.truncate(rows * width);
+        v.truncate(rows * width);
+        return Ok((k, v));
+    }
+    let remote = remote.ok_or_else(|| {
+        Error::Invalid("the KV pages to rewind into are on a helper that is gone".into())
+    })?;
+    remote.fetch(layer, start, rows)
 }

@@ -242,10 +242,14 @@ impl Engine {
         self.conversation.reset(&*self.backend, &self.state);
     }
 
-    /// If the helper was lost and a connection to it comes (see [`Reconnect`]), the sequence
-    /// starts afresh with it (the cached conversation is dropped: the new helper holds none of
-    /// it). A failed attempt leaves everything as it was.
+    /// If the helper was lost and a connection to it comes (see [`Reconnect`]), attach it to
+    /// the sequence as it is: the cached conversation stays, and the pages that went to the
+    /// page file meanwhile re-fill the helper a few per pass. A failed attempt leaves
+    /// everything as it was.
     fn reconnect_helper(&mut self) {
+        if let Some(why) = self.state.helper_lost.take() {
+            warn!("the helper was lost ({why}); its pages are attended from the page file");
+        }
         if self.state.remote.is_some() {
             return;
         }
@@ -255,14 +259,12 @@ impl Engine {
         let Some(link) = r.link() else {
             return;
         };
-        let mut state = self.model.new_state(self.page_size);
         match r
             .args
-            .attach_link(&self.model, &mut state, self.page_size, link)
+            .attach_link(&self.model, &mut self.state, self.page_size, link)
         {
             Ok(()) => {
-                info!("the helper is back; new requests use it again");
-                self.start_afresh(state);
+                info!("the helper is back; it is re-filled from the page file as requests run");
                 self.metrics.helper_reconnected();
             }
             Err(e) => debug!("the helper answered but could not be attached: {e:#}"),
@@ -428,9 +430,10 @@ impl Engine {
         for l in &self.state.layers {
             if let LayerState::Attention(kv) = l {
                 p.host_pages += kv.pages().len();
-                p.helper_pages += kv.remote_len() / kv.page_size();
+                p.helper_pages += kv.helper_len() / kv.page_size();
                 p.host_positions = kv.local_len();
-                p.helper_positions = kv.remote_len();
+                p.helper_positions = kv.helper_len();
+                p.disk_positions = kv.remote_len() - kv.helper_len();
             }
         }
         p

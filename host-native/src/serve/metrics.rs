@@ -21,6 +21,8 @@ pub struct KvPlacement {
     /// Positions of one layer on each device (pages move for all layers together).
     pub host_positions: usize,
     pub helper_positions: usize,
+    /// Positions only in the page file: the helper was lost or is still being re-filled.
+    pub disk_positions: usize,
 }
 
 #[derive(Default)]
@@ -294,8 +296,9 @@ impl Metrics {
         let _ = writeln!(
             t,
             "# HELP tether_kv_positions KV positions of one full-attention layer per device.\n# TYPE tether_kv_positions gauge\n\
-             tether_kv_positions{{device=\"host\"}} {}\ntether_kv_positions{{device=\"helper\"}} {}",
-            c.kv.host_positions, c.kv.helper_positions
+             tether_kv_positions{{device=\"host\"}} {}\ntether_kv_positions{{device=\"helper\"}} {}\n\
+             tether_kv_positions{{device=\"disk\"}} {}",
+            c.kv.host_positions, c.kv.helper_positions, c.kv.disk_positions
         );
         if let Some(link) = link {
             for (metric, field, help) in [

@@ -1,0 +1,171 @@
+//! The disk tier: every KV page that leaves the host is also in the sequence's page file, so a
+//! helper lost at any point (the handshake done, mid split prefill, syncing its mirror,
+//! holding pages during decode, being re-filled) costs time, never tokens. The link is cut
+//! after every possible number of operations in turn, and every run must give the host
+//! alone's logits bit for bit.
+
+use engine_core::link::pair;
+use engine_core::protocol::Configure;
+use engine_core::remote::{HelperClient, DEFAULT_MAX_FRAME};
+use engine_core::split::{prefill, SplitPlan};
+use engine_core::{CpuBackend, Logits, Model, State};
+use phone_ios::{Helper, HelperOptions};
+use tests::{fixtures_dir, page_file, Fuse, Reference};
+
+const PAGE: usize = 8;
+const BUDGET: usize = 16;
+
+fn plan() -> SplitPlan {
+    SplitPlan {
+        min_tokens: 20,
+        ubatch: 8,
+        interleave_from: 120,
+    }
+}
+
+/// The conversation every run goes through: a prompt (pipelined, then interleaved past 120),
+/// greedy steps, a second turn (the helper's mirror is synced first), more steps. Returns
+/// every logit it saw. `between` runs after the first steps (a new helper joins there).
+fn conversation(
+    m: &Model,
+    st: &mut State,
+    prompt: &[u32],
+    between: &mut dyn FnMut(&mut State),
+) -> Vec<f32> {
+    let be = &CpuBackend;
+    let (mut logits, _) = prefill(m, be, st, prompt, &plan()).unwrap();
+    let mut all = logits.clone();
+    let step = |st: &mut State, logits: &mut Vec<f32>, all: &mut Vec<f32>| {
+        let next = engine_core::generate::argmax(logits);
+        *logits = m.forward(be, st, &[next], Logits::Last, None).unwrap();
+        all.extend_from_slice(logits);
+    };
+    for _ in 0..6 {
+        step(st, &mut logits, &mut all);
+    }
+    between(st);
+    let turn: Vec<u32> = prompt[..40].iter().map(|t| (t * 3 + 1) % 256).collect();
+    let (l, _) = prefill(m, be, st, &turn, &plan()).unwrap();
+    logits = l;
+    all.extend_from_slice(&logits);
+    for _ in 0..6 {
+        step(st, &mut logits, &mut all);
+    }
+    all
+}
+
+/// A helper running the tail layers (from 4 of 8) on a thread of `scope`, reached through a
+/// link cut after `fuse` operations (attached only if the handshake got through); returns
+/// the operations counter.
+fn attach<'s>(
+    scope: &'s std::thread::Scope<'s, '_>,
+    m: &'s Model,
+    st: &mut State,
+    fuse: usize,
+) -> std::sync::Arc<std::sync::atomic::AtomicUsize> {
+    let (host_end, mut helper_end) = pair();
+    let opts = HelperOptions {
+        mem_budget: 1 << 30,
+        max_frame: DEFAULT_MAX_FRAME,
+    };
+    scope.spawn(move || Helper::new(m, &CpuBackend, opts).serve(&mut helper_end));
+    let link = Fuse::new(host_end, fuse);
+    let ops = link.ops.clone();
+    let cfg = Configure {
+        first_layer: 4,
+        end_layer: 8,
+        page_size: PAGE as u32,
+    };
+    // Cut during the handshake: no helper, the sequence runs on the host alone.
+    if let Ok(client) = HelperClient::connect(Box::new(link), m, cfg, DEFAULT_MAX_FRAME) {
+        st.remote = Some(client);
+        st.host_kv_tokens = Some(BUDGET);
+    }
+    ops
+}
+
+fn setup() -> (Model, Vec<u32>, Vec<f32>) {
+    let m = Model::load_dir(&fixtures_dir().join("tiny_fp32_T150")).unwrap();
+    let prompt = Reference::load("tiny_fp32_T150").ids("prompt_ids");
+    let alone = conversation(&m, &mut m.new_state(PAGE), &prompt, &mut |_| {});
+    (m, prompt, alone)
+}
+
+/// Cut points from 0 to past the last operation of an uncut run, `runs` of them at most.
+fn cuts(total: usize, runs: usize) -> impl Iterator<Item = usize> {
+    (0..=total + 1).step_by((total / runs).max(1))
+}
+
+#[test]
+fn a_helper_lost_at_any_point_costs_time_not_tokens() {
+    let (m, prompt, alone) = setup();
+    let total = std::thread::scope(|scope| {
+        let mut st = m.new_state(PAGE);
+        st.spill = Some(page_file());
+        let ops = attach(scope, &m, &mut st, usize::MAX);
+        let got = conversation(&m, &mut st, &prompt, &mut |_| {});
+        assert!(got == alone, "uncut: logits differ from the host alone's");
+        assert!(st.remote_kv_len() > 0 && st.helper_lost.is_none());
+        ops.load(std::sync::atomic::Ordering::Relaxed)
+    });
+    let mut lost = 0;
+    for cut in cuts(total, 24) {
+        std::thread::scope(|scope| {
+            let mut st = m.new_state(PAGE);
+            st.spill = Some(page_file());
+            attach(scope, &m, &mut st, cut);
+            let got = conversation(&m, &mut st, &prompt, &mut |_| {});
+            assert!(got == alone, "cut after {cut} of {total}: logits differ");
+            lost += usize::from(st.helper_lost.is_some());
+        });
+    }
+    assert!(lost > 16, "only {lost} runs lost their helper");
+}
+
+#[test]
+fn a_new_helper_is_refilled_from_the_page_file_and_may_be_lost_too() {
+    let (m, prompt, alone) = setup();
+    // The first helper is lost during the first prompt; a second joins after the first steps.
+    for second_cut in [usize::MAX, 0, 3, 9, 20, 40, 80] {
+        std::thread::scope(|scope| {
+            let mut st = m.new_state(PAGE);
+            st.spill = Some(page_file());
+            attach(scope, &m, &mut st, 30);
+            let mut joined = false;
+            let got = conversation(&m, &mut st, &prompt, &mut |st| {
+                assert!(st.remote.is_none() && st.helper_lost.is_some());
+                attach(scope, &m, st, second_cut);
+                joined = true;
+            });
+            assert!(joined);
+            assert!(
+                got == alone,
+                "second helper cut after {second_cut}: logits differ"
+            );
+            if second_cut == usize::MAX {
+                assert!(
+                    st.remote.is_some() && st.helper_has_all_pages(),
+                    "the second helper was not re-filled"
+                );
+            }
+        });
+    }
+}
+
+#[test]
+fn without_a_page_file_a_helper_lost_with_pages_fails_the_sequence_clearly() {
+    let (m, prompt, _) = setup();
+    std::thread::scope(|scope| {
+        let mut st = m.new_state(PAGE);
+        attach(scope, &m, &mut st, 60);
+        let be = &CpuBackend;
+        let err = prefill(&m, be, &mut st, &prompt, &plan())
+            .err()
+            .or_else(|| {
+                (0..20).find_map(|_| m.forward(be, &mut st, &[1], Logits::Last, None).err())
+            })
+            .expect("the helper holding pages was lost without an error")
+            .to_string();
+        assert!(err.starts_with("helper:"), "{err}");
+    });
+}
