@@ -13,6 +13,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use crate::config::ModelConfig;
+#[cfg(not(target_arch = "wasm32"))]
 use crate::error::Result;
 use crate::tensor::DType;
 use crate::weights::TensorMap;
