@@ -391,6 +391,15 @@ fn a_helper_changes_no_token_and_keeps_the_conversation_too() {
         "{metrics}"
     );
     assert!(with.metric("tether_kv_pages{device=\"helper\"}") > 0.0);
+    // The helper's offer (1 GiB) counts in the context, in whole pages of its KV.
+    let (_, health) = with.get("/health");
+    let health: serde_json::Value = serde_json::from_str(&health).unwrap();
+    let on_helper = health["context_tokens_on_helper"].as_u64().unwrap();
+    let per_token = health["kv_bytes_per_token"].as_u64().unwrap();
+    assert!(
+        on_helper > 0 && on_helper % 16 == 0 && on_helper * per_token <= 1 << 30,
+        "{health}"
+    );
 }
 
 #[test]

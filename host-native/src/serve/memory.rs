@@ -87,21 +87,29 @@ pub fn gib(bytes: u64) -> String {
 /// How the context was chosen, for the log and `/health`.
 pub struct ContextChoice {
     pub tokens: usize,
+    /// Positions whose KV fits in this machine's share of memory (unknown: `None`); with a
+    /// helper, the host keeps at most these and the older pages move to the helper.
+    pub on_host: Option<usize>,
+    /// Positions whose KV the helper offered to hold.
+    pub on_helper: usize,
     pub footprint: Footprint,
     /// Set when `--ctx-size` asked for more than fits: what to warn about.
     pub warning: Option<String>,
 }
 
 /// The context to serve: `asked` (`--ctx-size`), or as many whole pages as fit in half the
-/// available memory; never more than the model's `max` positions.
+/// available memory plus the `on_helper` positions a helper holds; never more than the
+/// model's `max` positions.
 pub fn choose_context(
     asked: Option<usize>,
     fp: Footprint,
     available: Option<u64>,
     page_size: usize,
     max: usize,
+    on_helper: usize,
 ) -> Result<ContextChoice> {
-    let fits = available.map(|a| fp.fitting(a / CONTEXT_SHARE, page_size));
+    let on_host = available.map(|a| fp.fitting(a / CONTEXT_SHARE, page_size));
+    let fits = on_host.map(|h| h.saturating_add(on_helper));
     let (tokens, warning) = match (asked, fits) {
         (Some(n), _) if n == 0 || n > max => {
             bail!("--ctx-size {n}: must be between 1 and the model's {max} positions")
@@ -109,10 +117,15 @@ pub fn choose_context(
         (Some(n), Some(fits)) if n > fits => {
             let a = available.unwrap_or_default();
             let why = format!(
-                "--ctx-size {n}: its KV and state take {} ({} bytes per token), more than half of the {} available ({fits} tokens would fit); the server may swap or be killed",
+                "--ctx-size {n}: its KV and state take {} ({} bytes per token), more than half of the {} available{} ({fits} tokens would fit); the server may swap or be killed",
                 gib(fp.bytes(n, page_size)),
                 fp.per_token,
-                gib(a)
+                gib(a),
+                if on_helper > 0 {
+                    format!(" and the helper's {on_helper} positions")
+                } else {
+                    String::new()
+                }
             );
             (n, Some(why))
         }
@@ -133,6 +146,8 @@ pub fn choose_context(
     };
     Ok(ContextChoice {
         tokens,
+        on_host,
+        on_helper,
         footprint: fp,
         warning,
     })
@@ -205,7 +220,7 @@ mod tests {
         assert_eq!(fp.fitting(budget, 16), 48);
         assert_eq!(fp.fitting(999, 16), 0);
         assert_eq!(fp.bytes(17, 16), 1000 + 32 * 512);
-        let ctx = |asked, avail| choose_context(asked, fp, avail, 16, 4096);
+        let ctx = |asked, avail| choose_context(asked, fp, avail, 16, 4096, 0);
         let c = ctx(None, Some(2 * budget)).unwrap();
         assert_eq!((c.tokens, c.warning.is_none()), (48, true));
         // Capped at the model's maximum.
@@ -223,6 +238,34 @@ mod tests {
         // Unknown free memory: the model's maximum, with a warning.
         let c = ctx(None, None).unwrap();
         assert_eq!((c.tokens, c.warning.is_some()), (4096, true));
+    }
+
+    #[test]
+    fn a_helper_adds_the_positions_it_holds_to_the_context() {
+        let fp = Footprint {
+            per_token: 512,
+            fixed: 1000,
+        };
+        let budget = 1000 + 3 * 16 * 512;
+        let c = choose_context(None, fp, Some(2 * budget), 16, 4096, 160).unwrap();
+        assert_eq!(
+            (c.tokens, c.on_host, c.on_helper),
+            (48 + 160, Some(48), 160)
+        );
+        // What fits with the helper is served without a warning; past it, warned.
+        let c = choose_context(Some(200), fp, Some(2 * budget), 16, 4096, 160).unwrap();
+        assert!(c.warning.is_none());
+        let w = choose_context(Some(300), fp, Some(2 * budget), 16, 4096, 160)
+            .unwrap()
+            .warning
+            .unwrap();
+        assert!(
+            w.contains("the helper's 160 positions") && w.contains("208 tokens"),
+            "{w}"
+        );
+        // Even a host with no room for a page serves what the helper holds.
+        let c = choose_context(None, fp, Some(100), 16, 4096, 32).unwrap();
+        assert_eq!(c.tokens, 32);
     }
 
     #[test]

@@ -32,6 +32,7 @@ use crate::load::{self, EngineArgs};
 use conversation::Conversation;
 use cross_site::Cors;
 use engine::{Engine, Reconnect};
+use engine_core::{Model, State};
 use memory::Footprint;
 use metrics::Metrics;
 use queue::Queue;
@@ -126,23 +127,6 @@ pub fn run(a: Args) -> Result<()> {
         config.num_hidden_layers,
         l.model.weight_bytes() as f64 / (1u64 << 20) as f64
     );
-    let available = memory::available();
-    let context = memory::choose_context(
-        a.ctx_size,
-        Footprint::of(config, a.checkpoints),
-        available,
-        a.engine.page_size,
-        config.max_position_embeddings,
-    )?;
-    let ctx = context.tokens;
-    info!(
-        "context: {ctx} tokens (KV {} bytes/token, {} free)",
-        context.footprint.per_token,
-        available.map_or_else(|| "unknown".into(), memory::gib)
-    );
-    if let Some(w) = &context.warning {
-        warn!("{w}");
-    }
     let (backend, what) = a.engine.backend.make()?;
     info!("backend: {what}");
     let mut state = l.model.new_state(a.engine.page_size);
@@ -150,6 +134,31 @@ pub fn run(a: Args) -> Result<()> {
         .engine
         .helper
         .attach(&l.model, &mut state, a.engine.page_size)?;
+    let available = memory::available();
+    let footprint = Footprint::of(config, a.checkpoints);
+    let context = memory::choose_context(
+        a.ctx_size,
+        footprint,
+        available,
+        a.engine.page_size,
+        config.max_position_embeddings,
+        helper_positions(&l.model, &state, footprint, a.engine.page_size),
+    )?;
+    let ctx = context.tokens;
+    info!(
+        "context: {ctx} tokens (KV {} bytes/token, {} free; {} on the helper)",
+        context.footprint.per_token,
+        available.map_or_else(|| "unknown".into(), memory::gib),
+        context.on_helper
+    );
+    if let Some(w) = &context.warning {
+        warn!("{w}");
+    }
+    // With a helper the host keeps what fits here, older pages move out, unless
+    // --host-kv-tokens said otherwise.
+    if state.remote.is_some() && state.host_kv_tokens.is_none() {
+        state.host_kv_tokens = context.on_host;
+    }
     let prompt = ctx.min(2048);
     let plan = a
         .engine
@@ -186,6 +195,7 @@ pub fn run(a: Args) -> Result<()> {
         tokenizer: l.tokenizer.clone(),
         vocab: config.vocab_size,
         ctx,
+        ctx_on_helper: context.on_helper,
         footprint: context.footprint,
         queue: queue.clone(),
         tokenisers: tokio::sync::Semaphore::new(
@@ -290,4 +300,17 @@ impl Drop for CloseOnDrop {
     fn drop(&mut self) {
         self.0.close();
     }
+}
+
+/// Positions of KV the attached helper offered to hold, beside the DeltaNet states of the
+/// layers it runs in a split prefill (0 without a helper).
+fn helper_positions(model: &Model, state: &State, fp: Footprint, page_size: usize) -> usize {
+    let Some(helper) = &state.remote else {
+        return 0;
+    };
+    let kv_only = Footprint {
+        per_token: fp.per_token,
+        fixed: State::delta_bytes_for(&model.config, helper.prefill_layers.clone()) as u64,
+    };
+    kv_only.fitting(helper.helper.mem_offer, page_size)
 }

@@ -46,6 +46,8 @@ pub struct App {
     pub vocab: usize,
     /// Positions a request may use: prompt plus completion.
     pub ctx: usize,
+    /// Positions of the context whose KV the helper holds (its offer), for `/health`.
+    pub ctx_on_helper: usize,
     /// What the context costs, for `/health`.
     pub footprint: Footprint,
     pub queue: Arc<Queue>,
@@ -539,6 +541,7 @@ async fn health(State(app): State<Arc<App>>) -> Response {
         "status": "ok",
         "queued": app.queue.load().waiting,
         "context_tokens": app.ctx,
+        "context_tokens_on_helper": app.ctx_on_helper,
         "kv_bytes_per_token": app.footprint.per_token,
         "state_bytes": app.footprint.fixed,
     }))
