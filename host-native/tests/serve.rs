@@ -397,7 +397,7 @@ fn a_helper_changes_no_token_and_keeps_the_conversation_too() {
     let on_helper = health["context_tokens_on_helper"].as_u64().unwrap();
     let per_token = health["kv_bytes_per_token"].as_u64().unwrap();
     assert!(
-        on_helper > 0 && on_helper % 16 == 0 && on_helper * per_token <= 1 << 30,
+        on_helper > 0 && on_helper.is_multiple_of(16) && on_helper * per_token <= 1 << 30,
         "{health}"
     );
 }
