@@ -203,7 +203,7 @@ fn pipelined(
     let mut x_last = model.embed(be, last)?;
     let mut last_head_done = false;
     // Replies taken off the link so far; a refused batch drains the rest.
-    let mut replied = 0usize;
+    let mut replies = Replies::new(model, &tail, start, head.len());
     let pipelined = (|| -> Result<()> {
         if let Some(rows) = sync_mirror(be, &model.config, state)? {
             report.synced_rows = rows;
@@ -221,12 +221,18 @@ fn pipelined(
                 residual: WireTensor::f32(vec![c.len(), model.config.hidden_size], x),
             };
             reqs.push(state.remote.as_mut().expect("checked above").send(&msg)?);
+            // Back-pressure: a helper slower than the host holds a bounded queue.
+            while reqs.len() - replies.taken > MAX_IN_FLIGHT {
+                replies.take(be, state, reqs[replies.taken], head[replies.taken].len())?;
+            }
         }
         // The host's share of the last ubatch overlaps the helper's work on the ones before.
         model.run_layers(be, state, &mut x_last, at(head.len()), 0..tail.start, None)?;
         last_head_done = true;
-        let lens: Vec<usize> = head.iter().map(|c| c.len()).collect();
-        collect(model, be, state, &reqs, &lens, start, &tail, &mut replied)
+        while replies.taken < reqs.len() {
+            replies.take(be, state, reqs[replies.taken], head[replies.taken].len())?;
+        }
+        replies.finish(be, state)
     })();
     match pipelined {
         Ok(()) => {
@@ -241,7 +247,7 @@ fn pipelined(
             // cut its mirror back to the batch start, and keep it. Anything else: it is gone.
             let kept = matches!(e, Error::Refused { .. })
                 && state.remote.as_mut().is_some_and(|client| {
-                    reqs[replied.min(reqs.len())..]
+                    reqs[replies.taken.min(reqs.len())..]
                         .iter()
                         .all(|&r| !matches!(client.reply(r), Err(Error::Remote(_))))
                         && client.truncate(start).is_ok()
@@ -414,35 +420,51 @@ impl ChunkPayload {
     }
 }
 
-/// Apply the helper's replies, in order: each ubatch's KV rows of the tail's full layers, and
-/// after the last its DeltaNet states (applied only once every reply checked out), all moved
-/// into `be`.
-#[allow(clippy::too_many_arguments)]
-fn collect(
-    model: &Model,
-    be: &dyn Backend,
-    state: &mut State,
-    reqs: &[u32],
-    lens: &[usize],
-    start: usize,
-    tail: &std::ops::Range<usize>,
-    replied: &mut usize,
-) -> Result<()> {
-    let full = full_layers(model, tail);
-    let deltas: Vec<u32> = tail
-        .clone()
-        .filter(|&l| model.config.layer_types[l] == LayerKind::LinearAttention)
-        .map(|l| l as u32)
-        .collect();
-    let mut pos = start;
-    let mut final_states = None;
-    for (i, (&req, &len)) in reqs.iter().zip(lens).enumerate() {
+/// Ubatches of a pipelined batch sent to the helper and not yet answered, at most: the
+/// helper's queue (and the host's replies waiting to be read) stay bounded when the helper is
+/// the slower side; the host waits for the oldest reply before it sends more.
+const MAX_IN_FLIGHT: usize = 8;
+
+/// The helper's replies to a pipelined batch, applied in order as they come: each ubatch's KV
+/// rows of the tail's full layers, and after the last its DeltaNet states (applied only once
+/// every reply checked out), all moved into `be`.
+struct Replies {
+    full: Vec<usize>,
+    deltas: Vec<u32>,
+    tail: Range<usize>,
+    /// The position of the next reply's first row.
+    pos: usize,
+    /// Ubatches sent; replies taken off the link so far (bad ones included).
+    sent: usize,
+    taken: usize,
+    final_states: Option<(Vec<u32>, Vec<(WireTensor, WireTensor)>)>,
+}
+
+impl Replies {
+    fn new(model: &Model, tail: &Range<usize>, start: usize, sent: usize) -> Replies {
+        Replies {
+            full: full_layers(model, tail),
+            deltas: tail
+                .clone()
+                .filter(|&l| model.config.layer_types[l] == LayerKind::LinearAttention)
+                .map(|l| l as u32)
+                .collect(),
+            tail: tail.clone(),
+            pos: start,
+            sent,
+            taken: 0,
+            final_states: None,
+        }
+    }
+
+    /// Take the reply to request `req`, an ubatch of `len` rows, and append its KV rows.
+    fn take(&mut self, be: &dyn Backend, state: &mut State, req: u32, len: usize) -> Result<()> {
         let reply = state
             .remote
             .as_mut()
             .expect("a helper is attached")
             .reply(req);
-        *replied += 1;
+        self.taken += 1;
         let reply = reply?;
         let Message::ChunkState {
             pos: p,
@@ -455,16 +477,20 @@ fn collect(
         else {
             return Err(unexpected("ChunkState", &reply));
         };
+        let (pos, full) = (self.pos, &self.full);
         let layers: Vec<usize> = kv_layers.iter().map(|&l| l as usize).collect();
-        if p as usize != pos || layers != full {
+        if p as usize != pos || &layers != full {
             return Err(Error::Remote(format!(
                 "chunk state for position {p} and layers {layers:?}, expected {pos} and {full:?}"
             )));
         }
         let rows = kv.first().map_or(len, |(k, _)| k.shape[0]);
         // Only the batch's last reply carries states, all of the tail's DeltaNet layers.
-        let last = i + 1 == reqs.len();
-        if rows != len || (last && delta_layers != deltas) || (!last && !delta_layers.is_empty()) {
+        let last = self.taken == self.sent;
+        if rows != len
+            || (last && delta_layers != self.deltas)
+            || (!last && !delta_layers.is_empty())
+        {
             return Err(Error::Remote(format!(
                 "chunk state at {pos}: {rows} rows (expected {len}) and DeltaNet layers {delta_layers:?}"
             )));
@@ -481,37 +507,44 @@ fn collect(
             }
             cache.append(be, &be.upload(k.data), &be.upload(v.data));
         }
-        pos += rows;
+        self.pos += rows;
         if last {
-            final_states = Some((delta_layers, states));
+            self.final_states = Some((delta_layers, states));
         }
+        Ok(())
     }
-    let (ids, states) =
-        final_states.ok_or_else(|| Error::Remote("the helper sent no DeltaNet states".into()))?;
-    let mut checked = Vec::with_capacity(ids.len());
-    for (&l, (s, conv)) in ids.iter().zip(states) {
-        match state.layers.get(l as usize) {
-            Some(LayerState::DeltaNet(d))
-                if tail.contains(&(l as usize))
-                    && d.s.len() == s.data.len()
-                    && d.conv.len() == conv.data.len() =>
-            {
-                checked.push((l as usize, s.data, conv.data))
+
+    /// Check and apply the DeltaNet states the last reply carried.
+    fn finish(&mut self, be: &dyn Backend, state: &mut State) -> Result<()> {
+        let (ids, states) = self
+            .final_states
+            .take()
+            .ok_or_else(|| Error::Remote("the helper sent no DeltaNet states".into()))?;
+        let mut checked = Vec::with_capacity(ids.len());
+        for (&l, (s, conv)) in ids.iter().zip(states) {
+            match state.layers.get(l as usize) {
+                Some(LayerState::DeltaNet(d))
+                    if self.tail.contains(&(l as usize))
+                        && d.s.len() == s.data.len()
+                        && d.conv.len() == conv.data.len() =>
+                {
+                    checked.push((l as usize, s.data, conv.data))
+                }
+                _ => {
+                    return Err(Error::Remote(format!(
+                        "DeltaNet state for layer {l} does not fit"
+                    )))
+                }
             }
-            _ => {
-                return Err(Error::Remote(format!(
-                    "DeltaNet state for layer {l} does not fit"
-                )))
+        }
+        for (l, s, conv) in checked {
+            if let LayerState::DeltaNet(d) = &mut state.layers[l] {
+                d.s = be.upload(s);
+                d.conv = be.upload(conv);
             }
         }
+        Ok(())
     }
-    for (l, s, conv) in checked {
-        if let LayerState::DeltaNet(d) = &mut state.layers[l] {
-            d.s = be.upload(s);
-            d.conv = be.upload(conv);
-        }
-    }
-    Ok(())
 }
 
 /// The least a link can carry, in tensor bytes (f32), for the traffic a split causes; the

@@ -170,11 +170,14 @@ pub fn page_file() -> engine_core::page_file::PageFile {
 
 /// A link that dies after a fixed number of operations (sends and receives): a helper
 /// unplugged at a chosen point of a sequence, the same point on every run. The inner link is
-/// dropped then, so the helper sees it close too. `ops` counts what went through.
+/// dropped then, so the helper sees it close too. `ops` counts what went through; `peak` is
+/// the most frames sent and not yet matched by a frame received (requests in flight).
 pub struct Fuse<L: Link> {
     inner: Option<L>,
     left: usize,
     pub ops: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    in_flight: usize,
+    pub peak: std::sync::Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl<L: Link> Fuse<L> {
@@ -184,6 +187,8 @@ impl<L: Link> Fuse<L> {
             inner: Some(link),
             left: ops,
             ops: Default::default(),
+            in_flight: 0,
+            peak: Default::default(),
         }
     }
 
@@ -202,18 +207,28 @@ impl<L: Link> Fuse<L> {
 
 impl<L: Link> Link for Fuse<L> {
     fn send(&mut self, frame: Vec<u8>) -> Result<(), engine_core::link::LinkError> {
-        self.live()?.send(frame)
+        self.live()?.send(frame)?;
+        self.in_flight += 1;
+        self.peak
+            .fetch_max(self.in_flight, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
     }
 
     fn recv(&mut self) -> Result<Vec<u8>, engine_core::link::LinkError> {
-        self.live()?.recv()
+        let frame = self.live()?.recv()?;
+        self.in_flight = self.in_flight.saturating_sub(1);
+        Ok(frame)
     }
 
     fn recv_timeout(
         &mut self,
         timeout: std::time::Duration,
     ) -> Result<Option<Vec<u8>>, engine_core::link::LinkError> {
-        self.live()?.recv_timeout(timeout)
+        let frame = self.live()?.recv_timeout(timeout)?;
+        if frame.is_some() {
+            self.in_flight = self.in_flight.saturating_sub(1);
+        }
+        Ok(frame)
     }
 
     fn sender(&self) -> Box<dyn engine_core::link::LinkSender> {

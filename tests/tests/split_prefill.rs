@@ -368,3 +368,62 @@ fn interleaved_prefill_past_the_threshold_is_bit_identical() {
         });
     }
 }
+
+/// A link whose receiving end takes 2 ms per frame: a helper slower than its host.
+struct Slow(MemoryLink);
+
+impl Link for Slow {
+    fn send(&mut self, frame: Vec<u8>) -> Result<(), engine_core::link::LinkError> {
+        self.0.send(frame)
+    }
+
+    fn recv(&mut self) -> Result<Vec<u8>, engine_core::link::LinkError> {
+        std::thread::sleep(std::time::Duration::from_millis(2));
+        self.0.recv()
+    }
+
+    fn recv_timeout(
+        &mut self,
+        timeout: std::time::Duration,
+    ) -> Result<Option<Vec<u8>>, engine_core::link::LinkError> {
+        std::thread::sleep(std::time::Duration::from_millis(2));
+        self.0.recv_timeout(timeout)
+    }
+
+    fn sender(&self) -> Box<dyn engine_core::link::LinkSender> {
+        self.0.sender()
+    }
+}
+
+/// A host faster than its helper does not queue a whole prompt's ubatches on it: it waits
+/// for the oldest reply once 8 are in flight, and the result is the same bits.
+#[test]
+fn a_slow_helper_is_sent_a_bounded_window_of_ubatches() {
+    let m = model("tiny_fp32_T150");
+    let prompt = Reference::load("tiny_fp32_T150").ids("prompt_ids");
+    let plan = SplitPlan {
+        min_tokens: 20,
+        ubatch: 4,
+        ..SplitPlan::default()
+    };
+    let (want, _) = prefill(&m, &CpuBackend, &mut m.new_state(16), &prompt, &plan).unwrap();
+    std::thread::scope(|scope| {
+        let (host_end, helper_end) = pair();
+        scope.spawn(|| {
+            let opts = HelperOptions {
+                mem_budget: 1 << 30,
+                max_frame: DEFAULT_MAX_FRAME,
+            };
+            Helper::new(&m, &CpuBackend, opts).serve(&mut Slow(helper_end));
+        });
+        let link = tests::Fuse::new(host_end, usize::MAX);
+        let peak = link.peak.clone();
+        let mut st = m.new_state(16);
+        attach(&m, &mut st, link, 4, 16, None);
+        let (got, report) = prefill(&m, &CpuBackend, &mut st, &prompt, &plan).unwrap();
+        assert!(report.on_helper > 30, "{report:?}");
+        assert!(got == want, "logits differ from the host alone's");
+        let peak = peak.load(std::sync::atomic::Ordering::Relaxed);
+        assert!((2..=9).contains(&peak), "{peak} requests in flight at once");
+    });
+}
