@@ -437,8 +437,11 @@ struct Replies {
     /// Ubatches sent; replies taken off the link so far (bad ones included).
     sent: usize,
     taken: usize,
-    final_states: Option<(Vec<u32>, Vec<(WireTensor, WireTensor)>)>,
+    final_states: Option<DeltaStates>,
 }
+
+/// DeltaNet layers and their (recurrent, conv) states, as a reply carries them.
+type DeltaStates = (Vec<u32>, Vec<(WireTensor, WireTensor)>);
 
 impl Replies {
     fn new(model: &Model, tail: &Range<usize>, start: usize, sent: usize) -> Replies {
