@@ -1278,3 +1278,51 @@ fn an_engine_panic_fails_its_request_and_the_engine_restarts() {
     let (status, health) = s.get("/health");
     assert_eq!(status, 200, "{health}");
 }
+
+/// Clients that open a connection and then stall (send nothing, half a request head, half a
+/// body) are cut off: 10 s for a head, 60 s and a 408 for a body; the server answers
+/// everyone else meanwhile.
+#[test]
+fn stalled_connections_are_closed_and_others_are_served() {
+    use std::io::{Read, Write};
+    let s = Server::start("tiny", &[]);
+    let addr = s.base.trim_start_matches("http://").to_string();
+    let stall = |sent: &'static [u8]| {
+        let addr = addr.clone();
+        std::thread::spawn(move || {
+            let mut c = std::net::TcpStream::connect(addr).unwrap();
+            c.set_read_timeout(Some(std::time::Duration::from_secs(120)))
+                .unwrap();
+            c.write_all(sent).unwrap();
+            let t0 = std::time::Instant::now();
+            let mut answer = Vec::new();
+            let _ = c.read_to_end(&mut answer);
+            (
+                t0.elapsed().as_secs_f64(),
+                String::from_utf8_lossy(&answer).into_owned(),
+            )
+        })
+    };
+    let nothing = stall(b"");
+    let half_head = stall(b"GET /health HTTP/1.1\r\nHost: x\r\n");
+    let half_body = stall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n\
+          content-length: 100\r\n\r\n{\"prompt\":",
+    );
+    let (status, _) = s.get("/health");
+    assert_eq!(status, 200, "the server answers while others stall");
+    for (name, t, within) in [
+        ("nothing", nothing, 9.0..20.0),
+        ("half a head", half_head, 9.0..20.0),
+    ] {
+        let (secs, answer) = t.join().unwrap();
+        assert!(within.contains(&secs), "{name}: closed after {secs} s");
+        assert!(answer.is_empty(), "{name}: {answer}");
+    }
+    let (secs, answer) = half_body.join().unwrap();
+    assert!(
+        (59.0..90.0).contains(&secs),
+        "half a body: closed after {secs} s"
+    );
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+}

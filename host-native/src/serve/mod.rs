@@ -10,6 +10,7 @@
 //! endpoints, limits, queueing, reuse and metrics.
 
 mod api;
+mod connections;
 mod conversation;
 mod cross_site;
 mod engine;
@@ -262,8 +263,7 @@ pub fn run(a: Args) -> Result<()> {
             load.budget >> 20,
             a.timeout
         );
-        axum::serve(listener, routes::router(app))
-            .with_graceful_shutdown(shutdown_signal())
+        connections::serve(listener, routes::router(app), shutdown_signal())
             .await
             .context("serving HTTP")
     })?;

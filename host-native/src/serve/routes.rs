@@ -24,6 +24,7 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 use tokio::sync::Semaphore;
 
 use super::api::{self, ApiError, ChatRequest, CompletionRequest, Prompt, Settings};
+use super::connections;
 use super::cross_site::{self, Cors};
 use super::memory::{self, Footprint};
 use super::metrics::Metrics;
@@ -77,6 +78,10 @@ pub fn router(app: Arc<App>) -> Router {
                 "this endpoint does not take that method",
             )
         })
+        // Innermost: a body is read only once it is known to be JSON, and counted.
+        .layer(middleware::from_fn(|req, next| {
+            connections::body_in_time(MAX_BODY, req, next)
+        }))
         .layer(middleware::from_fn(cross_site::require_json))
         .layer(middleware::from_fn_with_state(app.clone(), count))
         .layer(DefaultBodyLimit::max(MAX_BODY))
