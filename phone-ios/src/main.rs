@@ -3,9 +3,11 @@
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
+use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
+use engine_core::link::idle::IdleLink;
 use engine_core::link::keys::{config_dir, short, KeyStore, Keypair, PairingCode, PublicKey};
 use engine_core::link::secure::{self, wire_limit, Accepted, Gate};
 use engine_core::link::ws::{Pending, WsListener};
@@ -52,6 +54,11 @@ struct Args {
     /// (unlimited), as the host's --link shapes what it sends: both for both directions.
     #[arg(long, default_value = "unlimited")]
     link: String,
+    /// End a host's session after this many seconds without a request (keep-alives do not
+    /// count), so a connected but idle host does not hold this helper from others; 0: never.
+    /// A host that needs the helper again reconnects (and re-fills it from its page file).
+    #[arg(long, default_value_t = 900, value_name = "SECS")]
+    idle_timeout: u64,
     #[command(flatten)]
     synth: SynthOptions,
     #[command(flatten)]
@@ -169,6 +176,8 @@ struct Doors {
     addr: SocketAddr,
     /// How this helper's sending direction is shaped (--link).
     profile: LinkProfile,
+    /// --idle-timeout, if any.
+    idle: Option<Duration>,
 }
 
 impl Doors {
@@ -207,6 +216,7 @@ impl Doors {
             serving: Mutex::new(None),
             addr: listener.local_addr(),
             profile,
+            idle: (a.idle_timeout > 0).then(|| Duration::from_secs(a.idle_timeout)),
         };
         Ok(doors)
     }
@@ -238,7 +248,13 @@ impl Doors {
     fn session(&self, helper: &Helper, pending: Pending) -> bool {
         let peer = pending.peer_addr();
         let mut link = match pending.upgrade().and_then(|ws| self.let_in(ws, peer)) {
-            Ok(link) => ShapedLink::new(link, self.profile.clone()),
+            Ok(link) => {
+                let link: Box<dyn Link> = match self.idle {
+                    Some(idle) => Box::new(IdleLink::new(link, idle)),
+                    None => Box::new(link),
+                };
+                ShapedLink::new(link, self.profile.clone())
+            }
             Err(e) => {
                 eprintln!("{peer}: {e}");
                 return false;

@@ -403,3 +403,52 @@ fn an_unknown_link_profile_is_an_error_naming_the_known_ones() {
         "{err}"
     );
 }
+
+/// A host that stays connected but sends no request for `--idle-timeout` seconds is let go:
+/// a second host gets in at once, and the first goes on from its page file, with the tokens
+/// it would have had.
+#[test]
+fn an_idle_host_is_let_go_and_another_gets_in() {
+    let dir = fixtures_dir().join("tiny_fp32");
+    let m = Model::load_dir(&dir).unwrap();
+    let keys = key_dir("idle");
+    let helper = HelperProcess::start_args(
+        dir.to_str().unwrap(),
+        &keys,
+        &["--pair-new", "--idle-timeout", "1"],
+        true,
+    );
+    let prompt: Vec<u32> = (0..40).collect();
+    let want = generate(&m, &mut m.new_state(8), &prompt, 4).unwrap();
+    let mut st = m.new_state(8);
+    st.spill = Some(tests::page_file());
+    helper.attach(&m, &mut st, 8, 8);
+    let mut logits = m
+        .forward(&CpuBackend, &mut st, &prompt, Logits::Last, None)
+        .unwrap();
+    assert!(st.remote_kv_len() > 0);
+    std::thread::sleep(std::time::Duration::from_millis(2500));
+    let cfg = Configure {
+        first_layer: 0,
+        end_layer: 0,
+        page_size: 8,
+    };
+    let code = helper.code.clone().unwrap();
+    let second = helper
+        .dial(&Keypair::generate(), Dial::Pair(&code))
+        .unwrap();
+    HelperClient::connect(Box::new(second), &m, cfg, DEFAULT_MAX_FRAME)
+        .expect("the idle host no longer holds the helper");
+    let (mut ids, mut all) = (Vec::new(), Vec::new());
+    for _ in 0..4 {
+        let next = engine_core::generate::argmax(&logits);
+        ids.push(next);
+        all.extend_from_slice(&logits);
+        logits = m
+            .forward(&CpuBackend, &mut st, &[next], Logits::Last, None)
+            .unwrap();
+    }
+    assert!(st.helper_lost.is_some(), "the first host saw no loss");
+    assert!((ids, all) == want, "the first host's tokens changed");
+    let _ = std::fs::remove_dir_all(keys);
+}

@@ -3,6 +3,7 @@
 //! so the same engine code runs over an in-process pair in tests, a shaped link in benchmarks
 //! and a WebSocket in production.
 
+pub mod idle;
 #[cfg(all(feature = "secure", not(target_arch = "wasm32")))]
 pub mod keys;
 pub mod memory;
