@@ -134,14 +134,7 @@ impl HelperArgs {
                  pairing code it shows with --pair CODE (once)"
             );
         };
-        let (link, key) = secure::connect(open()?, store.keypair(), Dial::Pair(code))?;
-        let key = key.context("the helper gave no key")?;
-        store.add(url, &key)?;
-        eprintln!(
-            "paired with the helper at {url} (key {}); later connections need no --pair",
-            short(&key)
-        );
-        Ok(link)
+        pair_with(url, open()?, &mut store, code)
     }
 
     /// Configure the helper at the other end of `link` and attach it to `state`.
@@ -252,6 +245,35 @@ impl HelperArgs {
             }
         }
     }
+}
+
+/// `tether pair URL CODE`: pair with the helper at `url` by the code it shows and remember
+/// its key, so later commands need no `--pair`.
+pub fn pair(url: &str, code: &str) -> Result<()> {
+    let dir = config_dir()?;
+    let mut store =
+        KeyStore::open(&dir, "host").with_context(|| format!("keys in {}", dir.display()))?;
+    let ws = ws::connect(url, wire_limit(DEFAULT_MAX_FRAME))
+        .with_context(|| format!("connecting to the helper at {url}"))?;
+    pair_with(url, ws, &mut store, code)?;
+    Ok(())
+}
+
+/// Pair over `ws` (the helper at `url`) by `code`; remember the helper's key in `store`.
+fn pair_with(
+    url: &str,
+    ws: WsLink,
+    store: &mut KeyStore,
+    code: &str,
+) -> Result<SecureLink<WsLink>> {
+    let (link, key) = secure::connect(ws, store.keypair(), Dial::Pair(code))?;
+    let key = key.context("the helper gave no key")?;
+    store.add(url, &key)?;
+    eprintln!(
+        "paired with the helper at {url} (key {}); later connections need no --pair",
+        short(&key)
+    );
+    Ok(link)
 }
 
 /// A link profile by name, for `--link`.

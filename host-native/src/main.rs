@@ -40,6 +40,16 @@ enum Command {
     Synth(SynthArgs),
     /// Explain what would run where for a context, and what it costs on the link.
     Plan(PlanArgs),
+    /// Pair with a tether-helper by the code it shows; later commands need no --pair.
+    Pair(PairArgs),
+}
+
+#[derive(clap::Args)]
+struct PairArgs {
+    /// The helper: ws://HOST:PORT.
+    url: String,
+    /// The pairing code it shows (123-456 or 123456).
+    code: String,
 }
 
 #[derive(clap::Args)]
@@ -94,6 +104,7 @@ fn main() {
         Command::Bench(a) => bench::run(a),
         Command::Synth(a) => synth(a),
         Command::Plan(a) => plan(a),
+        Command::Pair(a) => helper::pair(&a.url, &a.code),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

@@ -1326,3 +1326,45 @@ fn stalled_connections_are_closed_and_others_are_served() {
     );
     assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
 }
+
+/// `tether pair URL CODE` pairs once; later commands reach the helper with no code, and a
+/// wrong code is refused clearly.
+#[test]
+fn tether_pair_remembers_the_helper_for_later_commands() {
+    let h = start_helper();
+    let keys = std::env::temp_dir().join(format!("tether-pair-cmd-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&keys);
+    let tether = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_tether"))
+            .args(args)
+            .env("TETHER_CONFIG_DIR", &keys)
+            .output()
+            .unwrap()
+    };
+    let wrong = tether(&["pair", &h.url, "000-000"]);
+    let err = String::from_utf8_lossy(&wrong.stderr);
+    assert!(
+        !wrong.status.success() && err.contains("wrong pairing code"),
+        "{err}"
+    );
+    let paired = tether(&["pair", &h.url, &h.code]);
+    let err = String::from_utf8_lossy(&paired.stderr);
+    assert!(
+        paired.status.success() && err.contains("paired with the helper"),
+        "{err}"
+    );
+    let run = tether(&[
+        "run",
+        "--model",
+        "tiny",
+        "--prompt",
+        "hello",
+        "--max-tokens",
+        "3",
+        "--helper",
+        &h.url,
+    ]);
+    let err = String::from_utf8_lossy(&run.stderr);
+    assert!(run.status.success(), "{err}");
+    let _ = std::fs::remove_dir_all(keys);
+}
