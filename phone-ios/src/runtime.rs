@@ -5,9 +5,11 @@
 //!
 //! A frame that does not decode gets an `Error` frame and ends the session (the peer is not
 //! speaking our protocol); a well-formed request that cannot be served (wrong layer, rows out
-//! of order, over the memory budget) gets an `Error` reply and the session goes on with all
-//! stored state intact.
+//! of order, over the memory budget, a reply past the frame limit) gets an `Error` reply and
+//! the session goes on with all stored state intact. Every size a host sends is checked
+//! against those limits before anything is allocated or computed for it.
 
+use std::collections::btree_map::Entry;
 use std::collections::BTreeMap;
 use std::ops::Range;
 use std::sync::{Arc, Mutex};
@@ -20,7 +22,7 @@ use engine_core::protocol::{
     decode, encode, Configure, Intro, Message, MsgType, Role, WireTensor, PROTOCOL_VERSION,
 };
 use engine_core::split::ChunkPayload;
-use engine_core::{LayerKind, Model, State};
+use engine_core::{LayerKind, Model, ModelConfig, State};
 
 /// Sequences one host may keep on this helper at once.
 const MAX_SEQS: usize = 64;
@@ -29,8 +31,10 @@ const MAX_SEQS: usize = 64;
 const REPLY_SLACK: usize = 4096;
 
 pub struct HelperOptions {
-    /// Bytes of KV pages and DeltaNet state (of the assigned layers, per sequence) this helper
-    /// keeps at most.
+    /// Bytes this helper holds at most for one host: KV pages (whole, as allocated), DeltaNet
+    /// state (of the assigned layers, per sequence), and while a prefill chunk runs its
+    /// activations and reply. Other replies are bounded by the frame limit instead, so a
+    /// helper whose pages fill its budget still answers queries over them.
     pub mem_budget: u64,
     pub max_frame: usize,
 }
@@ -77,6 +81,9 @@ struct Session {
     /// mirror of its prefill layers) and, for those layers, the DeltaNet state.
     seqs: BTreeMap<u64, State>,
     counters: BTreeMap<String, u64>,
+    /// The frame limit both sides announced: a reply past it would be refused by the host, so
+    /// none is computed.
+    max_frame: usize,
 }
 
 impl Session {
@@ -94,6 +101,7 @@ impl Session {
         let delta: usize = self.seqs.values().map(State::delta_bytes).sum();
         counters.insert("kv_bytes".into(), kv as u64);
         counters.insert("delta_state_bytes".into(), delta as u64);
+        counters.insert("held_bytes".into(), held_bytes(&self.seqs));
         Message::Stats(counters)
     }
 }
@@ -108,11 +116,37 @@ struct MirrorSync {
     states: Vec<(WireTensor, WireTensor)>,
 }
 
-/// Memory the budget covers: KV rows and the DeltaNet states of the assigned layers.
+/// Memory held between requests: KV pages, counted whole since a page is allocated at its full
+/// size with its first row (`PagedKv::append`), and DeltaNet states.
 fn held_bytes(seqs: &BTreeMap<u64, State>) -> u64 {
     seqs.values()
-        .map(|s| (s.kv_bytes() + s.delta_bytes()) as u64)
+        .map(|s| {
+            let pages: usize = s
+                .layers
+                .iter()
+                .map(|l| match l {
+                    LayerState::Attention(kv) => kv.pages().len() * page_bytes(kv),
+                    LayerState::DeltaNet(_) | LayerState::Elsewhere => 0,
+                })
+                .sum();
+            (pages + s.delta_bytes()) as u64
+        })
         .sum()
+}
+
+fn page_bytes(kv: &PagedKv) -> usize {
+    kv.page_size() * kv.row_width() * 2 * F32
+}
+
+const F32: usize = std::mem::size_of::<f32>();
+
+/// What a request would add to the memory this helper holds, checked against the budget before
+/// anything is allocated.
+struct Cost {
+    /// New KV pages, kept after the reply.
+    pages: u64,
+    /// A prefill chunk's activations and reply, freed once it is sent.
+    work: u64,
 }
 
 /// A request that cannot be served: the reply is an Error frame with this code and message.
@@ -184,6 +218,7 @@ impl<'a> Helper<'a> {
             layers: None,
             seqs: BTreeMap::new(),
             counters: BTreeMap::new(),
+            max_frame: self.opts.max_frame,
         };
         let mut greeted = false;
         loop {
@@ -219,6 +254,7 @@ impl<'a> Helper<'a> {
                             return refuse(link, req, "model", why);
                         }
                         greeted = true;
+                        s.max_frame = s.max_frame.min(intro.max_frame as usize);
                         if send(link, req, Message::Welcome(self.intro())).is_err() {
                             return SessionEnd::Closed("while sending Welcome".into());
                         }
@@ -332,20 +368,58 @@ impl<'a> Helper<'a> {
         Ok(Message::Ack)
     }
 
-    /// The bytes of KV rows a request adds (`rows` in each of `layers` layers), if they fit the
-    /// budget beside what the session holds; a new sequence then checks its DeltaNet state on
-    /// top of them (`seq_state`).
-    fn charge_rows(&self, s: &Session, rows: usize, layers: usize) -> Result<u64, Refusal> {
-        let c = &self.model().config;
-        let bytes = (rows * layers * c.num_key_value_heads * c.head_dim * 8) as u64;
+    /// Refuses `what` when its `cost`, with a new sequence's DeltaNet state, does not fit the
+    /// budget beside what the session holds.
+    fn check_budget(
+        &self,
+        s: &Session,
+        seq: u64,
+        cfg: &Configure,
+        what: &str,
+        cost: Cost,
+    ) -> Result<(), Refusal> {
         let (used, budget) = (held_bytes(&s.seqs), self.opts.mem_budget);
-        if used + bytes > budget {
-            return Err(Refusal(
-                "memory",
-                format!("{used} + {bytes} bytes exceeds this helper's budget of {budget}"),
-            ));
+        let runs = cfg.first_layer as usize..cfg.end_layer as usize;
+        let state = match s.seqs.contains_key(&seq) {
+            true => 0,
+            false => State::delta_bytes_for(&self.model().config, runs.clone()) as u64,
+        };
+        let need = [state, cost.pages, cost.work]
+            .into_iter()
+            .fold(used, u64::saturating_add);
+        if need <= budget {
+            return Ok(());
         }
-        Ok(bytes)
+        let new = match state {
+            0 => String::new(),
+            _ => format!(
+                " (sequence {seq} is new here and needs {state} bytes of DeltaNet state for \
+                 layers {runs:?})"
+            ),
+        };
+        Err(Refusal(
+            "memory",
+            format!(
+                "{what}{new} needs {} bytes of new KV pages and {} bytes of working memory; \
+                 {used} of this helper's budget of {budget} bytes are in use",
+                cost.pages, cost.work
+            ),
+        ))
+    }
+
+    /// Bytes of the KV pages that `layers` of `seq` must add to hold positions up to `end`.
+    fn page_growth(&self, s: &Session, cfg: &Configure, seq: u64, layers: &[u32], end: u64) -> u64 {
+        let c = &self.model().config;
+        let page = u64::from(cfg.page_size);
+        let bytes = page * (c.num_key_value_heads * c.head_dim * 2 * F32) as u64;
+        let want = end.div_ceil(page);
+        layers
+            .iter()
+            .map(|&l| {
+                let held = s.seqs.get(&seq).map_or(0, |st| kv_pages(st, l)) as u64;
+                want.saturating_sub(held).saturating_mul(bytes)
+            })
+            .fold(0, u64::saturating_add)
     }
 
     /// A KV page the host hands over: stored with its page boundaries.
@@ -378,16 +452,18 @@ impl<'a> Helper<'a> {
                 ),
             ));
         }
-        let adds = self.charge_rows(s, rows, 1)?;
-        let st = self.seq_state(&mut s.seqs, seq, &cfg, adds)?;
+        check_continues(layer, start, held_kv(s, seq, layer).map_or(0, PagedKv::len))?;
+        let pages = self.page_growth(s, &cfg, seq, &[layer], start + rows as u64);
+        let cost = Cost { pages, work: 0 };
+        self.check_budget(s, seq, &cfg, &format!("a KV page at {start}"), cost)?;
+        let st = self.seq_state(&mut s.seqs, seq, &cfg)?;
         append_rows(
             self.backend,
             kv_of(st, layer)?,
-            layer,
             start as usize,
             k.data,
             v.data,
-        )?;
+        );
         Ok(Message::Ack)
     }
 
@@ -437,7 +513,15 @@ impl<'a> Helper<'a> {
             .filter(|p| (p.start as u64) < end)
             .collect();
         let rows = positions.len() * shape.q_heads;
-        self.check_partials_fit(pages.len(), rows, shape.head_dim)?;
+        // A small query over many pages asks for many partials: the reply must fit a frame,
+        // and nothing is computed (or allocated) for one that would not.
+        let reply = pages.len() * rows * (shape.head_dim + 2) * F32 + REPLY_SLACK;
+        check_reply(s, reply as u64, || {
+            format!(
+                "the partials of {} pages for {rows} query rows",
+                pages.len()
+            )
+        })?;
         let pos: Vec<usize> = positions.iter().map(|&p| p as usize).collect();
         let q = self.backend.upload(q.data);
         let parts = self.backend.attend_pages(shape, &q, &pos, &pages);
@@ -460,28 +544,6 @@ impl<'a> Helper<'a> {
             kv_heads: c.num_key_value_heads,
             head_dim: c.head_dim,
         }
-    }
-
-    /// A small query over many pages asks for many partials: the reply must fit a frame, and
-    /// nothing is computed (or allocated) for one that would not.
-    fn check_partials_fit(
-        &self,
-        pages: usize,
-        rows: usize,
-        head_dim: usize,
-    ) -> Result<(), Refusal> {
-        let reply = pages * rows * (head_dim + 2) * 4 + REPLY_SLACK;
-        if reply > self.opts.max_frame {
-            return Err(Refusal(
-                "size",
-                format!(
-                    "the partials of {pages} pages for {rows} query rows take {reply} bytes, \
-                     past the frame limit of {}",
-                    self.opts.max_frame
-                ),
-            ));
-        }
-        Ok(())
     }
 
     /// The host's residual rows at `pos` run through this helper's layers; the reply carries
@@ -514,9 +576,15 @@ impl<'a> Helper<'a> {
         }
         let rows = residual.shape[0];
         let full = self.full_layers(&cfg);
-        let adds = self.charge_rows(s, rows, full.len())?;
         check_mirror_at(s, seq, pos, &full)?;
-        let st = self.seq_state(&mut s.seqs, seq, &cfg, adds)?;
+        let (reply, work) = prefill_bytes(c, &cfg, pos, rows, want_state);
+        check_reply(s, reply, || {
+            format!("the KV rows and states of a {rows}-row chunk")
+        })?;
+        let pages = self.page_growth(s, &cfg, seq, &full, pos + rows as u64);
+        let what = format!("a prefill chunk of {rows} rows at {pos}");
+        self.check_budget(s, seq, &cfg, &what, Cost { pages, work })?;
+        let st = self.seq_state(&mut s.seqs, seq, &cfg)?;
         let mut x = self.backend.upload(residual.data);
         s.layers
             .as_deref()
@@ -548,11 +616,14 @@ impl<'a> Helper<'a> {
     fn on_chunk_state(&self, s: &mut Session, sync: MirrorSync) -> Result<Message, Refusal> {
         let cfg = s.configured(MsgType::ChunkState)?;
         let rows = self.check_sync(s, &cfg, &sync)?;
-        let adds = self.charge_rows(s, rows, sync.kv_layers.len())?;
-        let st = self.seq_state(&mut s.seqs, sync.seq, &cfg, adds)?;
+        let end = sync.pos + rows as u64;
+        let pages = self.page_growth(s, &cfg, sync.seq, &sync.kv_layers, end);
+        let what = format!("a mirror sync of rows {}..{end}", sync.pos);
+        self.check_budget(s, sync.seq, &cfg, &what, Cost { pages, work: 0 })?;
+        let st = self.seq_state(&mut s.seqs, sync.seq, &cfg)?;
         let pos = sync.pos as usize;
         for (&l, (k, v)) in sync.kv_layers.iter().zip(sync.kv) {
-            append_rows(self.backend, kv_of(st, l)?, l, pos, k.data, v.data)?;
+            append_rows(self.backend, kv_of(st, l)?, pos, k.data, v.data);
         }
         for (&l, (sv, conv)) in sync.delta_layers.iter().zip(sync.states) {
             if let LayerState::DeltaNet(d) = &mut st.layers[l as usize] {
@@ -595,14 +666,14 @@ impl<'a> Helper<'a> {
             ));
         }
         let (seq, pos) = (sync.seq, sync.pos);
-        let end = (pos as usize)
-            .checked_add(rows)
+        let end = pos
+            .checked_add(rows as u64)
             .ok_or_else(|| Refusal("order", format!("mirror position {pos} is out of range")))?;
         match s.seqs.get(&seq) {
             Some(st) => {
                 for &l in &sync.kv_layers {
                     let have = kv_len(st, l);
-                    if pos as usize > have || have > end {
+                    if pos > have as u64 || have as u64 > end {
                         return Err(Refusal(
                             "order",
                             format!("layer {l}: rows {pos}..{end} do not continue the {have} held"),
@@ -643,6 +714,10 @@ impl<'a> Helper<'a> {
         self.check_full_layer(layer)?;
         let kv = held_kv(s, seq, layer)?;
         let width = kv.row_width();
+        let reply = len
+            .saturating_mul((width * 2 * F32) as u64)
+            .saturating_add(REPLY_SLACK as u64);
+        check_reply(s, reply, || format!("{len} KV rows of layer {layer}"))?;
         let (k, v) = kv
             .rows(self.backend, start as usize, len as usize)
             .map_err(|e| Refusal("missing", e.to_string()))?;
@@ -656,40 +731,27 @@ impl<'a> Helper<'a> {
     }
 
     /// The state of sequence `seq`, made on first use with DeltaNet state for the assigned
-    /// layers only, which counts against the memory budget together with the `adds` bytes of
-    /// KV rows the request brings; at most `MAX_SEQS` per session, since every sequence costs
-    /// memory whether or not its pages arrive.
+    /// layers only (`check_budget` counted it); at most `MAX_SEQS` per session, since every
+    /// sequence costs memory whether or not its pages arrive.
     fn seq_state<'s>(
         &self,
         seqs: &'s mut BTreeMap<u64, State>,
         seq: u64,
         cfg: &Configure,
-        adds: u64,
     ) -> Result<&'s mut State, Refusal> {
-        if !seqs.contains_key(&seq) {
-            if seqs.len() >= MAX_SEQS {
-                return Err(Refusal(
-                    "memory",
-                    format!("this helper serves at most {MAX_SEQS} sequences per host"),
-                ));
+        let held = seqs.len();
+        match seqs.entry(seq) {
+            Entry::Occupied(st) => Ok(st.into_mut()),
+            Entry::Vacant(_) if held >= MAX_SEQS => Err(Refusal(
+                "memory",
+                format!("this helper serves at most {MAX_SEQS} sequences per host"),
+            )),
+            Entry::Vacant(new) => {
+                let runs = cfg.first_layer as usize..cfg.end_layer as usize;
+                let c = &self.model().config;
+                Ok(new.insert(State::for_layers(c, cfg.page_size as usize, runs)))
             }
-            let c = &self.model().config;
-            let runs = cfg.first_layer as usize..cfg.end_layer as usize;
-            let need = State::delta_bytes_for(c, runs.clone()) as u64;
-            let (used, budget) = (held_bytes(seqs), self.opts.mem_budget);
-            if used + adds + need > budget {
-                return Err(Refusal(
-                    "memory",
-                    format!(
-                        "sequence {seq} needs {need} bytes of DeltaNet state for layers {runs:?} \
-                         and {adds} of KV rows; {used} of this helper's budget of {budget} are \
-                         in use"
-                    ),
-                ));
-            }
-            seqs.insert(seq, State::for_layers(c, cfg.page_size as usize, runs));
         }
-        Ok(seqs.get_mut(&seq).expect("made above"))
     }
 
     fn check_full_layer(&self, layer: u32) -> Result<(), Refusal> {
@@ -708,6 +770,44 @@ impl<'a> Helper<'a> {
             )),
         }
     }
+}
+
+/// What a prefill chunk of `rows` rows at `pos` through `cfg`'s layers costs besides the KV
+/// pages it adds: (the bytes of its reply, its working memory). The working memory is
+/// estimated from above from the config, in f32: per row the residual and its per-layer
+/// copies, a full-attention layer's projections, a DeltaNet layer's inputs and output and
+/// the MLP's intermediate vectors (all counted although layers run one at a time); the
+/// attention partials of every page the rows see, held together until they merge; and the
+/// reply twice, read back from the backend and then encoded.
+pub fn prefill_bytes(
+    c: &ModelConfig,
+    cfg: &Configure,
+    pos: u64,
+    rows: usize,
+    want_state: bool,
+) -> (u64, u64) {
+    let (nh, hd) = (c.num_attention_heads, c.head_dim);
+    let kv_width = c.num_key_value_heads * hd;
+    let attention = 5 * nh * hd + 2 * kv_width;
+    let deltanet = 3 * c.conv_dim() + 2 * c.linear_value_dim() + 2 * c.linear_num_value_heads;
+    let per_row = 4 * c.hidden_size + attention + deltanet + 3 * c.intermediate_size;
+    let rows = rows as u64;
+    let pages_seen = (pos + rows).div_ceil(u64::from(cfg.page_size.max(1)));
+    let partials = rows * (nh * (hd + 2)) as u64 * (pages_seen + 1);
+    let count = |kind| {
+        (cfg.first_layer..cfg.end_layer)
+            .filter(|&l| c.layer_types.get(l as usize) == Some(&kind))
+            .count() as u64
+    };
+    let (s_len, conv_len) = c.delta_state_len();
+    let states = match want_state {
+        true => count(LayerKind::LinearAttention) * ((s_len + conv_len) * F32) as u64,
+        false => 0,
+    };
+    let kv_rows = rows * count(LayerKind::FullAttention) * (kv_width * 2 * F32) as u64;
+    let reply = kv_rows + states + REPLY_SLACK as u64;
+    let work = (rows * per_row as u64 + partials) * F32 as u64 + 2 * reply;
+    (reply, work)
 }
 
 /// The paged KV of a full-attention layer.
@@ -775,29 +875,50 @@ fn on_kv_truncate(s: &mut Session, seq: u64, len: u64) -> Result<Message, Refusa
 }
 
 /// Append rows for positions `start ..` (from the link) into `be`, skipping the ones already
-/// held (the mirror may have computed rows the host later hands over as a page).
-fn append_rows(
-    be: &dyn Backend,
-    kv: &mut PagedKv,
-    layer: u32,
-    start: usize,
-    mut k: Vec<f32>,
-    mut v: Vec<f32>,
-) -> Result<(), Refusal> {
+/// held (the mirror may have computed rows the host later hands over as a page). The caller
+/// checked that they leave no gap (`check_continues`).
+fn append_rows(be: &dyn Backend, kv: &mut PagedKv, start: usize, mut k: Vec<f32>, mut v: Vec<f32>) {
     let width = kv.row_width();
     let rows = k.len() / width;
-    let have = kv.len();
-    if start > have {
+    let skip = kv.len().saturating_sub(start).min(rows);
+    k.drain(..skip * width);
+    v.drain(..skip * width);
+    kv.append(be, &be.upload(k), &be.upload(v));
+}
+
+/// A reply of `bytes` must fit the frame limit; nothing is computed for one that would not.
+fn check_reply(s: &Session, bytes: u64, what: impl FnOnce() -> String) -> Result<(), Refusal> {
+    if bytes > s.max_frame as u64 {
+        return Err(Refusal(
+            "size",
+            format!(
+                "{} take {bytes} bytes, past the frame limit of {}",
+                what(),
+                s.max_frame
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Rows arriving for positions `start ..` of `layer` must not leave a gap after the `have`
+/// held.
+fn check_continues(layer: u32, start: u64, have: usize) -> Result<(), Refusal> {
+    if start > have as u64 {
         return Err(Refusal(
             "order",
             format!("layer {layer}: rows at {start} would leave a gap after the {have} held"),
         ));
     }
-    let skip = (have - start).min(rows);
-    k.drain(..skip * width);
-    v.drain(..skip * width);
-    kv.append(be, &be.upload(k), &be.upload(v));
     Ok(())
+}
+
+/// Pages of KV held for `layer` (none for a layer without KV).
+fn kv_pages(st: &State, layer: u32) -> usize {
+    match st.layers.get(layer as usize) {
+        Some(LayerState::Attention(kv)) => kv.pages().len(),
+        _ => 0,
+    }
 }
 
 fn send(link: &mut dyn Link, req: u32, msg: Message) -> Result<(), LinkError> {
