@@ -4,4 +4,4 @@
 
 pub mod runtime;
 
-pub use runtime::{Helper, HelperOptions, LoadLayers, SessionEnd, Weights};
+pub use runtime::{prefill_bytes, Helper, HelperOptions, LoadLayers, SessionEnd, Weights};

@@ -30,8 +30,8 @@ struct Args {
     /// The same checkpoint directory or preset as the host's.
     #[arg(long)]
     model: String,
-    /// Memory for KV pages and the DeltaNet state of the layers a host assigns, in bytes
-    /// (suffixes K, M, G allowed).
+    /// Memory for KV pages, the DeltaNet state of the layers a host assigns and the working
+    /// memory of a prefill chunk while it runs, in bytes (suffixes K, M, G allowed).
     #[arg(long, default_value = "4G", value_parser = parse_bytes)]
     mem_budget: u64,
     /// Largest frame accepted, in bytes (suffixes allowed).
@@ -115,7 +115,7 @@ fn run(a: Args) -> Result<()> {
         listener.local_addr()
     ));
     eprintln!(
-        "model {} (digest {}), KV budget {} bytes",
+        "model {} (digest {}), memory budget {} bytes",
         identity.identity.name, identity.identity.digest, a.mem_budget
     );
     eprintln!("backend: {what}");

@@ -143,9 +143,10 @@ fn hello(m: &Model) -> Message {
 }
 
 /// The helper's budget covers DeltaNet state, and a sequence holds it only for the layers the
-/// helper runs: a pages-only helper holds none; a new sequence must fit with its first rows (a
-/// budget one byte short refuses it and holds nothing); a helper running layers 4.. refuses a
-/// second sequence whose state would not fit, naming the bytes, and the first goes on.
+/// helper runs: a pages-only helper holds none; a new sequence must fit with its first page
+/// (pages are allocated whole) and the chunk's working memory (a budget one byte short refuses
+/// it and holds nothing); a helper running layers 4.. refuses a second sequence whose state
+/// would not fit, naming the bytes, and the first goes on.
 #[test]
 fn the_helper_budget_counts_the_deltanet_state_of_its_own_layers_only() {
     let m = model("tiny_fp32");
@@ -159,16 +160,25 @@ fn the_helper_budget_counts_the_deltanet_state_of_its_own_layers_only() {
         .count();
     let need = (delta_layers * (s_len + conv_len) * 4) as u64;
     let kv_row = (c.num_key_value_heads * c.head_dim * 2 * 4) as u64;
+    let assigned = |first_layer: usize| Configure {
+        first_layer: first_layer as u32,
+        end_layer: c.num_hidden_layers as u32,
+        page_size: 4,
+    };
+    // A two-row chunk at 0 or 2 sees one page either way.
+    let work = phone_ios::prefill_bytes(c, &assigned(split), 0, 2, true).1;
+    let first = need + 4 * kv_row + work;
     let stats = |reply: Message| match reply {
         Message::Stats(s) => (s["kv_bytes"], s["delta_state_bytes"]),
         other => panic!("expected stats, got {other:?}"),
     };
     // (first layer the helper runs, its budget): pages only; a budget one byte short of a new
-    // sequence's state plus its first rows; room for one sequence and two chunks.
+    // sequence's state, its first page and a chunk's working memory; room for one sequence
+    // and two chunks in its first page.
     for (first_layer, mem_budget) in [
         (c.num_hidden_layers, need + 64 * kv_row),
-        (split, need + 2 * kv_row - 1),
-        (split, need + 4 * kv_row),
+        (split, first - 1),
+        (split, first),
     ] {
         std::thread::scope(|scope| {
             let (mut host, mut helper_end) = pair();
@@ -180,12 +190,10 @@ fn the_helper_budget_counts_the_deltanet_state_of_its_own_layers_only() {
             scope.spawn(move || Helper::new(mr, &CpuBackend, budget).serve(&mut helper_end));
             let mut ask = |req: u32, msg: Message| ask(&mut host, req, msg);
             assert!(matches!(ask(0, hello(&m)), Message::Welcome(_)));
-            let cfg = Configure {
-                first_layer: first_layer as u32,
-                end_layer: c.num_hidden_layers as u32,
-                page_size: 4,
-            };
-            assert_eq!(ask(1, Message::Configure(cfg)), Message::Ack);
+            assert_eq!(
+                ask(1, Message::Configure(assigned(first_layer))),
+                Message::Ack
+            );
             if first_layer == c.num_hidden_layers {
                 let rows = WireTensor::f32(vec![4, 32], vec![0.5; 4 * 32]);
                 let page = Message::KvAppend {
@@ -208,7 +216,7 @@ fn the_helper_budget_counts_the_deltanet_state_of_its_own_layers_only() {
                 want_state: true,
                 residual: WireTensor::f32(vec![2, c.hidden_size], vec![0.1; 2 * c.hidden_size]),
             };
-            if mem_budget < need + 2 * kv_row {
+            if mem_budget < first {
                 assert!(
                     matches!(ask(2, chunk(0, 0)), Message::Error { code, .. } if code == "memory")
                 );

@@ -427,3 +427,40 @@ fn a_slow_helper_is_sent_a_bounded_window_of_ubatches() {
         assert!((2..=9).contains(&peak), "{peak} requests in flight at once");
     });
 }
+
+/// Over a WebSocket, more chunks than a link's incoming queue holds are in flight at once (up
+/// to the pipeline's window of 8, twice the queue): the bound holds back the host's writer
+/// thread, never the host or the helper, so the prefill completes, bit-identical to the host
+/// alone.
+#[test]
+fn a_pipeline_deeper_than_the_incoming_queue_completes_over_a_websocket() {
+    use engine_core::link::ws::{connect, WsListener, INCOMING_FRAMES};
+    let m = model("tiny_fp32_T150");
+    let prompt = Reference::load("tiny_fp32_T150").ids("prompt_ids");
+    let plan = SplitPlan {
+        min_tokens: 20,
+        ubatch: 4,
+        ..SplitPlan::default()
+    };
+    let (want, _) = prefill(&m, &CpuBackend, &mut m.new_state(16), &prompt, &plan).unwrap();
+    let listener = WsListener::bind("127.0.0.1:0", DEFAULT_MAX_FRAME).unwrap();
+    let url = format!("ws://{}/", listener.local_addr());
+    std::thread::scope(|scope| {
+        let (m, listener) = (&m, &listener);
+        scope.spawn(move || {
+            let mut link = listener.accept().unwrap();
+            let opts = HelperOptions {
+                mem_budget: 1 << 30,
+                max_frame: DEFAULT_MAX_FRAME,
+            };
+            Helper::new(m, &CpuBackend, opts).serve(&mut link)
+        });
+        let mut st = m.new_state(16);
+        let link = connect(&url, DEFAULT_MAX_FRAME).unwrap();
+        attach(m, &mut st, link, 4, 16, None);
+        let (got, report) = prefill(m, &CpuBackend, &mut st, &prompt, &plan).unwrap();
+        assert_eq!(report.fallback, None);
+        assert!(report.on_helper > 4 * INCOMING_FRAMES, "{report:?}");
+        assert!(got == want, "logits differ from the host alone's");
+    });
+}

@@ -1,5 +1,11 @@
 //! Two ends of a link in one process: tests and single-machine runs exercise the whole host /
 //! helper exchange without sockets. Channels only, no threads, so it also builds for wasm.
+//!
+//! The channels are not bounded, unlike a WebSocket link's incoming queue: with no writer
+//! thread between the ends, a bound would make `send` itself wait for the peer, against
+//! [`Link::send`]'s contract, and two ends that both send ahead before reading (a pipelined
+//! split prefill's host, and the helper answering it) would wait on each other for good. Both
+//! ends are this process's own code, so there is no untrusted fast peer to hold back.
 
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::time::Duration;

@@ -124,7 +124,9 @@ enum Outgoing {
     /// No shaping: no thread, no added delay.
     Direct(Box<dyn LinkSender>),
     /// Frames with the instant they were sent, so the delivery thread's own scheduling does
-    /// not shift their departure.
+    /// not shift their departure. Not bounded: it holds only frames this end chose to send,
+    /// and `send` must not wait (a pipelined host sends ahead, as over a WebSocket, whose
+    /// sending queue is not bounded either); what arrives is bounded by the inner link.
     Shaped {
         queue: Sender<(Instant, Vec<u8>)>,
         failure: Failure,

@@ -7,10 +7,24 @@
 //! Sending a big ubatch then never waits for, or stalls, an incoming reply. This is sound only
 //! while the reader never writes: tungstenite writes from `read` just to answer a ping or a
 //! close, so the reader stops at either and the protocol's own Ping/Pong frames do liveness.
+//!
+//! Frames read wait for the link's owner in a queue of [`INCOMING_FRAMES`]; past that the
+//! reader stops reading and TCP flow control holds a peer that sends faster than this end
+//! takes frames, instead of this end's memory growing with whatever the peer sends.
+//!
+//! The bound cannot deadlock: the only thread that waits on it is this end's reader, and it
+//! waits for this end's owner to `recv`. Sending never waits on the peer: [`Link::send`]
+//! queues the frame for the writer thread, and that queue is not bounded (it holds only what
+//! this process chose to send). So an owner blocks only in `recv`, which a frame from the peer
+//! or the link closing ends. A host in a pipelined split prefill sends many `PrefillChunk`s
+//! before it reads any reply: they wait in its writer's queue and the socket while the
+//! helper's reader holds off, and TCP then stalls only the host's writer thread; the helper
+//! answers each chunk it takes (its replies queue on its own writer, which the host's reader
+//! drains while it has room), and the host reads them once it has sent all its chunks.
 
 use std::io::ErrorKind;
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender, SyncSender};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread;
 use std::time::Duration;
@@ -26,6 +40,11 @@ use super::{Link, LinkError, LinkSender};
 
 /// A peer that connects but never completes the HTTP upgrade must not hang `accept` forever.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Frames read from the peer that may wait for the owner's `recv`; the reader holds one more.
+/// Small, since a frame may be as large as the frame limit, but enough that the reader keeps
+/// reading while the owner handles the frame before.
+pub const INCOMING_FRAMES: usize = 4;
 
 /// Why the writer thread stopped, for the `send` that finds it gone.
 type Failure = Arc<Mutex<Option<String>>>;
@@ -295,15 +314,16 @@ impl WsLink {
             .map_err(io_error(format!("timeouts on {peer}")))?;
         let mut writer = WebSocket::from_raw_socket(writer, role, Some(config(max_frame)));
 
-        let (in_tx, incoming) = mpsc::channel();
+        let (in_tx, incoming) = mpsc::sync_channel(INCOMING_FRAMES);
         thread::Builder::new()
             .name(format!("ws-reader-{peer}"))
             .spawn(move || {
                 let end = read_frames(&mut reader, &in_tx, peer);
+                // Stops the writer too, and tells the peer that nothing more will be read; first,
+                // since the send below waits for room in the queue.
+                let _ = reader.get_ref().shutdown(Shutdown::Both);
                 // Ignored: the local end may be gone already, which is what ended the loop.
                 let _ = in_tx.send(Err(end));
-                // Stops the writer too, and tells the peer that nothing more will be read.
-                let _ = reader.get_ref().shutdown(Shutdown::Both);
             })
             .map_err(io_error(format!("starting the reader for {peer}")))?;
 
@@ -345,12 +365,13 @@ impl WsLink {
 /// Forwards binary messages until something ends the link, and returns what did.
 fn read_frames(
     ws: &mut WebSocket<TcpStream>,
-    frames: &Sender<Result<Vec<u8>, LinkError>>,
+    frames: &SyncSender<Result<Vec<u8>, LinkError>>,
     peer: SocketAddr,
 ) -> LinkError {
     loop {
         match ws.read() {
             Ok(Message::Binary(bytes)) => {
+                // Waits while the queue is full: the peer then waits on TCP.
                 if frames.send(Ok(Vec::from(bytes))).is_err() {
                     return LinkError::Closed("the local end was dropped".into());
                 }
@@ -509,6 +530,47 @@ mod tests {
             client.recv_timeout(WAIT),
             Err(LinkError::Closed(_))
         ));
+    }
+
+    /// A peer that sends faster than this end takes frames is held by TCP once the incoming
+    /// queue is full: its writes stall until this end reads, and then every frame arrives, in
+    /// order.
+    #[test]
+    fn a_fast_peer_waits_for_a_slow_reader() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        const FRAME: usize = 256 << 10;
+        // 50 MiB: far more than the queue and the sockets' buffers hold.
+        const TOTAL: usize = 200;
+        let (mut server, mut client) = raw_client(FRAME);
+        let written = Arc::new(AtomicUsize::new(0));
+        let count = written.clone();
+        let writer = thread::spawn(move || {
+            for i in 0..TOTAL {
+                client
+                    .send(Message::Binary(vec![i as u8; FRAME].into()))
+                    .unwrap();
+                count.store(i + 1, Ordering::SeqCst);
+            }
+            client
+        });
+        let mut seen = usize::MAX;
+        for _ in 0..20 {
+            thread::sleep(Duration::from_millis(500));
+            let now = written.load(Ordering::SeqCst);
+            if now == seen {
+                break;
+            }
+            seen = now;
+        }
+        assert!(
+            seen < TOTAL,
+            "the peer wrote all {TOTAL} frames into a link nobody read"
+        );
+        for i in 0..TOTAL {
+            let frame = server.recv_timeout(WAIT).unwrap().expect("a frame");
+            assert!(frame.len() == FRAME && frame[0] == i as u8, "frame {i}");
+        }
+        writer.join().unwrap();
     }
 
     #[test]
