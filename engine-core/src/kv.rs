@@ -355,7 +355,8 @@ impl Away<'_> {
 }
 
 /// Pages read back from the disk at once at most, in bytes of K and V: a long sequence's
-/// spilled pages are attended a group at a time, never all in memory together.
+/// spilled pages are read and attended a group at a time, never all in memory together (their
+/// partials are kept for the merge, as those of pages in memory are).
 const DISK_GROUP_BYTES: usize = 64 << 20;
 
 /// The helper's share of an attention under way: its request, and what it was asked, so the
@@ -394,8 +395,9 @@ impl PendingAttention {
         let (rows, d) = (self.rows, self.shape.head_dim);
         let mut parts = Vec::new();
         if let Some(share) = self.helper {
+            let starts: Vec<u64> = (0..share.end as u64).step_by(self.page_size).collect();
             let answer = match away.helper {
-                Some(client) => client.attend_reply(share.req, rows, d),
+                Some(client) => client.attend_reply(share.req, rows, d, &starts),
                 None => Err(Error::Remote(
                     "the helper attending this sequence's oldest pages is gone".into(),
                 )),
@@ -501,6 +503,11 @@ fn attend_from_disk(
             .map(|&start| {
                 let (k, v) = disk.read(layer, start)?;
                 let len = k.len() / (shape.kv_heads * shape.head_dim).max(1);
+                if len != page_size {
+                    return Err(Error::Invalid(format!(
+                        "the page file's page of layer {layer} at {start} holds {len} rows, not {page_size}"
+                    )));
+                }
                 Ok(KvPage {
                     start,
                     len,

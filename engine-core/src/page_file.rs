@@ -147,12 +147,26 @@ impl PageFile {
         self.records.contains_key(&(layer, start))
     }
 
-    /// Forget every page starting at or past `pos` (a rewind to a page boundary below it).
-    pub fn forget_from(&mut self, pos: usize) {
+    /// Forget every page starting at or past `pos` (a rewind to a page boundary below it), and
+    /// give back the file's tail past the last record kept, so a long-lived sequence that
+    /// rewinds again and again (a server's conversation cache) does not grow its file for good.
+    pub fn forget_from(&mut self, pos: usize) -> Result<()> {
         self.records.retain(|&(_, start), _| start < pos);
+        let end = self
+            .records
+            .values()
+            .map(|r| r.rows_at + (r.rows * r.width * 2 * 4) as u64)
+            .max()
+            .unwrap_or(0);
+        if end < self.end {
+            let file = self.file.lock().unwrap_or_else(|p| p.into_inner());
+            file.set_len(end).map_err(|e| self.io(e))?;
+            self.end = end;
+        }
+        Ok(())
     }
 
-    /// Bytes written to the file so far (forgotten records included: it only grows).
+    /// Bytes the file holds: every record up to the last one kept.
     pub fn bytes(&self) -> u64 {
         self.end
     }
@@ -209,8 +223,14 @@ mod tests {
         assert_eq!(f.read(3, 0).unwrap(), (k.clone(), v.clone()));
         assert_eq!(f.read(3, 3).unwrap(), (v.clone(), k.clone()));
         assert_eq!(f.read(7, 0).unwrap(), (k.clone(), v.clone()));
-        f.forget_from(3);
+        let before = f.bytes();
+        f.forget_from(3).unwrap();
         assert!(f.holds(3, 0) && !f.holds(3, 3));
+        assert_eq!(f.bytes(), before, "the last record, (7, 0), is kept");
+        f.forget_from(0).unwrap();
+        assert_eq!(f.bytes(), 0, "nothing kept, nothing held");
+        f.write(3, 0, 4, &k, &v).unwrap();
+        f.write(7, 0, 6, &k, &v).unwrap();
         assert!(f.read(3, 3).is_err());
         f.write(3, 3, 4, &k, &k).unwrap();
         assert_eq!(f.read(3, 3).unwrap(), (k.clone(), k.clone()));

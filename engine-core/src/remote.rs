@@ -239,7 +239,7 @@ impl HelperClient {
         };
         match self.request(msg)? {
             Message::Ack => Ok(()),
-            other => Err(unexpected("Ack", &other)),
+            other => Err(self.broke_with(unexpected("Ack", &other))),
         }
     }
 
@@ -262,7 +262,7 @@ impl HelperClient {
             {
                 Ok((k.data, v.data))
             }
-            other => Err(unexpected("KvRows", &other)),
+            other => Err(self.broke_with(unexpected("KvRows", &other))),
         }
     }
 
@@ -277,7 +277,7 @@ impl HelperClient {
                 self.mirror_stale = true;
                 Ok(())
             }
-            other => Err(unexpected("Ack", &other)),
+            other => Err(self.broke_with(unexpected("Ack", &other))),
         }
     }
 
@@ -301,12 +301,15 @@ impl HelperClient {
         })
     }
 
-    /// The partials asked for by request `req`, for `rows` (query row, head) pairs, in page order.
+    /// The partials asked for by request `req`, for `rows` (query row, head) pairs, one per
+    /// page starting at `starts`, in page order. Anything else is a helper out of protocol: it
+    /// counts as lost, since its pages can no longer be trusted.
     pub fn attend_reply(
         &mut self,
         req: u32,
         rows: usize,
         head_dim: usize,
+        starts: &[u64],
     ) -> Result<Vec<Partials>> {
         match self.reply(req)? {
             Message::AttnPartials {
@@ -316,15 +319,20 @@ impl HelperClient {
                 page_starts,
                 ..
             } => {
-                let d = head_dim;
-                if o.shape != [page_starts.len(), rows, d] {
-                    return Err(Error::Remote(format!(
-                        "partials of shape {:?}, expected [{}, {rows}, {d}]",
-                        o.shape,
-                        page_starts.len()
+                let (d, pages) = (head_dim, starts.len());
+                if page_starts != starts
+                    || o.shape != [pages, rows, d]
+                    || o.data.len() != pages * rows * d
+                    || m.data.len() != pages * rows
+                    || l.data.len() != pages * rows
+                {
+                    return Err(self.broke(format!(
+                        "partials of pages {page_starts:?} and shape {:?}, expected pages \
+                         {starts:?} of [{rows}, {d}]",
+                        o.shape
                     )));
                 }
-                Ok((0..page_starts.len())
+                Ok((0..pages)
                     .map(|p| Partials {
                         head_dim: d,
                         o: o.data[p * rows * d..(p + 1) * rows * d].to_vec(),
@@ -333,7 +341,20 @@ impl HelperClient {
                     })
                     .collect())
             }
-            other => Err(unexpected("AttnPartials", &other)),
+            other => Err(self.broke_with(unexpected("AttnPartials", &other))),
+        }
+    }
+
+    /// A reply out of protocol: the helper counts as lost from now on.
+    fn broke(&mut self, why: String) -> Error {
+        self.lost = Some(why.clone());
+        Error::Remote(why)
+    }
+
+    fn broke_with(&mut self, e: Error) -> Error {
+        match e {
+            Error::Remote(why) => self.broke(why),
+            other => other,
         }
     }
 }

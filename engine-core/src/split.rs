@@ -241,6 +241,9 @@ fn pipelined(
                 sent.iter().map(|x| x.len()).sum::<usize>() / model.config.hidden_size;
             state.remote.as_mut().expect("checked above").mirror_pos = at(head.len());
         }
+        // A failure of this host (its page file, its backend) is not the helper's: the
+        // batch cannot be redone here either.
+        Err(e @ (Error::Io { .. } | Error::Invalid(_))) => return Err(e),
         Err(e) => {
             report.fallback = Some(e.to_string());
             // A refusal leaves a working helper: take its outstanding replies off the link,
@@ -306,15 +309,18 @@ fn sync_mirror(be: &dyn Backend, c: &ModelConfig, state: &mut State) -> Result<O
         return Ok(None);
     }
     let tail = client.prefill_layers.clone();
-    // Rows already handed over as pages are on the helper; all full layers share remote_len.
-    let mut rows_from = from;
+    // Rows already handed over as pages are on the helper (a pipeline runs only once it holds
+    // every page that left: `helper_has_all_pages`).
+    let mut rows_from = None;
     let mut row_bytes = 0;
     for l in tail.clone() {
         if let LayerState::Attention(cache) = &state.layers[l] {
-            rows_from = from.max(cache.remote_len());
+            let held = from.max(cache.helper_len());
+            rows_from = Some(rows_from.map_or(held, |r: usize| r.min(held)));
             row_bytes += 2 * cache.row_width() * 4;
         }
     }
+    let rows_from = rows_from.unwrap_or(from);
     // Pieces that stay well inside the frame limit (a long decode can leave hundreds of MB
     // behind the watermark); the DeltaNet states ride with the last piece.
     let per_piece = (client.max_frame() / 2 / row_bytes.max(1)).max(1);

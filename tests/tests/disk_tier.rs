@@ -171,3 +171,77 @@ fn without_a_page_file_a_helper_lost_with_pages_fails_the_sequence_clearly() {
         assert!(err.starts_with("helper:"), "{err}");
     });
 }
+
+/// A rewind (an edited turn) into pages only in the page file, while a helper that joined
+/// late is still being re-filled: the pages come back from the page file, the helper is cut
+/// back, the re-fill goes on, and every logit is the host alone's.
+#[test]
+fn a_rewind_into_pages_only_on_disk_while_a_new_helper_is_refilled() {
+    let (m, prompt, _) = setup();
+    let be = &CpuBackend;
+    let run = |st: &mut State, join: &mut dyn FnMut(&mut State)| -> Vec<f32> {
+        let mut all = prefill(&m, be, st, &prompt[..100], &plan()).unwrap().0;
+        let cp = st.checkpoint(be);
+        all.extend(prefill(&m, be, st, &prompt[100..], &plan()).unwrap().0);
+        join(st);
+        all.extend(m.forward(be, st, &[9], Logits::Last, None).unwrap());
+        st.rewind(be, &cp).unwrap();
+        let mut logits = prefill(&m, be, st, &[5, 6, 7], &plan()).unwrap().0;
+        for _ in 0..8 {
+            all.extend_from_slice(&logits);
+            let next = engine_core::generate::argmax(&logits);
+            logits = m.forward(be, st, &[next], Logits::Last, None).unwrap();
+        }
+        all
+    };
+    let alone = run(&mut m.new_state(PAGE), &mut |_| {});
+    std::thread::scope(|scope| {
+        // No helper at first: pages past the budget go to the page file only.
+        let mut st = m.new_state(PAGE);
+        st.spill = Some(page_file());
+        st.host_kv_tokens = Some(BUDGET);
+        let got = run(&mut st, &mut |st| {
+            assert!(st.remote_kv_len() > 100, "{}", st.remote_kv_len());
+            attach(scope, &m, st, usize::MAX);
+        });
+        assert!(got == alone, "logits differ from the host alone's");
+        let client = st.remote.as_ref().expect("the helper stays");
+        assert!(!client.is_lost());
+        assert!(st.helper_has_all_pages(), "the re-fill did not finish");
+    });
+}
+
+/// A helper that refuses an attention query (its reply would pass the frame limit) is not
+/// lost: the host attends those pages from the page file, with the same result.
+#[test]
+fn a_refused_query_is_answered_from_the_page_file() {
+    let (m, prompt, _) = setup();
+    let be = &CpuBackend;
+    let run = |st: &mut State| -> Vec<f32> {
+        prompt
+            .chunks(16)
+            .flat_map(|c| m.forward(be, st, c, Logits::Last, None).unwrap())
+            .collect()
+    };
+    let alone = run(&mut m.new_state(PAGE));
+    std::thread::scope(|scope| {
+        let (host_end, mut helper_end) = pair();
+        let mr = &m;
+        scope.spawn(move || {
+            // 16 KiB frames: 16 query rows over more than a few pages do not fit.
+            let opts = HelperOptions {
+                mem_budget: 1 << 30,
+                max_frame: 16 << 10,
+            };
+            Helper::new(mr, &CpuBackend, opts).serve(&mut helper_end)
+        });
+        let mut st = m.new_state(PAGE);
+        st.spill = Some(page_file());
+        // Pages only: no layer split, so no prefill chunk either.
+        tests::attach(&m, &mut st, host_end, 8, PAGE, Some(BUDGET));
+        assert!(run(&mut st) == alone, "logits differ from the host alone's");
+        let client = st.remote.as_ref().expect("the helper stays");
+        assert!(!client.is_lost() && st.helper_lost.is_none());
+        assert!(st.remote_kv_len() > 100);
+    });
+}

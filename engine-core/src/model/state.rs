@@ -186,10 +186,11 @@ impl State {
         }
     }
 
-    /// Return to `cp` (an edited conversation): cut every KV cache (the helper's too) back to
-    /// its position and restore the DeltaNet states. Pages the cut falls into come back from the
-    /// helper whole, so page boundaries, and so results, stay those of an uncut run. On error
-    /// nothing here has changed. `cp` stays valid for another rewind.
+    /// Return to `cp` (an edited conversation): cut every KV cache (the helper's and the page
+    /// file's too) back to its position and restore the DeltaNet states. Pages the cut falls
+    /// into come back whole (from the page file, else the helper), so page boundaries, and so
+    /// results, stay those of an uncut run. On error nothing here has changed. `cp` stays valid
+    /// for another rewind.
     pub fn rewind(&mut self, be: &dyn Backend, cp: &Checkpoint) -> Result<()> {
         if cp.pos > self.pos
             || cp.delta.len()
@@ -206,14 +207,15 @@ impl State {
         }
         let len = cp.pos;
         let mut refills = Vec::new();
-        let mut helper_len = len;
+        // Where the pages that left are cut: at the start of the page `len` falls into.
+        let mut cut = len;
         for (i, l) in self.layers.iter().enumerate() {
             let LayerState::Attention(kv) = l else {
                 continue;
             };
             if len < kv.remote_len() {
                 let start = len / kv.page_size() * kv.page_size();
-                helper_len = start;
+                cut = start;
                 let rows = if len > start {
                     Some(page_rows(
                         self.spill.as_ref(),
@@ -229,7 +231,7 @@ impl State {
                 if let Some((k, v)) = &rows {
                     if k.len() != (len - start) * kv.row_width() || v.len() != k.len() {
                         return Err(Error::Remote(format!(
-                            "layer {i}: the helper returned KV rows of the wrong size"
+                            "layer {i}: the rows of the page at {start} came back the wrong size"
                         )));
                     }
                 }
@@ -237,15 +239,25 @@ impl State {
             }
         }
         if let Some(remote) = self.remote.as_mut() {
-            // A helper lost here changes nothing the rewind needs when the disk holds its
-            // pages: it is detached after the next pass.
-            match remote.truncate(helper_len) {
-                Err(Error::Remote(_)) if self.spill.is_some() => {}
-                r => r?,
+            let held = self.layers.iter().any(|l| match l {
+                LayerState::Attention(kv) => kv.helper_len() > cut,
+                LayerState::DeltaNet(_) | LayerState::Elsewhere => false,
+            });
+            match remote.truncate(cut) {
+                // Pages it held were freed: it may take pages again.
+                Ok(()) => self.remote_full &= !held,
+                // A helper that fails here (gone, or answering out of protocol) may hold rows
+                // past the cut: it must never be asked for them. The page file holds every
+                // page it had, so the sequence goes on without it.
+                Err(e @ (Error::Remote(_) | Error::Refused { .. })) if self.spill.is_some() => {
+                    self.helper_lost = Some(e.to_string());
+                    self.lose_helper();
+                }
+                Err(e) => return Err(e),
             }
         }
         if let Some(disk) = self.spill.as_mut() {
-            disk.forget_from(helper_len);
+            disk.forget_from(cut)?;
         }
         let mut refills = refills.into_iter().peekable();
         for (i, l) in self.layers.iter_mut().enumerate() {
@@ -350,6 +362,10 @@ impl State {
     /// Send the helper up to [`REFILL_PAGES`] pages it lacks from the page file, the layer
     /// furthest behind first, so all layers catch up together.
     fn refill(&mut self) -> Result<()> {
+        let takes = self.remote.as_ref().is_some_and(|r| !r.is_lost()) && !self.remote_full;
+        if !takes {
+            return Ok(());
+        }
         for _ in 0..REFILL_PAGES {
             let next = self
                 .layers
