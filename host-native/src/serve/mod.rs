@@ -13,6 +13,8 @@ mod api;
 mod conversation;
 mod cross_site;
 mod engine;
+#[cfg(test)]
+mod fuzz_bodies;
 mod memory;
 mod metrics;
 mod queue;
