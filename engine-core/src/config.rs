@@ -7,6 +7,17 @@ use serde_json::Value;
 
 use crate::error::{Error, Result};
 
+/// Most layers a config may have: far past any real model's, and few enough that the layer
+/// list `num_hidden_layers` sizes (before any weight is read) is never a large allocation.
+pub const MAX_LAYERS: usize = 1 << 12;
+
+/// Most elements of any tensor or per-sequence state the engine sizes from a config: 2^32
+/// (16 GiB as f32), past the largest tensor of any real checkpoint (Qwen3.5's embeddings are
+/// under 2^31). With every such product within it, the model code multiplies config fields
+/// without overflow checks, and a config cannot announce a size that weights never back (a
+/// helper builds state from the config alone).
+pub const MAX_ELEMS: u64 = 1 << 32;
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum LayerKind {
@@ -49,7 +60,7 @@ fn field<'a>(obj: &'a Value, name: &str) -> Result<&'a Value> {
 fn usize_field(obj: &Value, name: &str) -> Result<usize> {
     field(obj, name)?
         .as_u64()
-        .map(|v| v as usize)
+        .and_then(|v| usize::try_from(v).ok())
         .ok_or_else(|| Error::Config(format!("field `{name}` must be a non-negative integer")))
 }
 
@@ -86,6 +97,8 @@ impl ModelConfig {
             .map_err(|e| Error::Config(format!("config.json is not valid JSON: {e}")))?;
         let c = root.get("text_config").unwrap_or(&root);
         let num_hidden_layers = usize_field(c, "num_hidden_layers")?;
+        // Checked here too, before the interval rule builds a list of this length.
+        check_layers(num_hidden_layers)?;
         let layer_types = match c.get("layer_types").filter(|v| !v.is_null()) {
             Some(list) => {
                 let list = list
@@ -170,7 +183,8 @@ impl ModelConfig {
             .collect()
     }
 
-    /// Reject shapes the math cannot run with, so later code can index without checks.
+    /// Reject shapes the math cannot run with, so later code can index without checks, and
+    /// sizes past [`MAX_LAYERS`] and [`MAX_ELEMS`], so later code can multiply without checks.
     pub fn validate(&self) -> Result<()> {
         let err = |m: String| Err(Error::Config(m));
         for (name, v) in [
@@ -191,6 +205,8 @@ impl ModelConfig {
                 return err(format!("field `{name}` must be positive"));
             }
         }
+        check_layers(self.num_hidden_layers)?;
+        self.check_sizes()?;
         if self.layer_types.len() != self.num_hidden_layers {
             return err(format!(
                 "layer_types has {} entries but num_hidden_layers is {}",
@@ -220,6 +236,51 @@ impl ModelConfig {
             return err("rope_theta must be positive".into());
         }
         Ok(())
+    }
+
+    /// Every tensor and per-sequence state size the model derives from this config, within
+    /// [`MAX_ELEMS`]. Each product covers the smaller ones inside it (fields are positive).
+    fn check_sizes(&self) -> Result<()> {
+        let (h, hd) = (self.hidden_size, self.head_dim);
+        let conv_dim = elems(&[2, self.linear_num_key_heads, self.linear_key_head_dim])
+            .zip(elems(&[
+                self.linear_num_value_heads,
+                self.linear_value_head_dim,
+            ]))
+            .and_then(|(qk, v)| qk.checked_add(v))
+            .filter(|&n| n as u64 <= MAX_ELEMS);
+        let sizes = [
+            ("embeddings", elems(&[self.vocab_size, h])),
+            ("MLP", elems(&[self.intermediate_size, h])),
+            ("attention q", elems(&[2, self.num_attention_heads, hd, h])),
+            ("attention k, v", elems(&[self.num_key_value_heads, hd, h])),
+            (
+                "DeltaNet in_proj_qkv",
+                conv_dim.and_then(|cd| elems(&[cd, h])),
+            ),
+            (
+                "DeltaNet conv",
+                conv_dim.and_then(|cd| elems(&[cd, self.linear_conv_kernel_dim])),
+            ),
+            (
+                "DeltaNet z, out",
+                elems(&[self.linear_num_value_heads, self.linear_value_head_dim, h]),
+            ),
+            (
+                "DeltaNet state",
+                elems(&[
+                    self.linear_num_value_heads,
+                    self.linear_key_head_dim,
+                    self.linear_value_head_dim,
+                ]),
+            ),
+        ];
+        match sizes.iter().find(|(_, n)| n.is_none()) {
+            Some((what, _)) => Err(Error::Config(format!(
+                "the {what} tensors of this config would exceed {MAX_ELEMS} elements"
+            ))),
+            None => Ok(()),
+        }
     }
 
     pub fn rotary_dim(&self) -> usize {
@@ -283,6 +344,23 @@ impl ModelConfig {
             },
         })
     }
+}
+
+fn check_layers(layers: usize) -> Result<()> {
+    if layers > MAX_LAYERS {
+        return Err(Error::Config(format!(
+            "num_hidden_layers is {layers}; tether reads at most {MAX_LAYERS}"
+        )));
+    }
+    Ok(())
+}
+
+/// The product of `dims` if it is at most [`MAX_ELEMS`] (and fits `usize`).
+fn elems(dims: &[usize]) -> Option<usize> {
+    dims.iter()
+        .try_fold(1u64, |n, &d| n.checked_mul(u64::try_from(d).ok()?))
+        .filter(|&n| n <= MAX_ELEMS)
+        .and_then(|n| usize::try_from(n).ok())
 }
 
 #[cfg(test)]

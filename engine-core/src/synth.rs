@@ -7,7 +7,7 @@ use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use rayon::prelude::*;
 
-use crate::config::{LayerKind, ModelConfig};
+use crate::config::{LayerKind, ModelConfig, MAX_LAYERS};
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Data, Elems, Tensor};
 use crate::weights::TensorMap;
@@ -57,6 +57,12 @@ pub fn preset(name: &str) -> Result<ModelConfig> {
 pub fn with_layers(mut c: ModelConfig, layers: usize) -> Result<ModelConfig> {
     if layers == 0 {
         return Err(Error::Invalid("a model needs at least one layer".into()));
+    }
+    // Before the layer list of this length is built.
+    if layers > MAX_LAYERS {
+        return Err(Error::Invalid(format!(
+            "--layers {layers}: at most {MAX_LAYERS}"
+        )));
     }
     c.num_hidden_layers = layers;
     c.layer_types = ModelConfig::interval_layer_types(layers, 4);

@@ -25,10 +25,49 @@ fn normalise_name(name: &str) -> Option<String> {
     })
 }
 
+/// The safetensors crate's own limit on a header's length.
+const MAX_HEADER: u64 = 100_000_000;
+
+/// Refuses a header whose tensors end past the file's data section. safetensors 0.6.2 adds the
+/// last tensor's end offset to the header length unchecked once its tensors are contiguous (a
+/// panic in debug builds on a header that announces data near 2^64 bytes; its open PR #808
+/// checks that sum), so this runs first. Anything else wrong with the header is left to the
+/// crate to name.
+fn check_data_offsets(buf: &[u8]) -> std::result::Result<(), String> {
+    let Some(n) = buf
+        .get(..8)
+        .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")))
+    else {
+        return Ok(());
+    };
+    let header = usize::try_from(n)
+        .ok()
+        .filter(|_| n <= MAX_HEADER)
+        .and_then(|n| buf.get(8..8 + n));
+    let Some(header) = header else {
+        return Ok(());
+    };
+    let Ok(entries) = serde_json::from_slice::<HashMap<String, serde_json::Value>>(header) else {
+        return Ok(());
+    };
+    let data_len = (buf.len() - 8 - header.len()) as u64;
+    for (name, info) in &entries {
+        let end = info.get("data_offsets").and_then(|o| o.get(1)?.as_u64());
+        if let Some(end) = end.filter(|&end| end > data_len) {
+            return Err(format!(
+                "tensor `{name}` ends at byte {end} of a {data_len}-byte data section"
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// Parse one safetensors buffer and add its tensors to `out` (sharing `bytes`, no copy when
 /// aligned). `what` names the file in errors.
 pub fn add_safetensors(bytes: SharedBytes, what: &str, out: &mut TensorMap) -> Result<()> {
     let buf: &[u8] = (*bytes).as_ref();
+    check_data_offsets(buf)
+        .map_err(|e| Error::Weights(format!("{what}: not a valid safetensors file: {e}")))?;
     let st = SafeTensors::deserialize(buf)
         .map_err(|e| Error::Weights(format!("{what}: not a valid safetensors file: {e}")))?;
     let base = buf.as_ptr() as usize;
@@ -65,7 +104,8 @@ pub fn add_safetensors(bytes: SharedBytes, what: &str, out: &mut TensorMap) -> R
 }
 
 /// The weight files of a checkpoint directory, in name order: the shards
-/// `model.safetensors.index.json` lists, or `model.safetensors`.
+/// `model.safetensors.index.json` lists, or `model.safetensors`. A shard must be a path inside
+/// the directory: an index (downloaded with the rest) must not make tether map other files.
 #[cfg(not(target_arch = "wasm32"))]
 pub fn checkpoint_files(dir: &std::path::Path) -> Result<Vec<std::path::PathBuf>> {
     let index = dir.join("model.safetensors.index.json");
@@ -85,6 +125,12 @@ pub fn checkpoint_files(dir: &std::path::Path) -> Result<Vec<std::path::PathBuf>
             .collect();
         files.sort();
         files.dedup();
+        if let Some(bad) = files.iter().find(|f| !inside(f)) {
+            return Err(Error::Weights(format!(
+                "{}: shard `{bad}` is not a file name inside the checkpoint directory",
+                index.display()
+            )));
+        }
         files
     } else if dir.join("model.safetensors").exists() {
         vec!["model.safetensors".to_string()]
@@ -95,6 +141,16 @@ pub fn checkpoint_files(dir: &std::path::Path) -> Result<Vec<std::path::PathBuf>
         )));
     };
     Ok(files.iter().map(|f| dir.join(f)).collect())
+}
+
+/// Whether `name` is a relative path of plain names (no root, no `..`, not empty).
+#[cfg(not(target_arch = "wasm32"))]
+fn inside(name: &str) -> bool {
+    let path = std::path::Path::new(name);
+    path.components().next().is_some()
+        && path
+            .components()
+            .all(|c| matches!(c, std::path::Component::Normal(_)))
 }
 
 /// Load every weight file of a checkpoint directory (memory-mapped).

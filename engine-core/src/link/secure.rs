@@ -432,6 +432,9 @@ impl Sealer {
 /// really gone (or a frame that takes longer than this to cross the link) trips it.
 pub const SILENCE: Duration = Duration::from_secs(60);
 
+/// What a failed link answers every later read with: the error (`Io` or `Closed`) and why.
+type Failure = (fn(String) -> LinkError, String);
+
 /// A [`Link`] whose frames are encrypted and authenticated (or, with `--insecure`, plain),
 /// with liveness both ways: keep-alive frames out, a deadline on silence in. An empty frame is
 /// a keep-alive and is never delivered (protocol frames are never empty).
@@ -439,8 +442,9 @@ pub struct SecureLink<L: Link> {
     inner: L,
     sealer: Option<Arc<Sealer>>,
     recv_nonce: u64,
-    /// Why the link failed, once a frame did not authenticate: it stays failed.
-    broken: Option<String>,
+    /// Why the link failed, and as which error, once a frame did not authenticate or the peer
+    /// ended the link: it stays failed.
+    broken: Option<Failure>,
     silence: Duration,
     last_heard: Instant,
     /// The keep-alive thread's period (ms).
@@ -549,18 +553,23 @@ impl<L: Link> SecureLink<L> {
                 out.truncate(len);
                 Ok(out)
             }
-            Some((&REFUSE, why)) => Err(LinkError::Closed(format!(
-                "the peer ended the link: {}",
-                String::from_utf8_lossy(why)
-            ))),
+            // The peer has gone (`LinkError::Closed`: nothing more arrives), so the link stays
+            // failed: a later read must not deliver frames that still come (or that anyone on
+            // the way, who can also send the unauthenticated refusal, sends after it).
+            Some((&REFUSE, why)) => {
+                let why = format!("the peer ended the link: {}", String::from_utf8_lossy(why));
+                self.broken = Some((LinkError::Closed, why.clone()));
+                Err(LinkError::Closed(why))
+            }
             _ => Err(self.tampered()),
         }
     }
 
-    /// Fails if a frame failed before: the nonces no longer line up.
+    /// Fails if the link failed before: a frame did not authenticate (the nonces no longer
+    /// line up), or the peer ended it.
     fn check(&self) -> Result<(), LinkError> {
         match &self.broken {
-            Some(why) => Err(LinkError::Io(why.clone())),
+            Some((kind, why)) => Err(kind(why.clone())),
             None => Ok(()),
         }
     }
@@ -570,7 +579,7 @@ impl<L: Link> SecureLink<L> {
         let why = "a frame failed authentication (tampered, replayed, reordered or lost on \
                    the way); the link is closed"
             .to_string();
-        self.broken = Some(why.clone());
+        self.broken = Some((LinkError::Io, why.clone()));
         refuse(&mut self.inner, why.clone());
         LinkError::Io(why)
     }

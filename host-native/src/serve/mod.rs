@@ -14,6 +14,8 @@ mod connections;
 mod conversation;
 mod cross_site;
 mod engine;
+#[cfg(test)]
+mod fuzz_bodies;
 mod memory;
 mod metrics;
 mod queue;
