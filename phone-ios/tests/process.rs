@@ -114,9 +114,22 @@ fn generate(
     prompt: &[u32],
     n: usize,
 ) -> engine_core::Result<(Vec<u32>, Vec<f32>)> {
+    generate_with(m, st, prompt, n, &mut |_, _| {})
+}
+
+/// [`generate`], calling `before(i, st)` before greedy step `i` (a helper killed or
+/// replaced at a chosen step).
+fn generate_with(
+    m: &Model,
+    st: &mut State,
+    prompt: &[u32],
+    n: usize,
+    before: &mut dyn FnMut(usize, &mut State),
+) -> engine_core::Result<(Vec<u32>, Vec<f32>)> {
     let mut logits = m.forward(&CpuBackend, st, prompt, Logits::Last, None)?;
     let (mut ids, mut all) = (Vec::new(), Vec::new());
-    for _ in 0..n {
+    for i in 0..n {
+        before(i, st);
         let next = engine_core::generate::argmax(&logits);
         ids.push(next);
         all.extend_from_slice(&logits);
@@ -159,11 +172,7 @@ fn killing_the_helper_during_decode_costs_time_not_tokens_and_a_new_one_is_refil
     let mut st = m.new_state(16);
     st.spill = Some(tests::page_file());
     helper.attach(&m, &mut st, 16, 48);
-    let mut logits = m
-        .forward(&CpuBackend, &mut st, &prompt, Logits::Last, None)
-        .unwrap();
-    let (mut ids, mut all) = (Vec::new(), Vec::new());
-    for i in 0..want.len() {
+    let (ids, all) = generate_with(&m, &mut st, &prompt, want.len(), &mut |i, st| {
         if i == 3 {
             assert!(st.remote_kv_len() > 0, "no page on the helper yet");
             helper.child.kill().unwrap();
@@ -172,15 +181,10 @@ fn killing_the_helper_during_decode_costs_time_not_tokens_and_a_new_one_is_refil
         if i == 7 {
             assert!(st.helper_lost.is_some() && st.remote.is_none());
             helper = HelperProcess::start(dir.to_str().unwrap());
-            helper.attach(&m, &mut st, 16, 48);
+            helper.attach(&m, st, 16, 48);
         }
-        let next = engine_core::generate::argmax(&logits);
-        ids.push(next);
-        all.extend_from_slice(&logits);
-        logits = m
-            .forward(&CpuBackend, &mut st, &[next], Logits::Last, None)
-            .unwrap();
-    }
+    })
+    .unwrap();
     assert_eq!(ids, want);
     assert!(all == host_logits, "logits differ from the host alone's");
     assert!(
@@ -423,32 +427,26 @@ fn an_idle_host_is_let_go_and_another_gets_in() {
     let mut st = m.new_state(8);
     st.spill = Some(tests::page_file());
     helper.attach(&m, &mut st, 8, 8);
-    let mut logits = m
-        .forward(&CpuBackend, &mut st, &prompt, Logits::Last, None)
-        .unwrap();
-    assert!(st.remote_kv_len() > 0);
-    std::thread::sleep(std::time::Duration::from_millis(2500));
-    let cfg = Configure {
-        first_layer: 0,
-        end_layer: 0,
-        page_size: 8,
-    };
-    let code = helper.code.clone().unwrap();
-    let second = helper
-        .dial(&Keypair::generate(), Dial::Pair(&code))
-        .unwrap();
-    HelperClient::connect(Box::new(second), &m, cfg, DEFAULT_MAX_FRAME)
-        .expect("the idle host no longer holds the helper");
-    let (mut ids, mut all) = (Vec::new(), Vec::new());
-    for _ in 0..4 {
-        let next = engine_core::generate::argmax(&logits);
-        ids.push(next);
-        all.extend_from_slice(&logits);
-        logits = m
-            .forward(&CpuBackend, &mut st, &[next], Logits::Last, None)
+    let got = generate_with(&m, &mut st, &prompt, 4, &mut |i, st| {
+        if i > 0 {
+            return;
+        }
+        assert!(st.remote_kv_len() > 0);
+        std::thread::sleep(std::time::Duration::from_millis(2500));
+        let cfg = Configure {
+            first_layer: 0,
+            end_layer: 0,
+            page_size: 8,
+        };
+        let code = helper.code.clone().unwrap();
+        let second = helper
+            .dial(&Keypair::generate(), Dial::Pair(&code))
             .unwrap();
-    }
+        HelperClient::connect(Box::new(second), &m, cfg, DEFAULT_MAX_FRAME)
+            .expect("the idle host no longer holds the helper");
+    })
+    .unwrap();
     assert!(st.helper_lost.is_some(), "the first host saw no loss");
-    assert!((ids, all) == want, "the first host's tokens changed");
+    assert!(got == want, "the first host's tokens changed");
     let _ = std::fs::remove_dir_all(keys);
 }
