@@ -363,9 +363,9 @@ const DISK_GROUP_BYTES: usize = 64 << 20;
 /// same pages can be attended from the disk if the helper never answers.
 struct HelperShare {
     req: u32,
-    /// The scaled queries as sent (kept only when a page file can stand in for the helper).
-    q: Option<Vec<f32>>,
-    positions: Vec<usize>,
+    /// The scaled queries as sent and their positions, kept only when a page file can stand
+    /// in for the helper.
+    asked: Option<(Vec<f32>, Vec<usize>)>,
     end: usize,
 }
 
@@ -402,13 +402,13 @@ impl PendingAttention {
                     "the helper attending this sequence's oldest pages is gone".into(),
                 )),
             };
-            match (answer, away.disk, share.q) {
+            match (answer, away.disk, share.asked) {
                 (Ok(theirs), _, _) => parts.extend(theirs.into_iter().map(ActPartials::from)),
-                (Err(_), Some(disk), Some(q)) => parts.extend(attend_from_disk(
+                (Err(_), Some(disk), Some((q, positions))) => parts.extend(attend_from_disk(
                     be,
                     self.shape,
                     &be.upload(q),
-                    &share.positions,
+                    &positions,
                     (disk, away.layer, self.page_size),
                     0..share.end,
                 )?),
@@ -438,14 +438,12 @@ pub fn begin_attention(
     let helper = match away.helper {
         Some(client) if end > 0 && !client.is_lost() => {
             let sent = be.download(q);
-            let keep = away.disk.is_some().then(|| sent.clone());
+            let asked = away
+                .disk
+                .is_some()
+                .then(|| (sent.clone(), positions.to_vec()));
             match client.attend_send(away.layer, shape, sent, positions, end) {
-                Ok(req) => Some(HelperShare {
-                    req,
-                    q: keep,
-                    positions: positions.to_vec(),
-                    end,
-                }),
+                Ok(req) => Some(HelperShare { req, asked, end }),
                 // The disk holds the same pages; without it the error stands.
                 Err(_) if away.disk.is_some() => None,
                 Err(e) => return Err(e),

@@ -162,6 +162,20 @@ pub fn attach(
     st.host_kv_tokens = budget;
 }
 
+/// A host's `Hello` for `m`, offering frames up to `max_frame` bytes.
+pub fn hello(m: &Model, max_frame: u64) -> engine_core::protocol::Message {
+    use engine_core::protocol::{Intro, Message, Role, PROTOCOL_VERSION};
+    Message::Hello(Intro {
+        version: PROTOCOL_VERSION,
+        model: m.identity.name.clone(),
+        model_digest: m.identity.digest.clone(),
+        role: Role::Host,
+        mem_offer: 0,
+        backends: vec![],
+        max_frame,
+    })
+}
+
 /// A new page file (the disk tier of a sequence's KV) in the temp directory.
 pub fn page_file() -> engine_core::page_file::PageFile {
     let dir = std::env::temp_dir().join(format!("tether-test-pages-{}", std::process::id()));

@@ -4,9 +4,7 @@
 //! request is answered as it would have been, with everything stored before intact.
 
 use engine_core::link::{pair, Link, MemoryLink};
-use engine_core::protocol::{
-    decode, encode, Configure, Intro, Message, Role, WireTensor, PROTOCOL_VERSION,
-};
+use engine_core::protocol::{decode, encode, Configure, Message, WireTensor};
 use engine_core::remote::DEFAULT_MAX_FRAME;
 use engine_core::{CpuBackend, LayerKind, Model};
 use phone_ios::{prefill_bytes, Helper, HelperOptions};
@@ -67,15 +65,7 @@ fn with_helper(
         };
         scope.spawn(move || Helper::new(m, &CpuBackend, opts).serve(&mut helper_end));
         let mut host = Host { link, req: 0 };
-        let hello = Message::Hello(Intro {
-            version: PROTOCOL_VERSION,
-            model: m.identity.name.clone(),
-            model_digest: m.identity.digest.clone(),
-            role: Role::Host,
-            mem_offer: 0,
-            backends: vec![],
-            max_frame: max_frame as u64,
-        });
+        let hello = tests::hello(m, max_frame as u64);
         assert!(matches!(host.ask(hello), Message::Welcome(_)));
         assert_eq!(host.ask(Message::Configure(cfg)), Message::Ack);
         body(&mut host);

@@ -129,19 +129,6 @@ fn ask(host: &mut impl Link, req: u32, msg: Message) -> Message {
     decode(&host.recv().unwrap(), 1 << 24).unwrap().1
 }
 
-/// A host's handshake for `m`.
-fn hello(m: &Model) -> Message {
-    Message::Hello(Intro {
-        version: PROTOCOL_VERSION,
-        model: m.identity.name.clone(),
-        model_digest: m.identity.digest.clone(),
-        role: Role::Host,
-        mem_offer: 0,
-        backends: vec![],
-        max_frame: 1 << 20,
-    })
-}
-
 /// The helper's budget covers DeltaNet state, and a sequence holds it only for the layers the
 /// helper runs: a pages-only helper holds none; a new sequence must fit with its first page
 /// (pages are allocated whole) and the chunk's working memory (a budget one byte short refuses
@@ -189,7 +176,10 @@ fn the_helper_budget_counts_the_deltanet_state_of_its_own_layers_only() {
             };
             scope.spawn(move || Helper::new(mr, &CpuBackend, budget).serve(&mut helper_end));
             let mut ask = |req: u32, msg: Message| ask(&mut host, req, msg);
-            assert!(matches!(ask(0, hello(&m)), Message::Welcome(_)));
+            assert!(matches!(
+                ask(0, tests::hello(&m, 1 << 20)),
+                Message::Welcome(_)
+            ));
             assert_eq!(
                 ask(1, Message::Configure(assigned(first_layer))),
                 Message::Ack
@@ -256,7 +246,10 @@ fn bad_requests_get_errors_and_leave_state_intact_bad_frames_end_the_session() {
         let mr = &m;
         let h = scope.spawn(move || Helper::new(mr, &CpuBackend, opts()).serve(&mut helper_end));
         let mut ask = |req: u32, msg: Message| ask(&mut host, req, msg);
-        assert!(matches!(ask(0, hello(&m)), Message::Welcome(_)));
+        assert!(matches!(
+            ask(0, tests::hello(&m, 1 << 20)),
+            Message::Welcome(_)
+        ));
         let rows =
             |n: usize| engine_core::protocol::WireTensor::f32(vec![n, 32], vec![0.5; n * 32]);
         let append = |layer: u32, start: u64| Message::KvAppend {
@@ -367,7 +360,10 @@ fn a_query_whose_partials_would_pass_the_frame_limit_is_refused() {
         };
         scope.spawn(move || Helper::new(mr, &CpuBackend, small).serve(&mut helper_end));
         let mut ask = |req: u32, msg: Message| ask(&mut host, req, msg);
-        assert!(matches!(ask(0, hello(&m)), Message::Welcome(_)));
+        assert!(matches!(
+            ask(0, tests::hello(&m, 1 << 20)),
+            Message::Welcome(_)
+        ));
         let cfg = Configure {
             first_layer: 0,
             end_layer: 0,

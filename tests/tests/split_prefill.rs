@@ -41,6 +41,20 @@ fn two_turns(
     (out, on_helper)
 }
 
+/// The T150 fixture's model and prompt, a split plan of `ubatch`-token ubatches, and the
+/// host alone's logits for the prompt prefilled in those ubatches.
+fn t150_alone(ubatch: usize) -> (Model, Vec<u32>, SplitPlan, Vec<f32>) {
+    let m = model("tiny_fp32_T150");
+    let prompt = Reference::load("tiny_fp32_T150").ids("prompt_ids");
+    let plan = SplitPlan {
+        min_tokens: 20,
+        ubatch,
+        ..SplitPlan::default()
+    };
+    let (want, _) = prefill(&m, &CpuBackend, &mut m.new_state(16), &prompt, &plan).unwrap();
+    (m, prompt, plan, want)
+}
+
 /// A helper on this thread; `mem_budget` bytes of KV.
 fn serve(m: &Model, mut link: MemoryLink, mem_budget: u64) {
     let opts = HelperOptions {
@@ -275,14 +289,7 @@ fn a_mirror_far_behind_syncs_in_pieces() {
 /// tethered; the host runs the batch alone with the same result.
 #[test]
 fn a_refusing_helper_stays_tethered_and_the_host_does_the_batch() {
-    let m = model("tiny_fp32_T150");
-    let prompt = Reference::load("tiny_fp32_T150").ids("prompt_ids");
-    let plan = SplitPlan {
-        min_tokens: 20,
-        ubatch: 16,
-        ..SplitPlan::default()
-    };
-    let (want, _) = prefill(&m, &CpuBackend, &mut m.new_state(16), &prompt, &plan).unwrap();
+    let (m, prompt, plan, want) = t150_alone(16);
     std::thread::scope(|scope| {
         let (host_end, helper_end) = pair();
         scope.spawn(|| serve(&m, helper_end, 4096));
@@ -399,14 +406,7 @@ impl Link for Slow {
 /// for the oldest reply once 8 are in flight, and the result is the same bits.
 #[test]
 fn a_slow_helper_is_sent_a_bounded_window_of_ubatches() {
-    let m = model("tiny_fp32_T150");
-    let prompt = Reference::load("tiny_fp32_T150").ids("prompt_ids");
-    let plan = SplitPlan {
-        min_tokens: 20,
-        ubatch: 4,
-        ..SplitPlan::default()
-    };
-    let (want, _) = prefill(&m, &CpuBackend, &mut m.new_state(16), &prompt, &plan).unwrap();
+    let (m, prompt, plan, want) = t150_alone(4);
     std::thread::scope(|scope| {
         let (host_end, helper_end) = pair();
         scope.spawn(|| {
@@ -435,14 +435,7 @@ fn a_slow_helper_is_sent_a_bounded_window_of_ubatches() {
 #[test]
 fn a_pipeline_deeper_than_the_incoming_queue_completes_over_a_websocket() {
     use engine_core::link::ws::{connect, WsListener, INCOMING_FRAMES};
-    let m = model("tiny_fp32_T150");
-    let prompt = Reference::load("tiny_fp32_T150").ids("prompt_ids");
-    let plan = SplitPlan {
-        min_tokens: 20,
-        ubatch: 4,
-        ..SplitPlan::default()
-    };
-    let (want, _) = prefill(&m, &CpuBackend, &mut m.new_state(16), &prompt, &plan).unwrap();
+    let (m, prompt, plan, want) = t150_alone(4);
     let listener = WsListener::bind("127.0.0.1:0", DEFAULT_MAX_FRAME).unwrap();
     let url = format!("ws://{}/", listener.local_addr());
     std::thread::scope(|scope| {
