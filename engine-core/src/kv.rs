@@ -122,11 +122,21 @@ impl PagedKv {
     }
 
     /// K and V rows of positions `start .. start + len` held here, copied to the host
-    /// `[len, row]` in one read (they cross the link).
-    pub fn rows(&self, be: &dyn Backend, start: usize, len: usize) -> Result<(Vec<f32>, Vec<f32>)> {
-        let mut k = be.download_ranges(&self.row_parts(start, len)?);
-        let v = k.split_off(len * self.row);
-        Ok((k, v))
+    /// `[len, row]` in one read (they cross the link). The read is recorded before this
+    /// returns; the future waits for it (see [`Backend::read_ranges`]).
+    pub fn rows(
+        &self,
+        be: &dyn Backend,
+        start: usize,
+        len: usize,
+    ) -> Result<impl std::future::Future<Output = (Vec<f32>, Vec<f32>)>> {
+        let read = be.read_ranges(&self.row_parts(start, len)?);
+        let row = self.row;
+        Ok(async move {
+            let mut k = read.await;
+            let v = k.split_off(len * row);
+            (k, v)
+        })
     }
 
     /// Where the K rows then the V rows of positions `start .. start + len` live, as
@@ -522,7 +532,7 @@ fn attend_from_disk(
 
 /// Host copies of `parts` (a helper's answer, which crosses the link) in one read, laid out
 /// as the link carries them: every part's `o`, then every `m`, then every `l`.
-pub fn download_partials(
+pub async fn download_partials(
     be: &dyn Backend,
     parts: &[ActPartials],
 ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
@@ -531,8 +541,9 @@ pub fn download_partials(
         .flat_map(|&i| parts.iter().map(move |p| [&p.o, &p.m, &p.l][i]))
         .map(|a| (a, 0..a.len()))
         .collect();
-    let mut o = be.download_ranges(&ranges);
+    let read = be.read_ranges(&ranges);
     let rows: usize = parts.iter().map(|p| p.rows).sum();
+    let mut o = read.await;
     let mut m = o.split_off(o.len() - 2 * rows);
     let l = m.split_off(rows);
     (o, m, l)
@@ -554,12 +565,12 @@ mod tests {
         assert_eq!(kv.len(), 7);
         let starts: Vec<(usize, usize)> = kv.pages().iter().map(|p| (p.start, p.len)).collect();
         assert_eq!(starts, vec![(0, 3), (3, 3), (6, 1)]);
-        assert_eq!(kv.rows(be, 3, 3).unwrap().0, rows[6..12].to_vec());
+        assert_eq!(pollster::block_on(kv.rows(be, 3, 3).unwrap()).0, rows[6..12].to_vec());
         kv.truncate(4).unwrap();
         let starts: Vec<(usize, usize)> = kv.pages().iter().map(|p| (p.start, p.len)).collect();
         assert_eq!(starts, vec![(0, 3), (3, 1)]);
         kv.append(be, &part(8..10), &part(8..10));
-        let (k, v) = kv.rows(be, 2, 3).unwrap();
+        let (k, v) = pollster::block_on(kv.rows(be, 2, 3).unwrap());
         assert_eq!(k, [rows[4..8].to_vec(), rows[8..10].to_vec()].concat());
         assert_eq!(k, v);
     }

@@ -328,7 +328,7 @@ fn sync_mirror(be: &dyn Backend, c: &ModelConfig, state: &mut State) -> Result<O
     loop {
         let end = (at + per_piece).min(to);
         let last = end == to;
-        let payload = ChunkPayload::read(be, c, state, tail.clone(), at..end, last)?;
+        let payload = pollster::block_on(ChunkPayload::read(be, c, state, tail.clone(), at..end, last)?);
         let client = state.remote.as_mut().expect("a helper is attached");
         let seq = client.seq();
         let req = client.send(&payload.into_message(seq, at))?;
@@ -357,7 +357,8 @@ pub struct ChunkPayload {
 
 impl ChunkPayload {
     /// Rows `rows` of the full-attention layers among `layers` and (with `with_states`) the
-    /// DeltaNet states of the others, read from `be` in one go (one wait on a GPU).
+    /// DeltaNet states of the others, read from `be` in one go (one wait on a GPU). The read
+    /// is recorded before this returns; the future waits for it ([`Backend::read_ranges`]).
     pub fn read(
         be: &dyn Backend,
         c: &ModelConfig,
@@ -365,7 +366,7 @@ impl ChunkPayload {
         layers: Range<usize>,
         rows: Range<usize>,
         with_states: bool,
-    ) -> Result<ChunkPayload> {
+    ) -> Result<impl std::future::Future<Output = ChunkPayload>> {
         let (mut kv_layers, mut delta_layers, mut parts) = (Vec::new(), Vec::new(), Vec::new());
         let mut states_of = Vec::new();
         for l in layers {
@@ -385,7 +386,23 @@ impl ChunkPayload {
             parts.push((&d.s, 0..d.s.len()));
             parts.push((&d.conv, 0..d.conv.len()));
         }
-        let mut host = be.download_ranges(&parts).into_iter();
+        let read = be.read_ranges(&parts);
+        let c = c.clone();
+        Ok(async move {
+            let host = read.await;
+            ChunkPayload::unpack(&c, host, kv_layers, delta_layers, rows.len())
+        })
+    }
+
+    /// The values of one [`Self::read`], in the order it asked for them, as wire tensors.
+    fn unpack(
+        c: &ModelConfig,
+        host: Vec<f32>,
+        kv_layers: Vec<u32>,
+        delta_layers: Vec<u32>,
+        rows: usize,
+    ) -> ChunkPayload {
+        let mut host = host.into_iter();
         let mut take = |shape: Vec<usize>| {
             let n = shape.iter().product();
             WireTensor::f32(shape, host.by_ref().take(n).collect())
@@ -393,7 +410,7 @@ impl ChunkPayload {
         let width = c.num_key_value_heads * c.head_dim;
         let kv = kv_layers
             .iter()
-            .map(|_| (take(vec![rows.len(), width]), take(vec![rows.len(), width])))
+            .map(|_| (take(vec![rows, width]), take(vec![rows, width])))
             .collect();
         let states = delta_layers
             .iter()
@@ -406,12 +423,12 @@ impl ChunkPayload {
                 (s, take(vec![c.linear_conv_kernel_dim - 1, c.conv_dim()]))
             })
             .collect();
-        Ok(ChunkPayload {
+        ChunkPayload {
             kv_layers,
             kv,
             delta_layers,
             states,
-        })
+        }
     }
 
     pub fn into_message(self, seq: u64, pos: usize) -> Message {

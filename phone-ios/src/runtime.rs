@@ -525,7 +525,7 @@ impl<'a> Helper<'a> {
         let pos: Vec<usize> = positions.iter().map(|&p| p as usize).collect();
         let q = self.backend.upload(q.data);
         let parts = self.backend.attend_pages(shape, &q, &pos, &pages);
-        let (o, m, l) = download_partials(self.backend, &parts);
+        let (o, m, l) = pollster::block_on(download_partials(self.backend, &parts));
         let n = pages.len();
         Ok(Message::AttnPartials {
             seq,
@@ -594,7 +594,7 @@ impl<'a> Helper<'a> {
         st.pos += rows;
         let pos = pos as usize;
         ChunkPayload::read(self.backend, c, st, layers, pos..pos + rows, want_state)
-            .map(|p| p.into_message(seq, pos))
+            .map(|p| pollster::block_on(p).into_message(seq, pos))
             .map_err(|e| Refusal("prefill", e.to_string()))
     }
 
@@ -720,6 +720,7 @@ impl<'a> Helper<'a> {
         check_reply(s, reply, || format!("{len} KV rows of layer {layer}"))?;
         let (k, v) = kv
             .rows(self.backend, start as usize, len as usize)
+            .map(pollster::block_on)
             .map_err(|e| Refusal("missing", e.to_string()))?;
         Ok(Message::KvRows {
             seq,

@@ -39,7 +39,9 @@ pub fn select(name: &str) -> crate::Result<(Box<dyn Backend>, String)> {
     }
 }
 
+use std::future::Future;
 use std::ops::{Deref, Range};
+use std::pin::Pin;
 use std::sync::Arc;
 
 use crate::kv::{KvPage, Partials};
@@ -134,6 +136,10 @@ impl From<Partials> for ActPartials {
     }
 }
 
+/// A read-back in flight ([`Backend::read_ranges`]). Not `Send`: in a browser it waits on
+/// the page's event loop.
+pub type Readback = Pin<Box<dyn Future<Output = Vec<f32>>>>;
+
 /// Head layout of a full-attention layer.
 #[derive(Clone, Copy, Debug)]
 pub struct AttnShape {
@@ -176,6 +182,15 @@ pub trait Backend: Send + Sync {
     /// Host copies of the elements of `parts` (value, element range), concatenated: one read
     /// for many pieces (a device backend waits for its queue once).
     fn download_ranges(&self, parts: &[(&Act, Range<usize>)]) -> Vec<f32>;
+
+    /// [`Self::download_ranges`] as a future, for a caller that must not block: in a browser a
+    /// GPU read-back completes only after control returns to the event loop. The copies are
+    /// recorded when this is called (so later ops do not change what is read); the future owns
+    /// everything it needs. A backend that can read at once (the CPU; a native GPU, which
+    /// waits for its queue) returns a future that is ready on its first poll.
+    fn read_ranges(&self, parts: &[(&Act, Range<usize>)]) -> Readback {
+        Box::pin(std::future::ready(self.download_ranges(parts)))
+    }
 
     /// A host copy of `x`.
     fn download(&self, x: &Act) -> Vec<f32> {

@@ -298,7 +298,7 @@ impl State {
                 let LayerState::Attention(kv) = &self.layers[i] else {
                     unreachable!("page_to_move found a KV page")
                 };
-                let (k, v) = kv.rows(be, start, len)?;
+                let (k, v) = pollster::block_on(kv.rows(be, start, len)?);
                 let width = kv.row_width();
                 let in_step = kv.helper_len() == kv.remote_len();
                 if let Some(disk) = self.spill.as_mut() {
