@@ -565,7 +565,10 @@ mod tests {
         assert_eq!(kv.len(), 7);
         let starts: Vec<(usize, usize)> = kv.pages().iter().map(|p| (p.start, p.len)).collect();
         assert_eq!(starts, vec![(0, 3), (3, 3), (6, 1)]);
-        assert_eq!(pollster::block_on(kv.rows(be, 3, 3).unwrap()).0, rows[6..12].to_vec());
+        assert_eq!(
+            pollster::block_on(kv.rows(be, 3, 3).unwrap()).0,
+            rows[6..12].to_vec()
+        );
         kv.truncate(4).unwrap();
         let starts: Vec<(usize, usize)> = kv.pages().iter().map(|p| (p.start, p.len)).collect();
         assert_eq!(starts, vec![(0, 3), (3, 1)]);

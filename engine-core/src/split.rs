@@ -328,7 +328,14 @@ fn sync_mirror(be: &dyn Backend, c: &ModelConfig, state: &mut State) -> Result<O
     loop {
         let end = (at + per_piece).min(to);
         let last = end == to;
-        let payload = pollster::block_on(ChunkPayload::read(be, c, state, tail.clone(), at..end, last)?);
+        let payload = pollster::block_on(ChunkPayload::read(
+            be,
+            c,
+            state,
+            tail.clone(),
+            at..end,
+            last,
+        )?);
         let client = state.remote.as_mut().expect("a helper is attached");
         let seq = client.seq();
         let req = client.send(&payload.into_message(seq, at))?;

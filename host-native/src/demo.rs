@@ -11,6 +11,7 @@ use anyhow::{ensure, Result};
 use engine_core::generate::argmax;
 use std::sync::Mutex;
 
+use engine_core::helper::{Helper, HelperOptions};
 use engine_core::link::keys::{Keypair, PairingCode, PublicKey};
 use engine_core::link::secure::{self, wire_limit, Dial, Gate};
 use engine_core::link::{ws, ShapedLink};
@@ -20,7 +21,6 @@ use engine_core::source::{load_model, SynthOptions};
 use engine_core::split::{default_split_layer, prefill, SplitPlan};
 use engine_core::tokenizer::{StreamDecoder, Tokenizer};
 use engine_core::{CpuBackend, Logits, Model, State};
-use phone_ios::{Helper, HelperOptions};
 
 use crate::load;
 

@@ -302,10 +302,10 @@ fn start_helper() -> Helper {
     let code = PairingCode::new();
     let shown = code.shown();
     std::thread::spawn(move || {
-        let helper = phone_ios::Helper::new(
+        let helper = engine_core::helper::Helper::new(
             model,
             &engine_core::CpuBackend,
-            phone_ios::HelperOptions {
+            engine_core::helper::HelperOptions {
                 mem_budget: 1 << 30,
                 max_frame: DEFAULT_MAX_FRAME,
             },

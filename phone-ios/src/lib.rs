@@ -1,7 +1,3 @@
-//! The helper side of tether: the portable runtime (`runtime`), and the `tether-helper`
-//! binary that serves it over WebSocket. The iOS shell and the Metal / Core ML paths come with
-//! later issues.
-
-pub mod runtime;
-
-pub use runtime::{prefill_bytes, Helper, HelperOptions, LoadLayers, SessionEnd, Weights};
+//! The helper's device side. The runtime every helper runs is engine-core's `helper` module
+//! (the same code in a browser tab); this crate holds the `tether-helper` binary that serves it
+//! over WebSocket, and the iOS shell with its Metal / Core ML paths when the phone issue comes.

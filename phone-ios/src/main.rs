@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
+use engine_core::helper::{Helper, HelperOptions, Weights};
 use engine_core::link::idle::IdleLink;
 use engine_core::link::keys::{config_dir, short, KeyStore, Keypair, PairingCode, PublicKey};
 use engine_core::link::secure::{self, wire_limit, Accepted, Gate};
@@ -15,7 +16,6 @@ use engine_core::link::{Link, LinkProfile, ShapedLink};
 use engine_core::protocol::{encode, Message};
 use engine_core::remote::DEFAULT_MAX_FRAME;
 use engine_core::source::{load_identity, load_layers, BackendOptions, SynthOptions};
-use phone_ios::{Helper, HelperOptions, Weights};
 
 #[derive(Parser)]
 #[command(

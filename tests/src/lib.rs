@@ -132,11 +132,11 @@ pub fn spawn_helper<'scope, 'env>(
 ) -> engine_core::link::MemoryLink {
     let (host_end, mut helper_end) = engine_core::link::pair();
     scope.spawn(move || {
-        let opts = phone_ios::HelperOptions {
+        let opts = engine_core::helper::HelperOptions {
             mem_budget: 1 << 30,
             max_frame: DEFAULT_MAX_FRAME,
         };
-        phone_ios::Helper::new(m, be, opts).serve(&mut helper_end)
+        engine_core::helper::Helper::new(m, be, opts).serve(&mut helper_end)
     });
     host_end
 }

@@ -4,12 +4,12 @@
 //! after every possible number of operations in turn, and every run must give the host
 //! alone's logits bit for bit.
 
+use engine_core::helper::{Helper, HelperOptions};
 use engine_core::link::pair;
 use engine_core::protocol::Configure;
 use engine_core::remote::{HelperClient, DEFAULT_MAX_FRAME};
 use engine_core::split::{prefill, SplitPlan};
 use engine_core::{CpuBackend, Logits, Model, State};
-use phone_ios::{Helper, HelperOptions};
 use tests::{fixtures_dir, page_file, Fuse, Reference};
 
 const PAGE: usize = 8;

@@ -3,11 +3,11 @@
 //! gets an Error naming what was refused and why, and the session goes on: the next valid
 //! request is answered as it would have been, with everything stored before intact.
 
+use engine_core::helper::{prefill_bytes, Helper, HelperOptions};
 use engine_core::link::{pair, Link, MemoryLink};
 use engine_core::protocol::{decode, encode, Configure, Message, WireTensor};
 use engine_core::remote::DEFAULT_MAX_FRAME;
 use engine_core::{CpuBackend, LayerKind, Model};
-use phone_ios::{prefill_bytes, Helper, HelperOptions};
 use tests::{fixtures_dir, Rng};
 
 /// The first layer the helper runs in the prefill tests (tiny_fp32: full attention at 7).

@@ -1,13 +1,13 @@
 //! KV-page offload: a host with a small KV budget moves its oldest pages to a helper and gets
 //! the same tokens, and bit-identical logits, as the host alone.
 
+use engine_core::helper::{Helper, HelperOptions, SessionEnd};
 use engine_core::link::{pair, Link};
 use engine_core::protocol::{
     decode, encode, Configure, Intro, Message, Role, WireTensor, PROTOCOL_VERSION,
 };
 use engine_core::remote::{HelperClient, DEFAULT_MAX_FRAME};
 use engine_core::{CpuBackend, LayerKind, Logits, Model};
-use phone_ios::{Helper, HelperOptions, SessionEnd};
 use tests::{attach, fixtures_dir, Reference};
 
 fn model(fixture: &str) -> Model {
@@ -153,7 +153,7 @@ fn the_helper_budget_counts_the_deltanet_state_of_its_own_layers_only() {
         page_size: 4,
     };
     // A two-row chunk at 0 or 2 sees one page either way.
-    let work = phone_ios::prefill_bytes(c, &assigned(split), 0, 2, true).1;
+    let work = engine_core::helper::prefill_bytes(c, &assigned(split), 0, 2, true).1;
     let first = need + 4 * kv_row + work;
     let stats = |reply: Message| match reply {
         Message::Stats(s) => (s["kv_bytes"], s["delta_state_bytes"]),

@@ -3,12 +3,12 @@
 //! KV offload, and a helper that dies mid-batch.
 
 use engine_core::generate::argmax;
+use engine_core::helper::{Helper, HelperOptions};
 use engine_core::link::{pair, Link, MemoryLink};
 use engine_core::protocol::Configure;
 use engine_core::remote::{HelperClient, DEFAULT_MAX_FRAME};
 use engine_core::split::{prefill, SplitPlan};
 use engine_core::{CpuBackend, Logits, Model, State};
-use phone_ios::{Helper, HelperOptions};
 use tests::{attach, fixtures_dir, Reference};
 
 fn model(fixture: &str) -> Model {

@@ -1,110 +1,17 @@
-//! The helper runtime: serves one host at a time over any `Link`. It holds the KV pages a host
-//! gives it, with their page boundaries, and answers attention queries with one partial per
-//! page, computed by the same backend code the host would have used: with the same backend on
-//! both sides, the host's merge is bit-identical to attending over the pages itself.
-//!
-//! A frame that does not decode gets an `Error` frame and ends the session (the peer is not
-//! speaking our protocol); a well-formed request that cannot be served (wrong layer, rows out
-//! of order, over the memory budget, a reply past the frame limit) gets an `Error` reply and
-//! the session goes on with all stored state intact. Every size a host sends is checked
-//! against those limits before anything is allocated or computed for it.
+//! The requests a greeted host makes, one handler per message: each checks everything the
+//! host sent against the assignment, what is held and the limits before it changes anything.
 
 use std::collections::btree_map::Entry;
 use std::collections::BTreeMap;
-use std::ops::Range;
-use std::sync::{Arc, Mutex};
 
-use engine_core::backend::{AttnShape, Backend};
-use engine_core::kv::{download_partials, KvPage, PagedKv};
-use engine_core::link::{Link, LinkError};
-use engine_core::model::LayerState;
-use engine_core::protocol::{
-    decode, encode, Configure, Intro, Message, MsgType, Role, WireTensor, PROTOCOL_VERSION,
-};
-use engine_core::split::ChunkPayload;
-use engine_core::{LayerKind, Model, ModelConfig, State};
-
-/// Sequences one host may keep on this helper at once.
-const MAX_SEQS: usize = 64;
-
-/// Bytes a reply's header and metadata may take beside its tensors.
-const REPLY_SLACK: usize = 4096;
-
-pub struct HelperOptions {
-    /// Bytes this helper holds at most for one host: KV pages (whole, as allocated), DeltaNet
-    /// state (of the assigned layers, per sequence), and while a prefill chunk runs its
-    /// activations and reply. Other replies are bounded by the frame limit instead, so a
-    /// helper whose pages fill its budget still answers queries over them.
-    pub mem_budget: u64,
-    pub max_frame: usize,
-}
-
-/// Why a session ended.
-#[derive(Debug, PartialEq, Eq)]
-pub enum SessionEnd {
-    /// The host said Bye.
-    Bye,
-    /// The link closed.
-    Closed(String),
-    /// The host was refused or broke the protocol; the message was sent to it as an Error.
-    Refused(String),
-}
-
-/// Builds the layers a host assigns (and nothing else) from the helper's checkpoint.
-pub type LoadLayers<'a> = dyn Fn(Range<usize>) -> engine_core::Result<Model> + Sync + 'a;
-
-/// The weights a helper runs its share of a split prefill with.
-pub enum Weights<'a> {
-    /// A whole model, whatever layers a host assigns.
-    Whole(&'a Model),
-    /// Only the layers a host assigns, built when it configures the session; `identity`
-    /// (config and the whole model's identity, no layers) answers the handshake.
-    Assigned {
-        identity: &'a Model,
-        load: &'a LoadLayers<'a>,
-    },
-}
-
-pub struct Helper<'a> {
-    weights: Weights<'a>,
-    /// The layers built for the last assignment, kept for the next host asking for them.
-    assigned: Mutex<Option<Arc<Model>>>,
-    backend: &'a dyn Backend,
-    opts: HelperOptions,
-}
-
-struct Session {
-    configure: Option<Configure>,
-    /// The assigned layers (for `Weights::Assigned`).
-    layers: Option<Arc<Model>>,
-    /// Per sequence: the KV rows this helper holds (pages handed over by the host, and the
-    /// mirror of its prefill layers) and, for those layers, the DeltaNet state.
-    seqs: BTreeMap<u64, State>,
-    counters: BTreeMap<String, u64>,
-    /// The frame limit both sides announced: a reply past it would be refused by the host, so
-    /// none is computed.
-    max_frame: usize,
-}
-
-impl Session {
-    /// The assignment, which every request on KV or layers needs first.
-    fn configured(&self, what: MsgType) -> Result<Configure, Refusal> {
-        self.configure
-            .clone()
-            .ok_or_else(|| Refusal("order", format!("{what:?} before Configure")))
-    }
-
-    /// Message counts and the bytes held.
-    fn stats(&self) -> Message {
-        let mut counters = self.counters.clone();
-        let kv: usize = self.seqs.values().map(State::kv_bytes).sum();
-        let delta: usize = self.seqs.values().map(State::delta_bytes).sum();
-        counters.insert("kv_bytes".into(), kv as u64);
-        counters.insert("delta_state_bytes".into(), delta as u64);
-        counters.insert("held_bytes".into(), held_bytes(&self.seqs));
-        Message::Stats(counters)
-    }
-}
+use super::limits::{check_reply, prefill_bytes, Cost, F32, REPLY_SLACK};
+use super::{Held, Helper, Refusal, MAX_SEQS};
+use crate::backend::{AttnShape, Backend};
+use crate::kv::{download_partials, KvPage, PagedKv};
+use crate::model::LayerState;
+use crate::protocol::{Configure, Message, MsgType, WireTensor};
+use crate::split::ChunkPayload;
+use crate::{LayerKind, State};
 
 /// A `ChunkState` request: the host's rows and states for this helper's mirror.
 struct MirrorSync {
@@ -116,177 +23,9 @@ struct MirrorSync {
     states: Vec<(WireTensor, WireTensor)>,
 }
 
-/// Memory held between requests: KV pages, counted whole since a page is allocated at its full
-/// size with its first row (`PagedKv::append`), and DeltaNet states.
-fn held_bytes(seqs: &BTreeMap<u64, State>) -> u64 {
-    seqs.values()
-        .map(|s| {
-            let pages: usize = s
-                .layers
-                .iter()
-                .map(|l| match l {
-                    LayerState::Attention(kv) => kv.pages().len() * page_bytes(kv),
-                    LayerState::DeltaNet(_) | LayerState::Elsewhere => 0,
-                })
-                .sum();
-            (pages + s.delta_bytes()) as u64
-        })
-        .sum()
-}
-
-fn page_bytes(kv: &PagedKv) -> usize {
-    kv.page_size() * kv.row_width() * 2 * F32
-}
-
-const F32: usize = std::mem::size_of::<f32>();
-
-/// What a request would add to the memory this helper holds, checked against the budget before
-/// anything is allocated.
-struct Cost {
-    /// New KV pages, kept after the reply.
-    pages: u64,
-    /// A prefill chunk's activations and reply, freed once it is sent.
-    work: u64,
-}
-
-/// A request that cannot be served: the reply is an Error frame with this code and message.
-struct Refusal(&'static str, String);
-
-impl<'a> Helper<'a> {
-    /// A helper with a whole model.
-    pub fn new(model: &'a Model, backend: &'a dyn Backend, opts: HelperOptions) -> Self {
-        Helper::with_weights(Weights::Whole(model), backend, opts)
-    }
-
-    pub fn with_weights(
-        weights: Weights<'a>,
-        backend: &'a dyn Backend,
-        opts: HelperOptions,
-    ) -> Self {
-        Helper {
-            weights,
-            assigned: Mutex::new(None),
-            backend,
-            opts,
-        }
-    }
-
-    /// Config and identity: the model as the handshake knows it.
-    fn model(&self) -> &Model {
-        match &self.weights {
-            Weights::Whole(m) => m,
-            Weights::Assigned { identity, .. } => identity,
-        }
-    }
-
-    /// The model that runs `layers` in this session, built now if the helper loads per
-    /// assignment and does not hold those layers yet.
-    fn load(&self, layers: Range<usize>) -> engine_core::Result<Option<Arc<Model>>> {
-        let Weights::Assigned { load, .. } = &self.weights else {
-            return Ok(None);
-        };
-        let mut held = self.assigned.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(m) = held.as_ref().filter(|m| {
-            let l = m.loaded_layers();
-            l.start <= layers.start && layers.end <= l.end
-        }) {
-            return Ok(Some(m.clone()));
-        }
-        // Drop the old layers before building the new ones.
-        *held = None;
-        let m = Arc::new(load(layers)?);
-        *held = Some(m.clone());
-        Ok(Some(m))
-    }
-
-    fn intro(&self) -> Intro {
-        Intro {
-            version: PROTOCOL_VERSION,
-            model: self.model().identity.name.clone(),
-            model_digest: self.model().identity.digest.clone(),
-            role: Role::Helper,
-            mem_offer: self.opts.mem_budget,
-            backends: vec![self.backend.name().to_string()],
-            max_frame: self.opts.max_frame as u64,
-        }
-    }
-
-    /// Serve one host until it says Bye, the link closes or the host breaks the protocol.
-    pub fn serve(&self, link: &mut dyn Link) -> SessionEnd {
-        let mut s = Session {
-            configure: None,
-            layers: None,
-            seqs: BTreeMap::new(),
-            counters: BTreeMap::new(),
-            max_frame: self.opts.max_frame,
-        };
-        let mut greeted = false;
-        loop {
-            let frame = match link.recv() {
-                Ok(f) => f,
-                Err(LinkError::Closed(why)) => return SessionEnd::Closed(why),
-                Err(e) => return SessionEnd::Closed(e.to_string()),
-            };
-            let (req, msg) = match decode(&frame, self.opts.max_frame) {
-                Ok(m) => m,
-                Err(e) => return refuse(link, 0, "bad_frame", e.to_string()),
-            };
-            *s.counters
-                .entry(format!("{:?}", msg.msg_type()))
-                .or_default() += 1;
-            if !greeted {
-                match msg {
-                    Message::Hello(intro) => {
-                        if intro.version != PROTOCOL_VERSION {
-                            return refuse(
-                                link,
-                                req,
-                                "version",
-                                format!("protocol {} vs {PROTOCOL_VERSION}", intro.version),
-                            );
-                        }
-                        let ours = &self.model().identity;
-                        if intro.model_digest != ours.digest {
-                            let why = format!(
-                                "this helper runs a different model: {} here, {} on the host",
-                                ours.name, intro.model
-                            );
-                            return refuse(link, req, "model", why);
-                        }
-                        greeted = true;
-                        s.max_frame = s.max_frame.min(intro.max_frame as usize);
-                        if send(link, req, Message::Welcome(self.intro())).is_err() {
-                            return SessionEnd::Closed("while sending Welcome".into());
-                        }
-                        continue;
-                    }
-                    other => {
-                        return refuse(
-                            link,
-                            req,
-                            "handshake",
-                            format!("expected Hello, got {:?}", other.msg_type()),
-                        )
-                    }
-                }
-            }
-            let reply = match msg {
-                Message::Bye { .. } => return SessionEnd::Bye,
-                Message::Hello(_) => {
-                    return refuse(link, req, "handshake", "Hello sent twice".into())
-                }
-                other => self
-                    .handle(&mut s, other)
-                    .unwrap_or_else(|Refusal(code, m)| Message::error(code, m)),
-            };
-            if send(link, req, reply).is_err() {
-                return SessionEnd::Closed("while replying".into());
-            }
-        }
-    }
-
+impl Helper<'_> {
     /// Routes one request of a greeted host to the method that serves its kind.
-    fn handle(&self, s: &mut Session, msg: Message) -> Result<Message, Refusal> {
+    pub(super) async fn handle(&self, s: &mut Held, msg: Message) -> Result<Message, Refusal> {
         match msg {
             Message::Configure(cfg) => self.on_configure(s, cfg),
             Message::Ping { nonce } => Ok(Message::Pong { nonce }),
@@ -304,13 +43,16 @@ impl<'a> Helper<'a> {
                 positions,
                 end,
                 q,
-            } => self.on_attn_query(s, seq, layer, positions, end, q),
+            } => self.on_attn_query(s, seq, layer, positions, end, q).await,
             Message::PrefillChunk {
                 seq,
                 pos,
                 want_state,
                 residual,
-            } => self.on_prefill_chunk(s, seq, pos, want_state, residual),
+            } => {
+                self.on_prefill_chunk(s, seq, pos, want_state, residual)
+                    .await
+            }
             Message::ChunkState {
                 seq,
                 pos,
@@ -334,7 +76,7 @@ impl<'a> Helper<'a> {
                 layer,
                 start,
                 len,
-            } => self.on_kv_fetch(s, seq, layer, start, len),
+            } => self.on_kv_fetch(s, seq, layer, start, len).await,
             Message::KvTruncate { seq, len } => on_kv_truncate(s, seq, len),
             other => {
                 s.configured(other.msg_type())?;
@@ -347,7 +89,7 @@ impl<'a> Helper<'a> {
     }
 
     /// A new assignment starts from nothing: rows held were laid out for the old one.
-    fn on_configure(&self, s: &mut Session, cfg: Configure) -> Result<Message, Refusal> {
+    fn on_configure(&self, s: &mut Held, cfg: Configure) -> Result<Message, Refusal> {
         let n = self.model().config.num_hidden_layers as u32;
         if cfg.first_layer > cfg.end_layer || cfg.end_layer > n || cfg.page_size == 0 {
             return Err(Refusal(
@@ -369,63 +111,10 @@ impl<'a> Helper<'a> {
     }
 
     /// Refuses `what` when its `cost`, with a new sequence's DeltaNet state, does not fit the
-    /// budget beside what the session holds.
-    fn check_budget(
-        &self,
-        s: &Session,
-        seq: u64,
-        cfg: &Configure,
-        what: &str,
-        cost: Cost,
-    ) -> Result<(), Refusal> {
-        let (used, budget) = (held_bytes(&s.seqs), self.opts.mem_budget);
-        let runs = cfg.first_layer as usize..cfg.end_layer as usize;
-        let state = match s.seqs.contains_key(&seq) {
-            true => 0,
-            false => State::delta_bytes_for(&self.model().config, runs.clone()) as u64,
-        };
-        let need = [state, cost.pages, cost.work]
-            .into_iter()
-            .fold(used, u64::saturating_add);
-        if need <= budget {
-            return Ok(());
-        }
-        let new = match state {
-            0 => String::new(),
-            _ => format!(
-                " (sequence {seq} is new here and needs {state} bytes of DeltaNet state for \
-                 layers {runs:?})"
-            ),
-        };
-        Err(Refusal(
-            "memory",
-            format!(
-                "{what}{new} needs {} bytes of new KV pages and {} bytes of working memory; \
-                 {used} of this helper's budget of {budget} bytes are in use",
-                cost.pages, cost.work
-            ),
-        ))
-    }
-
-    /// Bytes of the KV pages that `layers` of `seq` must add to hold positions up to `end`.
-    fn page_growth(&self, s: &Session, cfg: &Configure, seq: u64, layers: &[u32], end: u64) -> u64 {
-        let c = &self.model().config;
-        let page = u64::from(cfg.page_size);
-        let bytes = page * (c.num_key_value_heads * c.head_dim * 2 * F32) as u64;
-        let want = end.div_ceil(page);
-        layers
-            .iter()
-            .map(|&l| {
-                let held = s.seqs.get(&seq).map_or(0, |st| kv_pages(st, l)) as u64;
-                want.saturating_sub(held).saturating_mul(bytes)
-            })
-            .fold(0, u64::saturating_add)
-    }
-
     /// A KV page the host hands over: stored with its page boundaries.
     fn on_kv_append(
         &self,
-        s: &mut Session,
+        s: &mut Held,
         seq: u64,
         layer: u32,
         start: u64,
@@ -469,9 +158,9 @@ impl<'a> Helper<'a> {
 
     /// Attention of the host's queries over the pages held for `layer` below `end`: one
     /// partial per page, for the host to merge with its own.
-    fn on_attn_query(
+    async fn on_attn_query(
         &self,
-        s: &mut Session,
+        s: &mut Held,
         seq: u64,
         layer: u32,
         positions: Vec<u64>,
@@ -525,7 +214,7 @@ impl<'a> Helper<'a> {
         let pos: Vec<usize> = positions.iter().map(|&p| p as usize).collect();
         let q = self.backend.upload(q.data);
         let parts = self.backend.attend_pages(shape, &q, &pos, &pages);
-        let (o, m, l) = pollster::block_on(download_partials(self.backend, &parts));
+        let (o, m, l) = download_partials(self.backend, &parts).await;
         let n = pages.len();
         Ok(Message::AttnPartials {
             seq,
@@ -548,9 +237,9 @@ impl<'a> Helper<'a> {
 
     /// The host's residual rows at `pos` run through this helper's layers; the reply carries
     /// the KV rows they made (and with `want_state` the DeltaNet states) for the host's copy.
-    fn on_prefill_chunk(
+    async fn on_prefill_chunk(
         &self,
-        s: &mut Session,
+        s: &mut Held,
         seq: u64,
         pos: u64,
         want_state: bool,
@@ -593,9 +282,9 @@ impl<'a> Helper<'a> {
             .map_err(|e| Refusal("prefill", e.to_string()))?;
         st.pos += rows;
         let pos = pos as usize;
-        ChunkPayload::read(self.backend, c, st, layers, pos..pos + rows, want_state)
-            .map(|p| pollster::block_on(p).into_message(seq, pos))
-            .map_err(|e| Refusal("prefill", e.to_string()))
+        let read = ChunkPayload::read(self.backend, c, st, layers, pos..pos + rows, want_state)
+            .map_err(|e| Refusal("prefill", e.to_string()))?;
+        Ok(read.await.into_message(seq, pos))
     }
 
     /// The assigned layers of `kind`.
@@ -613,7 +302,7 @@ impl<'a> Helper<'a> {
     /// The host brings this helper's mirror up to date: rows and states it produced since the
     /// mirror's watermark. Everything is checked before anything changes, so a refused sync
     /// leaves the mirror as it was.
-    fn on_chunk_state(&self, s: &mut Session, sync: MirrorSync) -> Result<Message, Refusal> {
+    fn on_chunk_state(&self, s: &mut Held, sync: MirrorSync) -> Result<Message, Refusal> {
         let cfg = s.configured(MsgType::ChunkState)?;
         let rows = self.check_sync(s, &cfg, &sync)?;
         let end = sync.pos + rows as u64;
@@ -638,12 +327,7 @@ impl<'a> Helper<'a> {
     /// Whether `sync` fits this helper's layers and continues what it holds; returns the rows
     /// it brings per layer. Every piece carries all full layers' rows; the last also all
     /// DeltaNet states.
-    fn check_sync(
-        &self,
-        s: &Session,
-        cfg: &Configure,
-        sync: &MirrorSync,
-    ) -> Result<usize, Refusal> {
+    fn check_sync(&self, s: &Held, cfg: &Configure, sync: &MirrorSync) -> Result<usize, Refusal> {
         let c = &self.model().config;
         let rows = sync.kv.first().map_or(0, |(k, _)| k.shape[0]);
         let width = c.num_key_value_heads * c.head_dim;
@@ -702,9 +386,9 @@ impl<'a> Helper<'a> {
     }
 
     /// KV rows `start .. start + len` of `layer`, copied back to the host.
-    fn on_kv_fetch(
+    async fn on_kv_fetch(
         &self,
-        s: &mut Session,
+        s: &mut Held,
         seq: u64,
         layer: u32,
         start: u64,
@@ -720,8 +404,8 @@ impl<'a> Helper<'a> {
         check_reply(s, reply, || format!("{len} KV rows of layer {layer}"))?;
         let (k, v) = kv
             .rows(self.backend, start as usize, len as usize)
-            .map(pollster::block_on)
-            .map_err(|e| Refusal("missing", e.to_string()))?;
+            .map_err(|e| Refusal("missing", e.to_string()))?
+            .await;
         Ok(Message::KvRows {
             seq,
             layer,
@@ -773,44 +457,6 @@ impl<'a> Helper<'a> {
     }
 }
 
-/// What a prefill chunk of `rows` rows at `pos` through `cfg`'s layers costs besides the KV
-/// pages it adds: (the bytes of its reply, its working memory). The working memory is
-/// estimated from above from the config, in f32: per row the residual and its per-layer
-/// copies, a full-attention layer's projections, a DeltaNet layer's inputs and output and
-/// the MLP's intermediate vectors (all counted although layers run one at a time); the
-/// attention partials of every page the rows see, held together until they merge; and the
-/// reply twice, read back from the backend and then encoded.
-pub fn prefill_bytes(
-    c: &ModelConfig,
-    cfg: &Configure,
-    pos: u64,
-    rows: usize,
-    want_state: bool,
-) -> (u64, u64) {
-    let (nh, hd) = (c.num_attention_heads, c.head_dim);
-    let kv_width = c.num_key_value_heads * hd;
-    let attention = 5 * nh * hd + 2 * kv_width;
-    let deltanet = 3 * c.conv_dim() + 2 * c.linear_value_dim() + 2 * c.linear_num_value_heads;
-    let per_row = 4 * c.hidden_size + attention + deltanet + 3 * c.intermediate_size;
-    let rows = rows as u64;
-    let pages_seen = (pos + rows).div_ceil(u64::from(cfg.page_size.max(1)));
-    let partials = rows * (nh * (hd + 2)) as u64 * (pages_seen + 1);
-    let count = |kind| {
-        (cfg.first_layer..cfg.end_layer)
-            .filter(|&l| c.layer_types.get(l as usize) == Some(&kind))
-            .count() as u64
-    };
-    let (s_len, conv_len) = c.delta_state_len();
-    let states = match want_state {
-        true => count(LayerKind::LinearAttention) * ((s_len + conv_len) * F32) as u64,
-        false => 0,
-    };
-    let kv_rows = rows * count(LayerKind::FullAttention) * (kv_width * 2 * F32) as u64;
-    let reply = kv_rows + states + REPLY_SLACK as u64;
-    let work = (rows * per_row as u64 + partials) * F32 as u64 + 2 * reply;
-    (reply, work)
-}
-
 /// The paged KV of a full-attention layer.
 fn kv_of(st: &mut State, layer: u32) -> Result<&mut PagedKv, Refusal> {
     match st.layers.get_mut(layer as usize) {
@@ -824,7 +470,7 @@ fn no_kv(layer: u32) -> Refusal {
 }
 
 /// The KV of `layer` held for `seq`.
-fn held_kv(s: &Session, seq: u64, layer: u32) -> Result<&PagedKv, Refusal> {
+fn held_kv(s: &Held, seq: u64, layer: u32) -> Result<&PagedKv, Refusal> {
     let st = s
         .seqs
         .get(&seq)
@@ -845,7 +491,7 @@ fn kv_len(st: &State, layer: u32) -> usize {
 
 /// A prefill chunk must continue the mirror: at its position, with every full layer's KV rows
 /// up to there.
-fn check_mirror_at(s: &Session, seq: u64, pos: u64, full: &[u32]) -> Result<(), Refusal> {
+fn check_mirror_at(s: &Held, seq: u64, pos: u64, full: &[u32]) -> Result<(), Refusal> {
     let (at, held) = s.seqs.get(&seq).map_or((0, 0), |st| {
         let held = full.iter().map(|&l| kv_len(st, l)).max().unwrap_or(0);
         (st.pos, held)
@@ -861,7 +507,7 @@ fn check_mirror_at(s: &Session, seq: u64, pos: u64, full: &[u32]) -> Result<(), 
 
 /// Forget the rows of `seq` from `len` on (a host rewinding); nothing to do for a sequence
 /// this helper does not hold.
-fn on_kv_truncate(s: &mut Session, seq: u64, len: u64) -> Result<Message, Refusal> {
+fn on_kv_truncate(s: &mut Held, seq: u64, len: u64) -> Result<Message, Refusal> {
     s.configured(MsgType::KvTruncate)?;
     if let Some(st) = s.seqs.get_mut(&seq) {
         for l in &mut st.layers {
@@ -887,21 +533,6 @@ fn append_rows(be: &dyn Backend, kv: &mut PagedKv, start: usize, mut k: Vec<f32>
     kv.append(be, &be.upload(k), &be.upload(v));
 }
 
-/// A reply of `bytes` must fit the frame limit; nothing is computed for one that would not.
-fn check_reply(s: &Session, bytes: u64, what: impl FnOnce() -> String) -> Result<(), Refusal> {
-    if bytes > s.max_frame as u64 {
-        return Err(Refusal(
-            "size",
-            format!(
-                "{} take {bytes} bytes, past the frame limit of {}",
-                what(),
-                s.max_frame
-            ),
-        ));
-    }
-    Ok(())
-}
-
 /// Rows arriving for positions `start ..` of `layer` must not leave a gap after the `have`
 /// held.
 fn check_continues(layer: u32, start: u64, have: usize) -> Result<(), Refusal> {
@@ -915,18 +546,9 @@ fn check_continues(layer: u32, start: u64, have: usize) -> Result<(), Refusal> {
 }
 
 /// Pages of KV held for `layer` (none for a layer without KV).
-fn kv_pages(st: &State, layer: u32) -> usize {
+pub(super) fn kv_pages(st: &State, layer: u32) -> usize {
     match st.layers.get(layer as usize) {
         Some(LayerState::Attention(kv)) => kv.pages().len(),
         _ => 0,
     }
-}
-
-fn send(link: &mut dyn Link, req: u32, msg: Message) -> Result<(), LinkError> {
-    link.send(encode(req, &msg))
-}
-
-fn refuse(link: &mut dyn Link, req: u32, code: &str, message: String) -> SessionEnd {
-    let _ = send(link, req, Message::error(code, message.clone()));
-    SessionEnd::Refused(format!("{code}: {message}"))
 }
