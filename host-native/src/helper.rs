@@ -1,11 +1,15 @@
 //! `--helper ws://ADDR`: tether a `tether-helper` to a sequence's state.
 
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
 use anyhow::{bail, Context, Result};
 use engine_core::identity::cache_dir;
-use engine_core::link::keys::{config_dir, short, KeyStore, Keypair};
-use engine_core::link::secure::{self, wire_limit, Dial, SecureLink};
+use engine_core::link::doors::{self, DialOptions};
+use engine_core::link::keys::{config_dir, KeyStore};
+use engine_core::link::secure::{wire_limit, SecureLink};
 use engine_core::link::ws::{self, WsLink};
-use engine_core::link::{Link, LinkError, LinkProfile, LinkStats, ShapedLink, StatsHandle};
+use engine_core::link::{Link, LinkProfile, LinkStats, ShapedLink, StatsHandle};
 use engine_core::page_file::PageFile;
 use engine_core::plan::{Plan, PlanInput};
 use engine_core::protocol::Configure;
@@ -13,11 +17,28 @@ use engine_core::remote::{HelperClient, DEFAULT_MAX_FRAME};
 use engine_core::split::{default_split_layer, SplitPlan};
 use engine_core::{Model, State};
 
+use crate::accept::Acceptor;
+
 #[derive(clap::Args, Clone, Debug)]
 pub struct HelperArgs {
     /// A running `tether-helper` to hold KV pages: ws://HOST:PORT.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "accept_helpers")]
     helper: Option<String>,
+    /// Take a helper that dials this host (`tether-helper --join ws://ADDR`, or a browser
+    /// tab) instead of dialing one: listen on ADDR (e.g. 0.0.0.0:7342; loopback is
+    /// 127.0.0.1:7342). The host shows a pairing code for new helpers.
+    #[arg(long, value_name = "ADDR")]
+    accept_helpers: Option<String>,
+    /// With --accept-helpers: how long to wait for a helper to join before the first request.
+    #[arg(long, value_name = "SECS", default_value_t = 300)]
+    helper_wait: u64,
+    /// With --accept-helpers: keep pairing open for more new helpers after one pairs.
+    #[arg(long, requires = "accept_helpers")]
+    pair_new: bool,
+    /// Where helpers join, once --accept-helpers has started listening (shared by clones, so
+    /// a server's reconnects take the next helper from the same socket).
+    #[arg(skip)]
+    acceptor: Arc<OnceLock<Acceptor>>,
     /// KV positions per full-attention layer kept on this host; older whole pages move to the
     /// helper.
     #[arg(long)]
@@ -45,7 +66,7 @@ pub struct HelperArgs {
     interleave_from: usize,
     /// The pairing code the helper shows: pairs with it on the first connection and remembers
     /// its key (later runs need no code).
-    #[arg(long)]
+    #[arg(long, requires = "helper")]
     pair: Option<String>,
     /// A plain link to a helper started with --insecure: no pairing, no encryption.
     #[arg(long)]
@@ -67,9 +88,12 @@ impl HelperArgs {
         state: &mut State,
         page_size: usize,
     ) -> Result<Option<StatsHandle>> {
-        if self.helper.is_none() {
+        if !self.has_helper() {
             if self.host_kv_tokens.is_some() {
-                bail!("--host-kv-tokens needs --helper: there is nowhere to move pages to");
+                bail!(
+                    "--host-kv-tokens needs --helper or --accept-helpers: there is nowhere to \
+                     move pages to"
+                );
             }
             return Ok(None);
         }
@@ -95,46 +119,60 @@ impl HelperArgs {
     /// wait on the network (up to the connect and handshake timeouts), so a server can do it
     /// on a thread of its own.
     pub fn connect(&self, stats: &StatsHandle) -> Result<Box<dyn Link>> {
-        let Some(url) = &self.helper else {
-            bail!("no --helper to connect to");
-        };
         let profile = link_profile(&self.link)?;
-        let link = self
-            .secure(url)
-            .with_context(|| format!("connecting to the helper at {url}"))?;
+        let link: Box<dyn Link> = match (&self.helper, &self.accept_helpers) {
+            (Some(url), _) => Box::new(
+                self.secure(url)
+                    .with_context(|| format!("connecting to the helper at {url}"))?,
+            ),
+            (None, Some(_)) => self
+                .acceptor()?
+                .next(Duration::from_secs(self.helper_wait))?,
+            (None, None) => bail!("no --helper to connect to"),
+        };
         Ok(Box::new(
             ShapedLink::new(link, profile).counting_into(stats.clone()),
         ))
     }
 
-    /// The paired, encrypted link to the helper at `url` (plain with --insecure): by the key
-    /// remembered for `url`, else (or if the helper no longer answers to that key) by the
-    /// pairing code, whose key is then remembered.
+    /// Whether a helper is named (--helper) or taken when it joins (--accept-helpers).
+    pub fn has_helper(&self) -> bool {
+        self.helper.is_some() || self.accept_helpers.is_some()
+    }
+
+    /// Start listening for helpers now (so a helper may join while the model loads); a no-op
+    /// without --accept-helpers.
+    pub fn listen(&self) -> Result<()> {
+        if self.accept_helpers.is_some() {
+            self.acceptor()?;
+        }
+        Ok(())
+    }
+
+    /// The listener of --accept-helpers, started on first use.
+    fn acceptor(&self) -> Result<&Acceptor> {
+        if let Some(a) = self.acceptor.get() {
+            return Ok(a);
+        }
+        let addr = self
+            .accept_helpers
+            .as_deref()
+            .context("no --accept-helpers")?;
+        let a = Acceptor::start(addr, self.max_frame, self.insecure, self.pair_new)?;
+        // Only this session's thread starts it; a lost race keeps the first.
+        Ok(self.acceptor.get_or_init(|| a))
+    }
+
+    /// The paired, encrypted link to the helper at `url` (plain with --insecure).
     fn secure(&self, url: &str) -> Result<SecureLink<WsLink>> {
-        let open = || ws::connect(url, wire_limit(self.max_frame));
-        if self.insecure {
-            let (link, _) = secure::connect(open()?, &Keypair::generate(), Dial::Insecure)?;
-            return Ok(link);
-        }
-        let dir = config_dir()?;
-        let mut store =
-            KeyStore::open(&dir, "host").with_context(|| format!("keys in {}", dir.display()))?;
-        if let Some(key) = store.peer(url) {
-            match secure::connect(open()?, store.keypair(), Dial::Known(key)) {
-                Ok((link, _)) => return Ok(link),
-                Err(LinkError::Refused(why)) if self.pair.is_some() => {
-                    eprintln!("the helper refused the remembered key ({why}); pairing again");
-                }
-                Err(e) => return Err(e.into()),
-            }
-        }
-        let Some(code) = &self.pair else {
-            bail!(
-                "no helper is paired at {url} yet: start tether-helper there, then pass the \
-                 pairing code it shows with --pair CODE (once)"
-            );
+        let opts = DialOptions {
+            role: "host",
+            peer: "helper",
+            insecure: self.insecure,
+            pair: self.pair.as_deref(),
+            max_frame: self.max_frame,
         };
-        pair_with(url, open()?, &mut store, code)
+        Ok(doors::dial(url, &opts)?)
     }
 
     /// Configure the helper at the other end of `link` and attach it to `state`.
@@ -145,7 +183,7 @@ impl HelperArgs {
         page_size: usize,
         link: Box<dyn Link>,
     ) -> Result<()> {
-        let url = self.helper.as_deref().unwrap_or("the link");
+        let url = self.helper.as_deref().unwrap_or("the helper that joined");
         let n = model.config.num_hidden_layers;
         let split = self.split_layer.unwrap_or_else(|| default_split_layer(n));
         if split > n || (!split.is_multiple_of(4) && split != n) {
@@ -215,10 +253,9 @@ impl HelperArgs {
             split_min: self.split_min,
             split_ubatch: self.split_ubatch,
             interleave_from: self.interleave_from,
-            link: self
-                .helper
-                .as_ref()
-                .and_then(|_| LinkProfile::preset(&self.link))
+            link: Some(&self.link)
+                .filter(|_| self.has_helper())
+                .and_then(|l| LinkProfile::preset(l))
                 .filter(|l| l.bandwidth_bps.is_finite())
                 .map(|l| (l.bandwidth_bps, l.latency.as_secs_f64())),
         };
@@ -231,7 +268,7 @@ impl HelperArgs {
 
     /// How `run` and `bench` prefill: split when a helper is attached, else in `ubatch` chunks.
     pub fn plan(&self, ubatch: usize) -> SplitPlan {
-        if self.helper.is_some() {
+        if self.has_helper() {
             SplitPlan {
                 min_tokens: self.split_min,
                 ubatch: self.split_ubatch,
@@ -255,25 +292,8 @@ pub fn pair(url: &str, code: &str) -> Result<()> {
         KeyStore::open(&dir, "host").with_context(|| format!("keys in {}", dir.display()))?;
     let ws = ws::connect(url, wire_limit(DEFAULT_MAX_FRAME))
         .with_context(|| format!("connecting to the helper at {url}"))?;
-    pair_with(url, ws, &mut store, code)?;
+    doors::pair_with(url, ws, &mut store, code, "helper")?;
     Ok(())
-}
-
-/// Pair over `ws` (the helper at `url`) by `code`; remember the helper's key in `store`.
-fn pair_with(
-    url: &str,
-    ws: WsLink,
-    store: &mut KeyStore,
-    code: &str,
-) -> Result<SecureLink<WsLink>> {
-    let (link, key) = secure::connect(ws, store.keypair(), Dial::Pair(code))?;
-    let key = key.context("the helper gave no key")?;
-    store.add(url, &key)?;
-    eprintln!(
-        "paired with the helper at {url} (key {}); later connections need no --pair",
-        short(&key)
-    );
-    Ok(link)
 }
 
 /// A link profile by name, for `--link`.

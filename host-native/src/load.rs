@@ -32,6 +32,15 @@ pub struct EngineArgs {
     pub helper: HelperArgs,
 }
 
+impl EngineArgs {
+    /// What comes before the model loads: the thread pool, and the helpers' listener, so a
+    /// helper may join (and pair) while the weights are read.
+    pub fn start(&self) -> Result<()> {
+        init_threads(self.threads)?;
+        self.helper.listen()
+    }
+}
+
 pub struct Loaded {
     pub model: Model,
     pub tokenizer: Tokenizer,

@@ -1,5 +1,6 @@
 //! `tether`: the host command line.
 
+mod accept;
 mod bench;
 mod demo;
 mod eval;

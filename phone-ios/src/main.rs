@@ -1,18 +1,17 @@
 //! `tether-helper`: serve this device's memory and compute to a tether host over WebSocket.
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
 use engine_core::helper::{Helper, HelperOptions, Weights};
+use engine_core::link::doors::{self, DialOptions, Doors};
 use engine_core::link::idle::IdleLink;
-use engine_core::link::keys::{config_dir, short, KeyStore, Keypair, PairingCode, PublicKey};
-use engine_core::link::secure::{self, wire_limit, Accepted, Gate};
+use engine_core::link::secure::wire_limit;
 use engine_core::link::ws::{Pending, WsListener};
-use engine_core::link::{Link, LinkProfile, ShapedLink};
+use engine_core::link::{Link, LinkError, LinkProfile, ShapedLink};
 use engine_core::protocol::{encode, Message};
 use engine_core::remote::DEFAULT_MAX_FRAME;
 use engine_core::source::{load_identity, load_layers, BackendOptions, SynthOptions};
@@ -27,6 +26,14 @@ struct Args {
     /// Address to listen on. Loopback by default: expose the helper to a network only on purpose.
     #[arg(long, default_value = "127.0.0.1:7341")]
     listen: String,
+    /// Dial a host that accepts helpers (`tether run|serve --accept-helpers`) instead of
+    /// listening: ws://HOST:PORT. For a helper that cannot be reached (behind NAT); it dials
+    /// again when a session ends or the host goes away.
+    #[arg(long, value_name = "URL", conflicts_with = "listen")]
+    join: Option<String>,
+    /// With --join: the pairing code the host shows, the first time (its key is remembered).
+    #[arg(long, requires = "join")]
+    pair: Option<String>,
     /// The same checkpoint directory or preset as the host's.
     #[arg(long)]
     model: String,
@@ -48,7 +55,7 @@ struct Args {
     insecure: bool,
     /// Show a pairing code for a new host even though hosts are paired already (without it,
     /// a code is shown only while none is).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "join")]
     pair_new: bool,
     /// Shape what this helper sends like a real link (usb-c-10g, usb2, wifi) or leave it
     /// (unlimited), as the host's --link shapes what it sends: both for both directions.
@@ -102,23 +109,8 @@ fn run(a: Args) -> Result<()> {
         load_layers(&a.model, &a.synth, layers, &identity.identity)
     };
     let max_frame = usize::try_from(a.max_frame).context("--max-frame")?;
-    let listener = WsListener::bind(&a.listen, wire_limit(max_frame))
-        .with_context(|| format!("listening on {}", a.listen))?
-        .allow_browsers(!a.insecure);
-    // Flags checked and keys read before the address is announced: a script that reads it may
-    // connect at once.
-    let doors = Doors::new(&a, &listener)?;
+    let session = SessionOptions::new(&a)?;
     let (backend, what) = a.backend.make()?;
-    // The first stdout line says where to connect (with --listen HOST:0 the port is chosen here).
-    say(&format!(
-        "tether-helper listening on ws://{}",
-        listener.local_addr()
-    ));
-    eprintln!(
-        "model {} (digest {}), memory budget {} bytes",
-        identity.identity.name, identity.identity.digest, a.mem_budget
-    );
-    eprintln!("backend: {what}");
     let helper = Helper::with_weights(
         Weights::Assigned {
             identity: &identity,
@@ -130,7 +122,41 @@ fn run(a: Args) -> Result<()> {
             max_frame,
         },
     );
-    doors.announce();
+    let about = || {
+        eprintln!(
+            "model {} (digest {}), memory budget {} bytes",
+            identity.identity.name, identity.identity.digest, a.mem_budget
+        );
+        eprintln!("backend: {what}");
+    };
+    match &a.join {
+        Some(url) => {
+            say(&format!("tether-helper joining {url}"));
+            about();
+            join(&a, url, max_frame, &session, &helper)
+        }
+        None => {
+            let listener = WsListener::bind(&a.listen, wire_limit(max_frame))
+                .with_context(|| format!("listening on {}", a.listen))?
+                .allow_browsers(!a.insecure);
+            // Flags checked and keys read before the address is announced: a script that
+            // reads it may connect at once.
+            let doors = Listening::new(&a, &listener, session)?;
+            // The first stdout line says where to connect (with --listen HOST:0 the port is
+            // chosen here).
+            say(&format!(
+                "tether-helper listening on ws://{}",
+                listener.local_addr()
+            ));
+            about();
+            doors.announce();
+            listen(&a, &listener, &doors, &helper)
+        }
+    }
+}
+
+/// Serve the hosts that connect to `listener`, one at a time.
+fn listen(a: &Args, listener: &WsListener, doors: &Listening, helper: &Helper) -> Result<()> {
     std::thread::scope(|scope| loop {
         let pending = match listener.next() {
             Ok(p) => p,
@@ -140,16 +166,53 @@ fn run(a: Args) -> Result<()> {
             }
         };
         if a.once {
-            if doors.session(&helper, pending) {
+            if doors.session(helper, pending) {
                 return Ok(());
             }
             continue;
         }
         // Each connection's handshakes on a thread of its own: a silent or slow peer holds
         // up nobody else.
-        let (doors, helper) = (&doors, &helper);
         scope.spawn(move || doors.session(helper, pending));
     })
+}
+
+/// Dial the host at `url` and serve it; dial again (backing off up to 30 s) when the session
+/// ends or the host cannot be reached, until a refusal (a wrong pairing code, a host that does
+/// not know this helper) or, with --once, the first session's end.
+fn join(
+    a: &Args,
+    url: &str,
+    max_frame: usize,
+    session: &SessionOptions,
+    helper: &Helper,
+) -> Result<()> {
+    let dial = DialOptions {
+        role: "helper",
+        peer: "host",
+        insecure: a.insecure,
+        pair: a.pair.as_deref(),
+        max_frame,
+    };
+    let mut wait = Duration::from_secs(1);
+    loop {
+        match doors::dial(url, &dial) {
+            Ok(link) => {
+                wait = Duration::from_secs(1);
+                say(&format!("joined the host at {url}"));
+                let end = helper.serve(&mut session.wrap(link));
+                eprintln!("host {url}: session ended ({end:?})");
+                if a.once {
+                    return Ok(());
+                }
+            }
+            Err(LinkError::Refused(why)) => bail!("the host at {url} refused this helper: {why}"),
+            Err(e) if a.once => bail!("joining the host at {url}: {e}"),
+            Err(e) => eprintln!("joining the host at {url}: {e}; again in {wait:?}"),
+        }
+        std::thread::sleep(wait);
+        wait = (wait * 2).min(Duration::from_secs(30));
+    }
 }
 
 /// A line for whoever started the helper (a script reads the address and the code from
@@ -160,28 +223,16 @@ fn say(line: &str) {
     let _ = writeln!(out, "{line}").and_then(|()| out.flush());
 }
 
-/// Who may come in, and who is in: the key store and pairing code of a secure helper, and
-/// the host being served (one at a time; others are told so).
-struct Doors {
-    /// `None` with --insecure.
-    store: Option<Mutex<KeyStore>>,
-    /// This run's key pair: the store's, or a throwaway one for a plain link.
-    keys: Keypair,
-    code: Mutex<PairingCode>,
-    /// Whether a new host may pair now.
-    pairing: AtomicBool,
-    pair_new: bool,
-    serving: Mutex<Option<SocketAddr>>,
-    /// Where hosts connect, for the pairing hint.
-    addr: SocketAddr,
+/// How a host's session runs on the link, however it was opened.
+struct SessionOptions {
     /// How this helper's sending direction is shaped (--link).
     profile: LinkProfile,
     /// --idle-timeout, if any.
     idle: Option<Duration>,
 }
 
-impl Doors {
-    fn new(a: &Args, listener: &WsListener) -> Result<Doors> {
+impl SessionOptions {
+    fn new(a: &Args) -> Result<SessionOptions> {
         let profile = LinkProfile::preset(&a.link).with_context(|| {
             format!(
                 "--link {}: known profiles are {}",
@@ -189,53 +240,58 @@ impl Doors {
                 LinkProfile::PRESETS.join(", ")
             )
         })?;
-        let store = if a.insecure {
+        let idle = (a.idle_timeout > 0).then(|| Duration::from_secs(a.idle_timeout));
+        Ok(SessionOptions { profile, idle })
+    }
+
+    /// `link` with the idle timeout and the link shaping.
+    fn wrap(&self, link: impl Link + 'static) -> ShapedLink<Box<dyn Link>> {
+        let link: Box<dyn Link> = match self.idle {
+            Some(idle) => Box::new(IdleLink::new(link, idle)),
+            None => Box::new(link),
+        };
+        ShapedLink::new(link, self.profile.clone())
+    }
+}
+
+/// Who may come in, and who is in, on a listening helper: the doors of the secure link, and
+/// the host being served (one at a time; others are told so).
+struct Listening {
+    doors: Doors,
+    serving: Mutex<Option<SocketAddr>>,
+    /// Where hosts connect, for the pairing hint.
+    addr: SocketAddr,
+    session: SessionOptions,
+}
+
+impl Listening {
+    fn new(a: &Args, listener: &WsListener, session: SessionOptions) -> Result<Listening> {
+        if a.insecure {
             eprintln!(
                 "WARNING: --insecure: this helper takes plain, unauthenticated links; anyone who \
                  reaches {} can use it and read what crosses the link",
                 listener.local_addr()
             );
-            None
-        } else {
-            let dir = config_dir()?;
-            Some(
-                KeyStore::open(&dir, "helper")
-                    .with_context(|| format!("keys in {}", dir.display()))?,
-            )
-        };
-        let keys = store
-            .as_ref()
-            .map_or_else(Keypair::generate, |s| s.keypair().clone());
-        let pairing = store.as_ref().is_some_and(|s| s.is_empty() || a.pair_new);
-        let doors = Doors {
-            store: store.map(Mutex::new),
-            keys,
-            code: Mutex::new(PairingCode::new()),
-            pairing: AtomicBool::new(pairing),
-            pair_new: a.pair_new,
+        }
+        let doors = Doors::open("helper", a.insecure, a.pair_new).context("this helper's keys")?;
+        Ok(Listening {
+            doors,
             serving: Mutex::new(None),
             addr: listener.local_addr(),
-            profile,
-            idle: (a.idle_timeout > 0).then(|| Duration::from_secs(a.idle_timeout)),
-        };
-        Ok(doors)
+            session,
+        })
     }
 
     /// After the address line: the pairing code, if new hosts may pair.
     fn announce(&self) {
-        if self.pairing.load(Ordering::SeqCst) {
-            self.show_code();
-        } else if self.store.is_some() {
+        if let Some(code) = self.doors.pairing_code() {
+            self.show_code(&code);
+        } else if !self.doors.is_insecure() {
             eprintln!("paired hosts only (--pair-new to pair another)");
         }
     }
 
-    fn code_now(&self) -> String {
-        self.code.lock().unwrap_or_else(|e| e.into_inner()).shown()
-    }
-
-    fn show_code(&self) {
-        let code = self.code_now();
+    fn show_code(&self, code: &str) {
         say(&format!("pairing code: {code}"));
         eprintln!(
             "on the host: tether run --helper ws://{} --pair {code} ...",
@@ -247,14 +303,12 @@ impl Doors {
     /// was served.
     fn session(&self, helper: &Helper, pending: Pending) -> bool {
         let peer = pending.peer_addr();
-        let mut link = match pending.upgrade().and_then(|ws| self.let_in(ws, peer)) {
-            Ok(link) => {
-                let link: Box<dyn Link> = match self.idle {
-                    Some(idle) => Box::new(IdleLink::new(link, idle)),
-                    None => Box::new(link),
-                };
-                ShapedLink::new(link, self.profile.clone())
-            }
+        let show = |code: &str| self.show_code(code);
+        let mut link = match pending
+            .upgrade()
+            .and_then(|ws| self.doors.let_in(ws, &peer.to_string(), show))
+        {
+            Ok(link) => self.session.wrap(link),
             Err(e) => {
                 eprintln!("{peer}: {e}");
                 return false;
@@ -277,39 +331,5 @@ impl Doors {
         eprintln!("host {peer}: session ended ({end:?})");
         *self.serving.lock().unwrap_or_else(|e| e.into_inner()) = None;
         true
-    }
-
-    /// The secure handshake; remembers a host that pairs.
-    fn let_in<L: Link>(
-        &self,
-        ws: L,
-        peer: SocketAddr,
-    ) -> Result<secure::SecureLink<L>, engine_core::link::LinkError> {
-        let known = |k: &PublicKey| {
-            self.store
-                .as_ref()
-                .is_some_and(|s| s.lock().unwrap_or_else(|e| e.into_inner()).knows(k))
-        };
-        let gate = Gate {
-            insecure: self.store.is_none(),
-            known: &known,
-            pairing: self.pairing.load(Ordering::SeqCst).then_some(&self.code),
-        };
-        let shown = self.code_now();
-        let result = secure::accept(ws, &self.keys, &gate);
-        // Wrong codes may have drawn a new one: show it.
-        if result.is_err() && self.code_now() != shown {
-            self.show_code();
-        }
-        let (link, who) = result?;
-        if let (Accepted::Paired(key), Some(store)) = (who, &self.store) {
-            let mut store = store.lock().unwrap_or_else(|e| e.into_inner());
-            store.add(&peer.to_string(), &key)?;
-            eprintln!("paired with host {peer} (key {})", short(&key));
-            if !self.pair_new {
-                self.pairing.store(false, Ordering::SeqCst);
-            }
-        }
-        Ok(link)
     }
 }

@@ -450,3 +450,72 @@ fn an_idle_host_is_let_go_and_another_gets_in() {
     assert!(got == want, "the first host's tokens changed");
     let _ = std::fs::remove_dir_all(keys);
 }
+
+/// `tether-helper --join`: the helper dials a host that accepts helpers (here the host side
+/// in this process: the same listener and gate `tether run --accept-helpers` uses), pairs by
+/// the code the host shows, and serves it: tokens and logits equal the host alone's. With a
+/// wrong code it is refused and exits with the reason.
+#[test]
+fn a_helper_that_joins_the_host_pairs_by_its_code_and_gives_the_host_alone_result() {
+    use engine_core::link::keys::{PairingCode, PublicKey};
+    use engine_core::link::secure::Gate;
+    use engine_core::link::ws::WsListener;
+    let dir = fixtures_dir().join("tiny_fp32_T150");
+    let m = Model::load_dir(&dir).unwrap();
+    let r = Reference::load("tiny_fp32_T150");
+    let (prompt, want) = (r.ids("prompt_ids"), r.ids("gen_ids"));
+    let (_, host_logits) = generate(&m, &mut m.new_state(16), &prompt, want.len()).unwrap();
+
+    let listener = WsListener::bind("127.0.0.1:0", wire_limit(DEFAULT_MAX_FRAME)).unwrap();
+    let url = format!("ws://{}", listener.local_addr());
+    let code = PairingCode::new();
+    let shown = code.shown();
+    let code = std::sync::Mutex::new(code);
+    let host_keys = Keypair::generate();
+    let known = |_: &PublicKey| false;
+    let gate = Gate {
+        insecure: false,
+        known: &known,
+        pairing: Some(&code),
+    };
+    let join = |pair: &str| {
+        Command::new(env!("CARGO_BIN_EXE_tether-helper"))
+            .args(["--join", &url, "--pair", pair, "--once", "--model"])
+            .arg(&dir)
+            .args(["--threads", "1"])
+            .env("TETHER_CONFIG_DIR", key_dir("joining"))
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+
+    let wrong = join("000-000");
+    let ws = listener.accept().unwrap();
+    assert!(secure::accept(ws, &host_keys, &gate).is_err());
+    let out = wrong.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("refused this helper") && err.contains("wrong"),
+        "{err}"
+    );
+
+    let mut helper = join(&shown);
+    let ws = listener.accept().unwrap();
+    let (link, _) = secure::accept(ws, &host_keys, &gate).unwrap();
+    let cfg = Configure {
+        first_layer: 0,
+        end_layer: 0,
+        page_size: 16,
+    };
+    let mut st = m.new_state(16);
+    st.remote = Some(HelperClient::connect(Box::new(link), &m, cfg, DEFAULT_MAX_FRAME).unwrap());
+    st.host_kv_tokens = Some(48);
+    let (ids, logits) = generate(&m, &mut st, &prompt, want.len()).unwrap();
+    assert!(st.remote_kv_len() > 0, "no page went to the helper");
+    assert_eq!(ids, want);
+    assert!(logits == host_logits, "logits differ from the host alone's");
+    drop(st);
+    // --once: the helper exits when the host goes.
+    assert!(helper.wait().unwrap().success());
+}

@@ -116,7 +116,7 @@ fn model_id(spec: &str) -> String {
 
 pub fn run(a: Args) -> Result<()> {
     terminal::init_logging(&a.log)?;
-    load::init_threads(a.engine.threads)?;
+    a.engine.start()?;
     if a.engine.page_size == 0 || a.ubatch == 0 {
         bail!("--page-size and --ubatch must be at least 1");
     }

@@ -1,0 +1,122 @@
+//! `--accept-helpers ADDR`: helpers that dial this host (`tether-helper --join`, a browser tab)
+//! instead of waiting to be dialed, for helpers that cannot be reached (a phone or a tab
+//! behind NAT). Only who opens the socket changes: the host still sends Hello and configures
+//! the helper, over the same paired, encrypted link, with this host as the side that lets
+//! peers in (its key store and pairing code).
+
+use std::net::SocketAddr;
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender, TrySendError};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use engine_core::link::doors::Doors;
+use engine_core::link::secure::{wire_limit, SecureLink};
+use engine_core::link::ws::{Pending, WsLink, WsListener};
+use engine_core::link::Link;
+use engine_core::protocol::{encode, Message};
+
+/// Helpers let in but not yet taken by a session, at most: a helper past them is told the
+/// host is busy, so strangers cannot pile up connections.
+const WAITING: usize = 4;
+
+/// The listening socket and the helpers that came through it.
+pub struct Acceptor {
+    addr: SocketAddr,
+    joined: Mutex<Receiver<Joined>>,
+}
+
+/// A helper let in, with where it dialed from.
+type Joined = (SecureLink<WsLink>, SocketAddr);
+
+impl std::fmt::Debug for Acceptor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Acceptor({})", self.addr)
+    }
+}
+
+impl Acceptor {
+    /// Listen on `addr` and let helpers in from now on (each connection's handshakes on a
+    /// thread of its own, so a silent peer holds up nobody); says on stderr how helpers join.
+    pub fn start(addr: &str, max_frame: usize, insecure: bool, pair_new: bool) -> Result<Acceptor> {
+        let listener = WsListener::bind(addr, wire_limit(max_frame))
+            .with_context(|| format!("--accept-helpers {addr}"))?
+            // A browser tab is a helper too; its links are paired like any other.
+            .allow_browsers(!insecure);
+        let local = listener.local_addr();
+        let doors = Arc::new(Doors::open("host", insecure, pair_new).context("this host's keys")?);
+        let flag = if insecure { " --insecure" } else { "" };
+        eprintln!("accepting helpers on ws://{local}");
+        match doors.pairing_code() {
+            Some(code) => show_code(local, &code),
+            None if insecure => eprintln!(
+                "WARNING: --insecure: any helper that reaches {local} is taken, and can read \
+                 what crosses the link; helpers join with: tether-helper --join ws://{local}{flag}"
+            ),
+            None => eprintln!("paired helpers only (--pair-new to pair another)"),
+        }
+        let (tx, rx) = mpsc::sync_channel(WAITING);
+        std::thread::Builder::new()
+            .name("accept-helpers".into())
+            .spawn(move || loop {
+                match listener.next() {
+                    Ok(pending) => {
+                        let (doors, tx) = (doors.clone(), tx.clone());
+                        let _ = std::thread::Builder::new()
+                            .name("helper-handshake".into())
+                            .spawn(move || let_in(&doors, pending, local, &tx));
+                    }
+                    Err(e) => eprintln!("accepting a helper failed: {e}"),
+                }
+            })
+            .context("starting the accept thread")?;
+        Ok(Acceptor {
+            addr: local,
+            joined: Mutex::new(rx),
+        })
+    }
+
+    /// The next helper that joins, waiting at most `wait`.
+    pub fn next(&self, wait: Duration) -> Result<Box<dyn Link>> {
+        let joined = self.joined.lock().unwrap_or_else(PoisonError::into_inner);
+        match joined.recv_timeout(wait) {
+            Ok((link, peer)) => {
+                eprintln!("helper {peer} joined");
+                Ok(Box::new(link))
+            }
+            Err(RecvTimeoutError::Timeout) => bail!(
+                "no helper joined ws://{} within {} s (start one with tether-helper --join \
+                 ws://{})",
+                self.addr,
+                wait.as_secs(),
+                self.addr
+            ),
+            Err(RecvTimeoutError::Disconnected) => bail!("the accept thread stopped"),
+        }
+    }
+}
+
+fn show_code(addr: SocketAddr, code: &str) {
+    eprintln!("pairing code for new helpers: {code}");
+    eprintln!("on the helper: tether-helper --join ws://{addr} --pair {code} --model ...");
+}
+
+/// One connection's WebSocket upgrade and secure handshake; a helper let in waits for a
+/// session, or is told the host is busy.
+fn let_in(doors: &Doors, pending: Pending, addr: SocketAddr, tx: &SyncSender<Joined>) {
+    let peer = pending.peer_addr();
+    let link = pending
+        .upgrade()
+        .and_then(|ws| doors.let_in(ws, &peer.to_string(), |code| show_code(addr, code)));
+    match link {
+        Ok(link) => match tx.try_send((link, peer)) {
+            Ok(()) => {}
+            Err(TrySendError::Full((mut link, _)) | TrySendError::Disconnected((mut link, _))) => {
+                let why = "this host has as many helpers waiting as it takes; try again later";
+                eprintln!("helper {peer}: refused: {why}");
+                let _ = link.send(encode(0, &Message::error("busy", why.to_string())));
+            }
+        },
+        Err(e) => eprintln!("helper {peer}: {e}"),
+    }
+}

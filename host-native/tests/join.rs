@@ -1,0 +1,241 @@
+//! Helpers that dial the host: `tether run --accept-helpers` as a user runs it, with a helper
+//! that joins over loopback the way `tether-helper --join` does (engine-core's `doors::dial`
+//! and helper runtime, in this process). The tokens equal the host alone's; the helper pairs
+//! once by the code the host shows and is known afterwards; a stranger is turned away.
+
+use std::io::{BufRead, BufReader, Read};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+
+use engine_core::helper::{Helper, HelperOptions, SessionEnd};
+use engine_core::link::doors::{self, DialOptions};
+use engine_core::link::LinkError;
+use engine_core::remote::DEFAULT_MAX_FRAME;
+
+/// Long enough to split its prefill and move pages to the helper with the flags below.
+const PROMPT: &str = "The quick brown fox jumps over the lazy dog while the cat watches from \
+                      the warm windowsill and the birds sing in the tall green trees";
+
+/// Flags that make the helper do real work on the tiny model: pages beyond 16 positions leave
+/// the host, and a prompt of more than 16 tokens prefills split in 8-token ubatches, layers
+/// 4.. on the helper.
+const SPLIT: &[&str] = &[
+    "--page-size",
+    "8",
+    "--host-kv-tokens",
+    "16",
+    "--split-min",
+    "16",
+    "--split-ubatch",
+    "8",
+    "--split-layer",
+    "4",
+];
+
+fn scratch(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("tether-join-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+fn tether(keys: &PathBuf) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_tether"));
+    c.env("TETHER_CONFIG_DIR", keys)
+        .env("TETHER_CACHE_DIR", keys.join("cache"));
+    c
+}
+
+fn run_args(extra: &[&str]) -> Vec<String> {
+    let base = [
+        "run",
+        "--model",
+        "tiny",
+        "--threads",
+        "1",
+        "--prompt",
+        PROMPT,
+        "--max-tokens",
+        "12",
+    ];
+    base.iter().chain(extra).map(|s| s.to_string()).collect()
+}
+
+/// A host waiting for helpers: its stderr lines come through a channel, read on a thread.
+struct Host {
+    child: Child,
+    lines: mpsc::Receiver<String>,
+    /// Every stderr line so far.
+    seen: Vec<String>,
+}
+
+impl Host {
+    fn start(keys: &PathBuf, extra: &[&str]) -> Host {
+        let mut child = tether(keys)
+            .args(run_args(extra))
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let err = child.stderr.take().unwrap();
+        let (tx, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(err).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+        Host {
+            child,
+            lines,
+            seen: Vec::new(),
+        }
+    }
+
+    /// The rest of the first stderr line that starts with `prefix`.
+    fn wait_for(&mut self, prefix: &str) -> String {
+        loop {
+            let line = self
+                .lines
+                .recv_timeout(std::time::Duration::from_secs(60))
+                .unwrap_or_else(|_| panic!("no {prefix:?} from the host; saw {:?}", self.seen));
+            self.seen.push(line.clone());
+            if let Some(rest) = line.strip_prefix(prefix) {
+                return rest.trim().to_string();
+            }
+        }
+    }
+
+    /// Waits for the host to finish: its stdout, and all of its stderr.
+    fn finish(mut self) -> (bool, String, String) {
+        let mut out = String::new();
+        self.child
+            .stdout
+            .take()
+            .unwrap()
+            .read_to_string(&mut out)
+            .unwrap();
+        let ok = self.child.wait().unwrap().success();
+        self.seen.extend(self.lines.iter());
+        (ok, out, self.seen.join("\n"))
+    }
+}
+
+/// A helper joining the host at `url` (keys in this process's TETHER_CONFIG_DIR), serving
+/// one session on a thread.
+fn join(url: &str, pair: Option<&str>) -> std::thread::JoinHandle<Result<SessionEnd, LinkError>> {
+    let opts = DialOptions {
+        role: "helper",
+        peer: "host",
+        insecure: false,
+        pair: None,
+        max_frame: DEFAULT_MAX_FRAME,
+    };
+    let (url, pair) = (url.to_string(), pair.map(str::to_string));
+    std::thread::spawn(move || {
+        let model = engine_core::source::load_model("tiny", &Default::default()).unwrap();
+        let opts = DialOptions {
+            pair: pair.as_deref(),
+            ..opts
+        };
+        let mut link = doors::dial(&url, &opts)?;
+        let helper = Helper::new(
+            &model,
+            &engine_core::CpuBackend,
+            HelperOptions {
+                mem_budget: 1 << 30,
+                max_frame: DEFAULT_MAX_FRAME,
+            },
+        );
+        Ok(helper.serve(&mut link))
+    })
+}
+
+/// One test (so this process's key directory can be set once, before any thread reads it):
+/// pairing by the host's code, tokens equal to the host alone, a known helper joining again
+/// without a code, and a stranger turned away.
+#[test]
+fn a_helper_that_dials_in_pairs_once_and_gives_the_host_alone_tokens() {
+    let helper_keys = scratch("helper-keys");
+    std::env::set_var("TETHER_CONFIG_DIR", &helper_keys);
+    let host_keys = scratch("host-keys");
+    let alone = tether(&host_keys)
+        .args(run_args(&SPLIT[..2]))
+        .output()
+        .unwrap();
+    assert!(
+        alone.status.success(),
+        "{}",
+        String::from_utf8_lossy(&alone.stderr)
+    );
+    let alone = String::from_utf8(alone.stdout).unwrap();
+    assert!(!alone.trim().is_empty());
+
+    // One address for both hosts, as a user's host keeps its port: the helper remembers the
+    // host's key by its address.
+    let addr = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .unwrap()
+        .to_string();
+    let accept = [SPLIT, &["--accept-helpers", &addr, "--helper-wait", "60"]].concat();
+    // First time: the host shows a code, the helper pairs with it.
+    let mut host = Host::start(&host_keys, &accept);
+    let url = host.wait_for("accepting helpers on ");
+    let code = host.wait_for("pairing code for new helpers: ");
+    let helper = join(&url, Some(&code));
+    let (ok, out, err) = host.finish();
+    assert!(ok, "{err}");
+    assert_eq!(
+        out, alone,
+        "tokens with a helper that joined vs the host alone\n{err}"
+    );
+    assert!(
+        err.contains("ubatches ran their tail layers on the helper"),
+        "{err}"
+    );
+    assert!(err.contains("link to helper: sent"), "{err}");
+    let end = helper.join().unwrap();
+    assert!(
+        matches!(end, Ok(SessionEnd::Bye | SessionEnd::Closed(_))),
+        "{end:?}"
+    );
+
+    // Again: pairing is closed now; the helper is known by its key and needs no code.
+    let mut host = Host::start(&host_keys, &accept);
+    let url = host.wait_for("accepting helpers on ");
+    let helper = join(&url, None);
+    let (ok, out, err) = host.finish();
+    assert!(ok, "{err}\nthe helper: {:?}", helper.join());
+    assert!(err.contains("paired helpers only"), "{err}");
+    assert_eq!(out, alone, "{err}");
+    let end = helper.join().unwrap();
+    assert!(
+        matches!(end, Ok(SessionEnd::Bye | SessionEnd::Closed(_))),
+        "{end:?}"
+    );
+
+    // A stranger (other keys) is refused, with a code or without (pairing closed once a
+    // helper paired); the host waits on and gives up clearly.
+    std::env::set_var("TETHER_CONFIG_DIR", scratch("stranger-keys"));
+    let short = [
+        SPLIT,
+        &["--accept-helpers", "127.0.0.1:0", "--helper-wait", "3"],
+    ]
+    .concat();
+    let mut host = Host::start(&host_keys, &short);
+    let url = host.wait_for("accepting helpers on ");
+    let stranger = join(&url, None).join().unwrap();
+    assert!(
+        matches!(&stranger, Err(LinkError::Refused(why)) if why.contains("not paired")),
+        "{stranger:?}"
+    );
+    let wrong = join(&url, Some("000-000")).join().unwrap();
+    assert!(
+        matches!(&wrong, Err(LinkError::Refused(why)) if why.contains("--pair-new")),
+        "{wrong:?}"
+    );
+    let (ok, _, err) = host.finish();
+    assert!(!ok && err.contains("no helper joined"), "{err}");
+    for d in [helper_keys, host_keys] {
+        let _ = std::fs::remove_dir_all(d);
+    }
+}
