@@ -27,10 +27,14 @@ pub struct KvPage {
 }
 
 /// One layer's cache: pages of `page_size` positions, the last one possibly partial. The
-/// oldest `remote_len` positions (whole pages) may have left this device: the first
-/// `helper_len` of them are on a helper, the rest only in the sequence's page file (the disk
-/// tier, which also holds a copy of the helper's). Pages keep their boundaries wherever they
-/// live, so their partials, merged in page order, are the same computation as on the host.
+/// oldest `remote_len` positions (whole pages) may have left this device: each of those pages
+/// is on one helper (by its id, see `HelperClient::id`) or only in the sequence's page file
+/// (the disk tier, which also holds a copy of every helper's). Pages keep their boundaries
+/// wherever they live, so their partials, merged in page order, are the same computation as
+/// on the host.
+///
+/// A helper's pages of one layer need not be contiguous: pages spread over several helpers
+/// interleave.
 #[derive(Debug)]
 pub struct PagedKv {
     page_size: usize,
@@ -38,7 +42,9 @@ pub struct PagedKv {
     pages: Vec<KvPage>,
     len: usize,
     remote_len: usize,
-    helper_len: usize,
+    /// Who holds each page that left, in page order: a helper's id, or `None` for the page
+    /// file alone.
+    holders: Vec<Option<u32>>,
 }
 
 impl PagedKv {
@@ -50,7 +56,7 @@ impl PagedKv {
             pages: Vec::new(),
             len: 0,
             remote_len: 0,
-            helper_len: 0,
+            holders: Vec::new(),
         }
     }
 
@@ -64,28 +70,64 @@ impl PagedKv {
         self.remote_len
     }
 
-    /// Positions `0 .. helper_len()` are on the helper; `helper_len() .. remote_len()` only on
-    /// the disk.
-    pub fn helper_len(&self) -> usize {
-        self.helper_len
+    /// Who holds the page that left at `start`: a helper's id, or `None` for the page file
+    /// alone (and for a page that did not leave).
+    pub fn holder(&self, start: usize) -> Option<u32> {
+        self.holders.get(start / self.page_size).copied().flatten()
     }
 
-    /// The helper is gone: every page that left is now on the disk only.
-    pub fn lose_helper(&mut self) {
-        self.helper_len = 0;
+    /// Starts of the pages that left and are on helper `id`, oldest first.
+    pub fn pages_on(&self, id: u32) -> Vec<usize> {
+        self.holders
+            .iter()
+            .enumerate()
+            .filter(|(_, h)| **h == Some(id))
+            .map(|(i, _)| i * self.page_size)
+            .collect()
     }
 
-    /// The helper now also holds the page at `start` (the next one it lacks: helper pages are
-    /// always the oldest).
-    pub fn helper_took(&mut self, start: usize) {
-        debug_assert_eq!(start, self.helper_len);
-        self.helper_len = (self.helper_len + self.page_size).min(self.remote_len);
+    /// Pages that left and are on a helper (not the page file alone).
+    pub fn helper_pages(&self) -> usize {
+        self.holders.iter().filter(|h| h.is_some()).count()
     }
 
-    /// The start of the oldest page that left this device but is not on the helper: the next
-    /// to re-fill a helper with.
+    /// Pages that left and are on helper `id`.
+    pub fn count_on(&self, id: u32) -> usize {
+        self.holders.iter().filter(|h| **h == Some(id)).count()
+    }
+
+    /// Positions `0 .. n` all on helper `id` (a helper that mirrors this layer holds its
+    /// pages as one prefix).
+    pub fn prefix_on(&self, id: u32) -> usize {
+        self.holders.iter().take_while(|h| **h == Some(id)).count() * self.page_size
+    }
+
+    /// Helper `id` is gone: its pages are on the disk only.
+    pub fn lose_helper(&mut self, id: u32) {
+        for h in self.holders.iter_mut().filter(|h| **h == Some(id)) {
+            *h = None;
+        }
+    }
+
+    /// Helper `id` now also holds the page at `start` (re-filled from the page file).
+    pub fn helper_took(&mut self, start: usize, id: u32) {
+        if let Some(h) = self.holders.get_mut(start / self.page_size) {
+            *h = Some(id);
+        }
+    }
+
+    /// The start of the oldest page that left this device and is on no helper: the next to
+    /// re-fill a helper with.
     pub fn next_refill(&self) -> Option<usize> {
-        (self.helper_len < self.remote_len).then_some(self.helper_len)
+        self.holders
+            .iter()
+            .position(Option::is_none)
+            .map(|i| i * self.page_size)
+    }
+
+    /// Whether every page that left is on a helper (none waits in the page file alone).
+    pub fn all_on_helpers(&self) -> bool {
+        self.holders.iter().all(Option::is_some)
     }
 
     /// Positions held on this device.
@@ -115,7 +157,7 @@ impl PagedKv {
         }
         self.pages.clear();
         self.remote_len = start;
-        self.helper_len = self.helper_len.min(start);
+        self.holders.truncate(start / self.page_size);
         self.len = start;
         self.append(be, &be.upload(k), &be.upload(v));
         Ok(())
@@ -160,6 +202,13 @@ impl PagedKv {
                 (lo < hi).then(|| (p, (lo - p.start) * self.row..(hi - p.start) * self.row))
             })
             .collect();
+        let held: usize = pieces.iter().map(|(_, r)| r.len()).sum();
+        if held != len * self.row {
+            return Err(Error::Invalid(format!(
+                "KV rows {start}..{} fall in a gap between the pages held here",
+                start + len
+            )));
+        }
         Ok(pieces
             .iter()
             .map(|(p, r)| (&p.k, r.clone()))
@@ -172,14 +221,11 @@ impl PagedKv {
         self.pages.first().filter(|p| p.len == self.page_size)
     }
 
-    /// Forget the oldest local page once it is stored elsewhere: on the helper too if
-    /// `on_helper` (only while the helper holds every page before it, so its pages stay the
-    /// oldest).
-    pub fn drop_oldest_page(&mut self, on_helper: bool) {
+    /// Forget the oldest local page once it is stored elsewhere: on helper `holder`, or (for
+    /// `None`) in the page file alone.
+    pub fn drop_oldest_page(&mut self, holder: Option<u32>) {
         let page = self.pages.remove(0);
-        if on_helper && self.helper_len == self.remote_len {
-            self.helper_len += page.len;
-        }
+        self.holders.push(holder);
         self.remote_len += page.len;
     }
 
@@ -244,10 +290,65 @@ impl PagedKv {
             return Ok(());
         }
         self.pages.retain(|p| p.start < len);
-        if let Some(p) = self.pages.last_mut() {
-            p.len = len - p.start;
+        // A cut inside a gap (a helper holding some pages) ends at the last page kept, so the
+        // next rows start a page at its boundary.
+        self.len = self.pages.last_mut().map_or(0, |p| {
+            p.len = p.len.min(len - p.start);
+            p.start + p.len
+        });
+        Ok(())
+    }
+
+    /// Whether a page starting at `start` is held here.
+    pub fn has_page_at(&self, start: usize) -> bool {
+        self.pages.binary_search_by_key(&start, |p| p.start).is_ok()
+    }
+
+    /// Put a whole page's rows `k`, `v` (at most `page_size` rows) at `start`, a page start in
+    /// a gap left by [`Self::skip_to`]: a helper re-filled with a page another helper held.
+    pub fn fill_gap(&mut self, be: &dyn Backend, start: usize, k: &Act, v: &Act) -> Result<()> {
+        let rows = k.len() / self.row;
+        let at = match self.pages.binary_search_by_key(&start, |p| p.start) {
+            Err(at)
+                if start.is_multiple_of(self.page_size)
+                    && start < self.len
+                    && rows <= self.page_size
+                    && k.len() == v.len() =>
+            {
+                at
+            }
+            _ => {
+                return Err(Error::Invalid(format!(
+                    "rows at {start} are not a page in a gap of the pages held here"
+                )))
+            }
+        };
+        let mut page = KvPage {
+            start,
+            len: rows,
+            k: be.alloc(self.page_size * self.row),
+            v: be.alloc(self.page_size * self.row),
+        };
+        be.write(&mut page.k, 0, k, 0, rows * self.row);
+        be.write(&mut page.v, 0, v, 0, rows * self.row);
+        self.pages.insert(at, page);
+        Ok(())
+    }
+
+    /// Leave positions `len .. start` out: the next rows appended start a page at `start`. For
+    /// a helper that holds some of a sequence's pages (others hold the rest); `start` must be a
+    /// page start and the last page held whole.
+    pub fn skip_to(&mut self, start: usize) -> Result<()> {
+        if start < self.len
+            || !start.is_multiple_of(self.page_size)
+            || !self.len.is_multiple_of(self.page_size)
+        {
+            return Err(Error::Invalid(format!(
+                "a gap from {} to {start} is not whole pages of {}",
+                self.len, self.page_size
+            )));
         }
-        self.len = len;
+        self.len = start;
         Ok(())
     }
 }
@@ -345,11 +446,12 @@ impl Merger {
     }
 }
 
-/// Where the pages of one layer that left this device are: the helper (when one is attached
-/// and not lost) holds `0 .. kv.helper_len()`, the sequence's page file every one of them.
+/// Where the pages of one layer that left this device are: each on one of `helpers` (the
+/// layer's cache says which, by id) or in the sequence's page file, which holds a copy of
+/// every one of them.
 pub struct Away<'a> {
     pub layer: usize,
-    pub helper: Option<&'a mut HelperClient>,
+    pub helpers: &'a mut [HelperClient],
     pub disk: Option<&'a PageFile>,
 }
 
@@ -358,7 +460,7 @@ impl Away<'_> {
     pub fn none(layer: usize) -> Self {
         Away {
             layer,
-            helper: None,
+            helpers: &mut [],
             disk: None,
         }
     }
@@ -369,71 +471,81 @@ impl Away<'_> {
 /// partials are kept for the merge, as those of pages in memory are).
 const DISK_GROUP_BYTES: usize = 64 << 20;
 
-/// The helper's share of an attention under way: its request, and what it was asked, so the
-/// same pages can be attended from the disk if the helper never answers.
+/// One helper's share of an attention under way: its request and the pages it was asked for.
 struct HelperShare {
+    id: u32,
     req: u32,
-    /// The scaled queries as sent and their positions, kept only when a page file can stand
-    /// in for the helper.
-    asked: Option<(Vec<f32>, Vec<usize>)>,
-    end: usize,
+    starts: Vec<usize>,
 }
 
-/// Attention under way: the helper asked for its pages' partials, the rest done here.
-/// Partials merge in page order (the helper's, the oldest, first) whatever finished first.
+/// A page's partials, by the page's start: merged in page order whatever finished first.
+type PagePartials = (usize, ActPartials);
+
+/// Attention under way: every helper holding pages asked for their partials, the rest done
+/// here. Partials merge in page order (the oldest first), wherever each page was attended.
 pub struct PendingAttention {
     shape: AttnShape,
     /// (query row, head) pairs.
     rows: usize,
+    layer: usize,
     page_size: usize,
-    helper: Option<HelperShare>,
-    /// Partials of the pages attended here: those read back from the disk, then this
-    /// device's own.
-    local: Vec<ActPartials>,
+    shares: Vec<HelperShare>,
+    /// The scaled queries as sent and their positions, kept only when a page file can stand
+    /// in for a helper that never answers.
+    asked: Option<(Vec<f32>, Vec<usize>)>,
+    /// Partials of the pages attended here: those read back from the disk, and this device's
+    /// own.
+    local: Vec<PagePartials>,
 }
 
 impl PendingAttention {
-    /// Whether the helper still owes its share.
+    /// Whether a helper still owes its share.
     pub fn awaits_helper(&self) -> bool {
-        self.helper.is_some()
+        !self.shares.is_empty()
     }
 
-    /// Collect the helper's partials and merge on `be`: the attention output
+    /// Collect the helpers' partials and merge on `be`: the attention output
     /// `[rows, head_dim]`. A helper that fails to answer (lost, or refusing) is replaced by
     /// the page file: the same pages, attended here, give the same partials.
     pub fn finish(self, be: &dyn Backend, away: Away) -> Result<Act> {
         let (rows, d) = (self.rows, self.shape.head_dim);
-        let mut parts = Vec::new();
-        if let Some(share) = self.helper {
-            let starts: Vec<u64> = (0..share.end as u64).step_by(self.page_size).collect();
-            let answer = match away.helper {
+        let mut parts = self.local;
+        for share in self.shares {
+            let starts: Vec<u64> = share.starts.iter().map(|&s| s as u64).collect();
+            let answer = match away.helpers.iter_mut().find(|h| h.id == share.id) {
                 Some(client) => client.attend_reply(share.req, rows, d, &starts),
                 None => Err(Error::Remote(
-                    "the helper attending this sequence's oldest pages is gone".into(),
+                    "a helper attending this sequence's oldest pages is gone".into(),
                 )),
             };
-            match (answer, away.disk, share.asked) {
-                (Ok(theirs), _, _) => parts.extend(theirs.into_iter().map(ActPartials::from)),
+            match (answer, away.disk, &self.asked) {
+                (Ok(theirs), _, _) => parts.extend(
+                    share
+                        .starts
+                        .into_iter()
+                        .zip(theirs.into_iter().map(ActPartials::from)),
+                ),
                 (Err(_), Some(disk), Some((q, positions))) => parts.extend(attend_from_disk(
                     be,
                     self.shape,
-                    &be.upload(q),
-                    &positions,
-                    (disk, away.layer, self.page_size),
-                    0..share.end,
+                    &be.upload(q.clone()),
+                    positions,
+                    (disk, self.layer, self.page_size),
+                    &share.starts,
                 )?),
                 (Err(e), _, _) => return Err(e),
             }
         }
-        parts.extend(self.local);
+        parts.sort_by_key(|(start, _)| *start);
+        let parts = parts.into_iter().map(|(_, p)| p).collect();
         Ok(be.merge_partials(rows, d, parts))
     }
 }
 
 /// Start attention of scaled queries `[t, q_heads, head_dim]` at absolute `positions` over
-/// every page of `kv` that any of them can see: the query for the helper's pages goes out
-/// first (read to the host only then), then this device attends the pages only the disk
-/// holds and its own while the helper works. The local pages are read now, so rows appended
+/// every page of `kv` that any of them can see: the queries for the helpers' pages go out
+/// first (read to the host once, then), then this device attends the pages only the disk
+/// holds and its own while the helpers work. The local pages are read now, so rows appended
 /// before [`PendingAttention::finish`] (a later ubatch's) are not seen.
 pub fn begin_attention(
     be: &dyn Backend,
@@ -444,26 +556,35 @@ pub fn begin_attention(
     away: Away,
 ) -> Result<PendingAttention> {
     let last = positions.iter().copied().max().unwrap_or(0);
-    let end = kv.helper_len;
-    let helper = match away.helper {
-        Some(client) if end > 0 && !client.is_lost() => {
-            let sent = be.download(q);
-            let asked = away
-                .disk
-                .is_some()
-                .then(|| (sent.clone(), positions.to_vec()));
-            match client.attend_send(away.layer, shape, sent, positions, end) {
-                Ok(req) => Some(HelperShare { req, asked, end }),
-                // The disk holds the same pages; without it the error stands.
-                Err(_) if away.disk.is_some() => None,
-                Err(e) => return Err(e),
-            }
+    let mut sent: Option<Vec<f32>> = None;
+    let mut shares = Vec::new();
+    for client in away.helpers.iter_mut().filter(|c| !c.is_lost()) {
+        let starts = kv.pages_on(client.id);
+        let Some(&newest) = starts.last() else {
+            continue;
+        };
+        let q_host = sent.get_or_insert_with(|| be.download(q)).clone();
+        // The helper attends every page it holds below `end`: exactly these.
+        let end = newest + kv.page_size;
+        match client.attend_send(away.layer, shape, q_host, positions, end, starts.len()) {
+            Ok(req) => shares.push(HelperShare {
+                id: client.id,
+                req,
+                starts,
+            }),
+            // The disk holds the same pages; without it the error stands.
+            Err(_) if away.disk.is_some() => {}
+            Err(e) => return Err(e),
         }
-        _ => None,
-    };
-    let disk_from = if helper.is_some() { end } else { 0 };
+    }
+    let on_helpers: std::collections::BTreeSet<usize> =
+        shares.iter().flat_map(|s| s.starts.clone()).collect();
+    let from_disk: Vec<usize> = (0..kv.remote_len)
+        .step_by(kv.page_size)
+        .filter(|s| !on_helpers.contains(s))
+        .collect();
     let mut local = Vec::new();
-    if disk_from < kv.remote_len {
+    if !from_disk.is_empty() {
         let disk = away.disk.ok_or_else(|| {
             Error::Remote(
                 "this sequence's oldest KV pages were on a helper that is gone, and no page \
@@ -477,33 +598,37 @@ pub fn begin_attention(
             q,
             positions,
             (disk, away.layer, kv.page_size),
-            disk_from..kv.remote_len,
+            &from_disk,
         )?;
     }
     let pages: Vec<&KvPage> = kv.pages().iter().filter(|p| p.start <= last).collect();
-    local.extend(be.attend_pages(shape, q, positions, &pages));
+    let own = be.attend_pages(shape, q, positions, &pages);
+    local.extend(pages.iter().map(|p| p.start).zip(own));
+    let asked = (away.disk.is_some() && !shares.is_empty())
+        .then(|| (sent.unwrap_or_default(), positions.to_vec()));
     Ok(PendingAttention {
         shape,
         rows: positions.len() * shape.q_heads,
+        layer: away.layer,
         page_size: kv.page_size,
-        helper,
+        shares,
+        asked,
         local,
     })
 }
 
-/// One partial per page of `layer` in `span` (whole pages of `page_size`), read back from the
-/// page file a group at a time and attended on `be` exactly as pages held in memory are.
+/// One partial per page of `layer` at `starts` (whole pages of `page_size`), read back from
+/// the page file a group at a time and attended on `be` exactly as pages held in memory are.
 fn attend_from_disk(
     be: &dyn Backend,
     shape: AttnShape,
     q: &Act,
     positions: &[usize],
     (disk, layer, page_size): (&PageFile, usize, usize),
-    span: Range<usize>,
-) -> Result<Vec<ActPartials>> {
+    starts: &[usize],
+) -> Result<Vec<PagePartials>> {
     let page_bytes = page_size * shape.kv_heads * shape.head_dim * 2 * 4;
     let per_group = (DISK_GROUP_BYTES / page_bytes.max(1)).max(1);
-    let starts: Vec<usize> = span.step_by(page_size).collect();
     let mut parts = Vec::with_capacity(starts.len());
     for group in starts.chunks(per_group) {
         let pages = group
@@ -525,7 +650,8 @@ fn attend_from_disk(
             })
             .collect::<Result<Vec<_>>>()?;
         let refs: Vec<&KvPage> = pages.iter().collect();
-        parts.extend(be.attend_pages(shape, q, positions, &refs));
+        let got = be.attend_pages(shape, q, positions, &refs);
+        parts.extend(group.iter().copied().zip(got));
     }
     Ok(parts)
 }

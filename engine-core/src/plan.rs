@@ -15,8 +15,9 @@ pub struct PlanInput {
     pub page_size: usize,
     /// KV positions per layer the host keeps (`None`: all of them).
     pub host_kv_tokens: Option<usize>,
-    /// Bytes the helper offers, if one is tethered.
-    pub helper_mem: Option<u64>,
+    /// Bytes each tethered helper offers, in the order they attached (the first runs the
+    /// split prefill); empty without helpers.
+    pub helpers: Vec<u64>,
     pub split_layer: usize,
     pub split_min: usize,
     pub split_ubatch: usize,
@@ -50,7 +51,7 @@ impl Plan {
             n - full,
             kv_per_token / 1024.0
         );
-        let helper = p.helper_mem.is_some();
+        let helper = !p.helpers.is_empty();
         // Prefill.
         let tail = p.split_layer.min(n)..n;
         if !helper {
@@ -101,23 +102,21 @@ impl Plan {
                 p.context,
                 mib(kv_per_token * p.context as f64)
             );
-        } else if let Some(mem) = p.helper_mem {
+        } else if helper {
             let remote = (p.context - budget) / p.page_size * p.page_size;
             let pages = remote / p.page_size;
             let _ = writeln!(
                 t,
-                "KV: positions 0..{remote} ({pages} pages of {}, {}) live on the helper, the newest {} on the host",
+                "KV: positions 0..{remote} ({pages} pages of {}, {}) live on the {}, the newest {} on the host",
                 p.page_size,
                 mib(kv_per_token * remote as f64),
+                match p.helpers.len() {
+                    1 => "helper".to_string(),
+                    k => format!("{k} helpers"),
+                },
                 p.context - remote
             );
-            if (kv_per_token * remote as f64) > mem as f64 {
-                let _ = writeln!(
-                    t,
-                    "  WARNING: the helper offers only {}; it will refuse pages past that",
-                    mib(mem as f64)
-                );
-            }
+            placement(&mut t, c, p, pages);
             let step = minimum::attend(c, 0..n, 1, pages) as f64;
             let _ = writeln!(
                 t,
@@ -159,6 +158,46 @@ impl Plan {
     }
 }
 
+/// Where the `pages` pages of each full-attention layer that leave the host go: the first
+/// helper takes its prefill layers' pages, the others spread over all helpers in proportion to
+/// their offers (`State::place`; by measured speed once every helper has answered a query).
+fn placement(t: &mut String, c: &ModelConfig, p: &PlanInput, pages: usize) {
+    let n = c.num_hidden_layers;
+    let tail = p.split_layer.min(n)..n;
+    let page = (p.page_size * 2 * c.num_key_value_heads * c.head_dim * 4) as f64;
+    let (tail_full, head_full) = (
+        count(c, tail.clone(), LayerKind::FullAttention),
+        count(c, 0..tail.start, LayerKind::FullAttention),
+    );
+    let total: f64 = p.helpers.iter().map(|&m| m as f64).sum::<f64>().max(1.0);
+    for (i, &mem) in p.helpers.iter().enumerate() {
+        let share = mem as f64 / total;
+        let own = if i == 0 { tail_full * pages } else { 0 };
+        let held = own as f64 + head_full as f64 * pages as f64 * share;
+        let _ = writeln!(
+            t,
+            "  helper {i}: offers {}; holds about {held:.0} pages ({}){}",
+            mib(mem as f64),
+            mib(held * page),
+            if i == 0 && !tail.is_empty() {
+                format!(
+                    ", among them every page of its prefill layers {}..{n}",
+                    tail.start
+                )
+            } else {
+                String::new()
+            }
+        );
+        if held * page > mem as f64 {
+            let _ = writeln!(
+                t,
+                "  WARNING: helper {i} offers only {}; it will refuse pages past that, and they go to the others or the page file",
+                mib(mem as f64)
+            );
+        }
+    }
+}
+
 /// ", about X ms on the link" for `bytes` in `messages` messages.
 fn link_time(link: Option<(f64, f64)>, bytes: f64, messages: usize) -> String {
     match link {
@@ -180,7 +219,7 @@ mod tests {
             prompt: 2048,
             page_size: 4096,
             host_kv_tokens: Some(32_768),
-            helper_mem: Some(8 << 30),
+            helpers: vec![8 << 30],
             split_layer: 16,
             split_min: 512,
             split_ubatch: 256,
@@ -206,6 +245,28 @@ mod tests {
         );
         assert!(
             text.contains("prefill past position 65536: ubatches of 256 in staggered pairs"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn pages_spread_over_helpers_by_their_offers() {
+        let c = crate::synth::preset("qwen35-0.8b").unwrap();
+        let p = PlanInput {
+            helpers: vec![8 << 30, 2 << 30, 2 << 30],
+            ..input()
+        };
+        let text = Plan::new(&c, &p).text;
+        // 16 pages per layer; layers 16..24 hold 2 full-attention layers (the first helper's),
+        // 0..16 hold 4, spread 4:1:1 -> helper 0: 32 + 64 * 2/3, helpers 1, 2: 64 / 6 each.
+        assert!(text.contains("16 pages of 4096"), "{text}");
+        assert!(text.contains("live on the 3 helpers"), "{text}");
+        assert!(
+            text.contains("helper 0: offers 8192.0 MiB; holds about 75 pages"),
+            "{text}"
+        );
+        assert!(
+            text.contains("helper 1: offers 2048.0 MiB; holds about 11 pages"),
             "{text}"
         );
     }

@@ -28,6 +28,17 @@ impl From<LinkError> for Error {
 }
 
 pub struct HelperClient {
+    /// This helper among a sequence's helpers (`State::attach` numbers them): the KV cache
+    /// records which holds each page by it.
+    pub id: u32,
+    /// The helper refused a page for lack of memory: no more pages are offered to it (a round
+    /// trip each) until a rewind frees some.
+    pub full: bool,
+    /// Attention queries answered, for the placement's measured speed: (pages, seconds from
+    /// query to reply), summed.
+    attended: (u64, f64),
+    /// When each attention query still unanswered was sent, with its page count.
+    asked_at: std::collections::BTreeMap<u32, (std::time::Instant, usize)>,
     link: Box<dyn Link>,
     next_req: u32,
     seq: u64,
@@ -60,6 +71,10 @@ impl HelperClient {
         max_frame: usize,
     ) -> Result<Self> {
         let mut c = HelperClient {
+            id: 0,
+            full: false,
+            attended: (0, 0.0),
+            asked_at: Default::default(),
             link,
             next_req: 0,
             seq: 0,
@@ -291,14 +306,27 @@ impl HelperClient {
         q: Vec<f32>,
         positions: &[usize],
         end: usize,
+        pages: usize,
     ) -> Result<u32> {
-        self.send(&Message::AttnQuery {
+        let req = self.send(&Message::AttnQuery {
             seq: self.seq,
             layer: layer as u32,
             positions: positions.iter().map(|&p| p as u64).collect(),
             end: end as u64,
             q: WireTensor::f32(vec![positions.len(), shape.q_heads, shape.head_dim], q),
-        })
+        })?;
+        if self.asked_at.len() < MAX_EARLY {
+            self.asked_at
+                .insert(req, (std::time::Instant::now(), pages));
+        }
+        Ok(req)
+    }
+
+    /// Pages attended per second, measured from query to reply over this helper's answers so
+    /// far (link time included: that is what the host waits for); `None` before any.
+    pub fn pages_per_sec(&self) -> Option<f64> {
+        let (pages, secs) = self.attended;
+        (pages > 0 && secs > 0.0).then(|| pages as f64 / secs)
     }
 
     /// The partials asked for by request `req`, for `rows` (query row, head) pairs, one per
@@ -311,7 +339,13 @@ impl HelperClient {
         head_dim: usize,
         starts: &[u64],
     ) -> Result<Vec<Partials>> {
-        match self.reply(req)? {
+        let asked = self.asked_at.remove(&req);
+        let reply = self.reply(req)?;
+        if let Some((at, pages)) = asked {
+            self.attended.0 += pages as u64;
+            self.attended.1 += at.elapsed().as_secs_f64();
+        }
+        match reply {
             Message::AttnPartials {
                 o,
                 m,

@@ -66,7 +66,7 @@ pub struct SplitReport {
     pub fallback: Option<String>,
 }
 
-/// Prefill `tokens` at `state.pos` in ubatches of `plan.ubatch`, with `state.remote` as the
+/// Prefill `tokens` at `state.pos` in ubatches of `plan.ubatch`, with the prefill helper as the
 /// plan says, and return the last row's logits. Below `plan.interleave_from` a long enough
 /// prompt streams through a layer pipeline with the helper; from there on ubatches run in
 /// staggered pairs. Every ubatch computes exactly what it would on the host alone with the
@@ -92,12 +92,11 @@ pub fn prefill(
     let mut x = None;
     if !early.is_empty() {
         // A helper still being re-filled from the page file lacks rows its mirror needs.
-        let pipeline = state.remote.as_ref().is_some_and(|c| {
-            !c.prefill_layers.is_empty()
-                && c.prefill_layers.end == model.config.num_hidden_layers
+        let pipeline = state.prefill_helper().is_some_and(|c| {
+            c.prefill_layers.end == model.config.num_hidden_layers
                 && !c.is_lost()
-        }) && state.helper_has_all_pages()
-            && tokens.len() > plan.min_tokens
+                && state.holds_all_pages_of(c.id, c.prefill_layers.clone())
+        }) && tokens.len() > plan.min_tokens
             && early.len() > 1;
         x = Some(if pipeline {
             pipelined(model, be, state, early, &mut report)?
@@ -184,12 +183,10 @@ fn pipelined(
     chunks: &[&[u32]],
     report: &mut SplitReport,
 ) -> Result<Act> {
-    let tail = state
-        .remote
-        .as_ref()
-        .expect("the caller checked for a helper")
-        .prefill_layers
-        .clone();
+    let helper = state
+        .prefill_helper()
+        .expect("the caller checked for a helper");
+    let (tail, id) = (helper.prefill_layers.clone(), helper.id);
     let n = model.config.num_hidden_layers;
     let start = state.pos;
     let ubatch = chunks[0].len();
@@ -215,12 +212,17 @@ fn pipelined(
             let x = be.download_owned(x);
             sent.push(x.clone());
             let msg = Message::PrefillChunk {
-                seq: state.remote.as_ref().expect("checked above").seq(),
+                seq: state.prefill_helper().expect("checked above").seq(),
                 pos: at(i) as u64,
                 want_state: i + 1 == head.len(),
                 residual: WireTensor::f32(vec![c.len(), model.config.hidden_size], x),
             };
-            reqs.push(state.remote.as_mut().expect("checked above").send(&msg)?);
+            reqs.push(
+                state
+                    .prefill_helper_mut()
+                    .expect("checked above")
+                    .send(&msg)?,
+            );
             // Back-pressure: a helper slower than the host holds a bounded queue.
             while reqs.len() - replies.taken > MAX_IN_FLIGHT {
                 replies.take(be, state, reqs[replies.taken], head[replies.taken].len())?;
@@ -239,7 +241,10 @@ fn pipelined(
             report.on_helper = head.len();
             report.rows_on_helper =
                 sent.iter().map(|x| x.len()).sum::<usize>() / model.config.hidden_size;
-            state.remote.as_mut().expect("checked above").mirror_pos = at(head.len());
+            state
+                .prefill_helper_mut()
+                .expect("checked above")
+                .mirror_pos = at(head.len());
         }
         // A failure of this host (its page file, its backend) is not the helper's: the
         // batch cannot be redone here either.
@@ -249,17 +254,17 @@ fn pipelined(
             // A refusal leaves a working helper: take its outstanding replies off the link,
             // cut its mirror back to the batch start, and keep it. Anything else: it is gone.
             let kept = matches!(e, Error::Refused { .. })
-                && state.remote.as_mut().is_some_and(|client| {
+                && state.prefill_helper_mut().is_some_and(|client| {
                     reqs[replies.taken.min(reqs.len())..]
                         .iter()
                         .all(|&r| !matches!(client.reply(r), Err(Error::Remote(_))))
                         && client.truncate(start).is_ok()
                 });
             // Without a page file, pages the helper held are lost with it.
-            let holds_pages = state.remote_kv_len() > 0 && state.spill.is_none();
+            let holds_pages = state.pages_on(id) > 0 && state.spill.is_none();
             if !kept {
                 state.helper_lost = Some(e.to_string());
-                state.lose_helper();
+                state.lose_helper(id);
             }
             if holds_pages && !kept {
                 return Err(Error::Remote(format!(
@@ -303,19 +308,19 @@ fn full_layers(model: &Model, layers: &std::ops::Range<usize>) -> Vec<usize> {
 /// since the watermark (rows already handed over as pages are there) and the DeltaNet states.
 /// Returns the KV rows pushed, or `None` if the mirror was current. `be` reads them to the host.
 fn sync_mirror(be: &dyn Backend, c: &ModelConfig, state: &mut State) -> Result<Option<usize>> {
-    let client = state.remote.as_ref().expect("a helper is attached");
+    let client = state.prefill_helper().expect("a helper is attached");
     let (from, to) = (client.mirror_pos, state.pos);
     if from >= to && !client.mirror_stale {
         return Ok(None);
     }
     let tail = client.prefill_layers.clone();
     // Rows already handed over as pages are on the helper (a pipeline runs only once it holds
-    // every page that left: `helper_has_all_pages`).
+    // every page of these layers that left: `State::holds_all_pages_of`).
     let mut rows_from = None;
     let mut row_bytes = 0;
     for l in tail.clone() {
         if let LayerState::Attention(cache) = &state.layers[l] {
-            let held = from.max(cache.helper_len());
+            let held = from.max(cache.prefix_on(client.id));
             rows_from = Some(rows_from.map_or(held, |r: usize| r.min(held)));
             row_bytes += 2 * cache.row_width() * 4;
         }
@@ -336,7 +341,7 @@ fn sync_mirror(be: &dyn Backend, c: &ModelConfig, state: &mut State) -> Result<O
             at..end,
             last,
         )?);
-        let client = state.remote.as_mut().expect("a helper is attached");
+        let client = state.prefill_helper_mut().expect("a helper is attached");
         let seq = client.seq();
         let req = client.send(&payload.into_message(seq, at))?;
         match client.reply(req)? {
@@ -493,8 +498,7 @@ impl Replies {
     /// Take the reply to request `req`, an ubatch of `len` rows, and append its KV rows.
     fn take(&mut self, be: &dyn Backend, state: &mut State, req: u32, len: usize) -> Result<()> {
         let reply = state
-            .remote
-            .as_mut()
+            .prefill_helper_mut()
             .expect("a helper is attached")
             .reply(req);
         self.taken += 1;

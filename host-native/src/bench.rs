@@ -58,10 +58,12 @@ pub fn run(a: Args) -> Result<()> {
     let depth: Vec<u32> = (0..a.depth).map(|_| next_id()).collect();
     let prompt: Vec<u32> = (0..a.prompt_tokens).map(|_| next_id()).collect();
     let mut state = model.new_state(a.engine.page_size);
-    let link = a
+    // The link figures are the first helper's (the one that runs the split prefill).
+    let helpers = a
         .engine
         .helper
         .attach(&model, &mut state, a.engine.page_size)?;
+    let link = helpers.first().map(|h| &h.stats);
     for chunk in depth.chunks(a.ubatch.max(1)) {
         model.forward(be, &mut state, chunk, Logits::None, None)?;
     }
@@ -83,7 +85,7 @@ pub fn run(a: Args) -> Result<()> {
     // During the prefill the remote pages are those moved before it; the host's layers attend
     // over them for every row, the tail's only for the rows it ran itself.
     let n = c.num_hidden_layers;
-    let prefill_min = state.remote.as_ref().map_or(0, |r| {
+    let prefill_min = state.prefill_helper().map_or(0, |r| {
         let tail = r.prefill_layers.clone();
         let moves = minimum::prefill(
             c,

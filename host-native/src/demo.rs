@@ -159,7 +159,7 @@ pub fn run(a: Args) -> Result<()> {
             page_size: a.page_size as u32,
         };
         let mut st = model.new_state(a.page_size);
-        st.remote = Some(HelperClient::connect(
+        st.attach(HelperClient::connect(
             Box::new(link),
             &model,
             cfg,

@@ -21,15 +21,26 @@ use crate::accept::Acceptor;
 
 #[derive(clap::Args, Clone, Debug)]
 pub struct HelperArgs {
-    /// A running `tether-helper` to hold KV pages: ws://HOST:PORT.
-    #[arg(long, conflicts_with = "accept_helpers")]
-    helper: Option<String>,
+    /// A running `tether-helper` to hold KV pages: ws://HOST:PORT. Repeat it for several
+    /// helpers: the pages that leave this host spread over all of them, and the first also
+    /// runs the tail layers of a split prefill.
+    #[arg(long)]
+    helper: Vec<String>,
     /// Take a helper that dials this host (`tether-helper --join ws://ADDR`, or a browser
     /// tab) instead of dialing one: listen on ADDR (e.g. 0.0.0.0:7342; loopback is
     /// 127.0.0.1:7342). The host shows a pairing code for new helpers.
     #[arg(long, value_name = "ADDR")]
     accept_helpers: Option<String>,
-    /// With --accept-helpers: how long to wait for a helper to join before the first request.
+    /// With --accept-helpers: how many helpers to wait for before the first request (a server
+    /// takes more as they join).
+    #[arg(
+        long,
+        value_name = "N",
+        default_value_t = 1,
+        requires = "accept_helpers"
+    )]
+    wait_helpers: usize,
+    /// With --accept-helpers: how long to wait for them, in seconds.
     #[arg(long, value_name = "SECS", default_value_t = 300)]
     helper_wait: u64,
     /// With --accept-helpers: keep pairing open for more new helpers after one pairs.
@@ -79,15 +90,41 @@ pub struct HelperArgs {
     spill_dir: Option<std::path::PathBuf>,
 }
 
+/// Where a helper comes from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Source {
+    /// `--helper URL`: dialed.
+    Dial(String),
+    /// `--accept-helpers`: it dialed this host.
+    Joined,
+}
+
+impl std::fmt::Display for Source {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Source::Dial(url) => write!(f, "the helper at {url}"),
+            Source::Joined => write!(f, "a helper that joined"),
+        }
+    }
+}
+
+/// A helper attached to a sequence: its id there, where it came from, and its link's traffic.
+#[derive(Clone)]
+pub struct Attached {
+    pub id: u32,
+    pub source: Source,
+    pub stats: StatsHandle,
+}
+
 impl HelperArgs {
-    /// Connect to the helper (if one is named) and attach it to `state`; returns the link's
-    /// byte counters.
+    /// Connect every helper named (and wait for --wait-helpers to join) and attach them to
+    /// `state`, the first as the prefill helper.
     pub fn attach(
         &self,
         model: &Model,
         state: &mut State,
         page_size: usize,
-    ) -> Result<Option<StatsHandle>> {
+    ) -> Result<Vec<Attached>> {
         if !self.has_helper() {
             if self.host_kv_tokens.is_some() {
                 bail!(
@@ -95,40 +132,61 @@ impl HelperArgs {
                      move pages to"
                 );
             }
-            return Ok(None);
+            return Ok(Vec::new());
         }
-        let stats = StatsHandle::default();
-        self.reattach(model, state, page_size, &stats)?;
-        Ok(Some(stats))
+        if self.pair.is_some() && self.helper.len() > 1 {
+            bail!(
+                "--pair with several --helper: pair each helper once with `tether pair URL CODE`, \
+                 then name them all"
+            );
+        }
+        let joining = std::iter::repeat_n(Source::Joined, self.joining());
+        let sources = self.helper.iter().cloned().map(Source::Dial).chain(joining);
+        sources
+            .map(|source| self.attach_from(model, state, page_size, source))
+            .collect()
     }
 
-    /// Connect (again) to the helper named and attach it to `state`, counting its traffic
-    /// into `stats`, so a server that reconnects after losing it goes on with the same totals.
-    pub fn reattach(
+    /// Helpers to wait for before the first request (none without --accept-helpers).
+    fn joining(&self) -> usize {
+        match self.accept_helpers {
+            Some(_) => self.wait_helpers,
+            None => 0,
+        }
+    }
+
+    /// Connect the helper from `source` (a joining one within --helper-wait) and attach it to
+    /// `state`.
+    pub fn attach_from(
         &self,
         model: &Model,
         state: &mut State,
         page_size: usize,
-        stats: &StatsHandle,
-    ) -> Result<()> {
-        let link = self.connect(stats)?;
-        self.attach_link(model, state, page_size, link)
+        source: Source,
+    ) -> Result<Attached> {
+        let stats = StatsHandle::default();
+        let wait = Duration::from_secs(self.helper_wait);
+        let link = self.connect(&source, &stats, wait)?;
+        let id = self.attach_link(model, state, page_size, link, &source)?;
+        Ok(Attached { id, source, stats })
     }
 
-    /// The link to the helper named, counting into `stats`: the part of attaching that may
-    /// wait on the network (up to the connect and handshake timeouts), so a server can do it
-    /// on a thread of its own.
-    pub fn connect(&self, stats: &StatsHandle) -> Result<Box<dyn Link>> {
+    /// The link to the helper from `source`, counting into `stats`: the part of attaching
+    /// that may wait on the network (up to the connect and handshake timeouts, or `wait` for
+    /// a helper to join), so a server can do it on a thread of its own.
+    pub fn connect(
+        &self,
+        source: &Source,
+        stats: &StatsHandle,
+        wait: Duration,
+    ) -> Result<Box<dyn Link>> {
         let profile = link_profile(&self.link)?;
-        let link: Box<dyn Link> = match (&self.helper, &self.accept_helpers) {
-            (Some(url), _) => Box::new(
+        let link: Box<dyn Link> = match source {
+            Source::Dial(url) => Box::new(
                 self.secure(url)
                     .with_context(|| format!("connecting to the helper at {url}"))?,
             ),
-            (None, Some(_)) => self
-                .acceptor()?
-                .next(Duration::from_secs(self.helper_wait))?,
-            (None, None) => bail!("no --helper to connect to"),
+            Source::Joined => self.acceptor()?.next(wait)?,
         };
         Ok(Box::new(
             ShapedLink::new(link, profile).counting_into(stats.clone()),
@@ -137,7 +195,13 @@ impl HelperArgs {
 
     /// Whether a helper is named (--helper) or taken when it joins (--accept-helpers).
     pub fn has_helper(&self) -> bool {
-        self.helper.is_some() || self.accept_helpers.is_some()
+        !self.helper.is_empty() || self.accept_helpers.is_some()
+    }
+
+    /// The helpers the server reconnects to when lost, and whether it takes helpers that join.
+    pub fn sources(&self) -> (Vec<Source>, bool) {
+        let dialed = self.helper.iter().cloned().map(Source::Dial).collect();
+        (dialed, self.accept_helpers.is_some())
     }
 
     /// Start listening for helpers now (so a helper may join while the model loads); a no-op
@@ -175,35 +239,41 @@ impl HelperArgs {
         Ok(doors::dial(url, &opts)?)
     }
 
-    /// Configure the helper at the other end of `link` and attach it to `state`.
+    /// Configure the helper at the other end of `link` and attach it to `state`: it runs the
+    /// tail layers of a split prefill if no helper of `state` does yet, else it holds pages
+    /// only. Returns its id in `state`.
     pub fn attach_link(
         &self,
         model: &Model,
         state: &mut State,
         page_size: usize,
         link: Box<dyn Link>,
-    ) -> Result<()> {
-        let url = self.helper.as_deref().unwrap_or("the helper that joined");
+        source: &Source,
+    ) -> Result<u32> {
         let n = model.config.num_hidden_layers;
         let split = self.split_layer.unwrap_or_else(|| default_split_layer(n));
         if split > n || (!split.is_multiple_of(4) && split != n) {
             bail!("--split-layer {split}: must be a multiple of 4 (a whole L L L F cycle) and at most {n}");
         }
+        let first = match state.prefill_helper() {
+            None => split,
+            Some(_) => n,
+        };
         let configure = Configure {
-            first_layer: split as u32,
+            first_layer: first as u32,
             end_layer: n as u32,
             page_size: u32::try_from(page_size).context("--page-size")?,
         };
         let client = HelperClient::connect(link, model, configure, self.max_frame)
-            .with_context(|| format!("handshake with the helper at {url}"))?;
+            .with_context(|| format!("handshake with {source}"))?;
         if state.spill.is_none() {
             state.spill = Some(self.page_file()?);
         }
-        // A state that lost its helper keeps its pages in the page file; this helper is
-        // re-filled from it a few pages per pass.
-        state.remote = Some(client);
+        // A state that lost a helper keeps its pages in the page file; helpers are re-filled
+        // from it a few pages per pass.
+        let id = state.attach(client);
         state.host_kv_tokens = self.host_kv_tokens;
-        Ok(())
+        Ok(id)
     }
 
     /// A new page file in --spill-dir (or the default) for a sequence's disk tier.
@@ -248,7 +318,7 @@ impl HelperArgs {
             prompt,
             page_size,
             host_kv_tokens: self.host_kv_tokens,
-            helper_mem: state.remote.as_ref().map(|r| r.helper.mem_offer),
+            helpers: state.helpers.iter().map(|h| h.helper.mem_offer).collect(),
             split_layer: self.split_layer.unwrap_or_else(|| default_split_layer(n)),
             split_min: self.split_min,
             split_ubatch: self.split_ubatch,

@@ -116,15 +116,18 @@ pub fn run(a: Args) -> Result<()> {
     }
     if let Some(why) = &generation.state.helper_lost {
         eprintln!(
-            "the helper was lost ({why}); its {} KV positions per layer were attended from the \
-             page file, so the tokens are the host-alone ones",
-            generation.state.remote_kv_len()
+            "a helper was lost ({why}); the pages it held were attended from the page file, so \
+             the tokens are the host-alone ones"
         );
     }
-    if let Some(stats) = link_stats {
-        let s = stats.snapshot();
+    for helper in &link_stats {
+        let s = helper.stats.snapshot();
+        let pages = generation.state.pages_on(helper.id);
         eprintln!(
-            "link to helper: sent {} bytes in {} messages, received {} bytes in {} messages",
+            "link to helper {} ({}, {pages} pages held now): sent {} bytes in {} messages, \
+             received {} bytes in {} messages",
+            helper.id,
+            helper.source,
             s.sent_total.bytes,
             s.sent_total.messages,
             s.received_total.bytes,

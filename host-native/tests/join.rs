@@ -192,7 +192,10 @@ fn a_helper_that_dials_in_pairs_once_and_gives_the_host_alone_tokens() {
         err.contains("ubatches ran their tail layers on the helper"),
         "{err}"
     );
-    assert!(err.contains("link to helper: sent"), "{err}");
+    assert!(
+        err.contains("link to helper 0 (a helper that joined"),
+        "{err}"
+    );
     let end = helper.join().unwrap();
     assert!(
         matches!(end, Ok(SessionEnd::Bye | SessionEnd::Closed(_))),

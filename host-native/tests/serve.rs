@@ -386,8 +386,9 @@ fn a_helper_changes_no_token_and_keeps_the_conversation_too() {
     );
     let (_, metrics) = with.get("/metrics");
     assert!(
-        metrics.contains("tether_link_bytes_total{direction=\"sent\",type=\"PrefillChunk\"}")
-            && !metrics.contains("type=\"KvFetch\""),
+        metrics.contains(
+            "tether_link_bytes_total{helper=\"0\",direction=\"sent\",type=\"PrefillChunk\"}"
+        ) && !metrics.contains("type=\"KvFetch\""),
         "{metrics}"
     );
     assert!(with.metric("tether_kv_pages{device=\"helper\"}") > 0.0);
@@ -783,7 +784,7 @@ fn a_lost_helper_is_reconnected_before_a_later_request() {
     let (status, before) = s.post("/v1/completions", &body);
     assert_eq!(status, 200, "{before}");
     assert!(s.metric("tether_kv_pages{device=\"helper\"}") > 0.0);
-    assert_eq!(s.metric("tether_helper_attached"), 1.0);
+    assert_eq!(s.metric("tether_helpers_attached"), 1.0);
 
     cable.set(REFUSE);
     // The server learns of the loss in this request (cutting the helper's pages away): it
@@ -791,7 +792,7 @@ fn a_lost_helper_is_reconnected_before_a_later_request() {
     let other = json!({"model": "tiny", "prompt": "Something else.", "max_tokens": 4});
     let (status, reply) = s.post("/v1/completions", &other);
     assert_eq!(status, 200, "{reply}");
-    assert_eq!(s.metric("tether_helper_attached"), 0.0);
+    assert_eq!(s.metric("tether_helpers_attached"), 0.0);
     // Refusing: the next request runs on the host alone.
     let (status, alone) = s.post("/v1/completions", &body);
     assert_eq!(status, 200, "{alone}");
@@ -821,7 +822,7 @@ fn a_lost_helper_is_reconnected_before_a_later_request() {
         }
         assert!(attempt < 3, "not reconnected after {attempt} requests");
     }
-    assert_eq!(s.metric("tether_helper_attached"), 1.0);
+    assert_eq!(s.metric("tether_helpers_attached"), 1.0);
     assert!(s.metric("tether_kv_pages{device=\"helper\"}") > 0.0);
 }
 
@@ -843,7 +844,7 @@ fn a_helper_lost_mid_stream_costs_time_not_tokens() {
     cable.set(REFUSE);
     let (text, finish, usage) = collect_stream(std::iter::once(first).chain(events), false);
     assert_eq!(
-        s.metric("tether_helper_attached"),
+        s.metric("tether_helpers_attached"),
         0.0,
         "the helper was not lost"
     );

@@ -96,7 +96,7 @@ impl HelperProcess {
             end_layer: 0,
             page_size: page as u32,
         };
-        st.remote = Some(HelperClient::connect(Box::new(link), m, cfg, DEFAULT_MAX_FRAME).unwrap());
+        st.attach(HelperClient::connect(Box::new(link), m, cfg, DEFAULT_MAX_FRAME).unwrap());
         st.host_kv_tokens = Some(budget);
     }
 }
@@ -179,7 +179,7 @@ fn killing_the_helper_during_decode_costs_time_not_tokens_and_a_new_one_is_refil
             helper.child.wait().unwrap();
         }
         if i == 7 {
-            assert!(st.helper_lost.is_some() && st.remote.is_none());
+            assert!(st.helper_lost.is_some() && st.helpers.is_empty());
             helper = HelperProcess::start(dir.to_str().unwrap());
             helper.attach(&m, st, 16, 48);
         }
@@ -188,7 +188,7 @@ fn killing_the_helper_during_decode_costs_time_not_tokens_and_a_new_one_is_refil
     assert_eq!(ids, want);
     assert!(all == host_logits, "logits differ from the host alone's");
     assert!(
-        st.remote.is_some() && st.helper_has_all_pages(),
+        !st.helpers.is_empty() && st.pages_all_on_helpers(),
         "the new helper was not re-filled"
     );
 }
@@ -217,8 +217,7 @@ fn killing_the_helper_process_during_a_split_prefill_costs_time_not_tokens() {
             page_size: 16,
         };
         let mut st = m.new_state(16);
-        st.remote =
-            Some(HelperClient::connect(Box::new(link), &m, cfg, DEFAULT_MAX_FRAME).unwrap());
+        st.attach(HelperClient::connect(Box::new(link), &m, cfg, DEFAULT_MAX_FRAME).unwrap());
         let (got, report) = std::thread::scope(|scope| {
             let child = &mut helper.child;
             scope.spawn(move || {
@@ -267,7 +266,7 @@ fn a_helper_process_splits_then_interleaves_bit_identically() {
         page_size: 8,
     };
     let mut st = m.new_state(8);
-    st.remote = Some(HelperClient::connect(Box::new(link), &m, cfg, DEFAULT_MAX_FRAME).unwrap());
+    st.attach(HelperClient::connect(Box::new(link), &m, cfg, DEFAULT_MAX_FRAME).unwrap());
     st.host_kv_tokens = Some(16);
     let plan = SplitPlan {
         min_tokens: 20,
@@ -509,7 +508,7 @@ fn a_helper_that_joins_the_host_pairs_by_its_code_and_gives_the_host_alone_resul
         page_size: 16,
     };
     let mut st = m.new_state(16);
-    st.remote = Some(HelperClient::connect(Box::new(link), &m, cfg, DEFAULT_MAX_FRAME).unwrap());
+    st.attach(HelperClient::connect(Box::new(link), &m, cfg, DEFAULT_MAX_FRAME).unwrap());
     st.host_kv_tokens = Some(48);
     let (ids, logits) = generate(&m, &mut st, &prompt, want.len()).unwrap();
     assert!(st.remote_kv_len() > 0, "no page went to the helper");

@@ -158,7 +158,7 @@ pub fn attach(
         end_layer: layers,
         page_size: page as u32,
     };
-    st.remote = Some(HelperClient::connect(Box::new(link), m, cfg, DEFAULT_MAX_FRAME).unwrap());
+    st.attach(HelperClient::connect(Box::new(link), m, cfg, DEFAULT_MAX_FRAME).unwrap());
     st.host_kv_tokens = budget;
 }
 

@@ -78,7 +78,7 @@ fn attach<'s>(
     };
     // Cut during the handshake: no helper, the sequence runs on the host alone.
     if let Ok(client) = HelperClient::connect(Box::new(link), m, cfg, DEFAULT_MAX_FRAME) {
-        st.remote = Some(client);
+        st.attach(client);
         st.host_kv_tokens = Some(BUDGET);
     }
     ops
@@ -135,7 +135,7 @@ fn a_new_helper_is_refilled_from_the_page_file_and_may_be_lost_too() {
             attach(scope, &m, &mut st, 30);
             let mut joined = false;
             let got = conversation(&m, &mut st, &prompt, &mut |st| {
-                assert!(st.remote.is_none() && st.helper_lost.is_some());
+                assert!(st.helpers.is_empty() && st.helper_lost.is_some());
                 attach(scope, &m, st, second_cut);
                 joined = true;
             });
@@ -146,7 +146,7 @@ fn a_new_helper_is_refilled_from_the_page_file_and_may_be_lost_too() {
             );
             if second_cut == usize::MAX {
                 assert!(
-                    st.remote.is_some() && st.helper_has_all_pages(),
+                    !st.helpers.is_empty() && st.pages_all_on_helpers(),
                     "the second helper was not re-filled"
                 );
             }
@@ -205,9 +205,9 @@ fn a_rewind_into_pages_only_on_disk_while_a_new_helper_is_refilled() {
             attach(scope, &m, st, usize::MAX);
         });
         assert!(got == alone, "logits differ from the host alone's");
-        let client = st.remote.as_ref().expect("the helper stays");
+        let client = st.helpers.first().expect("the helper stays");
         assert!(!client.is_lost());
-        assert!(st.helper_has_all_pages(), "the re-fill did not finish");
+        assert!(st.pages_all_on_helpers(), "the re-fill did not finish");
     });
 }
 
@@ -240,7 +240,7 @@ fn a_refused_query_is_answered_from_the_page_file() {
         // Pages only: no layer split, so no prefill chunk either.
         tests::attach(&m, &mut st, host_end, 8, PAGE, Some(BUDGET));
         assert!(run(&mut st) == alone, "logits differ from the host alone's");
-        let client = st.remote.as_ref().expect("the helper stays");
+        let client = st.helpers.first().expect("the helper stays");
         assert!(!client.is_lost() && st.helper_lost.is_none());
         assert!(st.remote_kv_len() > 100);
     });

@@ -268,9 +268,9 @@ fn bad_requests_get_errors_and_leave_state_intact_bad_frames_end_the_session() {
         };
         assert_eq!(ask(2, Message::Configure(cfg)), Message::Ack);
         assert_eq!(ask(3, append(3, 0)), Message::Ack);
-        // Layer 2 is a DeltaNet layer, layer 99 does not exist, position 8 skips a page.
+        // Layer 2 is a DeltaNet layer, layer 99 does not exist, position 6 is not a page start.
         for (req, (layer, start, code)) in
-            [(2u32, 4u64, "layer"), (99, 4, "layer"), (3, 8, "order")]
+            [(2u32, 4u64, "layer"), (99, 4, "layer"), (3, 6, "shape")]
                 .into_iter()
                 .enumerate()
         {
@@ -293,6 +293,25 @@ fn bad_requests_get_errors_and_leave_state_intact_bad_frames_end_the_session() {
         ) {
             Message::AttnPartials { page_starts, .. } => assert_eq!(page_starts, vec![0]),
             other => panic!("{other:?}"),
+        }
+        // A helper holding some of the pages (others hold the rest): a page past a gap of
+        // whole pages is taken, and a page into the gap fills it, in page order.
+        let query = |end: u64| Message::AttnQuery {
+            seq: 0,
+            layer: 3,
+            positions: vec![13],
+            end,
+            q: engine_core::protocol::WireTensor::f32(vec![1, 4, 16], vec![0.1; 64]),
+        };
+        for (req, (start, pages)) in [(8u64, vec![0u64, 8]), (4, vec![0, 4, 8])]
+            .into_iter()
+            .enumerate()
+        {
+            assert_eq!(ask(30 + 2 * req as u32, append(3, start)), Message::Ack);
+            match ask(31 + 2 * req as u32, query(12)) {
+                Message::AttnPartials { page_starts, .. } => assert_eq!(page_starts, pages),
+                other => panic!("{other:?}"),
+            }
         }
         // A malformed frame ends the session with an error frame.
         host.send(b"garbage that is not a frame".to_vec()).unwrap();
@@ -341,7 +360,7 @@ fn a_page_the_helper_refuses_stays_on_the_host() {
             Some(8),
         );
         let got = steps(&mut st);
-        assert!(st.remote_full && st.remote_kv_len() > 0);
+        assert!(st.helpers[0].full && st.remote_kv_len() > 0);
         assert!(got == alone, "logits differ from the host alone's");
     });
 }
@@ -440,7 +459,7 @@ fn a_vanished_helper_fails_the_request_with_a_clear_error() {
         HelperClient::connect(Box::new(host_end), mr, cfg, DEFAULT_MAX_FRAME).unwrap()
     });
     let mut st = m.new_state(4);
-    st.remote = Some(client);
+    st.attach(client);
     st.host_kv_tokens = Some(2);
     let err = m
         .forward(

@@ -180,7 +180,7 @@ fn a_helper_that_dies_mid_batch_costs_time_not_tokens() {
                 got == want,
                 "after {frames} frames: logits differ from the host alone"
             );
-            assert!(st.remote.is_none());
+            assert!(st.helpers.is_empty());
             let got_next = m
                 .forward(&CpuBackend, &mut st, &[next], Logits::Last, None)
                 .unwrap_or_else(|e| panic!("budget {budget:?}: decoding after the loss: {e}"));
@@ -264,7 +264,7 @@ fn a_mirror_far_behind_syncs_in_pieces() {
         .unwrap();
         let (b, r2) = prefill(&m, &CpuBackend, st, p2, &plan).unwrap();
         assert_eq!(r1.on_helper, 0);
-        if st.remote.is_some() {
+        if !st.helpers.is_empty() {
             assert!(r2.on_helper > 0 && r2.synced_rows == 70, "{r2:?}");
         }
         vec![a, b]
@@ -280,7 +280,7 @@ fn a_mirror_far_behind_syncs_in_pieces() {
             page_size: 16,
         };
         // 16 KiB frames: 32 rows of this model's tail KV per sync piece.
-        st.remote = Some(HelperClient::connect(Box::new(host_end), &m, cfg, 16 << 10).unwrap());
+        st.attach(HelperClient::connect(Box::new(host_end), &m, cfg, 16 << 10).unwrap());
         assert!(turns(&mut st) == want);
     });
 }
@@ -299,7 +299,11 @@ fn a_refusing_helper_stays_tethered_and_the_host_does_the_batch() {
         let why = report.fallback.clone().unwrap_or_default();
         assert!(why.starts_with("helper refused: memory"), "{report:?}");
         assert!(got == want);
-        st.remote.as_mut().expect("still tethered").ping().unwrap();
+        st.helpers
+            .first_mut()
+            .expect("still tethered")
+            .ping()
+            .unwrap();
     });
 }
 

@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 
-use super::requests::kv_pages;
+use super::requests::kv_len;
 use super::{Held, Helper, Refusal};
 use crate::kv::PagedKv;
 use crate::model::LayerState;
@@ -85,7 +85,14 @@ impl Helper<'_> {
         ))
     }
 
-    /// Bytes of the KV pages that `layers` of `seq` must add to hold positions up to `end`.
+    /// Bytes of one KV page of one layer.
+    pub(super) fn page_bytes(&self, cfg: &Configure) -> u64 {
+        let c = &self.model().config;
+        u64::from(cfg.page_size) * (c.num_key_value_heads * c.head_dim * 2 * F32) as u64
+    }
+
+    /// Bytes of the KV pages that `layers` of `seq` must add to hold positions up to `end`
+    /// after the rows each holds (a mirror's rows, contiguous).
     pub(super) fn page_growth(
         &self,
         s: &Held,
@@ -94,15 +101,13 @@ impl Helper<'_> {
         layers: &[u32],
         end: u64,
     ) -> u64 {
-        let c = &self.model().config;
         let page = u64::from(cfg.page_size);
-        let bytes = page * (c.num_key_value_heads * c.head_dim * 2 * F32) as u64;
-        let want = end.div_ceil(page);
         layers
             .iter()
             .map(|&l| {
-                let held = s.seqs.get(&seq).map_or(0, |st| kv_pages(st, l)) as u64;
-                want.saturating_sub(held).saturating_mul(bytes)
+                let held = s.seqs.get(&seq).map_or(0, |st| kv_len(st, l)) as u64;
+                let new = end.div_ceil(page).saturating_sub(held.div_ceil(page));
+                new.saturating_mul(self.page_bytes(cfg))
             })
             .fold(0, u64::saturating_add)
     }

@@ -141,18 +141,20 @@ impl Helper<'_> {
                 ),
             ));
         }
-        check_continues(layer, start, held_kv(s, seq, layer).map_or(0, PagedKv::len))?;
-        let pages = self.page_growth(s, &cfg, seq, &[layer], start + rows as u64);
+        // A page start: the page is new here unless (part of) it is held already.
+        let held = held_kv(s, seq, layer).is_ok_and(|kv| kv.has_page_at(start as usize));
+        let pages = if held { 0 } else { self.page_bytes(&cfg) };
         let cost = Cost { pages, work: 0 };
         self.check_budget(s, seq, &cfg, &format!("a KV page at {start}"), cost)?;
         let st = self.seq_state(&mut s.seqs, seq, &cfg)?;
         append_rows(
             self.backend,
             kv_of(st, layer)?,
+            layer,
             start as usize,
             k.data,
             v.data,
-        );
+        )?;
         Ok(Message::Ack)
     }
 
@@ -312,7 +314,7 @@ impl Helper<'_> {
         let st = self.seq_state(&mut s.seqs, sync.seq, &cfg)?;
         let pos = sync.pos as usize;
         for (&l, (k, v)) in sync.kv_layers.iter().zip(sync.kv) {
-            append_rows(self.backend, kv_of(st, l)?, pos, k.data, v.data);
+            append_rows(self.backend, kv_of(st, l)?, l, pos, k.data, v.data)?;
         }
         for (&l, (sv, conv)) in sync.delta_layers.iter().zip(sync.states) {
             if let LayerState::DeltaNet(d) = &mut st.layers[l as usize] {
@@ -482,7 +484,7 @@ fn held_kv(s: &Held, seq: u64, layer: u32) -> Result<&PagedKv, Refusal> {
 }
 
 /// KV rows held for `layer` (none for a layer without KV).
-fn kv_len(st: &State, layer: u32) -> usize {
+pub(super) fn kv_len(st: &State, layer: u32) -> usize {
     match st.layers.get(layer as usize) {
         Some(LayerState::Attention(kv)) => kv.len(),
         _ => 0,
@@ -521,34 +523,31 @@ fn on_kv_truncate(s: &mut Held, seq: u64, len: u64) -> Result<Message, Refusal> 
     Ok(Message::Ack)
 }
 
-/// Append rows for positions `start ..` (from the link) into `be`, skipping the ones already
-/// held (the mirror may have computed rows the host later hands over as a page). The caller
-/// checked that they leave no gap (`check_continues`).
-fn append_rows(be: &dyn Backend, kv: &mut PagedKv, start: usize, mut k: Vec<f32>, mut v: Vec<f32>) {
+/// Store rows for positions `start ..` (from the link) in `be`. Rows past what is held are
+/// appended, after a gap of whole pages if they start at a later page (other helpers hold
+/// those); a page in such a gap fills it; rows already held are skipped (the mirror may have
+/// computed rows the host later hands over as a page). Anything else is refused.
+fn append_rows(
+    be: &dyn Backend,
+    kv: &mut PagedKv,
+    layer: u32,
+    start: usize,
+    mut k: Vec<f32>,
+    mut v: Vec<f32>,
+) -> Result<(), Refusal> {
+    let order = |e: crate::Error| Refusal("order", format!("layer {layer}: {e}"));
+    if start > kv.len() {
+        kv.skip_to(start).map_err(order)?;
+    } else if start < kv.len() && !kv.has_page_at(start / kv.page_size() * kv.page_size()) {
+        return kv
+            .fill_gap(be, start, &be.upload(k), &be.upload(v))
+            .map_err(order);
+    }
     let width = kv.row_width();
     let rows = k.len() / width;
     let skip = kv.len().saturating_sub(start).min(rows);
     k.drain(..skip * width);
     v.drain(..skip * width);
     kv.append(be, &be.upload(k), &be.upload(v));
-}
-
-/// Rows arriving for positions `start ..` of `layer` must not leave a gap after the `have`
-/// held.
-fn check_continues(layer: u32, start: u64, have: usize) -> Result<(), Refusal> {
-    if start > have as u64 {
-        return Err(Refusal(
-            "order",
-            format!("layer {layer}: rows at {start} would leave a gap after the {have} held"),
-        ));
-    }
     Ok(())
-}
-
-/// Pages of KV held for `layer` (none for a layer without KV).
-pub(super) fn kv_pages(st: &State, layer: u32) -> usize {
-    match st.layers.get(layer as usize) {
-        Some(LayerState::Attention(kv)) => kv.pages().len(),
-        _ => 0,
-    }
 }

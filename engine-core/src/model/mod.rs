@@ -425,7 +425,7 @@ impl Model {
                 (Mixer::Attention(a), LayerState::Attention(kv)) => {
                     let away = Away {
                         layer: i,
-                        helper: state.remote.as_mut(),
+                        helpers: &mut state.helpers,
                         disk: state.spill.as_ref(),
                     };
                     let (attention, gate) = a.begin(be, &normed, &positions, kv, away)?;

@@ -60,18 +60,18 @@ pub struct State {
     /// Positions consumed so far (the next token's position).
     pub pos: usize,
     pub layers: Vec<LayerState>,
-    /// Where this sequence's oldest KV pages go once the host's budget is full.
-    pub remote: Option<HelperClient>,
+    /// The helpers this sequence's oldest KV pages go to once the host's budget is full,
+    /// spread over them by [`State::place`]; at most one of them also runs the tail layers of
+    /// a split prefill ([`State::prefill_helper`]). Attached with [`State::attach`].
+    pub helpers: Vec<HelperClient>,
+    /// The id the next helper attached gets.
+    next_helper: u32,
     /// The disk tier: a copy of every page that leaves this device, written before it leaves,
     /// so a lost helper's pages are attended from here (and re-fill the next helper).
     pub spill: Option<PageFile>,
     /// KV positions per layer kept on this device when a helper or page file takes pages;
     /// whole pages past it move out after every forward pass.
     pub host_kv_tokens: Option<usize>,
-    /// The helper refused a page for lack of memory: no more pages are offered to it (a round
-    /// trip each); they go to the page file only, or stay here without one, rather than fail
-    /// the sequence.
-    pub remote_full: bool,
     /// Why the last helper of this sequence was lost, if one was: the sequence went on from
     /// the page file (callers report it).
     pub helper_lost: Option<String>,
@@ -106,44 +106,98 @@ impl State {
         State {
             pos: 0,
             layers,
-            remote: None,
+            helpers: Vec::new(),
+            next_helper: 0,
             spill: None,
             host_kv_tokens: None,
-            remote_full: false,
             helper_lost: None,
         }
     }
 
-    /// Forget a helper that is gone. Its pages are attended from the page file from now on,
-    /// and later pages go there within the same budget; without a page file this host keeps
-    /// its whole KV (no budget), and any pages the helper held are lost (the caller has checked
-    /// there were none, or fails the sequence).
-    pub fn lose_helper(&mut self) {
-        self.remote = None;
-        self.remote_full = false;
+    /// Attach a connected, configured helper: it takes pages from the next pass on (those
+    /// waiting in the page file first, a few per pass). Returns its id.
+    pub fn attach(&mut self, mut client: HelperClient) -> u32 {
+        client.id = self.next_helper;
+        self.next_helper += 1;
+        let id = client.id;
+        self.helpers.push(client);
+        id
+    }
+
+    /// The helper that runs the tail layers of a split prefill (the first attached with
+    /// prefill layers), if one is attached.
+    pub fn prefill_helper(&self) -> Option<&HelperClient> {
+        self.helpers.iter().find(|h| !h.prefill_layers.is_empty())
+    }
+
+    pub fn prefill_helper_mut(&mut self) -> Option<&mut HelperClient> {
+        self.helpers
+            .iter_mut()
+            .find(|h| !h.prefill_layers.is_empty())
+    }
+
+    /// Forget helper `id`, gone. Its pages are attended from the page file from now on, and
+    /// later pages go to the other helpers or there; without a page file and with no helper
+    /// left, this host keeps its whole KV (no budget), and any pages the helper held are lost
+    /// (the caller has checked there were none, or fails the sequence).
+    pub fn lose_helper(&mut self, id: u32) {
+        self.helpers.retain(|h| h.id != id);
         for l in &mut self.layers {
             if let LayerState::Attention(kv) = l {
-                kv.lose_helper();
+                kv.lose_helper(id);
             }
         }
-        if self.spill.is_none() {
+        if self.spill.is_none() && self.helpers.is_empty() {
             self.host_kv_tokens = None;
         }
     }
 
-    /// Detach the helper if a request found it gone, noting why.
-    fn drop_lost_helper(&mut self) {
-        if let Some(why) = self.remote.as_ref().and_then(|r| r.lost()) {
-            self.helper_lost = Some(why.to_string());
-            self.lose_helper();
+    /// Forget every helper.
+    pub fn lose_helpers(&mut self) {
+        let ids: Vec<u32> = self.helpers.iter().map(|h| h.id).collect();
+        for id in ids {
+            self.lose_helper(id);
         }
     }
 
-    /// Whether the helper holds every page that left this device (none wait in the page file
-    /// for a re-fill): only then can it mirror the tail layers in a split prefill.
-    pub fn helper_has_all_pages(&self) -> bool {
+    /// Detach the helpers a request found gone, noting why.
+    fn drop_lost_helpers(&mut self) {
+        let lost: Vec<(u32, String)> = self
+            .helpers
+            .iter()
+            .filter_map(|h| h.lost().map(|why| (h.id, why.to_string())))
+            .collect();
+        for (id, why) in lost {
+            self.helper_lost = Some(why);
+            self.lose_helper(id);
+        }
+    }
+
+    /// Whether helper `id` holds every page that left of the full-attention layers among
+    /// `layers` (none waits in the page file for a re-fill): only then can it mirror those
+    /// layers in a split prefill.
+    pub fn holds_all_pages_of(&self, id: u32, layers: Range<usize>) -> bool {
+        self.layers[layers].iter().all(|l| match l {
+            LayerState::Attention(kv) => kv.prefix_on(id) == kv.remote_len(),
+            LayerState::DeltaNet(_) | LayerState::Elsewhere => true,
+        })
+    }
+
+    /// Pages on helper `id`, over all layers.
+    pub fn pages_on(&self, id: u32) -> usize {
+        self.layers
+            .iter()
+            .map(|l| match l {
+                LayerState::Attention(kv) => kv.count_on(id),
+                LayerState::DeltaNet(_) | LayerState::Elsewhere => 0,
+            })
+            .sum()
+    }
+
+    /// Whether every page that left this device is on a helper.
+    pub fn pages_all_on_helpers(&self) -> bool {
         self.layers.iter().all(|l| match l {
-            LayerState::Attention(kv) => kv.helper_len() == kv.remote_len(),
+            LayerState::Attention(kv) => kv.all_on_helpers(),
             LayerState::DeltaNet(_) | LayerState::Elsewhere => true,
         })
     }
@@ -152,7 +206,7 @@ impl State {
     pub fn away(&mut self, layer: usize) -> Away<'_> {
         Away {
             layer,
-            helper: self.remote.as_mut(),
+            helpers: &mut self.helpers,
             disk: self.spill.as_ref(),
         }
     }
@@ -216,10 +270,11 @@ impl State {
             if len < kv.remote_len() {
                 let start = len / kv.page_size() * kv.page_size();
                 cut = start;
+                let holder = kv.holder(start);
                 let rows = if len > start {
                     Some(page_rows(
                         self.spill.as_ref(),
-                        self.remote.as_mut(),
+                        self.helpers.iter_mut().find(|h| Some(h.id) == holder),
                         (i, start),
                         len - start,
                         kv.row_width(),
@@ -238,22 +293,27 @@ impl State {
                 refills.push((i, rows));
             }
         }
-        if let Some(remote) = self.remote.as_mut() {
+        let ids: Vec<u32> = self.helpers.iter().map(|h| h.id).collect();
+        for id in ids {
             let held = self.layers.iter().any(|l| match l {
-                LayerState::Attention(kv) => kv.helper_len() > cut,
+                LayerState::Attention(kv) => kv.pages_on(id).last().is_some_and(|&p| p >= cut),
                 LayerState::DeltaNet(_) | LayerState::Elsewhere => false,
             });
-            match remote.truncate(cut) {
+            let helper = self.helpers.iter_mut().find(|h| h.id == id);
+            match helper.map(|h| (h.truncate(cut), h)) {
                 // Pages it held were freed: it may take pages again.
-                Ok(()) => self.remote_full &= !held,
+                Some((Ok(()), h)) => h.full &= !held,
                 // A helper that fails here (gone, or answering out of protocol) may hold rows
                 // past the cut: it must never be asked for them. The page file holds every
                 // page it had, so the sequence goes on without it.
-                Err(e @ (Error::Remote(_) | Error::Refused { .. })) if self.spill.is_some() => {
+                Some((Err(e @ (Error::Remote(_) | Error::Refused { .. })), _))
+                    if self.spill.is_some() =>
+                {
                     self.helper_lost = Some(e.to_string());
-                    self.lose_helper();
+                    self.lose_helper(id);
                 }
-                Err(e) => return Err(e),
+                Some((Err(e), _)) => return Err(e),
+                None => {}
             }
         }
         if let Some(disk) = self.spill.as_mut() {
@@ -278,15 +338,16 @@ impl State {
 
     /// Move the oldest whole KV pages of every full-attention layer out until at most
     /// `host_kv_tokens` positions per layer stay here (a partial page never moves): each to
-    /// the page file first, then to the helper while it takes them. Then re-fill the helper a
-    /// little from the page file if it lacks pages (it joined late, or refused one before).
-    /// `be` reads each page to the host. Returns the number of pages moved per layer.
+    /// the page file first, then to a helper that takes it ([`State::place`]). Then re-fill
+    /// helpers a little from the page file with pages no helper holds (a helper joined late,
+    /// one was lost, or one refused a page before). `be` reads each page to the host. Returns
+    /// the number of pages moved per layer.
     pub fn offload(&mut self, be: &dyn Backend) -> Result<usize> {
-        self.drop_lost_helper();
+        self.drop_lost_helpers();
         let Some(host_tokens) = self.host_kv_tokens else {
             return Ok(0);
         };
-        if self.remote.is_none() && self.spill.is_none() {
+        if self.helpers.is_empty() && self.spill.is_none() {
             return Err(Error::Invalid(
                 "a host KV budget is set but no helper or page file takes pages".into(),
             ));
@@ -299,25 +360,23 @@ impl State {
                     unreachable!("page_to_move found a KV page")
                 };
                 let (k, v) = pollster::block_on(kv.rows(be, start, len)?);
-                let width = kv.row_width();
-                let in_step = kv.helper_len() == kv.remote_len();
                 if let Some(disk) = self.spill.as_mut() {
-                    disk.write(i, start, width, &k, &v)?;
+                    disk.write(i, start, kv.row_width(), &k, &v)?;
                 }
-                let on_helper = in_step && self.give_helper(i, start, width, k, v)?;
-                if !on_helper && self.spill.is_none() {
+                let holder = self.place(i, start, k, v)?;
+                if holder.is_none() && self.spill.is_none() {
                     // Refused, with no disk tier: the page stays here, past the budget.
                     break;
                 }
                 if let LayerState::Attention(kv) = &mut self.layers[i] {
-                    kv.drop_oldest_page(on_helper);
+                    kv.drop_oldest_page(holder);
                 }
                 n += 1;
                 moved = moved.max(n);
             }
         }
         self.refill()?;
-        self.drop_lost_helper();
+        self.drop_lost_helpers();
         Ok(moved)
     }
 
@@ -331,39 +390,96 @@ impl State {
         }
     }
 
-    /// Offer the page of layer `i` at `start` to the helper, if one takes pages: whether it
-    /// now holds it. A refusal for memory stops further offers; a lost helper is detached
-    /// after this pass, and only a page file makes that survivable.
-    fn give_helper(
+    /// Hand the page of layer `i` at `start` (rows `k`, `v`) to a helper: the id of the one
+    /// that took it, or `None` if none did. The one place that decides where a page goes:
+    /// - a layer the prefill helper mirrors goes to it alone, and only in order (its mirror
+    ///   already holds those rows, so the page costs it nothing, and its pages of the layer
+    ///   stay one prefix, which the mirror's sync relies on);
+    /// - any other page to the helper furthest below its share of the layer's pages, shares
+    ///   in proportion to each helper's measured speed (pages attended per second, once every
+    ///   helper has answered a query) or, before that, to the memory it offered. A helper that
+    ///   refused a page for memory takes no more; one that fails is passed over (and
+    ///   detached after the pass).
+    pub fn place(
         &mut self,
+        i: usize,
+        start: usize,
+        k: Vec<f32>,
+        v: Vec<f32>,
+    ) -> Result<Option<u32>> {
+        let LayerState::Attention(kv) = &self.layers[i] else {
+            return Ok(None);
+        };
+        let width = kv.row_width();
+        let takes = |h: &&HelperClient| !h.full && !h.is_lost();
+        let candidates: Vec<u32> = match self.prefill_helper() {
+            Some(p) if p.prefill_layers.contains(&i) => Some(p)
+                .filter(takes)
+                .filter(|p| kv.prefix_on(p.id) == start)
+                .map(|p| p.id)
+                .into_iter()
+                .collect(),
+            _ => {
+                let live: Vec<&HelperClient> = self.helpers.iter().filter(takes).collect();
+                let measured = live.iter().all(|h| h.pages_per_sec().is_some());
+                let weight = |h: &HelperClient| match measured {
+                    true => h.pages_per_sec().unwrap_or(1.0),
+                    false => h.helper.mem_offer as f64,
+                };
+                let mut ranked: Vec<(f64, u32)> = live
+                    .iter()
+                    .map(|h| ((kv.count_on(h.id) + 1) as f64 / weight(h).max(1e-9), h.id))
+                    .collect();
+                ranked.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+                ranked.into_iter().map(|(_, id)| id).collect()
+            }
+        };
+        let last = candidates.len().saturating_sub(1);
+        let (mut k, mut v) = (Some(k), Some(v));
+        for (n, id) in candidates.into_iter().enumerate() {
+            // A copy only for a helper that may refuse it before another is asked.
+            let (k, v) = match n == last {
+                true => (k.take().unwrap_or_default(), v.take().unwrap_or_default()),
+                false => (k.clone().unwrap_or_default(), v.clone().unwrap_or_default()),
+            };
+            if self.give(id, i, start, width, k, v)? {
+                return Ok(Some(id));
+            }
+        }
+        Ok(None)
+    }
+
+    /// Offer the page of layer `i` at `start` to helper `id`: whether it now holds it. A
+    /// refusal for memory stops further offers to it; a lost helper is detached after this
+    /// pass, and only a page file makes that survivable.
+    fn give(
+        &mut self,
+        id: u32,
         i: usize,
         start: usize,
         width: usize,
         k: Vec<f32>,
         v: Vec<f32>,
     ) -> Result<bool> {
-        let Some(remote) = self.remote.as_mut().filter(|r| !r.is_lost()) else {
+        let has_disk = self.spill.is_some();
+        let Some(helper) = self.helpers.iter_mut().find(|h| h.id == id) else {
             return Ok(false);
         };
-        if self.remote_full {
-            return Ok(false);
-        }
-        match remote.store(i, start, width, k, v) {
+        match helper.store(i, start, width, k, v) {
             Ok(()) => Ok(true),
             Err(Error::Refused { code, .. }) if code == "memory" => {
-                self.remote_full = true;
+                helper.full = true;
                 Ok(false)
             }
-            Err(Error::Remote(_)) if self.spill.is_some() => Ok(false),
+            Err(Error::Remote(_)) if has_disk => Ok(false),
             Err(e) => Err(e),
         }
     }
 
-    /// Send the helper up to [`REFILL_PAGES`] pages it lacks from the page file, the layer
-    /// furthest behind first, so all layers catch up together.
+    /// Send helpers up to [`REFILL_PAGES`] pages that no helper holds from the page file, the
+    /// layer furthest behind first, so all layers catch up together.
     fn refill(&mut self) -> Result<()> {
-        let takes = self.remote.as_ref().is_some_and(|r| !r.is_lost()) && !self.remote_full;
-        if !takes {
+        if !self.helpers.iter().any(|h| !h.full && !h.is_lost()) {
             return Ok(());
         }
         for _ in 0..REFILL_PAGES {
@@ -372,19 +488,19 @@ impl State {
                 .iter()
                 .enumerate()
                 .filter_map(|(i, l)| match l {
-                    LayerState::Attention(kv) => kv.next_refill().map(|s| (s, i, kv.row_width())),
+                    LayerState::Attention(kv) => kv.next_refill().map(|s| (s, i)),
                     LayerState::DeltaNet(_) | LayerState::Elsewhere => None,
                 })
                 .min();
-            let (Some((start, i, width)), Some(disk)) = (next, self.spill.as_ref()) else {
+            let (Some((start, i)), Some(disk)) = (next, self.spill.as_ref()) else {
                 return Ok(());
             };
             let (k, v) = disk.read(i, start)?;
-            if !self.give_helper(i, start, width, k, v)? {
+            let Some(id) = self.place(i, start, k, v)? else {
                 return Ok(());
-            }
+            };
             if let LayerState::Attention(kv) = &mut self.layers[i] {
-                kv.helper_took(start);
+                kv.helper_took(start, id);
             }
         }
         Ok(())

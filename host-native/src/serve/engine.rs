@@ -8,11 +8,10 @@
 use std::any::Any;
 use std::panic::{self, AssertUnwindSafe};
 use std::sync::atomic::Ordering;
-use std::sync::{mpsc, Arc};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::time::Instant;
 
 use engine_core::generate::Sampler;
-use engine_core::link::{Link, StatsHandle};
 use engine_core::model::LayerState;
 use engine_core::split::{self, SplitPlan};
 use engine_core::tokenizer::{StreamDecoder, Tokenizer};
@@ -21,10 +20,10 @@ use tracing::{debug, info, warn};
 
 use super::api::ApiError;
 use super::conversation::Conversation;
+use super::helpers::Helpers;
 use super::metrics::{KvPlacement, Metrics};
 use super::queue::{Event, Finish, FinishReason, Job, Queue};
 use super::terminal;
-use crate::helper::HelperArgs;
 
 pub struct Engine {
     pub model: Model,
@@ -41,84 +40,11 @@ pub struct Engine {
     pub conversation: Conversation,
     pub metrics: Arc<Metrics>,
     pub timeout_s: u64,
-    /// The helper the server was started with, reconnected after it is lost.
-    pub helper: Option<Reconnect>,
+    /// The server's helpers: reconnected when lost, taken when they join.
+    pub helpers: Option<Helpers>,
     /// Testing only (`--debug-panic-on`, hidden): panic after the prefill of a prompt that
     /// contains this text, to exercise the recovery from a panic.
     pub panic_on: Option<String>,
-}
-
-/// How to get a lost helper back (a cable pulled and plugged in again, a helper restarted):
-/// before a request, connect again on a thread of its own (attempts start at most every
-/// `every`) and start a fresh sequence with it.
-pub struct Reconnect {
-    args: HelperArgs,
-    /// The link's counters, which a new link goes on counting into.
-    stats: StatsHandle,
-    every: Duration,
-    /// No new attempt before this.
-    next_try: Instant,
-    /// An attempt under way.
-    pending: Option<mpsc::Receiver<anyhow::Result<Box<dyn Link>>>>,
-}
-
-/// How long a request waits for a connection attempt it started: a helper that answers, or
-/// refuses, does so at once; one that does not is left to connect in the background while the
-/// request runs on the host alone, and the next request picks up what came of it.
-const RECONNECT_WAIT: Duration = Duration::from_secs(1);
-
-impl Reconnect {
-    pub fn new(args: HelperArgs, stats: StatsHandle, every: Duration) -> Reconnect {
-        Reconnect {
-            args,
-            stats,
-            every,
-            next_try: Instant::now(),
-            pending: None,
-        }
-    }
-
-    /// A link to the helper if an attempt has one within [`RECONNECT_WAIT`]: the one under
-    /// way, or one started now if it is time. An attempt that failed makes room for a new one
-    /// at once when the last started `every` ago.
-    fn link(&mut self) -> Option<Box<dyn Link>> {
-        for _ in 0..2 {
-            if self.pending.is_none() {
-                if Instant::now() < self.next_try {
-                    return None;
-                }
-                self.start();
-            }
-            match self.pending.as_ref()?.recv_timeout(RECONNECT_WAIT) {
-                Err(mpsc::RecvTimeoutError::Timeout) => return None,
-                Ok(Ok(link)) => {
-                    self.pending = None;
-                    return Some(link);
-                }
-                Ok(Err(e)) => {
-                    debug!("the helper is still gone: {e:#}");
-                    self.pending = None;
-                }
-                Err(mpsc::RecvTimeoutError::Disconnected) => self.pending = None,
-            }
-        }
-        None
-    }
-
-    /// Start an attempt on a thread of its own; attempts start at most every `every`.
-    fn start(&mut self) {
-        self.next_try = Instant::now() + self.every;
-        let (tx, rx) = mpsc::channel();
-        let (args, stats) = (self.args.clone(), self.stats.clone());
-        let started = std::thread::Builder::new()
-            .name("helper-reconnect".into())
-            .spawn(move || {
-                let _ = tx.send(args.connect(&stats));
-            });
-        if started.is_ok() {
-            self.pending = Some(rx);
-        }
-    }
 }
 
 /// A request's decoding so far. It outlives a redo: when the helper is lost mid-request the
@@ -162,7 +88,7 @@ impl Engine {
             self.metrics.job_done(
                 t.elapsed().as_secs_f64(),
                 self.kv_placement(),
-                self.state.remote.is_some(),
+                self.state.helpers.len(),
             );
             // After the metrics: a client that reads /metrics once answered sees this job.
             if let Some(event) = last {
@@ -242,32 +168,24 @@ impl Engine {
         self.conversation.reset(&*self.backend, &self.state);
     }
 
-    /// If the helper was lost and a connection to it comes (see [`Reconnect`]), attach it to
-    /// the sequence as it is: the cached conversation stays, and the pages that went to the
-    /// page file meanwhile re-fill the helper a few per pass. A failed attempt leaves
-    /// everything as it was.
-    fn reconnect_helper(&mut self) {
+    /// Before a request: note a lost helper, and attach helpers that joined or came back
+    /// (see [`Helpers`]) to the sequence as it is: the cached conversation stays, and pages
+    /// that went to the page file meanwhile re-fill them a few per pass. A failed attempt
+    /// leaves everything as it was.
+    fn refresh_helpers(&mut self) {
         if let Some(why) = self.state.helper_lost.take() {
-            warn!("the helper was lost ({why}); its pages are attended from the page file");
+            warn!("a helper was lost ({why}); its pages are attended from the page file");
         }
-        if self.state.remote.is_some() {
-            return;
-        }
-        let Some(r) = &mut self.helper else {
+        let Some(h) = &mut self.helpers else {
             return;
         };
-        let Some(link) = r.link() else {
-            return;
-        };
-        match r
-            .args
-            .attach_link(&self.model, &mut self.state, self.page_size, link)
-        {
-            Ok(()) => {
-                info!("the helper is back; it is re-filled from the page file as requests run");
-                self.metrics.helper_reconnected();
-            }
-            Err(e) => debug!("the helper answered but could not be attached: {e:#}"),
+        let (joined, back) = h.refresh(&self.model, &mut self.state, self.page_size);
+        if back {
+            info!("a lost helper is back; it is re-filled from the page file as requests run");
+            self.metrics.helper_reconnected();
+        }
+        if joined > 0 {
+            info!("{joined} helper(s) joined; they take pages from this request on");
         }
     }
 
@@ -275,14 +193,14 @@ impl Engine {
         if let Some(o) = interrupted(job) {
             return Ok(o);
         }
-        self.reconnect_helper();
+        self.refresh_helpers();
         let mut d = Decoding {
             sampler: Sampler::new(job.sampling.clone())?,
             decoder: StreamDecoder::new(&self.tokenizer),
             scan: StopScan::new(&job.stop),
             tokens: Vec::new(),
         };
-        let had_helper = self.state.remote.is_some();
+        let had_helper = !self.state.helpers.is_empty();
         match self.attempt(job, &mut d) {
             // The host holds every token of the request: it redoes the request alone, in the
             // same ubatches, and feeds the tokens already sent instead of sampling them
@@ -430,10 +348,14 @@ impl Engine {
         for l in &self.state.layers {
             if let LayerState::Attention(kv) = l {
                 p.host_pages += kv.pages().len();
-                p.helper_pages += kv.helper_len() / kv.page_size();
+                for h in &self.state.helpers {
+                    *p.per_helper.entry(h.id).or_default() += kv.count_on(h.id);
+                }
+                let on_helpers = kv.helper_pages();
+                p.helper_pages += on_helpers;
                 p.host_positions = kv.local_len();
-                p.helper_positions = kv.helper_len();
-                p.disk_positions = kv.remote_len() - kv.helper_len();
+                p.helper_positions = on_helpers * kv.page_size();
+                p.disk_positions = kv.remote_len() - on_helpers * kv.page_size();
             }
         }
         p

@@ -14,15 +14,17 @@ pub struct Metrics {
 }
 
 /// Where KV pages live after the last request, summed over the full-attention layers.
-#[derive(Clone, Copy, Default)]
+#[derive(Clone, Default)]
 pub struct KvPlacement {
     pub host_pages: usize,
     pub helper_pages: usize,
     /// Positions of one layer on each device (pages move for all layers together).
     pub host_positions: usize,
     pub helper_positions: usize,
-    /// Positions only in the page file: the helper was lost or is still being re-filled.
+    /// Positions only in the page file: a helper was lost or one is still being re-filled.
     pub disk_positions: usize,
+    /// Pages held on each helper, by its id, summed over full-attention layers.
+    pub per_helper: BTreeMap<u32, usize>,
 }
 
 #[derive(Default)]
@@ -51,8 +53,8 @@ struct Counters {
     /// Seconds an engine job takes, smoothed; sizes `Retry-After`.
     job_seconds: f64,
     kv: KvPlacement,
-    /// Whether the sequence had a helper after the last request.
-    helper_attached: bool,
+    /// Helpers the sequence had after the last request.
+    helpers_attached: usize,
     /// Times a lost helper was connected again.
     helper_reconnects: u64,
 }
@@ -114,15 +116,15 @@ impl Metrics {
         }
     }
 
-    pub fn set_helper_attached(&self, attached: bool) {
-        self.lock().helper_attached = attached;
+    pub fn set_helpers_attached(&self, attached: usize) {
+        self.lock().helpers_attached = attached;
     }
 
     pub fn helper_reconnected(&self) {
         self.lock().helper_reconnects += 1;
     }
 
-    pub fn job_done(&self, seconds: f64, kv: KvPlacement, helper_attached: bool) {
+    pub fn job_done(&self, seconds: f64, kv: KvPlacement, helpers_attached: usize) {
         let mut c = self.lock();
         c.job_seconds = if c.job_seconds == 0.0 {
             seconds
@@ -130,7 +132,7 @@ impl Metrics {
             0.8 * c.job_seconds + 0.2 * seconds
         };
         c.kv = kv;
-        c.helper_attached = helper_attached;
+        c.helpers_attached = helpers_attached;
     }
 
     /// A guess at when a refused client may find room: the jobs ahead of it at the usual
@@ -140,7 +142,9 @@ impl Metrics {
         (s.ceil() as u64).clamp(1, 60)
     }
 
-    pub fn render(&self, queue: &Load, link: Option<&LinkStats>) -> String {
+    /// The metrics in Prometheus' text format; `links` are the helpers' links by helper id
+    /// (`None` without helpers).
+    pub fn render(&self, queue: &Load, links: Option<&[(u32, LinkStats)]>) -> String {
         let c = self.lock();
         let mut t = String::new();
         let mut one = |name: &str, kind: &str, help: &str, value: f64| {
@@ -263,12 +267,12 @@ impl Metrics {
             "Requests that ran past the time limit.",
             c.timed_out as f64,
         );
-        if link.is_some() {
+        if links.is_some() {
             one(
-                "tether_helper_attached",
+                "tether_helpers_attached",
                 "gauge",
-                "1 while the sequence has its helper, 0 once it is lost (until it reconnects).",
-                f64::from(u8::from(c.helper_attached)),
+                "Helpers the sequence has (one lost counts no more until it reconnects).",
+                c.helpers_attached as f64,
             );
             one(
                 "tether_helper_reconnects_total",
@@ -300,28 +304,41 @@ impl Metrics {
              tether_kv_positions{{device=\"disk\"}} {}",
             c.kv.host_positions, c.kv.helper_positions, c.kv.disk_positions
         );
-        if let Some(link) = link {
-            for (metric, field, help) in [
-                (
-                    "tether_link_bytes_total",
-                    "bytes",
-                    "Bytes on the link to the helper by direction and message type.",
-                ),
-                (
-                    "tether_link_messages_total",
-                    "messages",
-                    "Messages on the link to the helper by direction and message type.",
-                ),
-            ] {
-                let _ = writeln!(t, "# HELP {metric} {help}\n# TYPE {metric} counter");
+        let _ = writeln!(
+            t,
+            "# HELP tether_helper_pages KV pages on each helper, summed over full-attention layers.\n# TYPE tether_helper_pages gauge"
+        );
+        for (id, pages) in &c.kv.per_helper {
+            let _ = writeln!(t, "tether_helper_pages{{helper=\"{id}\"}} {pages}");
+        }
+        let links = links.unwrap_or_default();
+        for (metric, field, help) in [
+            (
+                "tether_link_bytes_total",
+                "bytes",
+                "Bytes on the link to each helper by direction and message type.",
+            ),
+            (
+                "tether_link_messages_total",
+                "messages",
+                "Messages on the link to each helper by direction and message type.",
+            ),
+        ] {
+            if links.is_empty() {
+                break;
+            }
+            let _ = writeln!(t, "# HELP {metric} {help}\n# TYPE {metric} counter");
+            for (id, link) in links {
                 for (dir, by_type) in [("sent", &link.sent), ("received", &link.received)] {
                     for (kind, traffic) in by_type {
-                        let v = if field == "bytes" {
-                            traffic.bytes
-                        } else {
-                            traffic.messages
+                        let v = match field {
+                            "bytes" => traffic.bytes,
+                            _ => traffic.messages,
                         };
-                        let _ = writeln!(t, "{metric}{{direction=\"{dir}\",type=\"{kind}\"}} {v}");
+                        let _ = writeln!(
+                            t,
+                            "{metric}{{helper=\"{id}\",direction=\"{dir}\",type=\"{kind}\"}} {v}"
+                        );
                     }
                 }
             }

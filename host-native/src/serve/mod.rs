@@ -16,6 +16,7 @@ mod cross_site;
 mod engine;
 #[cfg(test)]
 mod fuzz_bodies;
+mod helpers;
 mod memory;
 mod metrics;
 mod queue;
@@ -34,8 +35,10 @@ use tracing::{info, warn};
 use crate::load::{self, EngineArgs};
 use conversation::Conversation;
 use cross_site::Cors;
-use engine::{Engine, Reconnect};
+use engine::Engine;
+use engine_core::remote::HelperClient;
 use engine_core::{Model, State};
+use helpers::Helpers;
 use memory::Footprint;
 use metrics::Metrics;
 use queue::Queue;
@@ -133,10 +136,11 @@ pub fn run(a: Args) -> Result<()> {
     let (backend, what) = a.engine.backend.make()?;
     info!("backend: {what}");
     let mut state = l.model.new_state(a.engine.page_size);
-    let link = a
+    let attached = a
         .engine
         .helper
         .attach(&l.model, &mut state, a.engine.page_size)?;
+    let has_helpers = a.engine.helper.has_helper();
     let available = memory::available();
     let footprint = Footprint::of(config, a.checkpoints);
     let context = memory::choose_context(
@@ -159,7 +163,7 @@ pub fn run(a: Args) -> Result<()> {
     }
     // With a helper the host keeps what fits here, older pages move out, unless
     // --host-kv-tokens said otherwise.
-    if state.remote.is_some() && state.host_kv_tokens.is_none() {
+    if !state.helpers.is_empty() && state.host_kv_tokens.is_none() {
         state.host_kv_tokens = context.on_host;
     }
     let prompt = ctx.min(2048);
@@ -174,7 +178,7 @@ pub fn run(a: Args) -> Result<()> {
     let split = a.engine.helper.plan(a.ubatch);
     // Segments of whole ubatches (pairs stay pairs past interleave_from); with a helper long
     // enough that only one ubatch in 32 misses the pipeline (the last runs on the host).
-    let segment = split.ubatch * if link.is_some() { 32 } else { 4 };
+    let segment = split.ubatch * if has_helpers { 32 } else { 4 };
     let mut stop_ids = config.eos_token_ids.clone();
     stop_ids.extend(
         ["<|im_end|>", "<|endoftext|>"]
@@ -182,7 +186,14 @@ pub fn run(a: Args) -> Result<()> {
             .filter_map(|t| l.tokenizer.token_id(t)),
     );
     let metrics = Arc::new(Metrics::default());
-    metrics.set_helper_attached(link.is_some());
+    metrics.set_helpers_attached(state.helpers.len());
+    let helpers = has_helpers.then(|| {
+        Helpers::new(
+            a.engine.helper.clone(),
+            attached,
+            Duration::from_secs(a.helper_retry),
+        )
+    });
     let budget = a
         .queue_memory
         .unwrap_or_else(|| memory::queue_budget(available));
@@ -206,7 +217,7 @@ pub fn run(a: Args) -> Result<()> {
         ),
         cors: Arc::new(Cors::new(&a.cors)?),
         metrics: metrics.clone(),
-        link: link.clone(),
+        helpers: helpers.as_ref().map(Helpers::shared),
         timeout: Duration::from_secs(a.timeout),
         next_id: AtomicU64::new(0),
     });
@@ -222,13 +233,7 @@ pub fn run(a: Args) -> Result<()> {
         stop_ids,
         metrics,
         timeout_s: a.timeout,
-        helper: link.map(|stats| {
-            Reconnect::new(
-                a.engine.helper.clone(),
-                stats,
-                Duration::from_secs(a.helper_retry),
-            )
-        }),
+        helpers,
         panic_on: a.debug_panic_on.clone(),
     };
     let worker = {
@@ -304,15 +309,15 @@ impl Drop for CloseOnDrop {
     }
 }
 
-/// Positions of KV the attached helper offered to hold, beside the DeltaNet states of the
-/// layers it runs in a split prefill (0 without a helper).
+/// Positions of KV the attached helpers offered to hold, each beside the DeltaNet states of
+/// the layers it runs in a split prefill (0 without a helper).
 fn helper_positions(model: &Model, state: &State, fp: Footprint, page_size: usize) -> usize {
-    let Some(helper) = &state.remote else {
-        return 0;
+    let fits = |helper: &HelperClient| {
+        let kv_only = Footprint {
+            per_token: fp.per_token,
+            fixed: State::delta_bytes_for(&model.config, helper.prefill_layers.clone()) as u64,
+        };
+        kv_only.fitting(helper.helper.mem_offer, page_size)
     };
-    let kv_only = Footprint {
-        per_token: fp.per_token,
-        fixed: State::delta_bytes_for(&model.config, helper.prefill_layers.clone()) as u64,
-    };
-    kv_only.fitting(helper.helper.mem_offer, page_size)
+    state.helpers.iter().map(fits).sum()
 }

@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use crate::helper::Attached;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, Path, Request, State};
@@ -16,7 +17,6 @@ use axum::response::sse::{Event as Sse, KeepAlive};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use engine_core::link::StatsHandle;
 use engine_core::tokenizer::Tokenizer;
 use futures_util::stream;
 use serde_json::{json, Value};
@@ -57,7 +57,8 @@ pub struct App {
     pub tokenisers: Semaphore,
     pub cors: Arc<Cors>,
     pub metrics: Arc<Metrics>,
-    pub link: Option<StatsHandle>,
+    /// The helpers and their links' traffic, with `--helper` or `--accept-helpers`.
+    pub helpers: Option<Arc<std::sync::Mutex<Vec<Attached>>>>,
     pub timeout: Duration,
     pub next_id: AtomicU64,
 }
@@ -554,7 +555,12 @@ async fn health(State(app): State<Arc<App>>) -> Response {
 }
 
 async fn metrics(State(app): State<Arc<App>>) -> Response {
-    let link = app.link.as_ref().map(StatsHandle::snapshot);
-    let body = app.metrics.render(&app.queue.load(), link.as_ref());
+    let links = app.helpers.as_ref().map(|h| {
+        let list = h.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        list.iter()
+            .map(|a| (a.id, a.stats.snapshot()))
+            .collect::<Vec<_>>()
+    });
+    let body = app.metrics.render(&app.queue.load(), links.as_deref());
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], body).into_response()
 }

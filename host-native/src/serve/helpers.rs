@@ -1,0 +1,166 @@
+//! The server's helpers: those it started with, got back when lost (a cable pulled and plugged
+//! in again, a helper restarted), and those that join while it runs (`--accept-helpers`).
+//! Before each request the engine attaches whatever came: the sequence stays as it is, and a
+//! new or returning helper takes new pages and is re-filled from the page file a few pages per
+//! pass.
+
+use std::sync::{mpsc, Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use engine_core::link::{Link, StatsHandle};
+use engine_core::{Model, State};
+use tracing::{debug, info};
+
+use crate::helper::{Attached, HelperArgs, Source};
+
+/// Helpers attached at once at most: each costs a link and a query per layer.
+const MAX_HELPERS: usize = 8;
+
+/// How long a request waits for a connection attempt it started: a helper that answers, or
+/// refuses, does so at once; one that does not is left to connect in the background while the
+/// request runs without it, and the next request picks up what came of it.
+const RECONNECT_WAIT: Duration = Duration::from_secs(1);
+
+/// A connection attempt under way on a thread of its own.
+struct Attempt {
+    source: Source,
+    stats: StatsHandle,
+    link: mpsc::Receiver<anyhow::Result<Box<dyn Link>>>,
+}
+
+pub struct Helpers {
+    args: HelperArgs,
+    /// The helpers the server has, with their traffic (shared with `/metrics`). A dialed one
+    /// the sequence lost stays listed, to be connected again, and counts on across
+    /// reconnections; a lost one that had joined is dropped (it joins again by itself).
+    attached: Arc<Mutex<Vec<Attached>>>,
+    /// Attempts to reconnect start at most this often.
+    every: Duration,
+    next_try: Instant,
+    pending: Option<Attempt>,
+}
+
+impl Helpers {
+    pub fn new(args: HelperArgs, attached: Vec<Attached>, every: Duration) -> Helpers {
+        Helpers {
+            args,
+            attached: Arc::new(Mutex::new(attached)),
+            every,
+            next_try: Instant::now(),
+            pending: None,
+        }
+    }
+
+    /// The list `/metrics` reads.
+    pub fn shared(&self) -> Arc<Mutex<Vec<Attached>>> {
+        self.attached.clone()
+    }
+
+    fn list(&self) -> std::sync::MutexGuard<'_, Vec<Attached>> {
+        self.attached.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Attach what came since the last request: helpers that joined, and a lost dialed helper
+    /// that answers again. Returns (helpers that joined, whether a lost one came back).
+    pub fn refresh(&mut self, model: &Model, state: &mut State, page_size: usize) -> (usize, bool) {
+        let live: Vec<u32> = state.helpers.iter().map(|h| h.id).collect();
+        self.list()
+            .retain(|a| a.source != Source::Joined || live.contains(&a.id));
+        let mut added = 0;
+        while self.args.sources().1 && state.helpers.len() < MAX_HELPERS {
+            let stats = StatsHandle::default();
+            let Ok(link) = self.args.connect(&Source::Joined, &stats, Duration::ZERO) else {
+                break;
+            };
+            added += usize::from(self.attach(model, state, page_size, link, Source::Joined, stats));
+        }
+        let back = self.returning(&live).is_some_and(|(source, stats, link)| {
+            self.attach(model, state, page_size, link, source, stats)
+        });
+        (added, back)
+    }
+
+    /// Attach `link` from `source` (counting into `stats`) and list it; false if it could
+    /// not be configured.
+    fn attach(
+        &mut self,
+        model: &Model,
+        state: &mut State,
+        page_size: usize,
+        link: Box<dyn Link>,
+        source: Source,
+        stats: StatsHandle,
+    ) -> bool {
+        match self
+            .args
+            .attach_link(model, state, page_size, link, &source)
+        {
+            Ok(id) => {
+                info!("{source} is attached (helper {id})");
+                let mut list = self.list();
+                list.retain(|a| a.source == Source::Joined || a.source != source);
+                list.push(Attached { id, source, stats });
+                true
+            }
+            Err(e) => {
+                debug!("{source} answered but could not be attached: {e:#}");
+                false
+            }
+        }
+    }
+
+    /// A lost dialed helper's new link, if an attempt has one within [`RECONNECT_WAIT`]: the
+    /// one under way, or one started now if it is time.
+    fn returning(&mut self, live: &[u32]) -> Option<(Source, StatsHandle, Box<dyn Link>)> {
+        for _ in 0..2 {
+            if self.pending.is_none() {
+                if Instant::now() < self.next_try {
+                    return None;
+                }
+                self.start(live);
+            }
+            let attempt = self.pending.as_ref()?;
+            match attempt.link.recv_timeout(RECONNECT_WAIT) {
+                Err(mpsc::RecvTimeoutError::Timeout) => return None,
+                Ok(Ok(link)) => {
+                    let a = self.pending.take()?;
+                    return Some((a.source, a.stats, link));
+                }
+                Ok(Err(e)) => {
+                    debug!("{} is still gone: {e:#}", attempt.source);
+                    self.pending = None;
+                }
+                Err(mpsc::RecvTimeoutError::Disconnected) => self.pending = None,
+            }
+        }
+        None
+    }
+
+    /// Start an attempt on the first lost dialed helper, on a thread of its own; attempts
+    /// start at most every `every`.
+    fn start(&mut self, live: &[u32]) {
+        let lost = self
+            .list()
+            .iter()
+            .find(|a| a.source != Source::Joined && !live.contains(&a.id))
+            .map(|a| (a.source.clone(), a.stats.clone()));
+        let Some((source, stats)) = lost else {
+            return;
+        };
+        self.next_try = Instant::now() + self.every;
+        let (tx, rx) = mpsc::channel();
+        let (args, s, counting) = (self.args.clone(), source.clone(), stats.clone());
+        let started = std::thread::Builder::new()
+            .name("helper-reconnect".into())
+            .spawn(move || {
+                let _ = tx.send(args.connect(&s, &counting, Duration::ZERO));
+            });
+        if started.is_ok() {
+            self.pending = Some(Attempt {
+                source,
+                stats,
+                link: rx,
+            });
+        }
+    }
+}
