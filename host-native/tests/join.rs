@@ -238,6 +238,26 @@ fn a_helper_that_dials_in_pairs_once_and_gives_the_host_alone_tokens() {
     );
     let (ok, _, err) = host.finish();
     assert!(!ok && err.contains("no helper joined"), "{err}");
+
+    // Two helpers at once (both known): the pages spread over both, same tokens.
+    std::env::set_var("TETHER_CONFIG_DIR", &helper_keys);
+    let two = [&accept[..], &["--wait-helpers", "2"]].concat();
+    let mut host = Host::start(&host_keys, &two);
+    let url = host.wait_for("accepting helpers on ");
+    let helpers = [join(&url, None), join(&url, None)];
+    let (ok, out, err) = host.finish();
+    assert!(ok, "{err}");
+    assert_eq!(out, alone, "tokens with two helpers vs the host alone\n{err}");
+    for id in 0..2 {
+        let line = err
+            .lines()
+            .find(|l| l.starts_with(&format!("link to helper {id} (")))
+            .unwrap_or_else(|| panic!("no link line for helper {id}: {err}"));
+        assert!(!line.contains(" 0 pages held"), "{line}");
+    }
+    for h in helpers {
+        assert!(h.join().unwrap().is_ok());
+    }
     for d in [helper_keys, host_keys] {
         let _ = std::fs::remove_dir_all(d);
     }
