@@ -32,12 +32,24 @@ struct Uploaded {
 }
 
 impl GpuBackend {
+    /// The backend on the device `opts` picks, waited for on this thread (in a browser this
+    /// fails: await [`GpuBackend::new_async`] there).
     pub fn new(opts: &GpuOptions) -> Result<GpuBackend, GpuError> {
-        Ok(GpuBackend {
-            gpu: Gpu::with_options(opts)?,
+        Gpu::with_options(opts).map(GpuBackend::on)
+    }
+
+    /// [`GpuBackend::new`] as a future, for a browser tab, where the device arrives through
+    /// the page's event loop.
+    pub async fn new_async(opts: &GpuOptions) -> Result<GpuBackend, GpuError> {
+        Gpu::acquire(opts).await.map(GpuBackend::on)
+    }
+
+    fn on(gpu: Gpu) -> GpuBackend {
+        GpuBackend {
+            gpu,
             weights: Mutex::new(HashMap::new()),
             params: Mutex::new(HashMap::new()),
-        })
+        }
     }
 
     /// The adapter in use, for the user (`tether --backend gpu` prints it).
