@@ -6,12 +6,16 @@
 //! Errors are relative to the largest magnitude of the reference output. Run with
 //! `--nocapture` to see the measured maxima.
 
+use std::future::Future;
+use std::ops::Range;
+use std::pin::pin;
 use std::sync::OnceLock;
+use std::task::{Context, Poll, Waker};
 
 use engine_core::backend::cpu::{self, attention::attend_page as cpu_attend};
 use engine_core::backend::gpu::ops::{self, GpuDeltaInputs, GpuKvPage, GpuPartials, MatmulKernel};
-use engine_core::backend::gpu::{Gpu, GpuMatrix, GpuOptions, GpuTensor, WeightFormat};
-use engine_core::backend::{Act, AttnShape, DeltaInputs, DeltaShape};
+use engine_core::backend::gpu::{Gpu, GpuBackend, GpuMatrix, GpuOptions, GpuTensor, WeightFormat};
+use engine_core::backend::{Act, AttnShape, Backend, DeltaInputs, DeltaShape};
 use engine_core::kv::{KvPage, Merger, Partials};
 use engine_core::tensor::{DType, Data, Matrix};
 use tests::Rng;
@@ -775,4 +779,75 @@ fn ranged_copies_and_reads_take_one_submission() {
     assert_eq!(g.submits() - before, 1, "one submission for three pieces");
     let want = [&x[3..8], &x[10..17], &x[18..20], &x[5..7]].concat();
     assert_eq!(got, want);
+}
+
+/// The output of `read`, which must be ready on its first poll: natively a read-back waits for
+/// the device then, so a caller that blocks on it never waits for a wake-up.
+fn ready_at_once<T>(read: impl Future<Output = T>) -> T {
+    match pin!(read).poll(&mut Context::from_waker(Waker::noop())) {
+        Poll::Ready(v) => v,
+        Poll::Pending => panic!("a native read-back is pending after its first poll"),
+    }
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+/// Pieces of several values, in an order that revisits them, with an empty one and a host
+/// value (which the backend uploads).
+fn pieces<'a>(a: &'a Act, b: &'a Act, c: &'a Act, h: &'a Act) -> Vec<(&'a Act, Range<usize>)> {
+    vec![
+        (a, 0..37),
+        (b, 250..300),
+        (c, 3..4),
+        (a, 10..10),
+        (h, 2..9),
+        (c, 0..300),
+        (b, 0..1),
+        (a, 30..37),
+    ]
+}
+
+#[test]
+fn backend_reads_as_futures_match_downloads_and_keep_the_values_of_their_call() {
+    // A device of its own: the submission counter is per device, and other tests share gpu().
+    let be = GpuBackend::new(&GpuOptions::default()).unwrap_or_else(|e| {
+        panic!("{e}\nThe GPU op tests need a Vulkan adapter: apt-get install mesa-vulkan-drivers")
+    });
+    let mut rng = Rng(15);
+    let mut a = be.upload(rng.vec(37));
+    let b = be.upload(rng.vec(300));
+    // An op's output, only recorded (not yet submitted) when the reads start.
+    let mut c = be.duplicate(&b);
+    be.scale(&mut c, 0.5);
+    let h = Act::Host(rng.vec(9));
+
+    let want = be.download_ranges(&pieces(&a, &b, &c, &h));
+    let before = be.gpu().submits();
+    let old = be.read_ranges(&pieces(&a, &b, &c, &h));
+    assert_eq!(
+        be.gpu().submits() - before,
+        1,
+        "a read's copies are submitted when it starts, all in one submission"
+    );
+    // Later ops change `a` and `c`; a second read starts after them.
+    be.scale(&mut a, -3.0);
+    be.add(&mut c, &b);
+    let new = be.read_ranges(&pieces(&a, &b, &c, &h));
+    let after = be.download_ranges(&pieces(&a, &b, &c, &h));
+    assert_ne!(
+        bits(&after[..37]),
+        bits(&want[..37]),
+        "the later ops change a"
+    );
+
+    // Each read owns its staging buffer: the later one can be taken first.
+    assert_eq!(bits(&ready_at_once(new)), bits(&after));
+    assert_eq!(
+        bits(&ready_at_once(old)),
+        bits(&want),
+        "a read sees the values of its call, not those of ops recorded after it"
+    );
+    assert!(ready_at_once(be.read_ranges(&[])).is_empty());
 }

@@ -11,7 +11,9 @@ use std::sync::{Arc, Mutex};
 
 use super::ops::{self, GpuDeltaInputs, GpuKvPage, GpuPartials};
 use super::{Gpu, GpuError, GpuMatrix, GpuOptions, GpuTensor, WeightFormat};
-use crate::backend::{Act, ActPartials, AttnShape, Backend, DeltaInputs, DeltaShape, Param};
+use crate::backend::{
+    Act, ActPartials, AttnShape, Backend, DeltaInputs, DeltaShape, Param, Readback,
+};
 use crate::kv::KvPage;
 use crate::tensor::{DType, Data, Matrix};
 
@@ -32,12 +34,24 @@ struct Uploaded {
 }
 
 impl GpuBackend {
+    /// The backend on the device `opts` picks, waited for on this thread (in a browser this
+    /// fails: await [`GpuBackend::new_async`] there).
     pub fn new(opts: &GpuOptions) -> Result<GpuBackend, GpuError> {
-        Ok(GpuBackend {
-            gpu: Gpu::with_options(opts)?,
+        Gpu::with_options(opts).map(GpuBackend::on)
+    }
+
+    /// [`GpuBackend::new`] as a future, for a browser tab, where the device arrives through
+    /// the page's event loop.
+    pub async fn new_async(opts: &GpuOptions) -> Result<GpuBackend, GpuError> {
+        Gpu::acquire(opts).await.map(GpuBackend::on)
+    }
+
+    fn on(gpu: Gpu) -> GpuBackend {
+        GpuBackend {
+            gpu,
             weights: Mutex::new(HashMap::new()),
             params: Mutex::new(HashMap::new()),
-        })
+        }
     }
 
     /// The adapter in use, for the user (`tether --backend gpu` prints it).
@@ -111,6 +125,21 @@ impl GpuBackend {
         }
     }
 
+    /// `f` on `parts` as device tensors (host values uploaded): the reads' common front.
+    fn on_device<R>(
+        &self,
+        parts: &[(&Act, Range<usize>)],
+        f: impl FnOnce(&[(&GpuTensor, Range<usize>)]) -> R,
+    ) -> R {
+        let dev: Vec<(GpuTensor, Range<usize>)> = parts
+            .iter()
+            .map(|(a, r)| (self.dev(a), r.clone()))
+            .collect();
+        let refs: Vec<(&GpuTensor, Range<usize>)> =
+            dev.iter().map(|(t, r)| (t, r.clone())).collect();
+        f(&refs)
+    }
+
     fn positions(&self, p: &[usize]) -> GpuTensor {
         let p: Vec<u32> = p
             .iter()
@@ -155,16 +184,18 @@ impl Backend for GpuBackend {
         Act::Device(self.gpu.upload_f32(&x))
     }
 
+    /// Waits for the device, so in a browser it panics, saying to await [`Self::read_ranges`].
     fn download_ranges(&self, parts: &[(&Act, Range<usize>)]) -> Vec<f32> {
-        let dev: Vec<(GpuTensor, Range<usize>)> = parts
-            .iter()
-            .map(|(a, r)| (self.dev(a), r.clone()))
-            .collect();
-        let refs: Vec<(&GpuTensor, Range<usize>)> =
-            dev.iter().map(|(t, r)| (t, r.clone())).collect();
-        self.gpu
-            .download_ranges(&refs)
+        self.on_device(parts, |parts| self.gpu.download_ranges(parts))
             .unwrap_or_else(|e| panic!("GPU read-back: {e}"))
+    }
+
+    /// The copies are submitted now and the returned future owns the staging buffer
+    /// ([`Gpu::read_ranges`]): a browser awaits the map on its event loop; natively the first
+    /// poll waits for the device.
+    fn read_ranges(&self, parts: &[(&Act, Range<usize>)]) -> Readback {
+        let read = self.on_device(parts, |parts| self.gpu.read_ranges(parts));
+        Box::pin(async move { read.await.unwrap_or_else(|e| panic!("GPU read-back: {e}")) })
     }
 
     fn duplicate(&self, x: &Act) -> Act {

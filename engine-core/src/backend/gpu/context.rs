@@ -30,7 +30,8 @@ pub enum GpuError {
 /// How to pick the device.
 #[derive(Clone, Debug)]
 pub struct GpuOptions {
-    /// Backends to try; `WGPU_BACKEND` (e.g. `vulkan`, `metal`) overrides them.
+    /// Backends to try; `WGPU_BACKEND` (e.g. `vulkan`, `metal`) overrides them. Ignored in a
+    /// browser (wasm32), where the page's WebGPU is the one backend this build has.
     pub backends: wgpu::Backends,
     /// Ask for the software adapter (lavapipe) even when a hardware one exists.
     pub force_fallback: bool,
@@ -115,12 +116,34 @@ impl Gpu {
         Gpu::with_options(&GpuOptions::default())
     }
 
+    /// The device `opts` picks, waited for on this thread ([`Gpu::acquire`] is the same without
+    /// the wait).
+    #[cfg(not(target_arch = "wasm32"))]
     pub fn with_options(opts: &GpuOptions) -> Result<Gpu, GpuError> {
         pollster::block_on(Gpu::acquire(opts))
     }
 
-    async fn acquire(opts: &GpuOptions) -> Result<Gpu, GpuError> {
+    /// In a browser the adapter and device arrive through the page's event loop, which cannot
+    /// run while this thread waits: this fails at once (rather than hanging the tab) and names
+    /// the constructor to await instead.
+    #[cfg(target_arch = "wasm32")]
+    pub fn with_options(_opts: &GpuOptions) -> Result<Gpu, GpuError> {
+        Err(GpuError::Unsupported(
+            "a browser tab cannot wait for its GPU device: await `Gpu::acquire` (or \
+             `GpuBackend::new_async`) instead"
+                .into(),
+        ))
+    }
+
+    /// The device `opts` picks, as a future: what a browser awaits (natively,
+    /// [`Gpu::with_options`] waits for it).
+    pub async fn acquire(opts: &GpuOptions) -> Result<Gpu, GpuError> {
+        #[cfg(not(target_arch = "wasm32"))]
         let backends = opts.backends.with_env();
+        // The only backend of a wasm32 build (wgpu's `webgpu` feature; there is no environment
+        // to read).
+        #[cfg(target_arch = "wasm32")]
+        let backends = wgpu::Backends::BROWSER_WEBGPU;
         let instance = wgpu::Instance::new(wgpu::InstanceDescriptor {
             backends,
             flags: wgpu::InstanceFlags::from_build_config().with_env(),

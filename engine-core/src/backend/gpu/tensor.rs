@@ -1,9 +1,12 @@
 //! Device-resident data: activations ([`GpuTensor`], pooled) and weights ([`GpuMatrix`], split
 //! into row blocks that each fit one storage binding), with upload and read-back.
 
+use std::future::Future;
 use std::ops::Range;
+use std::pin::Pin;
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll, Waker};
 
 use half::f16;
 use shaders::WeightFormat;
@@ -68,6 +71,58 @@ impl GpuMatrix {
     }
 }
 
+/// What the staging buffer's map callback leaves for its [`ReadBack`].
+#[derive(Default)]
+struct MapSlot {
+    /// The callback's result, once it has fired.
+    done: Option<Result<(), wgpu::BufferAsyncError>>,
+    /// The task to wake when it fires (the last one that polled the read too early).
+    waker: Option<Waker>,
+}
+
+/// A read-back whose copies are submitted and whose staging buffer is being mapped; its
+/// output is the buffer's bytes. It owns the buffer, so it outlives the call that started it.
+struct ReadBack {
+    /// `None` when there is nothing to read.
+    staging: Option<wgpu::Buffer>,
+    slot: Arc<Mutex<MapSlot>>,
+    /// Natively the map callback runs only inside `device.poll`, which nothing else may call:
+    /// the first poll of the read waits for the device. (A browser polls its device itself.)
+    #[cfg(not(target_arch = "wasm32"))]
+    device: wgpu::Device,
+    #[cfg(not(target_arch = "wasm32"))]
+    waited: bool,
+}
+
+impl Future for ReadBack {
+    type Output = Result<Vec<u8>, GpuError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.get_mut();
+        let Some(staging) = &this.staging else {
+            return Poll::Ready(Ok(Vec::new()));
+        };
+        #[cfg(not(target_arch = "wasm32"))]
+        if !std::mem::replace(&mut this.waited, true) {
+            if let Err(e) = this.device.poll(wgpu::PollType::wait_indefinitely()) {
+                return Poll::Ready(Err(GpuError::ReadBack(e.to_string())));
+            }
+        }
+        let mut slot = this.slot.lock().expect("read-back slot lock");
+        let Some(done) = slot.done.take() else {
+            slot.waker = Some(cx.waker().clone());
+            return Poll::Pending;
+        };
+        drop(slot);
+        done.map_err(|e| GpuError::ReadBack(e.to_string()))?;
+        let bytes = staging
+            .get_mapped_range(..)
+            .map_err(|e| GpuError::ReadBack(e.to_string()))?
+            .to_vec();
+        Poll::Ready(Ok(bytes))
+    }
+}
+
 /// Row `r` of `data` (`cols` wide) as f32 into `out`.
 fn row_f32(data: &Data, cols: usize, r: usize, out: &mut [f32]) {
     data.to_f32_into(r * cols..(r + 1) * cols, out);
@@ -109,14 +164,10 @@ impl Gpu {
         self.upload_f32(&vec![0.0; len])
     }
 
-    /// Reads element ranges of tensors back, concatenated, after everything recorded so far:
-    /// the copies into one staging buffer are recorded into the batch and submitted with it,
-    /// so many pieces cost one submission and one wait.
-    fn read_back(&self, parts: &[(&GpuTensor, Range<usize>)]) -> Result<Vec<u8>, GpuError> {
-        let total: u64 = parts.iter().map(|(_, r)| r.len() as u64 * 4).sum();
-        if total == 0 {
-            return Ok(Vec::new());
-        }
+    /// Records copies of element ranges of tensors, concatenated, into a new staging buffer of
+    /// `total` bytes after everything recorded so far, and submits them with the batch now: many
+    /// pieces cost one submission, and ops recorded later cannot change what is read.
+    fn record_read(&self, parts: &[(&GpuTensor, Range<usize>)], total: u64) -> wgpu::Buffer {
         let staging = self.device.create_buffer(&wgpu::BufferDescriptor {
             label: Some("tether read-back"),
             size: total,
@@ -136,21 +187,67 @@ impl Gpu {
             }
         });
         self.flush();
-        let (tx, rx) = std::sync::mpsc::channel();
-        staging.map_async(wgpu::MapMode::Read, .., move |r| {
-            let _ = tx.send(r);
-        });
-        self.device
-            .poll(wgpu::PollType::wait_indefinitely())
-            .map_err(|e| GpuError::ReadBack(e.to_string()))?;
-        rx.recv()
-            .map_err(|e| GpuError::ReadBack(e.to_string()))?
-            .map_err(|e| GpuError::ReadBack(e.to_string()))?;
-        let bytes = staging
-            .get_mapped_range(..)
-            .map_err(|e| GpuError::ReadBack(e.to_string()))?
-            .to_vec();
-        Ok(bytes)
+        staging
+    }
+
+    /// Starts a read of element ranges of tensors ([`Gpu::record_read`]) and asks for its
+    /// staging buffer to be mapped. The sync and the async reads both start here.
+    fn start_read(&self, parts: &[(&GpuTensor, Range<usize>)]) -> ReadBack {
+        let total: u64 = parts.iter().map(|(_, r)| r.len() as u64 * 4).sum();
+        let staging = (total > 0).then(|| self.record_read(parts, total));
+        let slot = Arc::new(Mutex::new(MapSlot::default()));
+        if let Some(staging) = &staging {
+            let filled = slot.clone();
+            staging.map_async(wgpu::MapMode::Read, .., move |r| {
+                let waker = {
+                    let mut slot = filled.lock().expect("read-back slot lock");
+                    slot.done = Some(r);
+                    slot.waker.take()
+                };
+                if let Some(w) = waker {
+                    w.wake();
+                }
+            });
+        }
+        ReadBack {
+            staging,
+            slot,
+            #[cfg(not(target_arch = "wasm32"))]
+            device: self.device.clone(),
+            #[cfg(not(target_arch = "wasm32"))]
+            waited: false,
+        }
+    }
+
+    /// [`Gpu::start_read`] waited for on this thread.
+    #[cfg(not(target_arch = "wasm32"))]
+    fn read_back(&self, parts: &[(&GpuTensor, Range<usize>)]) -> Result<Vec<u8>, GpuError> {
+        pollster::block_on(self.start_read(parts))
+    }
+
+    /// In a browser a map callback fires only after control returns to the page's event loop,
+    /// so waiting here would hang the tab: fail at once, before recording anything, and name
+    /// the read to await instead.
+    #[cfg(target_arch = "wasm32")]
+    fn read_back(&self, _parts: &[(&GpuTensor, Range<usize>)]) -> Result<Vec<u8>, GpuError> {
+        Err(GpuError::ReadBack(
+            "a browser tab cannot wait for the GPU: await `Backend::read_ranges` (or \
+             `Gpu::read_ranges`) instead of downloading"
+                .into(),
+        ))
+    }
+
+    /// [`Gpu::download_ranges`] as a future, for a caller that must not block (in a browser,
+    /// where the read completes only after control returns to the event loop). The copies are
+    /// recorded and submitted when this is called, so ops recorded later do not change what is
+    /// read; the future owns the staging buffer. Natively its first poll waits for the device,
+    /// so it is ready at once.
+    pub fn read_ranges(
+        &self,
+        parts: &[(&GpuTensor, Range<usize>)],
+    ) -> impl Future<Output = Result<Vec<f32>, GpuError>> {
+        let read = self.start_read(parts);
+        async move { Ok(bytemuck::pod_collect_to_vec(&read.await?)) }
     }
 
     pub fn download_f32(&self, t: &GpuTensor) -> Result<Vec<f32>, GpuError> {
@@ -163,7 +260,8 @@ impl Gpu {
         ))
     }
 
-    /// Element ranges of f32 tensors, concatenated, in one submission.
+    /// Element ranges of f32 tensors, concatenated, in one submission. Waits for the device, so
+    /// it fails in a browser: await [`Gpu::read_ranges`] there.
     pub fn download_ranges(
         &self,
         parts: &[(&GpuTensor, Range<usize>)],
