@@ -247,7 +247,10 @@ fn a_helper_that_dials_in_pairs_once_and_gives_the_host_alone_tokens() {
     let helpers = [join(&url, None), join(&url, None)];
     let (ok, out, err) = host.finish();
     assert!(ok, "{err}");
-    assert_eq!(out, alone, "tokens with two helpers vs the host alone\n{err}");
+    assert_eq!(
+        out, alone,
+        "tokens with two helpers vs the host alone\n{err}"
+    );
     for id in 0..2 {
         let line = err
             .lines()
