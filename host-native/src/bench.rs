@@ -67,8 +67,8 @@ pub fn run(a: Args) -> Result<()> {
     for chunk in depth.chunks(a.ubatch.max(1)) {
         model.forward(be, &mut state, chunk, Logits::None, None)?;
     }
-    if let Some(l) = &link {
-        l.reset();
+    for h in &helpers {
+        h.stats.reset();
     }
     let c = &model.config;
     let (moved_before, pos_before) = (state.remote_kv_len(), state.pos);
@@ -77,11 +77,10 @@ pub fn run(a: Args) -> Result<()> {
     let t0 = Instant::now();
     let (mut logits, split) = prefill(&model, be, &mut state, &prompt, &plan)?;
     let prefill_s = t0.elapsed().as_secs_f64();
-    let prefill_link = link.as_ref().map(|l| {
-        let stats = l.snapshot();
-        l.reset();
-        stats
-    });
+    let prefill_link = link.map(|l| l.snapshot());
+    for h in &helpers {
+        h.stats.reset();
+    }
     // During the prefill the remote pages are those moved before it; the host's layers attend
     // over them for every row, the tail's only for the rows it ran itself.
     let n = c.num_hidden_layers;
@@ -135,7 +134,20 @@ pub fn run(a: Args) -> Result<()> {
             + minimum::offload(c, state.remote_kv_len() - before);
     }
     let decode_s = t1.elapsed().as_secs_f64();
-    let decode_link = link.as_ref().map(|l| l.snapshot());
+    let decode_link = link.map(|l| l.snapshot());
+    // Every helper's share of the decode: its pages and its link's traffic.
+    let per_helper: Vec<serde_json::Value> = helpers
+        .iter()
+        .map(|h| {
+            let s = h.stats.snapshot();
+            serde_json::json!({
+                "id": h.id,
+                "pages": state.pages_on(h.id),
+                "decode_bytes": s.sent_total.bytes + s.received_total.bytes,
+                "decode_messages": s.sent_total.messages + s.received_total.messages,
+            })
+        })
+        .collect();
     let prefill_tok_s = a.prompt_tokens as f64 / prefill_s;
     let decode_tok_s = if a.gen > 0 {
         a.gen as f64 / decode_s
@@ -168,6 +180,7 @@ pub fn run(a: Args) -> Result<()> {
             "link_min_bytes_per_prefill_token": link.as_ref().map(|_| prefill_min as f64 / a.prompt_tokens as f64),
             "link_bytes_per_decode_token": decode_link.as_ref().filter(|_| a.gen > 0).map(|s| (s.sent_total.bytes + s.received_total.bytes) as f64 / a.gen as f64),
             "link_min_bytes_per_decode_token": link.as_ref().filter(|_| a.gen > 0).map(|_| decode_min as f64 / a.gen as f64),
+            "helpers": per_helper,
         });
         println!("{obj}");
     } else {
