@@ -4,10 +4,10 @@
 //! and a WebSocket in production.
 
 pub mod idle;
-#[cfg(all(feature = "secure", not(target_arch = "wasm32")))]
+#[cfg(feature = "secure")]
 pub mod keys;
 pub mod memory;
-#[cfg(all(feature = "secure", not(target_arch = "wasm32")))]
+#[cfg(feature = "secure")]
 pub mod secure;
 #[cfg(not(target_arch = "wasm32"))]
 pub mod shaped;
