@@ -4,6 +4,9 @@
 //! error before it lets anyone in, without panicking and without waiting out a timeout; after
 //! a handshake, any changed frame must end the link with an error on the side that reads it.
 //!
+//! The helper's sans-IO core, which a browser tab drives frame by frame, is fuzzed directly
+//! too: fed frames with nothing in between, and against the host's core in memory.
+//!
 //! `scripts/fuzz` runs these with many more cases.
 
 mod common;
@@ -14,7 +17,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use engine_core::link::keys::{Keypair, PairingCode, PublicKey};
-use engine_core::link::secure::{accept, connect, Accepted, Dial, Gate, SecureLink};
+use engine_core::link::secure::{
+    accept, connect, Accepted, Dial, Gate, Initiator, Progress, Refusal, Responder, SecureLink,
+};
 use engine_core::link::{pair, Link, LinkError, LinkSender, MemoryLink};
 use proptest::prelude::*;
 
@@ -197,8 +202,149 @@ fn both_refused(outcome: Option<(Hosted, Helped)>) -> Result<(), TestCaseError> 
     Ok(())
 }
 
+/// Gives a sans-IO side (if it still waits) a frame through `read`: what it answers goes to
+/// `out`, how it ends to `done`.
+fn step<S, W>(
+    side: &mut Option<S>,
+    read: impl FnOnce(S) -> Result<Progress<S, W>, Refusal>,
+    out: &mut VecDeque<Vec<u8>>,
+    done: &mut Option<Result<W, Refusal>>,
+) {
+    let Some(s) = side.take() else {
+        return;
+    };
+    match read(s) {
+        Ok(Progress::Wait { send, then }) => {
+            out.extend(send);
+            *side = Some(then);
+        }
+        Ok(Progress::Done { send, who, .. }) => {
+            out.extend(send);
+            *done = Some(Ok(who));
+        }
+        Err(refusal) => {
+            out.extend(refusal.send.iter().cloned());
+            *done = Some(Err(refusal));
+        }
+    }
+}
+
+/// A host's [`Initiator`] (dialling `how`) meets the helper's [`Responder`] (`gate`) in
+/// memory, with no link, thread or clock: each frame one side sends goes to the other; with
+/// `change` `(n, how)`, the host's `n`th (counting from 0) is changed by `how` on the way. A
+/// side still waiting when no frame is left ends as its driver's timeout would end it.
+fn sans_io_meet(
+    how: Dial,
+    gate: &Gate,
+    change: Option<(usize, &Mutation)>,
+) -> (
+    Result<Option<PublicKey>, Refusal>,
+    Result<Accepted, Refusal>,
+) {
+    let (hello, initiator) = Initiator::start(&Keypair::generate(), how).unwrap();
+    let (mut host, mut helper) = (Some(initiator), Some(Responder::new(&helper_keys())));
+    let (mut hosted, mut helped) = (None, None);
+    let (mut to_helper, mut to_host) = (VecDeque::from([hello]), VecDeque::new());
+    let mut from_host = 0;
+    loop {
+        if let Some(mut frame) = to_helper.pop_front() {
+            if let Some((_, how)) = change.filter(|&(n, _)| n == from_host) {
+                how.apply(&mut frame);
+            }
+            from_host += 1;
+            step(
+                &mut helper,
+                |r| r.read(&frame, gate),
+                &mut to_host,
+                &mut helped,
+            );
+        } else if let Some(frame) = to_host.pop_front() {
+            step(&mut host, |i| i.read(&frame), &mut to_helper, &mut hosted);
+        } else {
+            break;
+        }
+    }
+    let silent = || Refusal::from(LinkError::Closed("the peer went quiet".into()));
+    (
+        hosted.unwrap_or_else(|| Err(silent())),
+        helped.unwrap_or_else(|| Err(silent())),
+    )
+}
+
 proptest! {
     #![proptest_config(cases(256))]
+
+    /// Anything at all, first frame and later ones, fed straight to the helper's sans-IO
+    /// core: it never panics and never lets a stranger in (a plain hello at a helper run
+    /// `--insecure` is the one way in); what it answers is handshake frames, or a refusal whose
+    /// `REFUSE` frame carries the reason it reports.
+    #[test]
+    fn the_sans_io_responder_lets_no_stranger_in(
+        first in first_frame(),
+        later in proptest::collection::vec(proptest::collection::vec(any::<u8>(), 0..128), 0..3),
+        insecure in any::<bool>(),
+    ) {
+        let (code, _) = leaked_code();
+        let gate = Gate { insecure, known: &any_host, pairing: Some(code) };
+        let plain = insecure && first.len() >= 3 && first[..3] == [HANDSHAKE, 1, 0];
+        let mut frames = vec![first];
+        frames.extend(later.into_iter().map(|mut f| {
+            f.insert(0, HANDSHAKE);
+            f
+        }));
+        let mut responder = Responder::new(&helper_keys());
+        for frame in frames {
+            match responder.read(&frame, &gate) {
+                Ok(Progress::Wait { send, then }) => {
+                    prop_assert!(send.iter().all(|f| f.first() == Some(&HANDSHAKE)));
+                    responder = then;
+                }
+                Ok(Progress::Done { who, .. }) => {
+                    prop_assert!(plain && who == Accepted::Insecure, "let in: {:?}", who);
+                    return Ok(());
+                }
+                Err(r) => {
+                    prop_assert!(!plain, "the plain hello was refused: {}", r.error);
+                    let (last, before) = match r.send.split_last() {
+                        Some((last, before)) => (Some(last), before),
+                        None => (None, &[][..]),
+                    };
+                    prop_assert!(before.iter().all(|f| f.first() == Some(&HANDSHAKE)));
+                    if let Some(last) = last {
+                        prop_assert_eq!(last[0], REFUSE);
+                        let why = String::from_utf8_lossy(&last[1..]);
+                        prop_assert!(
+                            matches!(&r.error, LinkError::Refused(e) if *e == why),
+                            "{:?} / {}", r.error, why
+                        );
+                    }
+                    return Ok(());
+                }
+            }
+        }
+        // Still waiting, as for a real host's next message: a driver's timeout ends that.
+        prop_assert!(!plain);
+    }
+
+    /// A real host's handshake frame changed on the way (the first or, pairing, a later one)
+    /// between the two sans-IO cores: both sides fail, the helper letting nobody in.
+    #[test]
+    fn the_sans_io_cores_refuse_a_changed_handshake_frame(
+        pairing in any::<bool>(),
+        step in 0..3usize,
+        how in mutation(),
+    ) {
+        let (code, shown) = leaked_code();
+        let gate = open_gate(Some(code));
+        let (dial, n) = if pairing {
+            (Dial::Pair(shown), step)
+        } else {
+            (Dial::Known(helper_keys().public), 0)
+        };
+        let (host, helper) = sans_io_meet(dial, &gate, Some((n, &how)));
+        prop_assert!(helper.is_err(), "the helper let the host in: {:?}", helper.map(|_| ()));
+        prop_assert!(host.is_err(), "the host believes it got in");
+    }
 
     /// A stranger's frames, first and later ones: refused, with nothing but handshake frames
     /// and refusals sent back.
@@ -285,4 +431,25 @@ proptest! {
             prop_assert!(matches!(c.recv_timeout(WATCHDOG), Err(LinkError::Closed(_))));
         }
     }
+}
+
+/// The control for the changed frames above: unchanged, the two sans-IO cores meet in every
+/// mode.
+#[test]
+fn the_sans_io_cores_meet_in_memory() {
+    let (code, shown) = leaked_code();
+    let helper = helper_keys().public;
+    let (host, who) = sans_io_meet(Dial::Pair(shown), &open_gate(Some(code)), None);
+    assert_eq!(host.unwrap(), Some(helper));
+    assert!(matches!(who.unwrap(), Accepted::Paired(_)));
+    let (host, who) = sans_io_meet(Dial::Known(helper), &open_gate(None), None);
+    assert_eq!(host.unwrap(), Some(helper));
+    assert!(matches!(who.unwrap(), Accepted::Known(_)));
+    let plain = Gate {
+        insecure: true,
+        known: &any_host,
+        pairing: None,
+    };
+    let (host, who) = sans_io_meet(Dial::Insecure, &plain, None);
+    assert_eq!((host.unwrap(), who.unwrap()), (None, Accepted::Insecure));
 }

@@ -1,12 +1,17 @@
 //! Who a device is on a secure link, and whom it has paired with: a static X25519 key pair per
 //! role (host, helper), the peers' public keys, and the short code a helper shows for pairing.
-//! Stored in the platform's config directory (`$TETHER_CONFIG_DIR`, else `~/.config/tether` on
-//! Linux, `~/Library/Application Support/tether` on macOS), private files 0600.
+//! Natively, `KeyStore` keeps them in the platform's config directory (`$TETHER_CONFIG_DIR`,
+//! else `~/.config/tether` on Linux, `~/Library/Application Support/tether` on macOS), private
+//! files 0600. A browser has no such directory, so the store is native only; the key pair and
+//! the pairing code build for wasm32, and where a tab keeps its keys is its own business.
 
+#[cfg(not(target_arch = "wasm32"))]
 use std::path::{Path, PathBuf};
 
+#[cfg(not(target_arch = "wasm32"))]
 use serde::{Deserialize, Serialize};
 
+#[cfg(not(target_arch = "wasm32"))]
 use super::LinkError;
 
 /// A public key: 32 bytes of X25519.
@@ -37,10 +42,12 @@ pub fn short(key: &PublicKey) -> String {
     key[..4].iter().map(|b| format!("{b:02x}")).collect()
 }
 
+#[cfg(not(target_arch = "wasm32"))]
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
+#[cfg(not(target_arch = "wasm32"))]
 fn unhex(s: &str) -> Option<[u8; 32]> {
     let s = s.trim();
     if s.len() != 64 {
@@ -54,6 +61,7 @@ fn unhex(s: &str) -> Option<[u8; 32]> {
 }
 
 /// One paired peer.
+#[cfg(not(target_arch = "wasm32"))]
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Peer {
     /// For a host, the helper's URL as given to `--helper`; for a helper, where the host
@@ -66,6 +74,7 @@ pub struct Peer {
 }
 
 /// A role's key pair and paired peers, on disk.
+#[cfg(not(target_arch = "wasm32"))]
 pub struct KeyStore {
     dir: PathBuf,
     role: &'static str,
@@ -74,6 +83,7 @@ pub struct KeyStore {
 }
 
 /// Where the key stores live: `$TETHER_CONFIG_DIR`, else the platform's config directory.
+#[cfg(not(target_arch = "wasm32"))]
 pub fn config_dir() -> Result<PathBuf, LinkError> {
     match std::env::var_os("TETHER_CONFIG_DIR") {
         Some(d) => Ok(PathBuf::from(d)),
@@ -83,12 +93,14 @@ pub fn config_dir() -> Result<PathBuf, LinkError> {
     }
 }
 
+#[cfg(not(target_arch = "wasm32"))]
 fn io(what: &Path) -> impl FnOnce(std::io::Error) -> LinkError + '_ {
     move |e| LinkError::Io(format!("{}: {e}", what.display()))
 }
 
 /// Writes `bytes` to `path` readable by the owner only, through a temporary file renamed over
 /// it, so a crash never leaves half a key.
+#[cfg(not(target_arch = "wasm32"))]
 fn write_private(path: &Path, bytes: &[u8]) -> Result<(), LinkError> {
     let tmp = path.with_extension(format!("tmp{}", std::process::id()));
     let mut opts = std::fs::OpenOptions::new();
@@ -100,6 +112,7 @@ fn write_private(path: &Path, bytes: &[u8]) -> Result<(), LinkError> {
     std::fs::rename(&tmp, path).map_err(io(path))
 }
 
+#[cfg(not(target_arch = "wasm32"))]
 impl KeyStore {
     /// The store of `role` ("host" or "helper") in `dir`: its key pair, made on first use, and
     /// its peers.

@@ -6,10 +6,10 @@
 #[cfg(all(feature = "secure", feature = "ws", not(target_arch = "wasm32")))]
 pub mod doors;
 pub mod idle;
-#[cfg(all(feature = "secure", not(target_arch = "wasm32")))]
+#[cfg(feature = "secure")]
 pub mod keys;
 pub mod memory;
-#[cfg(all(feature = "secure", not(target_arch = "wasm32")))]
+#[cfg(feature = "secure")]
 pub mod secure;
 #[cfg(not(target_arch = "wasm32"))]
 pub mod shaped;

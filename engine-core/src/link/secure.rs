@@ -1,7 +1,7 @@
-//! The paired, encrypted link: any [`Link`] (a WebSocket in production, an in-memory pair in
-//! tests) carrying Noise. Only a paired peer gets past the handshake, and that before the
-//! helper allocates or computes anything for it; every frame after it is encrypted and
-//! authenticated, and a tampered, replayed, reordered or dropped frame ends the link.
+//! The paired, encrypted link: any [`Link`](super::Link) (a WebSocket in production, an
+//! in-memory pair in tests) carrying Noise. Only a paired peer gets past the handshake, and that
+//! before the helper allocates or computes anything for it; every frame after it is encrypted
+//! and authenticated, and a tampered, replayed, reordered or dropped frame ends the link.
 //!
 //! The first frame says how the host dials (`MODE_*`):
 //! - pairing: SPAKE2 over the helper's six-digit code gives both sides a key that a wrong code
@@ -16,16 +16,29 @@
 //! 65535 bytes, concatenated; each takes the next nonce, so order is authenticated too).
 //! After the handshake the helper sends one empty `DATA` frame: the host learns there that
 //! the helper accepted it (a wrong pairing code is refused at that point instead).
+//!
+//! The protocol is written once, sans-IO, so that a browser tab (which can neither block nor
+//! start a thread, and has no `Instant`) runs the same code as the native binaries:
+//! [`Responder`] (the helper) and [`Initiator`] (the host) take the peer's frames one at a time
+//! and answer with the frames to send, until they yield a [`Session`] (which seals and opens
+//! `DATA` frames) or a [`Refusal`]. They hold no link, thread or clock: timeouts
+//! ([`HANDSHAKE_TIMEOUT`], [`SILENCE`]) and keep-alives belong to whoever drives them. On
+//! native targets, `accept`, `connect` and `SecureLink` are that driver over a blocking
+//! [`Link`](super::Link).
 
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{mpsc, Arc, Mutex, PoisonError};
-use std::time::{Duration, Instant};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
 
 use snow::{HandshakeState, StatelessTransportState};
 use spake2::{Ed25519Group, Identity, Password, Spake2};
 
 use super::keys::{normalise_code, short, Keypair, PairingCode, PublicKey};
-use super::{Link, LinkError, LinkSender};
+use super::LinkError;
+
+#[cfg(not(target_arch = "wasm32"))]
+mod blocking;
+#[cfg(not(target_arch = "wasm32"))]
+pub use blocking::{accept, connect, SecureLink};
 
 /// Noise protocols: pairing (PSK from SPAKE2) and known peers.
 pub const PAIR: &str = "Noise_XXpsk3_25519_ChaChaPoly_BLAKE2s";
@@ -49,6 +62,12 @@ const CHUNK: usize = MAX_MSG - TAG;
 /// nothing must not hold a helper's accept.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// A link that hears nothing from its peer for this long takes the peer as lost (a killed
+/// process, a pulled cable, a laptop gone to sleep: nothing says goodbye). Both sides send an
+/// empty frame every sixth of it when they have nothing else to say, so only a peer that is
+/// really gone (or a frame that takes longer than this to cross the link) trips it.
+pub const SILENCE: Duration = Duration::from_secs(60);
+
 /// The inner link's frame limit for frames of up to `max_frame` bytes once encrypted: the kind
 /// byte and a tag per chunk.
 pub fn wire_limit(max_frame: usize) -> usize {
@@ -71,7 +90,9 @@ pub struct Gate<'a> {
     pub insecure: bool,
     /// Whether a host's key is paired.
     pub known: &'a (dyn Fn(&PublicKey) -> bool + Sync),
-    /// The code new hosts may pair with, if this helper takes new hosts now.
+    /// The code new hosts may pair with, if this helper takes new hosts now. A lock, because
+    /// handshakes in flight at once share it: each reads the code when a host starts pairing
+    /// and counts a wrong try on it when one ends.
     pub pairing: Option<&'a Mutex<PairingCode>>,
 }
 
@@ -86,6 +107,53 @@ pub enum Accepted {
     Insecure,
 }
 
+/// How a handshake or a session ends badly: what the peer is owed before the link closes, and
+/// the error to report here. A sans-IO side cannot send the peer its reason itself, so it
+/// hands the frames to its driver.
+#[derive(Debug)]
+pub struct Refusal {
+    /// Send these, in order, then close (a failed send does not matter: the peer may be gone).
+    /// They end with the `REFUSE` frame that tells the peer why; there is none when the peer
+    /// refused first, does not speak this protocol or was told already, or the failure is
+    /// this side's own.
+    pub send: Vec<Vec<u8>>,
+    /// Why, as [`LinkError::Refused`] for a handshake turned away (the same reason as the
+    /// `REFUSE` frame's, so both sides show it).
+    pub error: LinkError,
+    /// A wrong pairing code drew a new one ([`PairingCode::wrong_try`]): the helper's driver
+    /// shows the new code, or the person pairing never sees the one that now works.
+    pub new_code: bool,
+}
+
+impl Refusal {
+    /// `first`, then a `REFUSE` frame saying `why`; the error is the same reason.
+    fn after(mut first: Vec<Vec<u8>>, why: String) -> Refusal {
+        first.push(frame(REFUSE, why.as_bytes()));
+        Refusal {
+            send: first,
+            error: refused(why),
+            new_code: false,
+        }
+    }
+}
+
+/// An error that owes the peer nothing (its own refusal, a frame outside the protocol, a
+/// failure of our own): the link just closes.
+impl From<LinkError> for Refusal {
+    fn from(error: LinkError) -> Refusal {
+        Refusal {
+            send: Vec::new(),
+            error,
+            new_code: false,
+        }
+    }
+}
+
+/// A refusal with nothing to send before it.
+fn refuse(why: impl Into<String>) -> Refusal {
+    Refusal::after(Vec::new(), why.into())
+}
+
 fn refused(why: impl Into<String>) -> LinkError {
     LinkError::Refused(why.into())
 }
@@ -94,42 +162,33 @@ fn noise_err(what: &str) -> impl FnOnce(snow::Error) -> LinkError + '_ {
     move |e| LinkError::Io(format!("{what}: {e}"))
 }
 
-/// Sends a refusal the peer can show, and returns the same reason as our error.
-fn refuse(link: &mut dyn Link, why: String) -> LinkError {
-    let mut frame = vec![REFUSE];
-    frame.extend_from_slice(why.as_bytes());
-    // Best effort: the peer may be gone already.
-    let _ = link.send(frame);
-    refused(why)
+/// One inner-link frame: `kind`, then `body`.
+fn frame(kind: u8, body: &[u8]) -> Vec<u8> {
+    let mut f = Vec::with_capacity(body.len() + 1);
+    f.push(kind);
+    f.extend_from_slice(body);
+    f
 }
 
-/// The next handshake frame's payload, within the handshake timeout; a refusal from the peer
-/// becomes [`LinkError::Refused`] with its reason.
-fn recv_handshake(link: &mut dyn Link) -> Result<Vec<u8>, LinkError> {
-    let frame = link
-        .recv_timeout(HANDSHAKE_TIMEOUT)?
-        .ok_or_else(|| refused(format!("no answer within {HANDSHAKE_TIMEOUT:?}")))?;
+/// A handshake frame's payload; a refusal from the peer becomes [`LinkError::Refused`] with
+/// its reason. Neither that nor a frame of another kind is answered.
+fn handshake_payload(frame: &[u8]) -> Result<&[u8], Refusal> {
     match frame.split_first() {
-        Some((&HANDSHAKE, rest)) => Ok(rest.to_vec()),
-        Some((&REFUSE, why)) => Err(refused(String::from_utf8_lossy(why).into_owned())),
-        _ => Err(refused("the peer does not speak tether's secure link")),
+        Some((&HANDSHAKE, rest)) => Ok(rest),
+        Some((&REFUSE, why)) => Err(refused(String::from_utf8_lossy(why)).into()),
+        _ => Err(refused("the peer does not speak tether's secure link").into()),
     }
 }
 
-fn send_handshake(link: &mut dyn Link, bytes: &[u8]) -> Result<(), LinkError> {
-    let mut frame = Vec::with_capacity(bytes.len() + 1);
-    frame.push(HANDSHAKE);
-    frame.extend_from_slice(bytes);
-    link.send(frame)
-}
-
-/// One Noise handshake message out.
-fn write_noise(link: &mut dyn Link, hs: &mut HandshakeState) -> Result<(), LinkError> {
-    let mut buf = vec![0u8; MAX_MSG];
+/// One Noise handshake message out, as a frame: `head`, then the message.
+fn noise_frame(hs: &mut HandshakeState, head: &[u8]) -> Result<Vec<u8>, LinkError> {
+    let mut buf = vec![0u8; head.len() + MAX_MSG];
+    buf[..head.len()].copy_from_slice(head);
     let n = hs
-        .write_message(&[], &mut buf)
+        .write_message(&[], &mut buf[head.len()..])
         .map_err(noise_err("handshake"))?;
-    send_handshake(link, &buf[..n])
+    buf.truncate(head.len() + n);
+    Ok(buf)
 }
 
 /// One Noise handshake message in; false if it does not authenticate.
@@ -163,7 +222,7 @@ fn spake(digits: &str) -> (Spake2<Ed25519Group>, Vec<u8>) {
 /// The pairing handshake's Noise state: SPAKE2 finished with the peer's message `theirs`, its
 /// key as the PSK; `Err` if the peer's message is malformed.
 fn pairing_noise(
-    keys: &Keypair,
+    secret: &[u8; 32],
     spake: Spake2<Ed25519Group>,
     theirs: &[u8],
     initiator: bool,
@@ -176,7 +235,7 @@ fn pairing_noise(
         .map_err(|_| "SPAKE2 gave a key of the wrong size")?;
     let pro = prologue(MODE_PAIR);
     let b = builder(PAIR, &pro)
-        .local_private_key(&keys.secret)
+        .local_private_key(secret)
         .and_then(|b| b.psk(3, &psk));
     let hs = if initiator {
         b.and_then(|b| b.build_initiator())
@@ -186,145 +245,129 @@ fn pairing_noise(
     hs.map_err(|e| format!("pairing: {e}"))
 }
 
-/// The host's side: dial `how` over `link`; returns the secure link and the helper's key.
-pub fn connect<L: Link>(
-    mut link: L,
-    keys: &Keypair,
-    how: Dial,
-) -> Result<(SecureLink<L>, Option<PublicKey>), LinkError> {
-    let mode = match how {
-        Dial::Insecure => MODE_INSECURE,
-        Dial::Pair(_) => MODE_PAIR,
-        Dial::Known(_) => MODE_KNOWN,
-    };
-    let mut first = vec![VERSION, mode];
-    let pro = prologue(mode);
-    let hs = match how {
-        Dial::Insecure => {
-            send_handshake(&mut link, &first)?;
-            recv_handshake(&mut link)?;
-            return Ok((SecureLink::plain(link), None));
-        }
-        Dial::Pair(code) => {
-            let digits = normalise_code(code);
-            if digits.len() != 6 {
-                return Err(refused(format!(
-                    "pairing code `{code}`: expected the six digits the helper shows"
-                )));
-            }
-            let (spake, msg) = spake(&digits);
-            first.extend_from_slice(&msg);
-            send_handshake(&mut link, &first)?;
-            let theirs = recv_handshake(&mut link)?;
-            let mut hs = pairing_noise(keys, spake, &theirs, true).map_err(refused)?;
-            write_noise(&mut link, &mut hs)?;
-            let msg = recv_handshake(&mut link)?;
-            if !read_noise(&mut hs, &msg) {
-                return Err(refuse(
-                    &mut link,
-                    "the helper's pairing reply does not authenticate".into(),
-                ));
-            }
-            write_noise(&mut link, &mut hs)?;
-            hs
-        }
-        Dial::Known(helper) => {
-            let mut hs = builder(KNOWN, &pro)
-                .local_private_key(&keys.secret)
-                .and_then(|b| b.remote_public_key(&helper))
-                .and_then(|b| b.build_initiator())
-                .map_err(noise_err("handshake"))?;
-            let mut buf = vec![0u8; MAX_MSG];
-            let n = hs
-                .write_message(&[], &mut buf)
-                .map_err(noise_err("handshake"))?;
-            first.extend_from_slice(&buf[..n]);
-            send_handshake(&mut link, &first)?;
-            let msg = recv_handshake(&mut link)?;
-            if !read_noise(&mut hs, &msg) {
-                return Err(refuse(
-                    &mut link,
-                    "the helper at this address is not the one paired (its key changed): pair again with --pair CODE".into(),
-                ));
-            }
-            hs
-        }
-    };
-    let helper_key = remote_key(&hs)?;
-    let mut secure = SecureLink::encrypted(link, hs)?;
-    // The helper's confirmation: an empty frame, or its refusal.
-    let frame = secure
-        .inner
-        .recv_timeout(HANDSHAKE_TIMEOUT)?
-        .ok_or_else(|| {
-            refused(format!(
-                "the helper did not confirm within {HANDSHAKE_TIMEOUT:?}"
-            ))
-        })?;
-    if let Some((&REFUSE, why)) = frame.split_first() {
-        return Err(refused(String::from_utf8_lossy(why).into_owned()));
-    }
-    if !secure.open(frame)?.is_empty() {
-        return Err(refused("the helper's confirmation was not empty"));
-    }
-    Ok((secure, Some(helper_key)))
-}
-
 fn remote_key(hs: &HandshakeState) -> Result<PublicKey, LinkError> {
     hs.get_remote_static()
         .and_then(|k| k.try_into().ok())
         .ok_or_else(|| LinkError::Io("the handshake gave no peer key".into()))
 }
 
-/// The helper's side: let a host in through `gate`, or refuse it with a reason both sides
-/// show. Nothing is allocated for a host before this returns.
-pub fn accept<L: Link>(
-    mut link: L,
-    keys: &Keypair,
-    gate: &Gate,
-) -> Result<(SecureLink<L>, Accepted), LinkError> {
-    let first = recv_handshake(&mut link)?;
-    let (version, mode, rest) = match first.as_slice() {
-        [v, m, rest @ ..] => (*v, *m, rest),
-        _ => return Err(refuse(&mut link, "a malformed link hello".into())),
-    };
-    if version != VERSION {
-        return Err(refuse(
-            &mut link,
-            format!("secure link version {version}; this helper speaks {VERSION}"),
-        ));
+/// What one side of a handshake does with the peer's frame.
+pub enum Progress<S, W> {
+    /// Send `send` (in order), then give the peer's next frame to `then`.
+    Wait { send: Vec<Vec<u8>>, then: S },
+    /// Connected: send `send`, then carry frames through `session`; `who` is the peer.
+    Done {
+        send: Vec<Vec<u8>>,
+        session: Session,
+        who: W,
+    },
+}
+
+/// The helper's side of the handshake, sans-IO: it takes the host's frames one at a time
+/// ([`Responder::read`]) until it lets the host in through a [`Gate`] or refuses it with a
+/// reason both sides show. Nothing is allocated for a host before it is in.
+pub struct Responder(Awaiting);
+
+/// The host frame a [`Responder`] waits for.
+enum Awaiting {
+    /// The hello: version, mode and the mode's first message.
+    Hello { secret: [u8; 32] },
+    /// Pairing: the host's first Noise message (SPAKE2 is done).
+    PairStart(Box<HandshakeState>),
+    /// Pairing: the host's last Noise message, the first that depends on the code.
+    PairFinish(Box<HandshakeState>),
+}
+
+impl Responder {
+    /// A helper with `keys`, waiting for a host's hello.
+    pub fn new(keys: &Keypair) -> Responder {
+        Responder(Awaiting::Hello {
+            secret: keys.secret,
+        })
     }
-    match (mode, gate.insecure) {
-        (MODE_INSECURE, true) => {
-            send_handshake(&mut link, &[VERSION, MODE_INSECURE])?;
-            Ok((SecureLink::plain(link), Accepted::Insecure))
+
+    /// Takes the host's next frame. `gate` is what the helper lets in: give every frame of
+    /// one connection the same gate, since the code a host pairs with is read from it at the
+    /// hello and a wrong one is counted on it at the end (see [`Refusal::new_code`]).
+    pub fn read(self, frame: &[u8], gate: &Gate) -> Result<Progress<Responder, Accepted>, Refusal> {
+        let msg = handshake_payload(frame)?;
+        match self.0 {
+            Awaiting::Hello { secret } => hello(&secret, msg, gate),
+            Awaiting::PairStart(mut hs) => {
+                if !read_noise(&mut hs, msg) {
+                    return Err(refuse("a malformed pairing message"));
+                }
+                let reply = noise_frame(&mut hs, &[HANDSHAKE])?;
+                Ok(Progress::Wait {
+                    send: vec![reply],
+                    then: Responder(Awaiting::PairFinish(hs)),
+                })
+            }
+            Awaiting::PairFinish(mut hs) => {
+                if !read_noise(&mut hs, msg) {
+                    return Err(wrong_code(gate));
+                }
+                let host = remote_key(&hs)?;
+                let (session, confirm) = confirmed(*hs)?;
+                Ok(Progress::Done {
+                    send: vec![confirm],
+                    session,
+                    who: Accepted::Paired(host),
+                })
+            }
         }
-        (MODE_INSECURE, false) => Err(refuse(
-            &mut link,
-            "this helper takes only paired, encrypted links: run the host without --insecure \
-             (and with --pair CODE the first time)"
-                .into(),
-        )),
-        (_, true) => Err(refuse(
-            &mut link,
-            "this helper runs --insecure (a plain link): run the host with --insecure too".into(),
-        )),
-        (MODE_PAIR, false) => accept_pairing(link, keys, gate, rest),
-        (MODE_KNOWN, false) => accept_known(link, keys, gate, rest),
-        _ => Err(refuse(&mut link, format!("unknown link mode {mode}"))),
+    }
+
+    /// The error for a host that sent nothing within `waited` (the driver's timeout: the
+    /// responder keeps no clock).
+    pub fn timed_out(&self, waited: Duration) -> LinkError {
+        refused(format!("no answer within {waited:?}"))
     }
 }
 
-fn accept_pairing<L: Link>(
-    mut link: L,
-    keys: &Keypair,
+/// A host's hello: let it in (insecure, known), start pairing, or refuse it.
+fn hello(
+    secret: &[u8; 32],
+    msg: &[u8],
+    gate: &Gate,
+) -> Result<Progress<Responder, Accepted>, Refusal> {
+    let (version, mode, rest) = match msg {
+        [v, m, rest @ ..] => (*v, *m, rest),
+        _ => return Err(refuse("a malformed link hello")),
+    };
+    if version != VERSION {
+        return Err(refuse(format!(
+            "secure link version {version}; this helper speaks {VERSION}"
+        )));
+    }
+    match (mode, gate.insecure) {
+        (MODE_INSECURE, true) => Ok(Progress::Done {
+            send: vec![frame(HANDSHAKE, &[VERSION, MODE_INSECURE])],
+            session: Session::plain(),
+            who: Accepted::Insecure,
+        }),
+        (MODE_INSECURE, false) => Err(refuse(
+            "this helper takes only paired, encrypted links: run the host without --insecure \
+             (and with --pair CODE the first time)",
+        )),
+        (_, true) => Err(refuse(
+            "this helper runs --insecure (a plain link): run the host with --insecure too",
+        )),
+        (MODE_PAIR, false) => start_pairing(secret, gate, rest),
+        (MODE_KNOWN, false) => known_host(secret, gate, rest),
+        _ => Err(refuse(format!("unknown link mode {mode}"))),
+    }
+}
+
+/// SPAKE2 with the host's message `spake_msg`: our own message back, then Noise.
+fn start_pairing(
+    secret: &[u8; 32],
     gate: &Gate,
     spake_msg: &[u8],
-) -> Result<(SecureLink<L>, Accepted), LinkError> {
+) -> Result<Progress<Responder, Accepted>, Refusal> {
     let Some(pairing) = gate.pairing else {
         return Err(refuse(
-            &mut link,
-            "this helper is not taking new hosts: restart it with --pair-new to show a code".into(),
+            "this helper is not taking new hosts: restart it with --pair-new to show a code",
         ));
     };
     let digits = pairing
@@ -333,207 +376,337 @@ fn accept_pairing<L: Link>(
         .digits()
         .to_string();
     let (spake, msg) = spake(&digits);
-    send_handshake(&mut link, &msg)?;
-    let mut hs = pairing_noise(keys, spake, spake_msg, false).map_err(|e| refuse(&mut link, e))?;
-    let msg = recv_handshake(&mut link)?;
-    if !read_noise(&mut hs, &msg) {
-        return Err(refuse(&mut link, "a malformed pairing message".into()));
+    let reply = frame(HANDSHAKE, &msg);
+    match pairing_noise(secret, spake, spake_msg, false) {
+        Ok(hs) => Ok(Progress::Wait {
+            send: vec![reply],
+            then: Responder(Awaiting::PairStart(Box::new(hs))),
+        }),
+        Err(why) => Err(Refusal::after(vec![reply], why)),
     }
-    write_noise(&mut link, &mut hs)?;
-    let msg = recv_handshake(&mut link)?;
-    if !read_noise(&mut hs, &msg) {
-        let new_code = pairing
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .wrong_try();
-        let more = if new_code {
-            " (too many wrong codes: the helper shows a new one)"
-        } else {
-            ""
-        };
-        return Err(refuse(&mut link, format!("wrong pairing code{more}")));
-    }
-    let host = remote_key(&hs)?;
-    Ok((confirm(link, hs)?, Accepted::Paired(host)))
 }
 
-fn accept_known<L: Link>(
-    mut link: L,
-    keys: &Keypair,
+/// A host's `Noise_IK` first message `ik_msg`: in if its key is paired with, and the message
+/// was made for this helper's key.
+fn known_host(
+    secret: &[u8; 32],
     gate: &Gate,
     ik_msg: &[u8],
-) -> Result<(SecureLink<L>, Accepted), LinkError> {
+) -> Result<Progress<Responder, Accepted>, Refusal> {
     let pro = prologue(MODE_KNOWN);
     let mut hs = builder(KNOWN, &pro)
-        .local_private_key(&keys.secret)
+        .local_private_key(secret)
         .and_then(|b| b.build_responder())
         .map_err(noise_err("handshake"))?;
     if !read_noise(&mut hs, ik_msg) {
         return Err(refuse(
-            &mut link,
             "the host's handshake does not authenticate: it paired with another key of this \
-             helper; pair again with --pair CODE"
-                .into(),
+             helper; pair again with --pair CODE",
         ));
     }
     let host = remote_key(&hs)?;
     if !(gate.known)(&host) {
-        return Err(refuse(
-            &mut link,
-            format!(
-                "this helper has not paired with this host (key {}): pair with --pair CODE",
-                short(&host)
+        return Err(refuse(format!(
+            "this helper has not paired with this host (key {}): pair with --pair CODE",
+            short(&host)
+        )));
+    }
+    let reply = noise_frame(&mut hs, &[HANDSHAKE])?;
+    let (session, confirm) = confirmed(hs)?;
+    Ok(Progress::Done {
+        send: vec![reply, confirm],
+        session,
+        who: Accepted::Known(host),
+    })
+}
+
+/// A pairing whose last message does not authenticate: the host's code was not ours. The try
+/// counts on the gate's code, which draws a new one after too many.
+fn wrong_code(gate: &Gate) -> Refusal {
+    let new_code = gate.pairing.is_some_and(|code| {
+        code.lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .wrong_try()
+    });
+    let more = if new_code {
+        " (too many wrong codes: the helper shows a new one)"
+    } else {
+        ""
+    };
+    Refusal {
+        new_code,
+        ..refuse(format!("wrong pairing code{more}"))
+    }
+}
+
+/// The helper's finished handshake in transport mode, and the empty frame that tells the host
+/// it is in.
+fn confirmed(hs: HandshakeState) -> Result<(Session, Vec<u8>), LinkError> {
+    let mut session = Session::encrypted(hs)?;
+    let confirm = session.seal(Vec::new())?;
+    Ok((session, confirm))
+}
+
+/// The host's side of the handshake, sans-IO: [`Initiator::start`] gives the hello to send,
+/// then [`Initiator::read`] takes the helper's frames one at a time until the helper lets the
+/// host in (its key, if the link is encrypted) or either side refuses.
+pub struct Initiator(Expect);
+
+/// The helper frame an [`Initiator`] waits for.
+enum Expect {
+    /// Insecure: the helper's plain hello back.
+    PlainHello,
+    /// Pairing: the helper's SPAKE2 message.
+    Spake {
+        secret: [u8; 32],
+        spake: Box<Spake2<Ed25519Group>>,
+    },
+    /// Pairing: the helper's Noise message (2 of 3).
+    PairReply(Box<HandshakeState>),
+    /// Known: the helper's `Noise_IK` answer, which only the remembered key can make.
+    KnownReply(Box<HandshakeState>),
+    /// The helper's empty `DATA` frame that says it let the host in.
+    Confirm { session: Session, helper: PublicKey },
+}
+
+impl Initiator {
+    /// A host with `keys` dialling `how`: the hello to send, and the initiator waiting for the
+    /// helper's answer. A pairing code that is not six digits fails here, before anything is
+    /// sent.
+    pub fn start(keys: &Keypair, how: Dial) -> Result<(Vec<u8>, Initiator), LinkError> {
+        let (hello, expect) = match how {
+            Dial::Insecure => (
+                frame(HANDSHAKE, &[VERSION, MODE_INSECURE]),
+                Expect::PlainHello,
             ),
-        ));
-    }
-    write_noise(&mut link, &mut hs)?;
-    Ok((confirm(link, hs)?, Accepted::Known(host)))
-}
-
-/// Into transport mode, then the empty frame that tells the host it is in.
-fn confirm<L: Link>(link: L, hs: HandshakeState) -> Result<SecureLink<L>, LinkError> {
-    let mut secure = SecureLink::encrypted(link, hs)?;
-    secure.send(Vec::new())?;
-    Ok(secure)
-}
-
-/// The transport keys and the sending nonce, shared by a link and its sender handles. The
-/// nonce's lock is held from encrypting a frame to queueing it, so frames leave in nonce order.
-struct Sealer {
-    noise: StatelessTransportState,
-    send_nonce: Mutex<u64>,
-}
-
-impl Sealer {
-    fn send(&self, inner: &mut dyn LinkSender, frame: &[u8]) -> Result<(), LinkError> {
-        let chunks = frame.len().div_ceil(CHUNK).max(1);
-        let mut out = vec![0u8; 1 + frame.len() + chunks * TAG];
-        out[0] = DATA;
-        let mut nonce = self
-            .send_nonce
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        let mut at = 1;
-        for i in 0..chunks {
-            let piece = &frame[i * CHUNK..((i + 1) * CHUNK).min(frame.len())];
-            at += self
-                .noise
-                .write_message(*nonce, piece, &mut out[at..])
-                .map_err(noise_err("encrypting a frame"))?;
-            *nonce += 1;
-        }
-        inner.send(out)
-    }
-}
-
-/// A link that hears nothing from its peer for this long takes the peer as lost (a killed
-/// process, a pulled cable, a laptop gone to sleep: nothing says goodbye). Both sides send an
-/// empty frame every sixth of it when they have nothing else to say, so only a peer that is
-/// really gone (or a frame that takes longer than this to cross the link) trips it.
-pub const SILENCE: Duration = Duration::from_secs(60);
-
-/// What a failed link answers every later read with: the error (`Io` or `Closed`) and why.
-type Failure = (fn(String) -> LinkError, String);
-
-/// A [`Link`] whose frames are encrypted and authenticated (or, with `--insecure`, plain),
-/// with liveness both ways: keep-alive frames out, a deadline on silence in. An empty frame is
-/// a keep-alive and is never delivered (protocol frames are never empty).
-pub struct SecureLink<L: Link> {
-    inner: L,
-    sealer: Option<Arc<Sealer>>,
-    recv_nonce: u64,
-    /// Why the link failed, and as which error, once a frame did not authenticate or the peer
-    /// ended the link: it stays failed.
-    broken: Option<Failure>,
-    silence: Duration,
-    last_heard: Instant,
-    /// The keep-alive thread's period (ms).
-    every_ms: Arc<AtomicU64>,
-    /// A message makes the keep-alive thread read its period again; dropping the link (this
-    /// sender) stops it.
-    keepalive: mpsc::Sender<()>,
-}
-
-/// Sends an empty frame every `every_ms` until `wake`'s sender is dropped (or the link fails).
-fn keepalive(mut out: Box<dyn LinkSender>, wake: mpsc::Receiver<()>, every_ms: Arc<AtomicU64>) {
-    loop {
-        let every = Duration::from_millis(every_ms.load(Ordering::Relaxed));
-        match wake.recv_timeout(every) {
-            Err(mpsc::RecvTimeoutError::Timeout) => {
-                if out.send(Vec::new()).is_err() {
-                    return;
+            Dial::Pair(code) => {
+                let digits = normalise_code(code);
+                if digits.len() != 6 {
+                    return Err(refused(format!(
+                        "pairing code `{code}`: expected the six digits the helper shows"
+                    )));
                 }
+                let (spake, msg) = spake(&digits);
+                let mut hello = frame(HANDSHAKE, &[VERSION, MODE_PAIR]);
+                hello.extend_from_slice(&msg);
+                let spake = Box::new(spake);
+                (
+                    hello,
+                    Expect::Spake {
+                        secret: keys.secret,
+                        spake,
+                    },
+                )
             }
-            Ok(()) => {}
-            Err(mpsc::RecvTimeoutError::Disconnected) => return,
+            Dial::Known(helper) => {
+                let pro = prologue(MODE_KNOWN);
+                let mut hs = builder(KNOWN, &pro)
+                    .local_private_key(&keys.secret)
+                    .and_then(|b| b.remote_public_key(&helper))
+                    .and_then(|b| b.build_initiator())
+                    .map_err(noise_err("handshake"))?;
+                let hello = noise_frame(&mut hs, &[HANDSHAKE, VERSION, MODE_KNOWN])?;
+                (hello, Expect::KnownReply(Box::new(hs)))
+            }
+        };
+        Ok((hello, Initiator(expect)))
+    }
+
+    /// Takes the helper's next frame; done, the helper's key (`None` on a plain link).
+    pub fn read(self, frame: &[u8]) -> Result<Progress<Initiator, Option<PublicKey>>, Refusal> {
+        match self.0 {
+            Expect::PlainHello => {
+                handshake_payload(frame)?;
+                Ok(Progress::Done {
+                    send: Vec::new(),
+                    session: Session::plain(),
+                    who: None,
+                })
+            }
+            Expect::Spake { secret, spake } => {
+                let theirs = handshake_payload(frame)?;
+                let mut hs = pairing_noise(&secret, *spake, theirs, true).map_err(refused)?;
+                let msg = noise_frame(&mut hs, &[HANDSHAKE])?;
+                Ok(Progress::Wait {
+                    send: vec![msg],
+                    then: Initiator(Expect::PairReply(Box::new(hs))),
+                })
+            }
+            Expect::PairReply(mut hs) => {
+                if !read_noise(&mut hs, handshake_payload(frame)?) {
+                    return Err(refuse("the helper's pairing reply does not authenticate"));
+                }
+                let msg = noise_frame(&mut hs, &[HANDSHAKE])?;
+                Ok(Progress::Wait {
+                    send: vec![msg],
+                    then: Initiator::confirming(*hs)?,
+                })
+            }
+            Expect::KnownReply(mut hs) => {
+                if !read_noise(&mut hs, handshake_payload(frame)?) {
+                    return Err(refuse(
+                        "the helper at this address is not the one paired (its key changed): \
+                         pair again with --pair CODE",
+                    ));
+                }
+                Ok(Progress::Wait {
+                    send: Vec::new(),
+                    then: Initiator::confirming(*hs)?,
+                })
+            }
+            Expect::Confirm {
+                mut session,
+                helper,
+            } => {
+                // Before the session reads it: a refusal here is the helper's answer to the
+                // handshake (a wrong code), not the end of an established link.
+                if let Some((&REFUSE, why)) = frame.split_first() {
+                    return Err(refused(String::from_utf8_lossy(why)).into());
+                }
+                if !session.open(frame.to_vec())?.is_empty() {
+                    return Err(refused("the helper's confirmation was not empty").into());
+                }
+                Ok(Progress::Done {
+                    send: Vec::new(),
+                    session,
+                    who: Some(helper),
+                })
+            }
+        }
+    }
+
+    /// The finished handshake in transport mode, waiting for the helper's confirmation.
+    fn confirming(hs: HandshakeState) -> Result<Initiator, LinkError> {
+        let helper = remote_key(&hs)?;
+        let session = Session::encrypted(hs)?;
+        Ok(Initiator(Expect::Confirm { session, helper }))
+    }
+
+    /// The error for a helper that sent nothing within `waited` (the driver's timeout: the
+    /// initiator keeps no clock).
+    pub fn timed_out(&self, waited: Duration) -> LinkError {
+        match self.0 {
+            Expect::Confirm { .. } => {
+                refused(format!("the helper did not confirm within {waited:?}"))
+            }
+            _ => refused(format!("no answer within {waited:?}")),
         }
     }
 }
 
-impl<L: Link> SecureLink<L> {
-    fn plain(inner: L) -> Self {
-        SecureLink::start(inner, None)
-    }
+/// An established link, frame by frame: what goes out is sealed into `DATA` frames, what
+/// comes in is opened (with `--insecure`, frames pass as they are). An empty frame is a
+/// keep-alive: a driver sends one when it has had nothing to say for a while, and skips the
+/// ones it opens (protocol frames are never empty).
+pub struct Session {
+    sealer: Sealer,
+    opener: Opener,
+}
 
-    fn encrypted(inner: L, hs: HandshakeState) -> Result<Self, LinkError> {
-        let noise = hs
-            .into_stateless_transport_mode()
-            .map_err(noise_err("handshake"))?;
-        let sealer = Arc::new(Sealer {
-            noise,
-            send_nonce: Mutex::new(0),
-        });
-        Ok(SecureLink::start(inner, Some(sealer)))
-    }
-
-    fn start(inner: L, sealer: Option<Arc<Sealer>>) -> Self {
-        let (stop, stopped) = mpsc::channel();
-        let every_ms = Arc::new(AtomicU64::new((SILENCE / 6).as_millis() as u64));
-        let out = Box::new(SecureSender {
-            inner: inner.sender(),
-            sealer: sealer.clone(),
-        });
-        let period = every_ms.clone();
-        // Without a thread there is no keep-alive, and the peer drops the link in time: a
-        // failure to start one is not an error here.
-        let _ = std::thread::Builder::new()
-            .name("link-keepalive".into())
-            .spawn(move || keepalive(out, stopped, period));
-        SecureLink {
-            inner,
-            sealer,
-            recv_nonce: 0,
-            broken: None,
-            silence: SILENCE,
-            last_heard: Instant::now(),
-            every_ms,
-            keepalive: stop,
+impl Session {
+    fn plain() -> Session {
+        Session {
+            sealer: Sealer {
+                noise: None,
+                nonce: 0,
+            },
+            opener: Opener {
+                noise: None,
+                nonce: 0,
+                broken: None,
+            },
         }
     }
 
-    /// Another silence deadline (and keep-alive period, a sixth of it) than [`SILENCE`]; both
-    /// sides of a link must agree.
-    pub fn with_silence(mut self, silence: Duration) -> Self {
-        self.silence = silence;
-        let every = (silence / 6).as_millis().max(1) as u64;
-        self.every_ms.store(every, Ordering::Relaxed);
-        // The thread may be waiting out the old period already.
-        let _ = self.keepalive.send(());
-        self
+    fn encrypted(hs: HandshakeState) -> Result<Session, LinkError> {
+        let noise = Arc::new(
+            hs.into_stateless_transport_mode()
+                .map_err(noise_err("handshake"))?,
+        );
+        Ok(Session {
+            sealer: Sealer {
+                noise: Some(noise.clone()),
+                nonce: 0,
+            },
+            opener: Opener {
+                noise: Some(noise),
+                nonce: 0,
+                broken: None,
+            },
+        })
     }
 
     /// Whether frames are encrypted (false only for `--insecure`).
     pub fn is_encrypted(&self) -> bool {
-        self.sealer.is_some()
+        self.sealer.noise.is_some()
     }
 
-    pub fn inner(&self) -> &L {
-        &self.inner
+    /// See [`Sealer::seal`].
+    pub fn seal(&mut self, frame: Vec<u8>) -> Result<Vec<u8>, LinkError> {
+        self.sealer.seal(frame)
     }
 
-    /// A frame from the inner link, decrypted.
-    fn open(&mut self, frame: Vec<u8>) -> Result<Vec<u8>, LinkError> {
-        let Some(sealer) = self.sealer.clone() else {
+    /// See [`Opener::open`].
+    pub fn open(&mut self, frame: Vec<u8>) -> Result<Vec<u8>, Refusal> {
+        self.opener.open(frame)
+    }
+
+    /// The two directions apart, for a driver that sends from other threads (keep-alives,
+    /// sender handles) while one waits to receive.
+    pub fn split(self) -> (Sealer, Opener) {
+        (self.sealer, self.opener)
+    }
+}
+
+/// A [`Session`]'s sending direction.
+pub struct Sealer {
+    noise: Option<Arc<StatelessTransportState>>,
+    nonce: u64,
+}
+
+impl Sealer {
+    /// `frame` as it goes on the inner link: a `DATA` frame of Noise messages under this
+    /// direction's next nonces. The peer opens frames only in the order they were sealed, so a
+    /// driver that shares a sealer holds it from sealing a frame to queueing it.
+    pub fn seal(&mut self, frame: Vec<u8>) -> Result<Vec<u8>, LinkError> {
+        let Some(noise) = &self.noise else {
+            return Ok(frame);
+        };
+        let chunks = frame.len().div_ceil(CHUNK).max(1);
+        let mut out = vec![0u8; 1 + frame.len() + chunks * TAG];
+        out[0] = DATA;
+        let mut at = 1;
+        for i in 0..chunks {
+            let piece = &frame[i * CHUNK..((i + 1) * CHUNK).min(frame.len())];
+            at += noise
+                .write_message(self.nonce, piece, &mut out[at..])
+                .map_err(noise_err("encrypting a frame"))?;
+            self.nonce += 1;
+        }
+        Ok(out)
+    }
+}
+
+/// What a failed link answers every later read with: the error (`Io` or `Closed`) and why.
+type Failure = (fn(String) -> LinkError, String);
+
+/// A [`Session`]'s receiving direction.
+pub struct Opener {
+    noise: Option<Arc<StatelessTransportState>>,
+    nonce: u64,
+    /// Why the link failed, and as which error, once a frame did not authenticate or the peer
+    /// ended the link: it stays failed.
+    broken: Option<Failure>,
+}
+
+impl Opener {
+    /// A frame from the inner link, opened: the frame the peer sealed. A frame that does not
+    /// authenticate (tampered, replayed, reordered, or one before it lost) fails the link for
+    /// good with a `REFUSE` frame to send the peer; so does a `REFUSE` from the peer, with
+    /// nothing to send.
+    pub fn open(&mut self, frame: Vec<u8>) -> Result<Vec<u8>, Refusal> {
+        self.check()?;
+        let Some(noise) = self.noise.clone() else {
             return Ok(frame);
         };
         match frame.split_first() {
@@ -541,14 +714,11 @@ impl<L: Link> SecureLink<L> {
                 let mut out = vec![0u8; body.len()];
                 let mut len = 0;
                 for piece in body.chunks(MAX_MSG) {
-                    match sealer
-                        .noise
-                        .read_message(self.recv_nonce, piece, &mut out[len..])
-                    {
+                    match noise.read_message(self.nonce, piece, &mut out[len..]) {
                         Ok(n) => len += n,
                         Err(_) => return Err(self.tampered()),
                     }
-                    self.recv_nonce += 1;
+                    self.nonce += 1;
                 }
                 out.truncate(len);
                 Ok(out)
@@ -559,15 +729,15 @@ impl<L: Link> SecureLink<L> {
             Some((&REFUSE, why)) => {
                 let why = format!("the peer ended the link: {}", String::from_utf8_lossy(why));
                 self.broken = Some((LinkError::Closed, why.clone()));
-                Err(LinkError::Closed(why))
+                Err(LinkError::Closed(why).into())
             }
             _ => Err(self.tampered()),
         }
     }
 
     /// Fails if the link failed before: a frame did not authenticate (the nonces no longer
-    /// line up), or the peer ended it.
-    fn check(&self) -> Result<(), LinkError> {
+    /// line up), or the peer ended it. A driver asks before it waits for another frame.
+    pub fn check(&self) -> Result<(), LinkError> {
         match &self.broken {
             Some((kind, why)) => Err(kind(why.clone())),
             None => Ok(()),
@@ -575,98 +745,27 @@ impl<L: Link> SecureLink<L> {
     }
 
     /// A frame that does not authenticate: tell the peer, and stay failed.
-    fn tampered(&mut self) -> LinkError {
+    fn tampered(&mut self) -> Refusal {
         let why = "a frame failed authentication (tampered, replayed, reordered or lost on \
                    the way); the link is closed"
             .to_string();
         self.broken = Some((LinkError::Io, why.clone()));
-        refuse(&mut self.inner, why.clone());
-        LinkError::Io(why)
-    }
-}
-
-struct SecureSender {
-    inner: Box<dyn LinkSender>,
-    sealer: Option<Arc<Sealer>>,
-}
-
-impl LinkSender for SecureSender {
-    fn send(&mut self, frame: Vec<u8>) -> Result<(), LinkError> {
-        match &self.sealer {
-            Some(s) => s.send(&mut *self.inner, &frame),
-            None => self.inner.send(frame),
+        Refusal {
+            send: vec![frame(REFUSE, why.as_bytes())],
+            error: LinkError::Io(why),
+            new_code: false,
         }
-    }
-}
-
-/// Sends through a [`Link`] as a [`LinkSender`] (the link's own direction).
-struct Direct<'a, L: Link>(&'a mut L);
-
-impl<L: Link> LinkSender for Direct<'_, L> {
-    fn send(&mut self, frame: Vec<u8>) -> Result<(), LinkError> {
-        self.0.send(frame)
-    }
-}
-
-impl<L: Link> Link for SecureLink<L> {
-    fn send(&mut self, frame: Vec<u8>) -> Result<(), LinkError> {
-        match self.sealer.clone() {
-            Some(s) => s.send(&mut Direct(&mut self.inner), &frame),
-            None => self.inner.send(frame),
-        }
-    }
-
-    fn recv(&mut self) -> Result<Vec<u8>, LinkError> {
-        loop {
-            if let Some(frame) = self.recv_timeout(self.silence)? {
-                return Ok(frame);
-            }
-        }
-    }
-
-    /// Waits for a frame that is not a keep-alive, up to `timeout`; a peer silent past the
-    /// deadline is lost ([`LinkError::Closed`]).
-    fn recv_timeout(&mut self, timeout: Duration) -> Result<Option<Vec<u8>>, LinkError> {
-        let until = Instant::now() + timeout;
-        loop {
-            self.check()?;
-            let lost_at = self.last_heard + self.silence;
-            let now = Instant::now();
-            if now >= lost_at {
-                return Err(LinkError::Closed(format!(
-                    "nothing from the peer for {:?}: taken as lost",
-                    self.silence
-                )));
-            }
-            if now >= until {
-                return Ok(None);
-            }
-            let Some(frame) = self.inner.recv_timeout(until.min(lost_at) - now)? else {
-                continue;
-            };
-            self.last_heard = Instant::now();
-            let frame = self.open(frame)?;
-            if !frame.is_empty() {
-                return Ok(Some(frame));
-            }
-        }
-    }
-
-    fn sender(&self) -> Box<dyn LinkSender> {
-        Box::new(SecureSender {
-            inner: self.inner.sender(),
-            sealer: self.sealer.clone(),
-        })
     }
 }
 
 #[cfg(test)]
 mod tests {
     use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::time::Instant;
 
     use super::*;
     use crate::link::keys::MAX_WRONG;
-    use crate::link::{pair, MemoryLink};
+    use crate::link::{pair, Link, LinkSender, MemoryLink};
 
     /// A helper gate: `paired` hosts known, pairing with `code` if given.
     fn gate<'a>(
@@ -934,5 +1033,240 @@ mod tests {
             "{err}"
         );
         assert!(t.elapsed() >= silence && t.elapsed() < 10 * silence);
+    }
+
+    /// The helper as a browser tab runs it: the sans-IO [`Responder`] fed the host's frames
+    /// one at a time from `link`, its answers sent back; the established session and who came
+    /// in, or the refusal (whose frames it sent).
+    fn respond(
+        link: &mut MemoryLink,
+        helper: &Keypair,
+        gate: &Gate,
+    ) -> Result<(Session, Accepted), Refusal> {
+        let mut responder = Responder::new(helper);
+        loop {
+            let frame = match link.recv_timeout(HANDSHAKE_TIMEOUT) {
+                Ok(Some(frame)) => frame,
+                Ok(None) => return Err(responder.timed_out(HANDSHAKE_TIMEOUT).into()),
+                Err(e) => return Err(e.into()),
+            };
+            match responder.read(&frame, gate) {
+                Ok(Progress::Wait { send, then }) => {
+                    for f in send {
+                        link.send(f).unwrap();
+                    }
+                    responder = then;
+                }
+                Ok(Progress::Done { send, session, who }) => {
+                    for f in send {
+                        link.send(f).unwrap();
+                    }
+                    return Ok((session, who));
+                }
+                Err(refusal) => {
+                    for f in &refusal.send {
+                        let _ = link.send(f.clone());
+                    }
+                    return Err(refusal);
+                }
+            }
+        }
+    }
+
+    type Hosted = Result<(SecureLink<MemoryLink>, Option<PublicKey>), LinkError>;
+
+    /// The real host (`connect`, on its own thread) dials `how`; the helper is [`respond`],
+    /// here. The helper's end of the link comes back for the session's frames.
+    fn meet_responder(
+        how: Dial,
+        host: &Keypair,
+        helper: &Keypair,
+        gate: &Gate,
+    ) -> (Hosted, Result<(Session, Accepted), Refusal>, MemoryLink) {
+        let (a, mut b) = pair();
+        std::thread::scope(|s| {
+            let c = s.spawn(|| connect(a, host, how));
+            let h = respond(&mut b, helper, gate);
+            (c.join().unwrap(), h, b)
+        })
+    }
+
+    /// The next frame the helper's session opens from `link`, keep-alives skipped.
+    fn open_next(session: &mut Session, link: &mut MemoryLink) -> Result<Vec<u8>, Refusal> {
+        loop {
+            let frame = session.open(link.recv().unwrap())?;
+            if !frame.is_empty() {
+                return Ok(frame);
+            }
+        }
+    }
+
+    #[test]
+    fn the_sans_io_responder_pairs_with_the_right_code_then_knows_the_host() {
+        let (host, helper) = (Keypair::generate(), Keypair::generate());
+        let code = Mutex::new(PairingCode::new());
+        let shown = code.lock().unwrap().shown();
+        let nobody = |_: &PublicKey| false;
+        let g = gate(&nobody, Some(&code));
+        let (c, h, mut b) = meet_responder(Dial::Pair(&shown), &host, &helper, &g);
+        let (mut c, helper_key) = c.unwrap();
+        let (mut session, who) = h.unwrap();
+        assert_eq!(helper_key, Some(helper.public));
+        assert_eq!(who, Accepted::Paired(host.public));
+        assert!(session.is_encrypted() && c.is_encrypted());
+        // Frames across chunk boundaries, both ways, between the blocking host and the
+        // frame-level session.
+        for n in [1, CHUNK, CHUNK + 1, 2 * CHUNK + 3] {
+            c.send(numbered(n)).unwrap();
+            assert_eq!(open_next(&mut session, &mut b).unwrap(), numbered(n));
+            b.send(session.seal(numbered(n + 1)).unwrap()).unwrap();
+            assert_eq!(c.recv().unwrap(), numbered(n + 1));
+        }
+
+        // The paired host dials the helper's key; the responder finds the host's among those
+        // it knows, with no pairing open.
+        let host_pub = host.public;
+        let known = move |k: &PublicKey| *k == host_pub;
+        let g = gate(&known, None);
+        let (c, h, mut b) = meet_responder(Dial::Known(helper.public), &host, &helper, &g);
+        let (mut c, _) = c.unwrap();
+        let (mut session, who) = h.unwrap();
+        assert_eq!(who, Accepted::Known(host.public));
+        c.send(b"hello".to_vec()).unwrap();
+        assert_eq!(open_next(&mut session, &mut b).unwrap(), b"hello");
+    }
+
+    /// The reason of a host's refusal and of the responder's, which must carry it as its
+    /// `REFUSE` frame.
+    fn refusals(c: Hosted, h: Result<(Session, Accepted), Refusal>) -> (String, Refusal) {
+        let c = refusal(c);
+        let Err(h) = h else {
+            panic!("the responder let the host in")
+        };
+        (c, h)
+    }
+
+    fn why(r: &Refusal) -> String {
+        match &r.error {
+            LinkError::Refused(why) => {
+                let last = r.send.last().expect("a REFUSE frame to send");
+                assert_eq!(last[0], REFUSE);
+                assert_eq!(&last[1..], why.as_bytes());
+                why.clone()
+            }
+            e => panic!("not a refusal: {e}"),
+        }
+    }
+
+    #[test]
+    fn the_sans_io_responder_refuses_wrong_codes_strangers_and_the_wrong_mode() {
+        let (host, helper, stranger) = (
+            Keypair::generate(),
+            Keypair::generate(),
+            Keypair::generate(),
+        );
+        let code = Mutex::new(PairingCode::new());
+        let right = code.lock().unwrap().shown();
+        let wrong = format!(
+            "{:06}",
+            (normalise_code(&right).parse::<u32>().unwrap() + 1) % 1_000_000
+        );
+        let host_pub = host.public;
+        let known = move |k: &PublicKey| *k == host_pub;
+        let g = gate(&known, Some(&code));
+
+        // Wrong codes: refused on both sides with the same reason; the last try the code
+        // takes draws a new one, and the refusal says so for the driver to show it.
+        for i in 1..=MAX_WRONG {
+            let (c, h, _) = meet_responder(Dial::Pair(&wrong), &stranger, &helper, &g);
+            let (c, h) = refusals(c, h);
+            assert!(
+                why(&h).starts_with("wrong pairing code") && c == why(&h),
+                "{c}"
+            );
+            assert_eq!(h.new_code, i == MAX_WRONG);
+            assert_eq!(code.lock().unwrap().shown() == right, i < MAX_WRONG);
+        }
+        let (c, h, _) = meet_responder(Dial::Pair(&right), &stranger, &helper, &g);
+        let (c, h) = refusals(c, h);
+        assert!(
+            c.starts_with("wrong pairing code") && !h.new_code,
+            "a new code counts anew"
+        );
+
+        // A key it has not paired with.
+        let (c, h, _) = meet_responder(Dial::Known(helper.public), &stranger, &helper, &g);
+        let (c, h) = refusals(c, h);
+        assert!(
+            c.contains("has not paired with this host") && c == why(&h),
+            "{c}"
+        );
+
+        // A plain host at a secure helper, and a secure host at a plain one.
+        let (c, h, _) = meet_responder(Dial::Insecure, &host, &helper, &g);
+        let (c, h) = refusals(c, h);
+        assert!(c.contains("without --insecure") && c == why(&h), "{c}");
+        let plain = Gate {
+            insecure: true,
+            known: &known,
+            pairing: None,
+        };
+        let (c, h, _) = meet_responder(Dial::Known(helper.public), &host, &helper, &plain);
+        let (c, h) = refusals(c, h);
+        assert!(c.contains("--insecure too") && c == why(&h), "{c}");
+
+        // Plain host, plain helper: in, and frames pass as they are.
+        let (c, h, mut b) = meet_responder(Dial::Insecure, &host, &helper, &plain);
+        let (mut c, helper_key) = c.unwrap();
+        let (mut session, who) = h.unwrap();
+        assert_eq!((helper_key, who), (None, Accepted::Insecure));
+        assert!(!session.is_encrypted());
+        c.send(b"TH plain".to_vec()).unwrap();
+        assert_eq!(open_next(&mut session, &mut b).unwrap(), b"TH plain");
+        assert_eq!(session.seal(b"TH back".to_vec()).unwrap(), b"TH back");
+    }
+
+    #[test]
+    fn a_session_fails_for_good_on_a_replayed_frame_or_the_peers_refusal() {
+        let (host, helper) = (Keypair::generate(), Keypair::generate());
+        let host_pub = host.public;
+        let known = move |k: &PublicKey| *k == host_pub;
+        let g = gate(&known, None);
+
+        // A replayed frame: refused with a REFUSE frame for the host, then failed for good.
+        let (c, h, mut b) = meet_responder(Dial::Known(helper.public), &host, &helper, &g);
+        let (mut c, _) = c.unwrap();
+        let (mut session, _) = h.unwrap();
+        c.send(numbered(10)).unwrap();
+        let sealed = loop {
+            let f = b.recv().unwrap();
+            // The frame itself, not a keep-alive: an empty frame seals to a tag alone.
+            if f.len() > 1 + TAG {
+                break f;
+            }
+            session.open(f).unwrap();
+        };
+        assert_eq!(session.open(sealed.clone()).unwrap(), numbered(10));
+        let r = session.open(sealed).unwrap_err();
+        assert!(
+            matches!(&r.error, LinkError::Io(e) if e.contains("failed authentication")),
+            "{:?}",
+            r.error
+        );
+        assert_eq!(r.send.len(), 1);
+        b.send(r.send[0].clone()).unwrap();
+        assert!(
+            matches!(c.recv(), Err(LinkError::Closed(e)) if e.contains("failed authentication"))
+        );
+        let again = session.open(numbered(5)).unwrap_err();
+        assert!(again.send.is_empty() && matches!(again.error, LinkError::Io(_)));
+
+        // The host's refusal ends the session, with nothing owed back.
+        let (c, h, _) = meet_responder(Dial::Known(helper.public), &host, &helper, &g);
+        drop(c);
+        let (mut session, _) = h.unwrap();
+        let r = session.open(frame(REFUSE, b"bye")).unwrap_err();
+        assert!(r.send.is_empty() && matches!(&r.error, LinkError::Closed(e) if e.contains("bye")));
+        assert!(session.open(Vec::new()).is_err());
     }
 }
