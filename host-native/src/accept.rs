@@ -4,30 +4,32 @@
 //! the helper, over the same paired, encrypted link, with this host as the side that lets
 //! peers in (its key store and pairing code).
 
-use std::net::SocketAddr;
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender, TrySendError};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use engine_core::link::doors::Doors;
-use engine_core::link::secure::{wire_limit, SecureLink};
-use engine_core::link::ws::{Pending, WsLink, WsListener};
-use engine_core::link::Link;
+use engine_core::link::secure::wire_limit;
+use engine_core::link::ws::WsListener;
+use engine_core::link::{Link, LinkError};
 use engine_core::protocol::{encode, Message};
 
 /// Helpers let in but not yet taken by a session, at most: a helper past them is told the
 /// host is busy, so strangers cannot pile up connections.
 const WAITING: usize = 4;
 
-/// The listening socket and the helpers that came through it.
+/// The doors helpers come in by and the helpers let in, waiting to be taken.
 pub struct Acceptor {
-    addr: SocketAddr,
+    doors: Arc<Doors>,
+    /// Where helpers dial, for messages.
+    addr: String,
+    tx: SyncSender<Joined>,
     joined: Mutex<Receiver<Joined>>,
 }
 
 /// A helper let in, with where it dialed from.
-type Joined = (SecureLink<WsLink>, SocketAddr);
+type Joined = (Box<dyn Link>, String);
 
 impl std::fmt::Debug for Acceptor {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -43,37 +45,60 @@ impl Acceptor {
             .with_context(|| format!("--accept-helpers {addr}"))?
             // A browser tab is a helper too; its links are paired like any other.
             .allow_browsers(!insecure);
-        let local = listener.local_addr();
-        let doors = Arc::new(Doors::open("host", insecure, pair_new).context("this host's keys")?);
-        let flag = if insecure { " --insecure" } else { "" };
-        eprintln!("accepting helpers on ws://{local}");
-        match doors.pairing_code() {
-            Some(code) => show_code(local, &code),
-            None if insecure => eprintln!(
-                "WARNING: --insecure: any helper that reaches {local} is taken, and can read \
-                 what crosses the link; helpers join with: tether-helper --join ws://{local}{flag}"
-            ),
-            None => eprintln!("paired helpers only (--pair-new to pair another)"),
-        }
-        let (tx, rx) = mpsc::sync_channel(WAITING);
+        let local = format!("ws://{}", listener.local_addr());
+        let acceptor = Acceptor::new(&local, insecure, pair_new)?;
+        let (doors, tx, shown) = (acceptor.doors.clone(), acceptor.tx.clone(), local.clone());
         std::thread::Builder::new()
             .name("accept-helpers".into())
             .spawn(move || loop {
                 match listener.next() {
                     Ok(pending) => {
-                        let (doors, tx) = (doors.clone(), tx.clone());
+                        let (doors, tx, shown) = (doors.clone(), tx.clone(), shown.clone());
+                        let peer = pending.peer_addr().to_string();
                         let _ = std::thread::Builder::new()
                             .name("helper-handshake".into())
-                            .spawn(move || let_in(&doors, pending, local, &tx));
+                            .spawn(move || {
+                                let ws = pending.upgrade();
+                                let_in(&doors, ws, peer, &shown, &tx)
+                            });
                     }
                     Err(e) => eprintln!("accepting a helper failed: {e}"),
                 }
             })
             .context("starting the accept thread")?;
+        Ok(acceptor)
+    }
+
+    /// Doors for helpers that dial `addr` (a URL, for messages), with no socket of their own:
+    /// links come through [`Self::offer`] (`tether serve`'s `/helper`).
+    pub fn new(addr: &str, insecure: bool, pair_new: bool) -> Result<Acceptor> {
+        let doors = Arc::new(Doors::open("host", insecure, pair_new).context("this host's keys")?);
+        let flag = if insecure { " --insecure" } else { "" };
+        eprintln!("accepting helpers on {addr}");
+        match doors.pairing_code() {
+            Some(code) => show_code(addr, &code),
+            None if insecure => eprintln!(
+                "WARNING: --insecure: any helper that reaches {addr} is taken, and can read \
+                 what crosses the link; helpers join with: tether-helper --join {addr}{flag}"
+            ),
+            None => eprintln!("paired helpers only (--pair-new to pair another)"),
+        }
+        let (tx, rx) = mpsc::sync_channel(WAITING);
         Ok(Acceptor {
-            addr: local,
+            doors,
+            addr: addr.to_string(),
+            tx,
             joined: Mutex::new(rx),
         })
+    }
+
+    /// A connection that reached this host some other way (a WebSocket upgraded by the HTTP
+    /// server): its secure handshake runs on a thread of its own.
+    pub fn offer(&self, link: impl Link + 'static, peer: String) {
+        let (doors, tx, addr) = (self.doors.clone(), self.tx.clone(), self.addr.clone());
+        let _ = std::thread::Builder::new()
+            .name("helper-handshake".into())
+            .spawn(move || let_in(&doors, Ok(link), peer, &addr, &tx));
     }
 
     /// The next helper that joins, waiting at most `wait`.
@@ -82,11 +107,10 @@ impl Acceptor {
         match joined.recv_timeout(wait) {
             Ok((link, peer)) => {
                 eprintln!("helper {peer} joined");
-                Ok(Box::new(link))
+                Ok(link)
             }
             Err(RecvTimeoutError::Timeout) => bail!(
-                "no helper joined ws://{} within {} s (start one with tether-helper --join \
-                 ws://{})",
+                "no helper joined {} within {} s (start one with tether-helper --join {})",
                 self.addr,
                 wait.as_secs(),
                 self.addr
@@ -96,22 +120,27 @@ impl Acceptor {
     }
 }
 
-fn show_code(addr: SocketAddr, code: &str) {
+fn show_code(addr: &str, code: &str) {
     eprintln!("pairing code for new helpers: {code}");
-    eprintln!("on the helper: tether-helper --join ws://{addr} --pair {code} --model ...");
+    eprintln!("on the helper: tether-helper --join {addr} --pair {code} --model ...");
 }
 
-/// One connection's WebSocket upgrade and secure handshake; a helper let in waits for a
-/// session, or is told the host is busy.
-fn let_in(doors: &Doors, pending: Pending, addr: SocketAddr, tx: &SyncSender<Joined>) {
-    let peer = pending.peer_addr();
-    let link = pending
-        .upgrade()
-        .and_then(|ws| doors.let_in(ws, &peer.to_string(), |code| show_code(addr, code)));
+/// One connection's secure handshake (after its WebSocket upgrade, `ws`); a helper let in
+/// waits for a session, or is told the host is busy.
+fn let_in<L: Link + 'static>(
+    doors: &Doors,
+    ws: Result<L, LinkError>,
+    peer: String,
+    addr: &str,
+    tx: &SyncSender<Joined>,
+) {
+    let link = ws.and_then(|ws| doors.let_in(ws, &peer, |code| show_code(addr, code)));
     match link {
-        Ok(link) => match tx.try_send((link, peer)) {
+        Ok(link) => match tx.try_send((Box::new(link), peer)) {
             Ok(()) => {}
-            Err(TrySendError::Full((mut link, _)) | TrySendError::Disconnected((mut link, _))) => {
+            Err(
+                TrySendError::Full((mut link, peer)) | TrySendError::Disconnected((mut link, peer)),
+            ) => {
                 let why = "this host has as many helpers waiting as it takes; try again later";
                 eprintln!("helper {peer}: refused: {why}");
                 let _ = link.send(encode(0, &Message::error("busy", why.to_string())));

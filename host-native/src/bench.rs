@@ -41,7 +41,7 @@ pub fn run(a: Args) -> Result<()> {
     if a.prompt_tokens == 0 {
         bail!("--prompt-tokens must be at least 1");
     }
-    a.engine.start()?;
+    a.engine.start(false)?;
     let model = load::load(&a.engine.model, &a.engine.synth, None)?.model;
     let (be, what) = a.engine.backend.make()?;
     let be = &*be;

@@ -36,7 +36,7 @@ fn parse_ids(text: &str) -> Result<Vec<u32>> {
 }
 
 pub fn run(a: Args) -> Result<()> {
-    a.engine.start()?;
+    a.engine.start(false)?;
     let text = std::fs::read_to_string(&a.ids_file)
         .with_context(|| format!("reading {}", a.ids_file.display()))?;
     let ids = parse_ids(&text).with_context(|| format!("{}", a.ids_file.display()))?;

@@ -26,10 +26,11 @@ pub struct HelperArgs {
     /// runs the tail layers of a split prefill.
     #[arg(long)]
     helper: Vec<String>,
-    /// Take a helper that dials this host (`tether-helper --join ws://ADDR`, or a browser
-    /// tab) instead of dialing one: listen on ADDR (e.g. 0.0.0.0:7342; loopback is
-    /// 127.0.0.1:7342). The host shows a pairing code for new helpers.
-    #[arg(long, value_name = "ADDR")]
+    /// Take helpers that dial this host (`tether-helper --join ws://ADDR`, or a browser tab)
+    /// instead of dialing them: listen on ADDR (e.g. 0.0.0.0:7342; loopback is
+    /// 127.0.0.1:7342). `tether serve` given no ADDR takes them on its own port at /helper.
+    /// The host shows a pairing code for new helpers.
+    #[arg(long, value_name = "ADDR", num_args = 0..=1, default_missing_value = "")]
     accept_helpers: Option<String>,
     /// With --accept-helpers: how many helpers to wait for before the first request (a server
     /// takes more as they join).
@@ -147,12 +148,39 @@ impl HelperArgs {
             .collect()
     }
 
-    /// Helpers to wait for before the first request (none without --accept-helpers).
+    /// Helpers to wait for before the model's session starts: none without --accept-helpers,
+    /// and none on `tether serve`'s own port, which listens only once the session is ready
+    /// (its first request waits for them instead: [`Self::waits_on_port`]).
     fn joining(&self) -> usize {
-        match self.accept_helpers {
+        match self.accept_helpers.as_deref() {
+            Some("") | None => 0,
             Some(_) => self.wait_helpers,
-            None => 0,
         }
+    }
+
+    /// Helpers `tether serve`'s first request waits for, when they join on its own port.
+    pub fn waits_on_port(&self) -> (usize, Duration) {
+        let n = match self.accept_helpers.as_deref() {
+            Some("") => self.wait_helpers,
+            _ => 0,
+        };
+        (n, Duration::from_secs(self.helper_wait))
+    }
+
+    /// `tether serve` with --accept-helpers and no address: where the doors for helpers
+    /// that dial its /helper will be, for its route to hand their WebSockets to (filled by
+    /// [`Self::open_on_port`] once the server knows its address).
+    pub fn port_doors(&self) -> Option<Arc<OnceLock<Acceptor>>> {
+        (self.accept_helpers.as_deref() == Some("")).then(|| self.acceptor.clone())
+    }
+
+    /// Open the doors of [`Self::port_doors`] for helpers dialing `url`.
+    pub fn open_on_port(&self, url: &str) -> Result<()> {
+        if self.port_doors().is_some() && self.acceptor.get().is_none() {
+            let a = Acceptor::new(url, self.insecure, self.pair_new)?;
+            let _ = self.acceptor.set(a);
+        }
+        Ok(())
     }
 
     /// Connect the helper from `source` (a joining one within --helper-wait) and attach it to
@@ -205,12 +233,18 @@ impl HelperArgs {
     }
 
     /// Start listening for helpers now (so a helper may join while the model loads); a no-op
-    /// without --accept-helpers.
-    pub fn listen(&self) -> Result<()> {
-        if self.accept_helpers.is_some() {
-            self.acceptor()?;
+    /// without --accept-helpers, or for helpers dialing the server's own port (`own_port`,
+    /// which opens with the server).
+    pub fn listen(&self, own_port: bool) -> Result<()> {
+        match self.accept_helpers.as_deref() {
+            None => Ok(()),
+            Some("") if own_port => Ok(()),
+            Some(_) => self.acceptor().map(|_| ()),
         }
-        Ok(())
+    }
+
+    pub fn max_frame(&self) -> usize {
+        self.max_frame
     }
 
     /// The listener of --accept-helpers, started on first use.
@@ -218,10 +252,14 @@ impl HelperArgs {
         if let Some(a) = self.acceptor.get() {
             return Ok(a);
         }
-        let addr = self
-            .accept_helpers
-            .as_deref()
-            .context("no --accept-helpers")?;
+        let addr = match self.accept_helpers.as_deref() {
+            None => bail!("no --accept-helpers"),
+            Some("") => bail!(
+                "--accept-helpers needs an address here (ADDR, e.g. 127.0.0.1:7342); only \
+                 `tether serve` takes helpers on its own port"
+            ),
+            Some(addr) => addr,
+        };
         let a = Acceptor::start(addr, self.max_frame, self.insecure, self.pair_new)?;
         // Only this session's thread starts it; a lost race keeps the first.
         Ok(self.acceptor.get_or_init(|| a))

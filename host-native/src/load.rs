@@ -34,10 +34,11 @@ pub struct EngineArgs {
 
 impl EngineArgs {
     /// What comes before the model loads: the thread pool, and the helpers' listener, so a
-    /// helper may join (and pair) while the weights are read.
-    pub fn start(&self) -> Result<()> {
+    /// helper may join (and pair) while the weights are read. `own_port`: the command serves
+    /// HTTP, where helpers may dial /helper (`--accept-helpers` with no address).
+    pub fn start(&self, own_port: bool) -> Result<()> {
         init_threads(self.threads)?;
-        self.helper.listen()
+        self.helper.listen(own_port)
     }
 }
 

@@ -41,7 +41,7 @@ pub struct Args {
 }
 
 pub fn run(a: Args) -> Result<()> {
-    a.engine.start()?;
+    a.engine.start(false)?;
     let l = load::load(&a.engine.model, &a.engine.synth, a.tokenizer.as_deref())?;
     // A vocabulary without chat markers (the presets' byte-level one) gets the prompt as is.
     let chat = !a.raw && l.tokenizer.token_id("<|im_start|>").is_some();

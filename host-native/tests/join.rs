@@ -7,6 +7,7 @@ use std::io::{BufRead, BufReader, Read};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
+use std::time::Duration;
 
 use engine_core::helper::{Helper, HelperOptions, SessionEnd};
 use engine_core::link::doors::{self, DialOptions};
@@ -118,6 +119,69 @@ impl Host {
         self.seen.extend(self.lines.iter());
         (ok, out, self.seen.join("\n"))
     }
+}
+
+/// One greedy completion of [`PROMPT`] from a `tether serve` with `extra` flags, once
+/// `before(base URL)` ran: its text and the server's metrics after it.
+fn serve_once(
+    keys: &PathBuf,
+    extra: &[&str],
+    before: impl FnOnce(&str, &mpsc::Receiver<String>),
+) -> (String, String) {
+    let mut server = tether(keys)
+        .args(["serve", "--model", "tiny", "--threads", "1", "--port", "0"])
+        .args(["--log", "warn", "--page-size", "8", "--split-min", "16"])
+        .args(["--split-ubatch", "8", "--split-layer", "4"])
+        .args(extra)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let err = server.stderr.take().unwrap();
+    let (tx, lines) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(err).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let mut first = String::new();
+    BufReader::new(server.stdout.take().unwrap())
+        .read_line(&mut first)
+        .unwrap();
+    let base = first
+        .trim()
+        .strip_prefix("listening on ")
+        .unwrap()
+        .to_string();
+    before(&base, &lines);
+    let agent: ureq::Agent = ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .build()
+        .into();
+    let body = serde_json::json!({
+        "model": "tiny", "prompt": PROMPT, "max_tokens": 12, "temperature": 0.0
+    });
+    let reply: serde_json::Value = agent
+        .post(&format!("{base}/v1/completions"))
+        .send_json(&body)
+        .unwrap()
+        .body_mut()
+        .read_json()
+        .unwrap();
+    let metrics = agent
+        .get(&format!("{base}/metrics"))
+        .call()
+        .unwrap()
+        .body_mut()
+        .read_to_string()
+        .unwrap();
+    let _ = server.kill();
+    let _ = server.wait();
+    let text = reply["choices"][0]["text"].as_str();
+    (
+        text.unwrap_or_else(|| panic!("{reply}")).to_string(),
+        metrics,
+    )
 }
 
 /// A helper joining the host at `url` (keys in this process's TETHER_CONFIG_DIR), serving
@@ -261,6 +325,49 @@ fn a_helper_that_dials_in_pairs_once_and_gives_the_host_alone_tokens() {
     for h in helpers {
         assert!(h.join().unwrap().is_ok());
     }
+
+    // `tether serve` takes helpers on its own port, at /helper; its first request waits for
+    // one, which then holds pages; the completion equals the server alone's.
+    let (want, _) = serve_once(&host_keys, &[], |_, _| {});
+    let accept = [
+        "--accept-helpers",
+        "--pair-new",
+        "--helper-wait",
+        "60",
+        "--host-kv-tokens",
+        "16",
+    ];
+    let mut helper = None;
+    let (text, metrics) = serve_once(&host_keys, &accept, |base, lines| {
+        // A new address for the helper: it pairs by the code the server shows.
+        let code = std::iter::from_fn(|| lines.recv_timeout(Duration::from_secs(60)).ok())
+            .find_map(|l| {
+                Some(
+                    l.strip_prefix("pairing code for new helpers: ")?
+                        .to_string(),
+                )
+            })
+            .expect("the server shows a pairing code");
+        let url = format!("{}/helper", base.replace("http://", "ws://"));
+        helper = Some(join(&url, Some(&code)));
+    });
+    assert_eq!(text, want);
+    assert!(metrics.contains("tether_helpers_attached 1"), "{metrics}");
+    let pages: f64 = metrics
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("tether_helper_pages{helper=\"0\"} ")?
+                .parse()
+                .ok()
+        })
+        .unwrap_or_else(|| panic!("{metrics}"));
+    assert!(pages > 0.0, "{metrics}");
+    let helper = helper.unwrap();
+    let end = helper.join().unwrap();
+    assert!(
+        matches!(end, Ok(SessionEnd::Closed(_) | SessionEnd::Bye)),
+        "{end:?}"
+    );
     for d in [helper_keys, host_keys] {
         let _ = std::fs::remove_dir_all(d);
     }

@@ -24,7 +24,6 @@ use axum::Router;
 use http_body_util::LengthLimitError;
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};
-use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 use tower::ServiceExt;
@@ -48,7 +47,9 @@ pub async fn serve(
     router: Router,
     shutdown: impl Future<Output = ()>,
 ) -> Result<()> {
-    let graceful = GracefulShutdown::new();
+    // Set once to stop: every connection then finishes the request it serves and closes.
+    // (hyper-util's GracefulShutdown takes no connection that can upgrade, as /helper's does.)
+    let (stop, stopping) = tokio::sync::watch::channel(false);
     let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
     let mut shutdown = std::pin::pin!(shutdown);
     loop {
@@ -76,15 +77,29 @@ pub async fn serve(
         let mut http = hyper::server::conn::http1::Builder::new();
         http.timer(TokioTimer::new())
             .header_read_timeout(HEAD_TIMEOUT);
-        let conn = graceful.watch(http.serve_connection(TokioIo::new(stream), service));
+        let mut stopping = stopping.clone();
         tokio::spawn(async move {
-            if let Err(e) = conn.await {
+            // Upgrades: a helper's WebSocket at /helper.
+            let conn = http
+                .serve_connection(TokioIo::new(stream), service)
+                .with_upgrades();
+            let mut conn = std::pin::pin!(conn);
+            let ended = tokio::select! {
+                ended = conn.as_mut() => ended,
+                _ = stopping.changed() => {
+                    conn.as_mut().graceful_shutdown();
+                    conn.await
+                }
+            };
+            if let Err(e) = ended {
                 debug!("connection ended: {e}");
             }
             drop(slot);
         });
     }
-    graceful.shutdown().await;
+    let _ = stop.send(true);
+    // Every connection's slot back: all of them have finished.
+    let _ = slots.acquire_many(MAX_CONNECTIONS as u32).await;
     Ok(())
 }
 

@@ -38,16 +38,20 @@ pub struct Helpers {
     every: Duration,
     next_try: Instant,
     pending: Option<Attempt>,
+    /// Helpers the first request waits for, and how long (`--wait-helpers` on the server's
+    /// own port, where none can join before it listens).
+    first: Option<(usize, Duration)>,
 }
 
 impl Helpers {
     pub fn new(args: HelperArgs, attached: Vec<Attached>, every: Duration) -> Helpers {
         Helpers {
-            args,
             attached: Arc::new(Mutex::new(attached)),
             every,
             next_try: Instant::now(),
             pending: None,
+            first: Some(args.waits_on_port()).filter(|(n, _)| *n > 0),
+            args,
         }
     }
 
@@ -67,9 +71,17 @@ impl Helpers {
         self.list()
             .retain(|a| a.source != Source::Joined || live.contains(&a.id));
         let mut added = 0;
+        let (wait_for, deadline) = match self.first.take() {
+            Some((n, wait)) => (n, Instant::now() + wait),
+            None => (0, Instant::now()),
+        };
         while self.args.sources().1 && state.helpers.len() < MAX_HELPERS {
             let stats = StatsHandle::default();
-            let Ok(link) = self.args.connect(&Source::Joined, &stats, Duration::ZERO) else {
+            let wait = match state.helpers.len() < wait_for {
+                true => deadline.saturating_duration_since(Instant::now()),
+                false => Duration::ZERO,
+            };
+            let Ok(link) = self.args.connect(&Source::Joined, &stats, wait) else {
                 break;
             };
             added += usize::from(self.attach(model, state, page_size, link, Source::Joined, stats));

@@ -16,6 +16,7 @@ mod cross_site;
 mod engine;
 #[cfg(test)]
 mod fuzz_bodies;
+mod helper_socket;
 mod helpers;
 mod memory;
 mod metrics;
@@ -119,7 +120,7 @@ fn model_id(spec: &str) -> String {
 
 pub fn run(a: Args) -> Result<()> {
     terminal::init_logging(&a.log)?;
-    a.engine.start()?;
+    a.engine.start(true)?;
     if a.engine.page_size == 0 || a.ubatch == 0 {
         bail!("--page-size and --ubatch must be at least 1");
     }
@@ -218,6 +219,8 @@ pub fn run(a: Args) -> Result<()> {
         cors: Arc::new(Cors::new(&a.cors)?),
         metrics: metrics.clone(),
         helpers: helpers.as_ref().map(Helpers::shared),
+        acceptor: a.engine.helper.port_doors(),
+        helper_frame: a.engine.helper.max_frame(),
         timeout: Duration::from_secs(a.timeout),
         next_id: AtomicU64::new(0),
     });
@@ -262,6 +265,9 @@ pub fn run(a: Args) -> Result<()> {
         // The first stdout line, for scripts and tests that started us on port 0.
         println!("listening on http://{addr}");
         std::io::stdout().flush()?;
+        a.engine
+            .helper
+            .open_on_port(&format!("ws://{addr}/helper"))?;
         let load = app.queue.load();
         info!(
             "serving `{}` on http://{addr}/v1 (queue {} requests, {} MiB; time limit {} s)",

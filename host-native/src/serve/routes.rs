@@ -7,7 +7,13 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use crate::accept::Acceptor;
 use crate::helper::Attached;
+use axum::extract::ws::rejection::WebSocketUpgradeRejection;
+use axum::extract::ws::WebSocketUpgrade;
+use engine_core::link::secure::wire_limit;
+
+use super::helper_socket::SocketLink;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, Path, Request, State};
@@ -57,6 +63,10 @@ pub struct App {
     pub tokenisers: Semaphore,
     pub cors: Arc<Cors>,
     pub metrics: Arc<Metrics>,
+    /// Where helpers that dial `/helper` come in (`--accept-helpers` with no address).
+    pub acceptor: Option<Arc<std::sync::OnceLock<Acceptor>>>,
+    /// The helpers' frame limit (`--max-frame`).
+    pub helper_frame: usize,
     /// The helpers and their links' traffic, with `--helper` or `--accept-helpers`.
     pub helpers: Option<Arc<std::sync::Mutex<Vec<Attached>>>>,
     pub timeout: Duration,
@@ -71,6 +81,7 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/v1/models/{id}", get(model))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
+        .route("/helper", get(helper))
         .fallback(|| async { ApiError::not_found("no such endpoint").with_code("unknown_url") })
         .method_not_allowed_fallback(|| async {
             ApiError::new(
@@ -552,6 +563,37 @@ async fn health(State(app): State<Arc<App>>) -> Response {
         "state_bytes": app.footprint.fixed,
     }))
     .into_response()
+}
+
+/// A helper dialing this server (`tether-helper --join ws://HOST:PORT/helper`, a browser tab):
+/// the WebSocket upgrade, then the secure handshake with the doors of `--accept-helpers`.
+async fn helper(
+    State(app): State<Arc<App>>,
+    ws: Result<WebSocketUpgrade, WebSocketUpgradeRejection>,
+) -> Response {
+    let Some(acceptor) = app.acceptor.clone().filter(|a| a.get().is_some()) else {
+        return ApiError::not_found(
+            "this server takes no helpers on its port: start it with --accept-helpers",
+        )
+        .with_code("no_helpers")
+        .into_response();
+    };
+    let Ok(ws) = ws else {
+        return ApiError::invalid("/helper is a WebSocket for helpers to dial")
+            .with_code("not_a_websocket")
+            .into_response();
+    };
+    let limit = wire_limit(app.helper_frame);
+    ws.max_message_size(limit)
+        .max_frame_size(limit)
+        .on_upgrade(move |socket| async move {
+            if let Some(acceptor) = acceptor.get() {
+                acceptor.offer(
+                    SocketLink::start(socket, limit),
+                    "a helper on /helper".into(),
+                );
+            }
+        })
 }
 
 async fn metrics(State(app): State<Arc<App>>) -> Response {
