@@ -270,50 +270,82 @@ fn page(www: &str, host: &str, code: &str, backend: &str) -> String {
     format!("http://{www}/helper.html?host={host}&code={code}&backend={backend}&join=1")
 }
 
-#[test]
-fn a_browser_tab_pairs_helps_and_gives_the_host_alone_tokens() {
-    if !browser_ready() {
-        return;
-    }
+/// A host run with `flags` and one tab on `backend` that pairs with its code: the host's
+/// stdout and stderr, and the tab's report. Panics unless the host finished and its tokens
+/// equal the host alone's (run with `flags`' page size).
+fn with_a_tab(flags: &[&str], backend: &str) -> (String, Tab) {
     let www = serve_static(repo().join("wasm-demo/www"));
-    let host_keys = scratch("host-keys");
+    let host_keys = scratch(&format!("host-keys-{backend}"));
     let alone = alone(&host_keys);
-
     let accept = [
-        SPLIT,
+        flags,
         &["--accept-helpers", "127.0.0.1:0", "--helper-wait", "120"],
     ]
     .concat();
     let mut host = Host::start(&host_keys, &accept);
     let url = host.wait_for("accepting helpers on ");
     let code = host.wait_for("pairing code for new helpers: ");
-    let node = tabs(&[page(&www, &url, &code, "cpu")]);
+    let node = tabs(&[page(&www, &url, &code, backend)]);
     let (ok, out, err) = host.finish();
     let tabs = reports(node);
+    let _ = std::fs::remove_dir_all(host_keys);
     eprintln!("the tab: {tabs:?}");
     assert!(ok, "{err}\nthe tab: {tabs:?}");
     assert_eq!(
         out, alone,
         "tokens with a browser tab as helper vs the host alone\n{err}\nthe tab: {tabs:?}"
     );
-    assert!(
-        err.contains("ubatches ran their tail layers on the helper"),
-        "{err}"
-    );
     let line = err
         .lines()
         .find(|l| l.starts_with("link to helper 0 (a helper that joined"))
         .unwrap_or_else(|| panic!("no link line for the tab: {err}"));
     assert!(!line.contains(" 0 pages held"), "{line}");
-    let [tab] = &tabs[..] else {
-        panic!("one tab, one report: {tabs:?}")
-    };
+    let [tab] = <[Tab; 1]>::try_from(tabs).expect("one tab, one report");
     assert_eq!(tab.state, "ended", "{}", tab.status);
-    assert!(tab.chunks > 0 && tab.queries > 0, "{tab:?}");
-    assert!(!tab.backend.is_empty() && tab.backend != "-", "{tab:?}");
+    assert!(tab.queries > 0, "{tab:?}");
     eprintln!(
         "the tab ran on {}, {} pages held at the end",
         tab.backend, tab.pages
     );
-    let _ = std::fs::remove_dir_all(host_keys);
+    (err, tab)
+}
+
+/// The whole flow on the tab's CPU backend: pairing, the split prefill's tail layers, pages
+/// and attention in the tab.
+#[test]
+fn a_browser_tab_pairs_helps_and_gives_the_host_alone_tokens() {
+    if !browser_ready() {
+        return;
+    }
+    let (err, tab) = with_a_tab(SPLIT, "cpu");
+    assert!(
+        err.contains("ubatches ran their tail layers on the helper"),
+        "{err}"
+    );
+    assert!(tab.chunks > 0, "{tab:?}");
+    assert_eq!(tab.backend, "cpu");
+}
+
+/// Pages and attention on the page's WebGPU (SwiftShader in headless Chromium), or on the
+/// CPU where the browser gives no adapter (the report says which ran).
+#[test]
+fn a_tab_holds_pages_and_answers_attention_on_webgpu() {
+    if !browser_ready() {
+        return;
+    }
+    let (_, tab) = with_a_tab(&SPLIT[..4], "auto");
+    eprintln!("backend of the WebGPU tab test: {}", tab.backend);
+}
+
+/// Known failure: the split prefill's tail layers on the tab's WebGPU give other tokens than
+/// the host alone (attention over pages on WebGPU gives the same; so do the same tail layers
+/// on the tab's CPU, and on a native GPU host). Run it with `--ignored` to see.
+#[test]
+#[ignore = "the tail layers on a tab's WebGPU (SwiftShader) change the tokens: see the doc"]
+fn a_tab_runs_the_tail_layers_on_webgpu_with_the_host_alone_tokens() {
+    if !browser_ready() {
+        return;
+    }
+    let (_, tab) = with_a_tab(SPLIT, "gpu");
+    assert!(tab.chunks > 0, "{tab:?}");
 }
