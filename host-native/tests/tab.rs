@@ -13,7 +13,17 @@ use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
+use std::thread::JoinHandle;
 use std::time::Duration;
+
+use engine_core::helper::{Helper, HelperOptions, SessionEnd};
+use engine_core::link::doors;
+use engine_core::link::keys::KeyStore;
+use engine_core::link::secure::wire_limit;
+use engine_core::link::ws;
+use engine_core::link::LinkError;
+use engine_core::remote::DEFAULT_MAX_FRAME;
+use engine_core::CpuBackend;
 
 /// Long enough to split its prefill and move pages to the helper with the flags below (the
 /// prompt of host-native/tests/join.rs).
@@ -146,7 +156,9 @@ fn tether(keys: &Path) -> Command {
     c
 }
 
-fn run_args(extra: &[&str]) -> Vec<String> {
+/// `tether run` on the tiny model, greedy, `tokens` tokens.
+fn run_args(extra: &[&str], tokens: u32) -> Vec<String> {
+    let tokens = tokens.to_string();
     let base = [
         "run",
         "--model",
@@ -156,7 +168,7 @@ fn run_args(extra: &[&str]) -> Vec<String> {
         "--prompt",
         PROMPT,
         "--max-tokens",
-        "12",
+        &tokens,
     ];
     base.iter().chain(extra).map(|s| s.to_string()).collect()
 }
@@ -170,9 +182,9 @@ struct Host {
 }
 
 impl Host {
-    fn start(keys: &Path, extra: &[&str]) -> Host {
+    fn start(keys: &Path, extra: &[&str], tokens: u32) -> Host {
         let mut child = tether(keys)
-            .args(run_args(extra))
+            .args(run_args(extra, tokens))
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
@@ -231,15 +243,43 @@ struct Tab {
     chunks: u64,
 }
 
-/// Opens one page per URL in headless Chromium (tab.mjs) until each session ends.
-fn tabs(pages: &[String]) -> Child {
-    Command::new("node")
-        .arg(repo().join("wasm-demo/tests/tab.mjs"))
+/// Opens one page per URL in headless Chromium (tab.mjs) until each session ends; with
+/// `close_after`, the first page is closed once it answered that many attention queries.
+fn tabs(pages: &[String], close_after: Option<u32>) -> Child {
+    let mut node = Command::new("node");
+    node.arg(repo().join("wasm-demo/tests/tab.mjs"))
         .args(pages)
         .env("CHROMIUM", chromium())
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap()
+        .stdout(Stdio::piped());
+    if let Some(n) = close_after {
+        node.env("TAB_CLOSE_AFTER_QUERIES", n.to_string());
+    }
+    node.spawn().unwrap()
+}
+
+/// A helper joining from this process as `tether-helper --join` does (keys in `keys`): pairs
+/// with `code`, then serves one session on a thread.
+fn native_helper(
+    url: &str,
+    code: &str,
+    keys: PathBuf,
+) -> JoinHandle<Result<SessionEnd, LinkError>> {
+    let (url, code) = (url.to_string(), code.to_string());
+    std::thread::spawn(move || {
+        let model = engine_core::source::load_model("tiny", &Default::default()).unwrap();
+        let mut store = KeyStore::open(&keys, "helper")?;
+        let ws = ws::connect(&url, wire_limit(DEFAULT_MAX_FRAME))?;
+        let mut link = doors::pair_with(&url, ws, &mut store, &code, "host")?;
+        let helper = Helper::new(
+            &model,
+            &CpuBackend,
+            HelperOptions {
+                mem_budget: 1 << 30,
+                max_frame: DEFAULT_MAX_FRAME,
+            },
+        );
+        Ok(helper.serve(&mut link))
+    })
 }
 
 /// The pages' reports, once tab.mjs is done.
@@ -253,8 +293,11 @@ fn reports(node: Child) -> Vec<Tab> {
 }
 
 /// The host alone's tokens.
-fn alone(keys: &Path) -> String {
-    let alone = tether(keys).args(run_args(&SPLIT[..2])).output().unwrap();
+fn alone(keys: &Path, tokens: u32) -> String {
+    let alone = tether(keys)
+        .args(run_args(&SPLIT[..2], tokens))
+        .output()
+        .unwrap();
     assert!(
         alone.status.success(),
         "{}",
@@ -270,44 +313,95 @@ fn page(www: &str, host: &str, code: &str, backend: &str) -> String {
     format!("http://{www}/helper.html?host={host}&code={code}&backend={backend}&join=1")
 }
 
-/// A host run with `flags` and one tab on `backend` that pairs with its code: the host's
-/// stdout and stderr, and the tab's report. Panics unless the host finished and its tokens
-/// equal the host alone's (run with `flags`' page size).
-fn with_a_tab(flags: &[&str], backend: &str) -> (String, Tab) {
+/// Who helps a host in [`with_helpers`].
+struct Helpers<'a> {
+    /// One tab per entry, on that backend (auto, gpu or cpu).
+    tabs: &'a [&'a str],
+    /// A helper that joins from this process too.
+    native: bool,
+    /// Close the first tab once it answered this many attention queries.
+    close_after: Option<u32>,
+    /// Tokens the host generates.
+    tokens: u32,
+}
+
+/// A host run with `flags`, joined by `who`, each pairing with the code the host shows. Panics
+/// unless the host finished, its tokens equal the host alone's (run with `flags`' page size)
+/// and every helper held pages; returns the host's stderr and the tabs' reports.
+fn with_helpers(flags: &[&str], who: Helpers) -> (String, Vec<Tab>) {
     let www = serve_static(repo().join("wasm-demo/www"));
-    let host_keys = scratch(&format!("host-keys-{backend}"));
-    let alone = alone(&host_keys);
+    let name = format!("{}-{}", who.tabs.join("-"), who.native);
+    let host_keys = scratch(&format!("host-keys-{name}"));
+    let alone = alone(&host_keys, who.tokens);
+    let n = who.tabs.len() + usize::from(who.native);
+    let wait = n.to_string();
     let accept = [
         flags,
         &["--accept-helpers", "127.0.0.1:0", "--helper-wait", "120"],
+        &["--wait-helpers", &wait, "--pair-new"],
     ]
     .concat();
-    let mut host = Host::start(&host_keys, &accept);
+    let mut host = Host::start(&host_keys, &accept, who.tokens);
     let url = host.wait_for("accepting helpers on ");
     let code = host.wait_for("pairing code for new helpers: ");
-    let node = tabs(&[page(&www, &url, &code, backend)]);
+    let pages: Vec<String> = who
+        .tabs
+        .iter()
+        .map(|b| page(&www, &url, &code, b))
+        .collect();
+    let node = tabs(&pages, who.close_after);
+    let native = who
+        .native
+        .then(|| native_helper(&url, &code, scratch(&format!("helper-keys-{name}"))));
     let (ok, out, err) = host.finish();
     let tabs = reports(node);
+    let native = native.map(|h| h.join().unwrap());
     let _ = std::fs::remove_dir_all(host_keys);
-    eprintln!("the tab: {tabs:?}");
-    assert!(ok, "{err}\nthe tab: {tabs:?}");
+    eprintln!("the tabs: {tabs:?}; the native helper: {native:?}");
+    assert!(ok, "{err}\nthe tabs: {tabs:?}");
     assert_eq!(
         out, alone,
-        "tokens with a browser tab as helper vs the host alone\n{err}\nthe tab: {tabs:?}"
+        "tokens with browser tabs as helpers vs the host alone\n{err}\nthe tabs: {tabs:?}"
     );
-    let line = err
-        .lines()
-        .find(|l| l.starts_with("link to helper 0 (a helper that joined"))
-        .unwrap_or_else(|| panic!("no link line for the tab: {err}"));
-    assert!(!line.contains(" 0 pages held"), "{line}");
-    let [tab] = <[Tab; 1]>::try_from(tabs).expect("one tab, one report");
-    assert_eq!(tab.state, "ended", "{}", tab.status);
-    assert!(tab.queries > 0, "{tab:?}");
-    eprintln!(
-        "the tab ran on {}, {} pages held at the end",
-        tab.backend, tab.pages
+    // A tab closed mid-decode holds nothing at the end (its pages went back to the page file).
+    for id in (0..n).filter(|_| who.close_after.is_none()) {
+        let line = err
+            .lines()
+            .find(|l| l.starts_with(&format!("link to helper {id} (a helper that joined")))
+            .unwrap_or_else(|| panic!("no link line for helper {id}: {err}"));
+        assert!(!line.contains(" 0 pages held"), "{line}");
+    }
+    assert!(
+        matches!(
+            native,
+            None | Some(Ok(SessionEnd::Bye | SessionEnd::Closed(_)))
+        ),
+        "{native:?}"
     );
-    (err, tab)
+    assert_eq!(tabs.len(), who.tabs.len(), "{tabs:?}");
+    for (tab, backend) in tabs.iter().zip(who.tabs) {
+        let closed = who.close_after.is_some() && std::ptr::eq(tab, &tabs[0]);
+        let want = if closed { "closed" } else { "ended" };
+        assert_eq!(tab.state, want, "{}", tab.status);
+        assert!(tab.queries > 0, "{tab:?}");
+        if *backend == "cpu" {
+            assert_eq!(tab.backend, "cpu");
+        }
+        eprintln!(
+            "a tab ran on {}: {} pages held at the end, {} queries, {} prefill chunks",
+            tab.backend, tab.pages, tab.queries, tab.chunks
+        );
+    }
+    (err, tabs)
+}
+
+fn tabs_on<'a>(backends: &'a [&'a str]) -> Helpers<'a> {
+    Helpers {
+        tabs: backends,
+        native: false,
+        close_after: None,
+        tokens: 12,
+    }
 }
 
 /// The whole flow on the tab's CPU backend: pairing, the split prefill's tail layers, pages
@@ -317,24 +411,22 @@ fn a_browser_tab_pairs_helps_and_gives_the_host_alone_tokens() {
     if !browser_ready() {
         return;
     }
-    let (err, tab) = with_a_tab(SPLIT, "cpu");
+    let (err, tabs) = with_helpers(SPLIT, tabs_on(&["cpu"]));
     assert!(
         err.contains("ubatches ran their tail layers on the helper"),
         "{err}"
     );
-    assert!(tab.chunks > 0, "{tab:?}");
-    assert_eq!(tab.backend, "cpu");
+    assert!(tabs[0].chunks > 0, "{tabs:?}");
 }
 
 /// Pages and attention on the page's WebGPU (SwiftShader in headless Chromium), or on the
-/// CPU where the browser gives no adapter (the report says which ran).
+/// CPU where the browser gives no adapter (the output says which ran).
 #[test]
 fn a_tab_holds_pages_and_answers_attention_on_webgpu() {
     if !browser_ready() {
         return;
     }
-    let (_, tab) = with_a_tab(&SPLIT[..4], "auto");
-    eprintln!("backend of the WebGPU tab test: {}", tab.backend);
+    with_helpers(&SPLIT[..4], tabs_on(&["auto"]));
 }
 
 /// Known failure: the split prefill's tail layers on the tab's WebGPU give other tokens than
@@ -346,6 +438,49 @@ fn a_tab_runs_the_tail_layers_on_webgpu_with_the_host_alone_tokens() {
     if !browser_ready() {
         return;
     }
-    let (_, tab) = with_a_tab(SPLIT, "gpu");
-    assert!(tab.chunks > 0, "{tab:?}");
+    let (_, tabs) = with_helpers(SPLIT, tabs_on(&["gpu"]));
+    assert!(tabs[0].chunks > 0, "{tabs:?}");
+}
+
+/// Two tabs at once: the pages spread over both, the same tokens.
+#[test]
+fn two_tabs_at_once_give_the_host_alone_tokens() {
+    if !browser_ready() {
+        return;
+    }
+    with_helpers(SPLIT, tabs_on(&["cpu", "cpu"]));
+}
+
+/// A tab and a native helper together.
+#[test]
+fn a_tab_and_a_native_helper_give_the_host_alone_tokens() {
+    if !browser_ready() {
+        return;
+    }
+    let who = Helpers {
+        native: true,
+        ..tabs_on(&["cpu"])
+    };
+    with_helpers(SPLIT, who);
+}
+
+/// A tab closed while the host decodes with pages on it: the host attends them from its page
+/// file and finishes with the host-alone tokens.
+#[test]
+fn a_tab_closed_mid_decode_costs_no_tokens() {
+    if !browser_ready() {
+        return;
+    }
+    // Long enough a decode that the tab is closed well before its end.
+    let who = Helpers {
+        close_after: Some(4),
+        tokens: 200,
+        ..tabs_on(&["cpu"])
+    };
+    let (err, tabs) = with_helpers(&SPLIT[..4], who);
+    assert!(err.contains("a helper was lost"), "{err}");
+    assert!(
+        tabs[0].pages > 0,
+        "the tab held no pages when closed: {tabs:?}"
+    );
 }
