@@ -3,8 +3,8 @@
 //! Linear weights, decay parameters in the ranges real checkpoints use) so activations stay
 //! healthy through every layer and benchmarks exercise realistic numbers.
 
-use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
+use rand_xoshiro::Xoshiro256PlusPlus;
 use rayon::prelude::*;
 
 use crate::config::{LayerKind, ModelConfig, MAX_LAYERS};
@@ -78,7 +78,10 @@ enum Init {
 /// number of threads.
 const CHUNK: usize = 1 << 20;
 
-/// `n` seeded values stored as `dtype`, generated a chunk at a time so no f32 copy of a large
+/// `n` seeded values stored as `dtype`. The generator is named, not `SmallRng`: that one is
+/// another algorithm on 32-bit targets (wasm32), where a browser tab that helps generates the
+/// same preset as its host and must get the same weights (Xoshiro256++ is what `SmallRng` is
+/// on 64-bit targets, so native weights did not change)., generated a chunk at a time so no f32 copy of a large
 /// tensor is ever held (the 0.8B embedding alone would be 1 GB in f32).
 fn fill(name: &str, n: usize, init: &Init, seed: u64, dtype: DType) -> Data {
     // FNV-1a of the name separates the tensors' streams.
@@ -86,7 +89,7 @@ fn fill(name: &str, n: usize, init: &Init, seed: u64, dtype: DType) -> Data {
         (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
     });
     let chunk_values = |i: usize, chunk: &mut [f32]| {
-        let mut rng = SmallRng::seed_from_u64(
+        let mut rng = Xoshiro256PlusPlus::seed_from_u64(
             seed ^ name_hash ^ (i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15),
         );
         match *init {
@@ -289,4 +292,26 @@ pub fn write_hf_dir(
     let text = serde_json::to_string_pretty(&cfg).expect("a JSON value serialises");
     std::fs::write(&path, text).map_err(|e| Error::io(&path, e))?;
     crate::weights::save_safetensors(tensors, &dir.join("model.safetensors"))
+}
+
+#[cfg(test)]
+mod tests {
+    use rand::rngs::SmallRng;
+    use rand::{Rng, SeedableRng};
+    use rand_xoshiro::Xoshiro256PlusPlus;
+
+    /// The named generator is `SmallRng` as it was on 64-bit targets: presets' weights (and
+    /// whatever was measured or compared with them) are unchanged there.
+    #[cfg(target_pointer_width = "64")]
+    #[test]
+    fn the_weights_generator_is_small_rng_of_64_bit_targets() {
+        for seed in [0u64, 1, 0x9e37_79b9_7f4a_7c15, u64::MAX] {
+            let mut named = Xoshiro256PlusPlus::seed_from_u64(seed);
+            let mut small = SmallRng::seed_from_u64(seed);
+            for _ in 0..1000 {
+                assert_eq!(named.random::<f32>(), small.random::<f32>());
+                assert_eq!(named.random::<u64>(), small.random::<u64>());
+            }
+        }
+    }
 }

@@ -1,2 +1,15 @@
-//! The browser demo. Empty until the split and the wgpu backend exist; CI builds `engine-core`
-//! for `wasm32-unknown-unknown` so the engine stays portable in the meantime.
+//! tether in the browser: a tab that joins a host as a helper (www/helper.html). It dials the
+//! host's `--accept-helpers` address with the browser's WebSocket, pairs with the code the host
+//! shows (then remembers the host's key), holds KV pages and answers attention on the page's
+//! WebGPU (the CPU backend where there is none) and runs the tail layers of a split prefill,
+//! all through engine-core's helper runtime.
+//!
+//! The weights come from a preset (`tiny`), generated from its seed as `tether run --model
+//! tiny` does; fetching a real checkpoint's tensors over HTTP is a later step.
+
+pub mod pump;
+#[cfg(target_arch = "wasm32")]
+mod tab;
+
+#[cfg(target_arch = "wasm32")]
+pub use tab::TabHelper;

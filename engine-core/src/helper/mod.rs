@@ -18,6 +18,7 @@ use std::sync::{Arc, Mutex};
 
 use crate::backend::Backend;
 use crate::link::{Link, LinkError};
+use crate::model::LayerState;
 use crate::protocol::{decode, encode, Configure, Intro, Message, MsgType, Role, PROTOCOL_VERSION};
 use crate::{Model, State};
 
@@ -93,13 +94,28 @@ impl Held {
 
     /// Message counts and the bytes held.
     fn stats(&self) -> Message {
+        Message::Stats(self.counters())
+    }
+
+    /// Message counts, the bytes held and the KV pages held.
+    fn counters(&self) -> BTreeMap<String, u64> {
         let mut counters = self.counters.clone();
         let kv: usize = self.seqs.values().map(State::kv_bytes).sum();
         let delta: usize = self.seqs.values().map(State::delta_bytes).sum();
         counters.insert("kv_bytes".into(), kv as u64);
         counters.insert("delta_state_bytes".into(), delta as u64);
         counters.insert("held_bytes".into(), held_bytes(&self.seqs));
-        Message::Stats(counters)
+        let pages: usize = self
+            .seqs
+            .values()
+            .flat_map(|s| &s.layers)
+            .map(|l| match l {
+                LayerState::Attention(kv) => kv.pages().len(),
+                LayerState::DeltaNet(_) | LayerState::Elsewhere => 0,
+            })
+            .sum();
+        counters.insert("kv_pages".into(), pages as u64);
+        counters
     }
 }
 
@@ -239,6 +255,12 @@ pub struct Session<'h, 'a> {
 }
 
 impl Session<'_, '_> {
+    /// What a Stats request would answer now: frames by message type, the bytes held and the
+    /// KV pages held. For a driver that shows its helper's work (a browser tab's page).
+    pub fn counters(&self) -> BTreeMap<String, u64> {
+        self.held.counters()
+    }
+
     /// The host's next frame. A frame that does not decode, or a handshake that fails, ends
     /// the session with an Error frame; a request that cannot be served gets an Error reply
     /// and the session goes on.

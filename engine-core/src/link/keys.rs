@@ -42,13 +42,14 @@ pub fn short(key: &PublicKey) -> String {
     key[..4].iter().map(|b| format!("{b:02x}")).collect()
 }
 
-#[cfg(not(target_arch = "wasm32"))]
-fn hex(bytes: &[u8]) -> String {
+/// Keys as the key store writes them (lowercase hex); a browser tab keeps its keys the same
+/// way in its page's storage.
+pub fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-#[cfg(not(target_arch = "wasm32"))]
-fn unhex(s: &str) -> Option<[u8; 32]> {
+/// A key written by [`hex`]; `None` if `s` is not 64 hex digits.
+pub fn unhex(s: &str) -> Option<[u8; 32]> {
     let s = s.trim();
     if s.len() != 64 {
         return None;

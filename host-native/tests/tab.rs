@@ -1,0 +1,486 @@
+//! A browser tab as a helper: `tether run --accept-helpers` as a user runs it, and headless
+//! Chromium opening wasm-demo/www/helper.html with the host's address and pairing code in the
+//! query string (wasm-demo/tests/tab.mjs, playwright-core). The tab dials the host with the
+//! browser's WebSocket, pairs, holds pages and runs the tail layers of the split prefill; the
+//! host's tokens equal the host alone's.
+//!
+//! Needs the built page (scripts/build-wasm.sh), wasm-demo's node modules (`npm ci` in
+//! wasm-demo), node and Chromium. Without them the test says so and passes, unless
+//! TETHER_BROWSER_TESTS=1 (CI) makes it fail.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use engine_core::helper::{Helper, HelperOptions, SessionEnd};
+use engine_core::link::doors;
+use engine_core::link::keys::KeyStore;
+use engine_core::link::secure::wire_limit;
+use engine_core::link::ws;
+use engine_core::link::LinkError;
+use engine_core::remote::DEFAULT_MAX_FRAME;
+use engine_core::CpuBackend;
+
+/// Long enough to split its prefill and move pages to the helper with the flags below (the
+/// prompt of host-native/tests/join.rs).
+const PROMPT: &str = "The quick brown fox jumps over the lazy dog while the cat watches from \
+                      the warm windowsill and the birds sing in the tall green trees";
+
+/// Pages beyond 16 positions leave the host, and a prompt of more than 16 tokens prefills split
+/// in 8-token ubatches, layers 4.. on the helper.
+const SPLIT: &[&str] = &[
+    "--page-size",
+    "8",
+    "--host-kv-tokens",
+    "16",
+    "--split-min",
+    "16",
+    "--split-ubatch",
+    "8",
+    "--split-layer",
+    "4",
+];
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+fn chromium() -> PathBuf {
+    std::env::var_os("CHROMIUM")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| "/usr/bin/chromium".into())
+}
+
+/// What the browser test needs and is missing, with how to get it.
+fn missing() -> Vec<String> {
+    let www = repo().join("wasm-demo/www");
+    let mut missing = Vec::new();
+    if !www.join("pkg/wasm_demo.js").exists() {
+        missing.push("the page's module: scripts/build-wasm.sh".to_string());
+    }
+    if !repo()
+        .join("wasm-demo/node_modules/playwright-core")
+        .exists()
+    {
+        missing.push("playwright-core: (cd wasm-demo && npm ci)".to_string());
+    }
+    if Command::new("node").arg("--version").output().is_err() {
+        missing.push("node (20 or later)".to_string());
+    }
+    if !chromium().exists() {
+        missing.push(format!(
+            "Chromium at {} (apt-get install chromium, or set CHROMIUM)",
+            chromium().display()
+        ));
+    }
+    missing
+}
+
+/// Whether to run: everything is there, or say what is missing (and fail under
+/// TETHER_BROWSER_TESTS=1).
+fn browser_ready() -> bool {
+    let missing = missing();
+    if missing.is_empty() {
+        return true;
+    }
+    let msg = format!("the browser helper test needs: {}", missing.join("; "));
+    if std::env::var("TETHER_BROWSER_TESTS").as_deref() == Ok("1") {
+        panic!("{msg}");
+    }
+    eprintln!("skipped: {msg} (TETHER_BROWSER_TESTS=1 makes this a failure)");
+    false
+}
+
+/// Serves `root`'s files over HTTP on 127.0.0.1 (GET only, one request per connection);
+/// returns the address.
+fn serve_static(root: PathBuf) -> String {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    std::thread::spawn(move || {
+        for stream in listener.incoming().map_while(Result::ok) {
+            let root = root.clone();
+            std::thread::spawn(move || answer(&root, stream));
+        }
+    });
+    addr
+}
+
+fn answer(root: &Path, mut stream: TcpStream) {
+    let mut line = String::new();
+    if BufReader::new(&stream).read_line(&mut line).is_err() {
+        return;
+    }
+    let path = line.split_whitespace().nth(1).unwrap_or("/");
+    let path = path
+        .split('?')
+        .next()
+        .unwrap_or("/")
+        .trim_start_matches('/');
+    let file = (!path.contains("..")).then(|| root.join(path));
+    let (status, kind, body) = match file.and_then(|f| std::fs::read(&f).ok().map(|b| (f, b))) {
+        Some((f, body)) => {
+            let kind = match f.extension().and_then(|e| e.to_str()) {
+                Some("html") => "text/html; charset=utf-8",
+                Some("js") => "text/javascript",
+                Some("wasm") => "application/wasm",
+                _ => "application/octet-stream",
+            };
+            ("200 OK", kind, body)
+        }
+        None => ("404 Not Found", "text/plain", b"not found".to_vec()),
+    };
+    let head = format!(
+        "HTTP/1.1 {status}\r\nContent-Type: {kind}\r\nContent-Length: {}\r\nConnection: \
+         close\r\n\r\n",
+        body.len()
+    );
+    let _ = stream
+        .write_all(head.as_bytes())
+        .and_then(|()| stream.write_all(&body));
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("tether-tab-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+fn tether(keys: &Path) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_tether"));
+    c.env("TETHER_CONFIG_DIR", keys)
+        .env("TETHER_CACHE_DIR", keys.join("cache"));
+    c
+}
+
+/// `tether run` on the tiny model, greedy, `tokens` tokens.
+fn run_args(extra: &[&str], tokens: u32) -> Vec<String> {
+    let tokens = tokens.to_string();
+    let base = [
+        "run",
+        "--model",
+        "tiny",
+        "--threads",
+        "1",
+        "--prompt",
+        PROMPT,
+        "--max-tokens",
+        &tokens,
+    ];
+    base.iter().chain(extra).map(|s| s.to_string()).collect()
+}
+
+/// A host waiting for helpers: its stderr lines come through a channel, read on a thread.
+struct Host {
+    child: Child,
+    lines: mpsc::Receiver<String>,
+    /// Every stderr line so far.
+    seen: Vec<String>,
+}
+
+impl Host {
+    fn start(keys: &Path, extra: &[&str], tokens: u32) -> Host {
+        let mut child = tether(keys)
+            .args(run_args(extra, tokens))
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let err = child.stderr.take().unwrap();
+        let (tx, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(err).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+        Host {
+            child,
+            lines,
+            seen: Vec::new(),
+        }
+    }
+
+    /// The rest of the first stderr line that starts with `prefix`.
+    fn wait_for(&mut self, prefix: &str) -> String {
+        loop {
+            let line = self
+                .lines
+                .recv_timeout(Duration::from_secs(60))
+                .unwrap_or_else(|_| panic!("no {prefix:?} from the host; saw {:?}", self.seen));
+            self.seen.push(line.clone());
+            if let Some(rest) = line.strip_prefix(prefix) {
+                return rest.trim().to_string();
+            }
+        }
+    }
+
+    /// Waits for the host to finish: its stdout, and all of its stderr.
+    fn finish(mut self) -> (bool, String, String) {
+        let mut out = String::new();
+        self.child
+            .stdout
+            .take()
+            .unwrap()
+            .read_to_string(&mut out)
+            .unwrap();
+        let ok = self.child.wait().unwrap().success();
+        self.seen.extend(self.lines.iter());
+        (ok, out, self.seen.join("\n"))
+    }
+}
+
+/// What a page said when its session ended (wasm-demo/tests/tab.mjs's lines).
+#[derive(Debug, serde::Deserialize)]
+struct Tab {
+    state: String,
+    status: String,
+    backend: String,
+    pages: u64,
+    queries: u64,
+    chunks: u64,
+}
+
+/// Opens one page per URL in headless Chromium (tab.mjs) until each session ends; with
+/// `close_after`, the first page is closed once it answered that many attention queries.
+fn tabs(pages: &[String], close_after: Option<u32>) -> Child {
+    let mut node = Command::new("node");
+    node.arg(repo().join("wasm-demo/tests/tab.mjs"))
+        .args(pages)
+        .env("CHROMIUM", chromium())
+        .stdout(Stdio::piped());
+    if let Some(n) = close_after {
+        node.env("TAB_CLOSE_AFTER_QUERIES", n.to_string());
+    }
+    node.spawn().unwrap()
+}
+
+/// A helper joining from this process as `tether-helper --join` does (keys in `keys`): pairs
+/// with `code`, then serves one session on a thread.
+fn native_helper(
+    url: &str,
+    code: &str,
+    keys: PathBuf,
+) -> JoinHandle<Result<SessionEnd, LinkError>> {
+    let (url, code) = (url.to_string(), code.to_string());
+    std::thread::spawn(move || {
+        let model = engine_core::source::load_model("tiny", &Default::default()).unwrap();
+        let mut store = KeyStore::open(&keys, "helper")?;
+        let ws = ws::connect(&url, wire_limit(DEFAULT_MAX_FRAME))?;
+        let mut link = doors::pair_with(&url, ws, &mut store, &code, "host")?;
+        let helper = Helper::new(
+            &model,
+            &CpuBackend,
+            HelperOptions {
+                mem_budget: 1 << 30,
+                max_frame: DEFAULT_MAX_FRAME,
+            },
+        );
+        Ok(helper.serve(&mut link))
+    })
+}
+
+/// The pages' reports, once tab.mjs is done.
+fn reports(node: Child) -> Vec<Tab> {
+    let out = node.wait_with_output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "tab.mjs failed: {text}");
+    text.lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+        .collect()
+}
+
+/// The host alone's tokens.
+fn alone(keys: &Path, tokens: u32) -> String {
+    let alone = tether(keys)
+        .args(run_args(&SPLIT[..2], tokens))
+        .output()
+        .unwrap();
+    assert!(
+        alone.status.success(),
+        "{}",
+        String::from_utf8_lossy(&alone.stderr)
+    );
+    let alone = String::from_utf8(alone.stdout).unwrap();
+    assert!(!alone.trim().is_empty());
+    alone
+}
+
+/// A page URL that joins `host` on load, on `backend` (auto, gpu or cpu).
+fn page(www: &str, host: &str, code: &str, backend: &str) -> String {
+    format!("http://{www}/helper.html?host={host}&code={code}&backend={backend}&join=1")
+}
+
+/// Who helps a host in [`with_helpers`].
+struct Helpers<'a> {
+    /// One tab per entry, on that backend (auto, gpu or cpu).
+    tabs: &'a [&'a str],
+    /// A helper that joins from this process too.
+    native: bool,
+    /// Close the first tab once it answered this many attention queries.
+    close_after: Option<u32>,
+    /// Tokens the host generates.
+    tokens: u32,
+}
+
+/// A host run with `flags`, joined by `who`, each pairing with the code the host shows. Panics
+/// unless the host finished, its tokens equal the host alone's (run with `flags`' page size)
+/// and every helper held pages; returns the host's stderr and the tabs' reports.
+fn with_helpers(flags: &[&str], who: Helpers) -> (String, Vec<Tab>) {
+    let www = serve_static(repo().join("wasm-demo/www"));
+    let name = format!("{}-{}", who.tabs.join("-"), who.native);
+    let host_keys = scratch(&format!("host-keys-{name}"));
+    let alone = alone(&host_keys, who.tokens);
+    let n = who.tabs.len() + usize::from(who.native);
+    let wait = n.to_string();
+    let accept = [
+        flags,
+        &["--accept-helpers", "127.0.0.1:0", "--helper-wait", "120"],
+        &["--wait-helpers", &wait, "--pair-new"],
+    ]
+    .concat();
+    let mut host = Host::start(&host_keys, &accept, who.tokens);
+    let url = host.wait_for("accepting helpers on ");
+    let code = host.wait_for("pairing code for new helpers: ");
+    let pages: Vec<String> = who
+        .tabs
+        .iter()
+        .map(|b| page(&www, &url, &code, b))
+        .collect();
+    let node = tabs(&pages, who.close_after);
+    let native = who
+        .native
+        .then(|| native_helper(&url, &code, scratch(&format!("helper-keys-{name}"))));
+    let (ok, out, err) = host.finish();
+    let tabs = reports(node);
+    let native = native.map(|h| h.join().unwrap());
+    let _ = std::fs::remove_dir_all(host_keys);
+    eprintln!("the tabs: {tabs:?}; the native helper: {native:?}");
+    assert!(ok, "{err}\nthe tabs: {tabs:?}");
+    assert_eq!(
+        out, alone,
+        "tokens with browser tabs as helpers vs the host alone\n{err}\nthe tabs: {tabs:?}"
+    );
+    // A tab closed mid-decode holds nothing at the end (its pages went back to the page file).
+    for id in (0..n).filter(|_| who.close_after.is_none()) {
+        let line = err
+            .lines()
+            .find(|l| l.starts_with(&format!("link to helper {id} (a helper that joined")))
+            .unwrap_or_else(|| panic!("no link line for helper {id}: {err}"));
+        assert!(!line.contains(" 0 pages held"), "{line}");
+    }
+    assert!(
+        matches!(
+            native,
+            None | Some(Ok(SessionEnd::Bye | SessionEnd::Closed(_)))
+        ),
+        "{native:?}"
+    );
+    assert_eq!(tabs.len(), who.tabs.len(), "{tabs:?}");
+    for (tab, backend) in tabs.iter().zip(who.tabs) {
+        let closed = who.close_after.is_some() && std::ptr::eq(tab, &tabs[0]);
+        let want = if closed { "closed" } else { "ended" };
+        assert_eq!(tab.state, want, "{}", tab.status);
+        assert!(tab.queries > 0, "{tab:?}");
+        if *backend == "cpu" {
+            assert_eq!(tab.backend, "cpu");
+        }
+        eprintln!(
+            "a tab ran on {}: {} pages held at the end, {} queries, {} prefill chunks",
+            tab.backend, tab.pages, tab.queries, tab.chunks
+        );
+    }
+    (err, tabs)
+}
+
+fn tabs_on<'a>(backends: &'a [&'a str]) -> Helpers<'a> {
+    Helpers {
+        tabs: backends,
+        native: false,
+        close_after: None,
+        tokens: 12,
+    }
+}
+
+/// The whole flow on the tab's CPU backend: pairing, the split prefill's tail layers, pages
+/// and attention in the tab.
+#[test]
+fn a_browser_tab_pairs_helps_and_gives_the_host_alone_tokens() {
+    if !browser_ready() {
+        return;
+    }
+    let (err, tabs) = with_helpers(SPLIT, tabs_on(&["cpu"]));
+    assert!(
+        err.contains("ubatches ran their tail layers on the helper"),
+        "{err}"
+    );
+    assert!(tabs[0].chunks > 0, "{tabs:?}");
+}
+
+/// Pages and attention on the page's WebGPU (SwiftShader in headless Chromium), or on the
+/// CPU where the browser gives no adapter (the output says which ran).
+#[test]
+fn a_tab_holds_pages_and_answers_attention_on_webgpu() {
+    if !browser_ready() {
+        return;
+    }
+    with_helpers(&SPLIT[..4], tabs_on(&["auto"]));
+}
+
+/// Known failure: the split prefill's tail layers on the tab's WebGPU give other tokens than
+/// the host alone (attention over pages on WebGPU gives the same; so do the same tail layers
+/// on the tab's CPU, and on a native GPU host). Run it with `--ignored` to see.
+#[test]
+#[ignore = "the tail layers on a tab's WebGPU (SwiftShader) change the tokens: see the doc"]
+fn a_tab_runs_the_tail_layers_on_webgpu_with_the_host_alone_tokens() {
+    if !browser_ready() {
+        return;
+    }
+    let (_, tabs) = with_helpers(SPLIT, tabs_on(&["gpu"]));
+    assert!(tabs[0].chunks > 0, "{tabs:?}");
+}
+
+/// Two tabs at once: the pages spread over both, the same tokens.
+#[test]
+fn two_tabs_at_once_give_the_host_alone_tokens() {
+    if !browser_ready() {
+        return;
+    }
+    with_helpers(SPLIT, tabs_on(&["cpu", "cpu"]));
+}
+
+/// A tab and a native helper together.
+#[test]
+fn a_tab_and_a_native_helper_give_the_host_alone_tokens() {
+    if !browser_ready() {
+        return;
+    }
+    let who = Helpers {
+        native: true,
+        ..tabs_on(&["cpu"])
+    };
+    with_helpers(SPLIT, who);
+}
+
+/// A tab closed while the host decodes with pages on it: the host attends them from its page
+/// file and finishes with the host-alone tokens.
+#[test]
+fn a_tab_closed_mid_decode_costs_no_tokens() {
+    if !browser_ready() {
+        return;
+    }
+    // Long enough a decode that the tab is closed well before its end.
+    let who = Helpers {
+        close_after: Some(4),
+        tokens: 200,
+        ..tabs_on(&["cpu"])
+    };
+    let (err, tabs) = with_helpers(&SPLIT[..4], who);
+    assert!(err.contains("a helper was lost"), "{err}");
+    assert!(
+        tabs[0].pages > 0,
+        "the tab held no pages when closed: {tabs:?}"
+    );
+}

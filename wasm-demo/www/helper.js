@@ -1,0 +1,54 @@
+// The helper page: fills the form from the query string (?host=ws://...&code=...&backend=...;
+// &join=1 joins on load), runs TabHelper.join and shows its events. The page's state is in
+// document.body.dataset.state (idle, joining, ended, error) for whoever watches it.
+import init, { TabHelper } from './pkg/wasm_demo.js';
+
+const $ = (id) => document.getElementById(id);
+const params = new URLSearchParams(location.search);
+for (const id of ['host', 'code', 'model', 'backend', 'mem']) {
+  if (params.has(id)) $(id).value = params.get(id);
+}
+document.body.dataset.state = 'idle';
+
+function log(text) {
+  $('log').textContent += text + '\n';
+  console.log(text);
+}
+
+function onEvent(json) {
+  const e = JSON.parse(json);
+  switch (e.kind) {
+    case 'status': $('status').textContent = e.text; break;
+    case 'backend': $('backend-name').textContent = e.name; break;
+    case 'paired': $('status').textContent = `paired with the host (key ${e.host})`; break;
+    case 'stats':
+      $('pages').textContent = e.pages;
+      $('held').textContent = e.held_bytes;
+      $('queries').textContent = e.queries;
+      $('chunks').textContent = e.prefill_chunks;
+      return;
+    case 'ended': $('status').textContent = `session ended: ${e.why}`; break;
+    case 'error': $('status').textContent = `error: ${e.text}`; break;
+  }
+  log(json);
+}
+
+async function join() {
+  $('go').disabled = true;
+  document.body.dataset.state = 'joining';
+  try {
+    await init();
+    const mem = Number($('mem').value) * 1024 * 1024;
+    await TabHelper.join($('host').value, $('code').value || null, $('model').value,
+                         $('backend').value, mem, onEvent);
+    document.body.dataset.state = 'ended';
+  } catch (err) {
+    log(`error: ${err}`);
+    document.body.dataset.state = 'error';
+  } finally {
+    $('go').disabled = false;
+  }
+}
+
+$('join').addEventListener('submit', (ev) => { ev.preventDefault(); join(); });
+if (params.get('join') === '1') join();
