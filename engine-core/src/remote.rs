@@ -235,7 +235,8 @@ pub(crate) fn unexpected(want: &str, got: &Message) -> Error {
 
 impl HelperClient {
     /// Hand the page of `layer` at `start` (its rows `k`, `v` `[rows, width]`, read to the
-    /// host) to the helper; it is the oldest page still on the host.
+    /// host) to the helper: the oldest page still on the host, or one re-filled from the page
+    /// file.
     pub fn store(
         &mut self,
         layer: usize,

@@ -4,6 +4,7 @@
 //! the helper, over the same paired, encrypted link, with this host as the side that lets
 //! peers in (its key store and pairing code).
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender, TrySendError};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
@@ -16,8 +17,30 @@ use engine_core::link::{Link, LinkError};
 use engine_core::protocol::{encode, Message};
 
 /// Helpers let in but not yet taken by a session, at most: a helper past them is told the
-/// host is busy, so strangers cannot pile up connections.
+/// host is busy.
 const WAITING: usize = 4;
+
+/// Handshakes under way at once, at most (each holds a thread for up to the handshake's
+/// timeouts): a connection past them is closed at once, so strangers cannot pile up threads.
+const MAX_HANDSHAKES: usize = 16;
+
+/// One handshake under way, counted in [`Acceptor`]'s `handshakes` until dropped.
+struct Handshake(Arc<AtomicUsize>);
+
+impl Handshake {
+    /// A slot for one more handshake, if there is one.
+    fn start(count: &Arc<AtomicUsize>) -> Option<Handshake> {
+        let taken = count.fetch_add(1, Ordering::SeqCst);
+        let slot = Handshake(count.clone());
+        (taken < MAX_HANDSHAKES).then_some(slot)
+    }
+}
+
+impl Drop for Handshake {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
 
 /// The doors helpers come in by and the helpers let in, waiting to be taken.
 pub struct Acceptor {
@@ -26,6 +49,8 @@ pub struct Acceptor {
     addr: String,
     tx: SyncSender<Joined>,
     joined: Mutex<Receiver<Joined>>,
+    /// Handshakes under way.
+    handshakes: Arc<AtomicUsize>,
 }
 
 /// A helper let in, with where it dialed from.
@@ -48,21 +73,31 @@ impl Acceptor {
         let local = format!("ws://{}", listener.local_addr());
         let acceptor = Acceptor::new(&local, insecure, pair_new)?;
         let (doors, tx, shown) = (acceptor.doors.clone(), acceptor.tx.clone(), local.clone());
+        let handshakes = acceptor.handshakes.clone();
         std::thread::Builder::new()
             .name("accept-helpers".into())
             .spawn(move || loop {
                 match listener.next() {
                     Ok(pending) => {
+                        // Past the limit the connection is dropped, which closes it.
+                        let Some(slot) = Handshake::start(&handshakes) else {
+                            continue;
+                        };
                         let (doors, tx, shown) = (doors.clone(), tx.clone(), shown.clone());
                         let peer = pending.peer_addr().to_string();
                         let _ = std::thread::Builder::new()
                             .name("helper-handshake".into())
                             .spawn(move || {
                                 let ws = pending.upgrade();
-                                let_in(&doors, ws, peer, &shown, &tx)
+                                let_in(&doors, ws, peer, &shown, &tx);
+                                drop(slot);
                             });
                     }
-                    Err(e) => eprintln!("accepting a helper failed: {e}"),
+                    Err(e) => {
+                        // Out of file descriptors: do not spin.
+                        eprintln!("accepting a helper failed: {e}");
+                        std::thread::sleep(Duration::from_millis(50));
+                    }
                 }
             })
             .context("starting the accept thread")?;
@@ -89,16 +124,30 @@ impl Acceptor {
             addr: addr.to_string(),
             tx,
             joined: Mutex::new(rx),
+            handshakes: Arc::new(AtomicUsize::new(0)),
         })
     }
 
+    /// Whether one more handshake may start now (the HTTP server asks before it upgrades a
+    /// connection to /helper).
+    pub fn has_room(&self) -> bool {
+        self.handshakes.load(Ordering::SeqCst) < MAX_HANDSHAKES
+    }
+
     /// A connection that reached this host some other way (a WebSocket upgraded by the HTTP
-    /// server): its secure handshake runs on a thread of its own.
+    /// server): its secure handshake runs on a thread of its own, if there is room for it
+    /// (else the link is dropped, which closes it).
     pub fn offer(&self, link: impl Link + 'static, peer: String) {
+        let Some(slot) = Handshake::start(&self.handshakes) else {
+            return;
+        };
         let (doors, tx, addr) = (self.doors.clone(), self.tx.clone(), self.addr.clone());
         let _ = std::thread::Builder::new()
             .name("helper-handshake".into())
-            .spawn(move || let_in(&doors, Ok(link), peer, &addr, &tx));
+            .spawn(move || {
+                let_in(&doors, Ok(link), peer, &addr, &tx);
+                drop(slot);
+            });
     }
 
     /// The next helper that joins, waiting at most `wait`.

@@ -310,7 +310,8 @@ impl HelperArgs {
         // A state that lost a helper keeps its pages in the page file; helpers are re-filled
         // from it a few pages per pass.
         let id = state.attach(client);
-        state.host_kv_tokens = self.host_kv_tokens;
+        // A budget the caller set (a server's, from its memory) stays unless one is given.
+        state.host_kv_tokens = self.host_kv_tokens.or(state.host_kv_tokens);
         Ok(id)
     }
 

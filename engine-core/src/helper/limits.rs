@@ -47,6 +47,7 @@ pub(super) struct Cost {
 }
 
 impl Helper<'_> {
+    /// Refuses `what` when its `cost`, with a new sequence's DeltaNet state, does not fit the
     /// budget beside what the session holds.
     pub(super) fn check_budget(
         &self,

@@ -110,7 +110,6 @@ impl Helper<'_> {
         Ok(Message::Ack)
     }
 
-    /// Refuses `what` when its `cost`, with a new sequence's DeltaNet state, does not fit the
     /// A KV page the host hands over: stored with its page boundaries.
     fn on_kv_append(
         &self,
@@ -122,6 +121,13 @@ impl Helper<'_> {
         v: WireTensor,
     ) -> Result<Message, Refusal> {
         let cfg = s.configured(MsgType::KvAppend)?;
+        // Positions index 32-bit tables on a GPU; no context comes near that.
+        if start.saturating_add(k.shape[0] as u64) > u64::from(u32::MAX) {
+            return Err(Refusal(
+                "shape",
+                format!("a KV page at {start} is beyond 32 bits of positions"),
+            ));
+        }
         self.check_full_layer(layer)?;
         let c = &self.model().config;
         let page_size = cfg.page_size as usize;

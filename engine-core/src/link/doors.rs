@@ -90,7 +90,9 @@ impl Doors {
         let (link, who) = result?;
         if let (Accepted::Paired(key), Some(store)) = (who, &self.store) {
             let mut store = store.lock().unwrap_or_else(PoisonError::into_inner);
-            store.add(peer, &key)?;
+            // Named with the key: peers that share an address (every helper on a server's
+            // /helper) must not replace each other.
+            store.add(&format!("{peer} ({})", short(&key)), &key)?;
             eprintln!("paired with {peer} (key {})", short(&key));
             if !self.pair_new {
                 self.pairing.store(false, Ordering::SeqCst);

@@ -64,8 +64,6 @@ pub struct State {
     /// spread over them by [`State::place`]; at most one of them also runs the tail layers of
     /// a split prefill ([`State::prefill_helper`]). Attached with [`State::attach`].
     pub helpers: Vec<HelperClient>,
-    /// The id the next helper attached gets.
-    next_helper: u32,
     /// The disk tier: a copy of every page that leaves this device, written before it leaves,
     /// so a lost helper's pages are attended from here (and re-fill the next helper).
     pub spill: Option<PageFile>,
@@ -107,18 +105,19 @@ impl State {
             pos: 0,
             layers,
             helpers: Vec::new(),
-            next_helper: 0,
             spill: None,
             host_kv_tokens: None,
             helper_lost: None,
         }
     }
 
-    /// Attach a connected, configured helper: it takes pages from the next pass on (those
-    /// waiting in the page file first, a few per pass). Returns its id.
+    /// Attach a connected, configured helper: it takes pages from the next pass on, and pages
+    /// waiting in the page file a few per pass. Returns its id.
     pub fn attach(&mut self, mut client: HelperClient) -> u32 {
-        client.id = self.next_helper;
-        self.next_helper += 1;
+        // Unique in the process, not just in this state: a server that replaces its sequence
+        // keeps telling helpers (and their metrics) apart.
+        static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        client.id = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let id = client.id;
         self.helpers.push(client);
         id
@@ -149,14 +148,6 @@ impl State {
         }
         if self.spill.is_none() && self.helpers.is_empty() {
             self.host_kv_tokens = None;
-        }
-    }
-
-    /// Forget every helper.
-    pub fn lose_helpers(&mut self) {
-        let ids: Vec<u32> = self.helpers.iter().map(|h| h.id).collect();
-        for id in ids {
-            self.lose_helper(id);
         }
     }
 

@@ -6,7 +6,9 @@
 //! - The request head must arrive within [`HEAD_TIMEOUT`] (hyper's header read timeout, which
 //!   also ends a keep-alive connection idle that long between requests).
 //! - The body must arrive within [`BODY_TIMEOUT`] (408 otherwise).
-//! - At most [`MAX_CONNECTIONS`] are open at once; one more is closed at accept.
+//! - At most [`MAX_CONNECTIONS`] are open at once; one more is closed at accept. A connection
+//!   upgraded to a helper's WebSocket (/helper) leaves this count: the acceptor bounds those
+//!   (handshakes under way, helpers waiting) and the helper session its link.
 //!
 //! A response being streamed is not cut: generation has its own time limit (`--timeout`).
 

@@ -16,8 +16,12 @@ use tokio::sync::mpsc;
 /// that, so a peer cannot fill the server's memory faster than the engine reads.
 const INCOMING: usize = 4;
 
-/// Frames queued for the socket, at most: a sender waits beyond that.
+/// Frames queued for the socket, at most: a sender waits beyond that, for [`SEND_TIMEOUT`].
 const OUTGOING: usize = 16;
+
+/// How long a frame may wait for room in the queue: a helper that stops reading (a suspended
+/// phone with a full TCP window) counts as gone instead of holding the engine.
+const SEND_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// The blocking end of a helper's WebSocket.
 pub struct SocketLink {
@@ -30,6 +34,7 @@ pub struct SocketLink {
 struct SocketSender {
     queue: mpsc::Sender<Vec<u8>>,
     max_frame: usize,
+    handle: Handle,
 }
 
 impl LinkSender for SocketSender {
@@ -40,9 +45,19 @@ impl LinkSender for SocketSender {
                 limit: self.max_frame,
             });
         }
-        self.queue
-            .blocking_send(frame)
-            .map_err(|_| LinkError::Closed("the helper's WebSocket closed".into()))
+        let queue = &self.queue;
+        // The timer is made inside the runtime (block_on's future), which it needs.
+        let sent = self
+            .handle
+            .block_on(async { tokio::time::timeout(SEND_TIMEOUT, queue.send(frame)).await });
+        match sent {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(_)) => Err(LinkError::Closed("the helper's WebSocket closed".into())),
+            Err(_) => Err(LinkError::Closed(format!(
+                "the helper read nothing for {} s",
+                SEND_TIMEOUT.as_secs()
+            ))),
+        }
     }
 }
 
@@ -64,7 +79,13 @@ impl SocketLink {
         });
         tokio::spawn(async move {
             loop {
-                let item = match stream.next().await {
+                // Ends with the link too (its receiver dropped), so a silent peer's socket
+                // does not outlive the session.
+                let next = tokio::select! {
+                    next = stream.next() => next,
+                    () = in_tx.closed() => return,
+                };
+                let item = match next {
                     Some(Ok(WsMessage::Binary(b))) => Ok(b.to_vec()),
                     Some(Ok(WsMessage::Ping(_) | WsMessage::Pong(_))) => continue,
                     Some(Ok(WsMessage::Text(_))) => {
@@ -81,10 +102,15 @@ impl SocketLink {
                 }
             }
         });
+        let handle = Handle::current();
         SocketLink {
-            out: SocketSender { queue, max_frame },
+            out: SocketSender {
+                queue,
+                max_frame,
+                handle: handle.clone(),
+            },
             incoming,
-            handle: Handle::current(),
+            handle,
         }
     }
 }

@@ -578,6 +578,10 @@ async fn helper(
         .with_code("no_helpers")
         .into_response();
     };
+    if !acceptor.get().is_some_and(Acceptor::has_room) {
+        return ApiError::unavailable("too many helpers are pairing at once; try again", 5)
+            .into_response();
+    }
     let Ok(ws) = ws else {
         return ApiError::invalid("/helper is a WebSocket for helpers to dial")
             .with_code("not_a_websocket")

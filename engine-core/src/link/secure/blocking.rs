@@ -233,7 +233,17 @@ impl<L: Link> Link for SecureLink<L> {
             self.opener.check()?;
             let lost_at = self.last_heard + self.silence;
             let now = Instant::now();
+            // Frames that arrived while nobody read the link (a helper waiting to be taken)
+            // were heard in time: look at them before calling the peer silent.
             if now >= lost_at {
+                if let Some(frame) = self.inner.recv_timeout(Duration::ZERO)? {
+                    self.last_heard = now;
+                    let frame = self.open(frame)?;
+                    if !frame.is_empty() {
+                        return Ok(Some(frame));
+                    }
+                    continue;
+                }
                 return Err(LinkError::Closed(format!(
                     "nothing from the peer for {:?}: taken as lost",
                     self.silence
