@@ -94,16 +94,7 @@ impl HelperClient {
                 max_frame: 0,
             },
         };
-        let hello = Message::Hello(Intro {
-            version: PROTOCOL_VERSION,
-            model: model.identity.name.clone(),
-            model_digest: model.identity.digest.clone(),
-            role: Role::Host,
-            mem_offer: 0,
-            backends: vec!["cpu".into()],
-            max_frame: max_frame as u64,
-        });
-        match c.request(hello)? {
+        match c.request(hello(model, max_frame))? {
             Message::Welcome(intro) if intro.model_digest == model.identity.digest => {
                 c.helper = intro
             }
@@ -224,6 +215,19 @@ impl HelperClient {
             other => Err(unexpected("Pong", &other)),
         }
     }
+}
+
+/// A host's `Hello` for `model`, offering frames up to `max_frame` bytes.
+pub fn hello(model: &Model, max_frame: usize) -> Message {
+    Message::Hello(Intro {
+        version: PROTOCOL_VERSION,
+        model: model.identity.name.clone(),
+        model_digest: model.identity.digest.clone(),
+        role: Role::Host,
+        mem_offer: 0,
+        backends: vec!["cpu".into()],
+        max_frame: max_frame as u64,
+    })
 }
 
 pub(crate) fn unexpected(want: &str, got: &Message) -> Error {

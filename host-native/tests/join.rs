@@ -3,16 +3,14 @@
 //! and helper runtime, in this process). The tokens equal the host alone's; the helper pairs
 //! once by the code the host shows and is known afterwards; a stranger is turned away.
 
-use std::io::{BufRead, BufReader, Read};
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
-use std::time::Duration;
+use std::process::Command;
 
 use engine_core::helper::{Helper, HelperOptions, SessionEnd};
 use engine_core::link::doors::{self, DialOptions};
 use engine_core::link::LinkError;
 use engine_core::remote::DEFAULT_MAX_FRAME;
+use tests::Process;
 
 /// Long enough to split its prefill and move pages to the helper with the flags below.
 const PROMPT: &str = "The quick brown fox jumps over the lazy dog while the cat watches from \
@@ -62,63 +60,9 @@ fn run_args(extra: &[&str]) -> Vec<String> {
     base.iter().chain(extra).map(|s| s.to_string()).collect()
 }
 
-/// A host waiting for helpers: its stderr lines come through a channel, read on a thread.
-struct Host {
-    child: Child,
-    lines: mpsc::Receiver<String>,
-    /// Every stderr line so far.
-    seen: Vec<String>,
-}
-
-impl Host {
-    fn start(keys: &PathBuf, extra: &[&str]) -> Host {
-        let mut child = tether(keys)
-            .args(run_args(extra))
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let err = child.stderr.take().unwrap();
-        let (tx, lines) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(err).lines().map_while(Result::ok) {
-                let _ = tx.send(line);
-            }
-        });
-        Host {
-            child,
-            lines,
-            seen: Vec::new(),
-        }
-    }
-
-    /// The rest of the first stderr line that starts with `prefix`.
-    fn wait_for(&mut self, prefix: &str) -> String {
-        loop {
-            let line = self
-                .lines
-                .recv_timeout(std::time::Duration::from_secs(60))
-                .unwrap_or_else(|_| panic!("no {prefix:?} from the host; saw {:?}", self.seen));
-            self.seen.push(line.clone());
-            if let Some(rest) = line.strip_prefix(prefix) {
-                return rest.trim().to_string();
-            }
-        }
-    }
-
-    /// Waits for the host to finish: its stdout, and all of its stderr.
-    fn finish(mut self) -> (bool, String, String) {
-        let mut out = String::new();
-        self.child
-            .stdout
-            .take()
-            .unwrap()
-            .read_to_string(&mut out)
-            .unwrap();
-        let ok = self.child.wait().unwrap().success();
-        self.seen.extend(self.lines.iter());
-        (ok, out, self.seen.join("\n"))
-    }
+/// A host waiting for helpers, its stderr read as it runs.
+fn start_host(keys: &PathBuf, extra: &[&str]) -> Process {
+    Process::start(tether(keys).args(run_args(extra)))
 }
 
 /// One greedy completion of [`PROMPT`] from a `tether serve` with `extra` flags, once
@@ -126,34 +70,18 @@ impl Host {
 fn serve_once(
     keys: &PathBuf,
     extra: &[&str],
-    before: impl FnOnce(&str, &mpsc::Receiver<String>),
+    before: impl FnOnce(&str, &mut Process),
 ) -> (String, String) {
-    let mut server = tether(keys)
-        .args(["serve", "--model", "tiny", "--threads", "1", "--port", "0"])
-        .args(["--log", "warn", "--page-size", "8", "--split-min", "16"])
-        .args(["--split-ubatch", "8", "--split-layer", "4"])
-        .args(extra)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let err = server.stderr.take().unwrap();
-    let (tx, lines) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(err).lines().map_while(Result::ok) {
-            let _ = tx.send(line);
-        }
-    });
-    let mut first = String::new();
-    BufReader::new(server.stdout.take().unwrap())
-        .read_line(&mut first)
-        .unwrap();
-    let base = first
-        .trim()
-        .strip_prefix("listening on ")
-        .unwrap()
-        .to_string();
-    before(&base, &lines);
+    let mut server = Process::start(
+        tether(keys)
+            .args(["serve", "--model", "tiny", "--threads", "1", "--port", "0"])
+            .args(["--log", "warn", "--page-size", "8", "--split-min", "16"])
+            .args(["--split-ubatch", "8", "--split-layer", "4"])
+            .args(extra),
+    );
+    let first = server.stdout_line();
+    let base = first.strip_prefix("listening on ").unwrap().to_string();
+    before(&base, &mut server);
     let agent: ureq::Agent = ureq::Agent::config_builder()
         .http_status_as_error(false)
         .build()
@@ -175,8 +103,8 @@ fn serve_once(
         .body_mut()
         .read_to_string()
         .unwrap();
-    let _ = server.kill();
-    let _ = server.wait();
+    // Stopped now: a helper it holds sees its session end.
+    drop(server);
     let text = reply["choices"][0]["text"].as_str();
     (
         text.unwrap_or_else(|| panic!("{reply}")).to_string(),
@@ -242,7 +170,7 @@ fn a_helper_that_dials_in_pairs_once_and_gives_the_host_alone_tokens() {
         .to_string();
     let accept = [SPLIT, &["--accept-helpers", &addr, "--helper-wait", "60"]].concat();
     // First time: the host shows a code, the helper pairs with it.
-    let mut host = Host::start(&host_keys, &accept);
+    let mut host = start_host(&host_keys, &accept);
     let url = host.wait_for("accepting helpers on ");
     let code = host.wait_for("pairing code for new helpers: ");
     let helper = join(&url, Some(&code));
@@ -267,7 +195,7 @@ fn a_helper_that_dials_in_pairs_once_and_gives_the_host_alone_tokens() {
     );
 
     // Again: pairing is closed now; the helper is known by its key and needs no code.
-    let mut host = Host::start(&host_keys, &accept);
+    let mut host = start_host(&host_keys, &accept);
     let url = host.wait_for("accepting helpers on ");
     let helper = join(&url, None);
     let (ok, out, err) = host.finish();
@@ -288,7 +216,7 @@ fn a_helper_that_dials_in_pairs_once_and_gives_the_host_alone_tokens() {
         &["--accept-helpers", "127.0.0.1:0", "--helper-wait", "3"],
     ]
     .concat();
-    let mut host = Host::start(&host_keys, &short);
+    let mut host = start_host(&host_keys, &short);
     let url = host.wait_for("accepting helpers on ");
     let stranger = join(&url, None).join().unwrap();
     assert!(
@@ -306,7 +234,7 @@ fn a_helper_that_dials_in_pairs_once_and_gives_the_host_alone_tokens() {
     // Two helpers at once (both known): the pages spread over both, same tokens.
     std::env::set_var("TETHER_CONFIG_DIR", &helper_keys);
     let two = [&accept[..], &["--wait-helpers", "2"]].concat();
-    let mut host = Host::start(&host_keys, &two);
+    let mut host = start_host(&host_keys, &two);
     let url = host.wait_for("accepting helpers on ");
     let helpers = [join(&url, None), join(&url, None)];
     let (ok, out, err) = host.finish();
@@ -338,16 +266,9 @@ fn a_helper_that_dials_in_pairs_once_and_gives_the_host_alone_tokens() {
         "16",
     ];
     let mut helper = None;
-    let (text, metrics) = serve_once(&host_keys, &accept, |base, lines| {
+    let (text, metrics) = serve_once(&host_keys, &accept, |base, server| {
         // A new address for the helper: it pairs by the code the server shows.
-        let code = std::iter::from_fn(|| lines.recv_timeout(Duration::from_secs(60)).ok())
-            .find_map(|l| {
-                Some(
-                    l.strip_prefix("pairing code for new helpers: ")?
-                        .to_string(),
-                )
-            })
-            .expect("the server shows a pairing code");
+        let code = server.wait_for("pairing code for new helpers: ");
         let url = format!("{}/helper", base.replace("http://", "ws://"));
         helper = Some(join(&url, Some(&code)));
     });

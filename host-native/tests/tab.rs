@@ -8,13 +8,12 @@
 //! wasm-demo), node and Chromium. Without them the test says so and passes, unless
 //! TETHER_BROWSER_TESTS=1 (CI) makes it fail.
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{BufRead, BufReader, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
+
 use std::thread::JoinHandle;
-use std::time::Duration;
 
 use engine_core::helper::{Helper, HelperOptions, SessionEnd};
 use engine_core::link::doors;
@@ -24,6 +23,7 @@ use engine_core::link::ws;
 use engine_core::link::LinkError;
 use engine_core::remote::DEFAULT_MAX_FRAME;
 use engine_core::CpuBackend;
+use tests::Process;
 
 /// Long enough to split its prefill and move pages to the helper with the flags below (the
 /// prompt of host-native/tests/join.rs).
@@ -173,63 +173,9 @@ fn run_args(extra: &[&str], tokens: u32) -> Vec<String> {
     base.iter().chain(extra).map(|s| s.to_string()).collect()
 }
 
-/// A host waiting for helpers: its stderr lines come through a channel, read on a thread.
-struct Host {
-    child: Child,
-    lines: mpsc::Receiver<String>,
-    /// Every stderr line so far.
-    seen: Vec<String>,
-}
-
-impl Host {
-    fn start(keys: &Path, extra: &[&str], tokens: u32) -> Host {
-        let mut child = tether(keys)
-            .args(run_args(extra, tokens))
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let err = child.stderr.take().unwrap();
-        let (tx, lines) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(err).lines().map_while(Result::ok) {
-                let _ = tx.send(line);
-            }
-        });
-        Host {
-            child,
-            lines,
-            seen: Vec::new(),
-        }
-    }
-
-    /// The rest of the first stderr line that starts with `prefix`.
-    fn wait_for(&mut self, prefix: &str) -> String {
-        loop {
-            let line = self
-                .lines
-                .recv_timeout(Duration::from_secs(60))
-                .unwrap_or_else(|_| panic!("no {prefix:?} from the host; saw {:?}", self.seen));
-            self.seen.push(line.clone());
-            if let Some(rest) = line.strip_prefix(prefix) {
-                return rest.trim().to_string();
-            }
-        }
-    }
-
-    /// Waits for the host to finish: its stdout, and all of its stderr.
-    fn finish(mut self) -> (bool, String, String) {
-        let mut out = String::new();
-        self.child
-            .stdout
-            .take()
-            .unwrap()
-            .read_to_string(&mut out)
-            .unwrap();
-        let ok = self.child.wait().unwrap().success();
-        self.seen.extend(self.lines.iter());
-        (ok, out, self.seen.join("\n"))
-    }
+/// A host waiting for helpers, its stderr read as it runs.
+fn start_host(keys: &Path, extra: &[&str], tokens: u32) -> Process {
+    Process::start(tether(keys).args(run_args(extra, tokens)))
 }
 
 /// What a page said when its session ended (wasm-demo/tests/tab.mjs's lines).
@@ -341,7 +287,7 @@ fn with_helpers(flags: &[&str], who: Helpers) -> (String, Vec<Tab>) {
         &["--wait-helpers", &wait, "--pair-new"],
     ]
     .concat();
-    let mut host = Host::start(&host_keys, &accept, who.tokens);
+    let mut host = start_host(&host_keys, &accept, who.tokens);
     let url = host.wait_for("accepting helpers on ");
     let code = host.wait_for("pairing code for new helpers: ");
     let pages: Vec<String> = who

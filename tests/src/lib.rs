@@ -162,20 +162,6 @@ pub fn attach(
     st.host_kv_tokens = budget;
 }
 
-/// A host's `Hello` for `m`, offering frames up to `max_frame` bytes.
-pub fn hello(m: &Model, max_frame: u64) -> engine_core::protocol::Message {
-    use engine_core::protocol::{Intro, Message, Role, PROTOCOL_VERSION};
-    Message::Hello(Intro {
-        version: PROTOCOL_VERSION,
-        model: m.identity.name.clone(),
-        model_digest: m.identity.digest.clone(),
-        role: Role::Host,
-        mem_offer: 0,
-        backends: vec![],
-        max_frame,
-    })
-}
-
 /// A new page file (the disk tier of a sequence's KV) in the temp directory.
 pub fn page_file() -> engine_core::page_file::PageFile {
     let dir = std::env::temp_dir().join(format!("tether-test-pages-{}", std::process::id()));
@@ -251,4 +237,126 @@ impl<L: Link> Link for Fuse<L> {
             .expect("a fuse is asked for a sender before it blows")
             .sender()
     }
+}
+
+/// A process whose stderr lines are read on a thread and come through a channel, so a test
+/// can wait for a line it announces (an address, a pairing code) while the process runs.
+pub struct Process {
+    pub child: std::process::Child,
+    lines: std::sync::mpsc::Receiver<String>,
+    /// Every stderr line read so far.
+    seen: Vec<String>,
+}
+
+impl Process {
+    /// Start `cmd` with stdout and stderr piped.
+    pub fn start(cmd: &mut std::process::Command) -> Process {
+        use std::io::BufRead;
+        use std::process::Stdio;
+        let mut child = cmd
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|e| panic!("starting {cmd:?}: {e}"));
+        let err = child.stderr.take().expect("stderr is piped");
+        let (tx, lines) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(err).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+        Process {
+            child,
+            lines,
+            seen: Vec::new(),
+        }
+    }
+
+    /// The rest of the next stderr line that starts with `prefix` (within 60 s).
+    pub fn wait_for(&mut self, prefix: &str) -> String {
+        loop {
+            let line = self
+                .lines
+                .recv_timeout(std::time::Duration::from_secs(60))
+                .unwrap_or_else(|_| panic!("no {prefix:?} on stderr; saw {:?}", self.seen));
+            self.seen.push(line.clone());
+            if let Some(rest) = line.strip_prefix(prefix) {
+                return rest.trim().to_string();
+            }
+        }
+    }
+
+    /// The first line of stdout (trimmed).
+    pub fn stdout_line(&mut self) -> String {
+        use std::io::BufRead;
+        let mut line = String::new();
+        let out = self.child.stdout.as_mut().expect("stdout is piped");
+        std::io::BufReader::new(out).read_line(&mut line).unwrap();
+        line.trim().to_string()
+    }
+
+    /// Waits for the process to end: whether it succeeded, its stdout, and all of its stderr.
+    pub fn finish(mut self) -> (bool, String, String) {
+        use std::io::Read;
+        let mut out = String::new();
+        if let Some(mut stdout) = self.child.stdout.take() {
+            stdout.read_to_string(&mut out).unwrap();
+        }
+        let ok = self.child.wait().unwrap().success();
+        self.seen.extend(self.lines.iter());
+        (ok, out, self.seen.join("\n"))
+    }
+}
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The split plan of the conversation tests: a prompt over 20 tokens splits, in ubatches of
+/// 8, interleaved from position 120.
+pub fn conversation_plan() -> engine_core::split::SplitPlan {
+    engine_core::split::SplitPlan {
+        min_tokens: 20,
+        ubatch: 8,
+        interleave_from: 120,
+    }
+}
+
+/// The conversation the helper tests run: a prompt (pipelined with the prefill helper, then
+/// interleaved past 120), greedy steps, a second turn (the helper's mirror is synced first),
+/// more steps. Returns every logit it saw. `between` runs after the first steps (a helper
+/// joins there).
+pub fn conversation(
+    m: &Model,
+    st: &mut State,
+    prompt: &[u32],
+    between: &mut dyn FnMut(&mut State),
+) -> Vec<f32> {
+    use engine_core::split::prefill;
+    let be = &engine_core::CpuBackend;
+    let plan = conversation_plan();
+    let (mut logits, _) = prefill(m, be, st, prompt, &plan).unwrap();
+    let mut all = logits.clone();
+    let step = |st: &mut State, logits: &mut Vec<f32>, all: &mut Vec<f32>| {
+        let next = engine_core::generate::argmax(logits);
+        *logits = m
+            .forward(be, st, &[next], engine_core::Logits::Last, None)
+            .unwrap();
+        all.extend_from_slice(logits);
+    };
+    for _ in 0..6 {
+        step(st, &mut logits, &mut all);
+    }
+    between(st);
+    let turn: Vec<u32> = prompt[..40].iter().map(|t| (t * 3 + 1) % 256).collect();
+    let (l, _) = prefill(m, be, st, &turn, &plan).unwrap();
+    logits = l;
+    all.extend_from_slice(&logits);
+    for _ in 0..6 {
+        step(st, &mut logits, &mut all);
+    }
+    all
 }

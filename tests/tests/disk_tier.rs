@@ -8,51 +8,12 @@ use engine_core::helper::{Helper, HelperOptions};
 use engine_core::link::pair;
 use engine_core::protocol::Configure;
 use engine_core::remote::{HelperClient, DEFAULT_MAX_FRAME};
-use engine_core::split::{prefill, SplitPlan};
+use engine_core::split::prefill;
 use engine_core::{CpuBackend, Logits, Model, State};
-use tests::{fixtures_dir, page_file, Fuse, Reference};
+use tests::{conversation, conversation_plan, fixtures_dir, page_file, Fuse, Reference};
 
 const PAGE: usize = 8;
 const BUDGET: usize = 16;
-
-fn plan() -> SplitPlan {
-    SplitPlan {
-        min_tokens: 20,
-        ubatch: 8,
-        interleave_from: 120,
-    }
-}
-
-/// The conversation every run goes through: a prompt (pipelined, then interleaved past 120),
-/// greedy steps, a second turn (the helper's mirror is synced first), more steps. Returns
-/// every logit it saw. `between` runs after the first steps (a new helper joins there).
-fn conversation(
-    m: &Model,
-    st: &mut State,
-    prompt: &[u32],
-    between: &mut dyn FnMut(&mut State),
-) -> Vec<f32> {
-    let be = &CpuBackend;
-    let (mut logits, _) = prefill(m, be, st, prompt, &plan()).unwrap();
-    let mut all = logits.clone();
-    let step = |st: &mut State, logits: &mut Vec<f32>, all: &mut Vec<f32>| {
-        let next = engine_core::generate::argmax(logits);
-        *logits = m.forward(be, st, &[next], Logits::Last, None).unwrap();
-        all.extend_from_slice(logits);
-    };
-    for _ in 0..6 {
-        step(st, &mut logits, &mut all);
-    }
-    between(st);
-    let turn: Vec<u32> = prompt[..40].iter().map(|t| (t * 3 + 1) % 256).collect();
-    let (l, _) = prefill(m, be, st, &turn, &plan()).unwrap();
-    logits = l;
-    all.extend_from_slice(&logits);
-    for _ in 0..6 {
-        step(st, &mut logits, &mut all);
-    }
-    all
-}
 
 /// A helper running the tail layers (from 4 of 8) on a thread of `scope`, reached through a
 /// link cut after `fuse` operations (attached only if the handshake got through); returns
@@ -161,7 +122,7 @@ fn without_a_page_file_a_helper_lost_with_pages_fails_the_sequence_clearly() {
         let mut st = m.new_state(PAGE);
         attach(scope, &m, &mut st, 60);
         let be = &CpuBackend;
-        let err = prefill(&m, be, &mut st, &prompt, &plan())
+        let err = prefill(&m, be, &mut st, &prompt, &conversation_plan())
             .err()
             .or_else(|| {
                 (0..20).find_map(|_| m.forward(be, &mut st, &[1], Logits::Last, None).err())
@@ -180,13 +141,21 @@ fn a_rewind_into_pages_only_on_disk_while_a_new_helper_is_refilled() {
     let (m, prompt, _) = setup();
     let be = &CpuBackend;
     let run = |st: &mut State, join: &mut dyn FnMut(&mut State)| -> Vec<f32> {
-        let mut all = prefill(&m, be, st, &prompt[..100], &plan()).unwrap().0;
+        let mut all = prefill(&m, be, st, &prompt[..100], &conversation_plan())
+            .unwrap()
+            .0;
         let cp = st.checkpoint(be);
-        all.extend(prefill(&m, be, st, &prompt[100..], &plan()).unwrap().0);
+        all.extend(
+            prefill(&m, be, st, &prompt[100..], &conversation_plan())
+                .unwrap()
+                .0,
+        );
         join(st);
         all.extend(m.forward(be, st, &[9], Logits::Last, None).unwrap());
         st.rewind(be, &cp).unwrap();
-        let mut logits = prefill(&m, be, st, &[5, 6, 7], &plan()).unwrap().0;
+        let mut logits = prefill(&m, be, st, &[5, 6, 7], &conversation_plan())
+            .unwrap()
+            .0;
         for _ in 0..8 {
             all.extend_from_slice(&logits);
             let next = engine_core::generate::argmax(&logits);

@@ -65,7 +65,7 @@ fn with_helper(
         };
         scope.spawn(move || Helper::new(m, &CpuBackend, opts).serve(&mut helper_end));
         let mut host = Host { link, req: 0 };
-        let hello = tests::hello(m, max_frame as u64);
+        let hello = engine_core::remote::hello(m, max_frame);
         assert!(matches!(host.ask(hello), Message::Welcome(_)));
         assert_eq!(host.ask(Message::Configure(cfg)), Message::Ack);
         body(&mut host);

@@ -8,51 +8,13 @@ use engine_core::link::pair;
 use engine_core::model::LayerState;
 use engine_core::protocol::Configure;
 use engine_core::remote::{HelperClient, DEFAULT_MAX_FRAME};
-use engine_core::split::{prefill, SplitPlan};
-use engine_core::{CpuBackend, Logits, Model, State};
-use tests::{fixtures_dir, page_file, Fuse, Reference};
+
+use engine_core::{CpuBackend, Model, State};
+use tests::{conversation, fixtures_dir, page_file, Fuse, Reference};
 
 const PAGE: usize = 8;
 const BUDGET: usize = 16;
 const LAYERS: u32 = 8;
-
-fn plan() -> SplitPlan {
-    SplitPlan {
-        min_tokens: 20,
-        ubatch: 8,
-        interleave_from: 120,
-    }
-}
-
-/// A prompt (pipelined with the prefill helper, then interleaved past 120), greedy steps, a
-/// second turn, more steps; `between` runs after the first steps. Every logit seen.
-fn conversation(
-    m: &Model,
-    st: &mut State,
-    prompt: &[u32],
-    between: &mut dyn FnMut(&mut State),
-) -> Vec<f32> {
-    let be = &CpuBackend;
-    let (mut logits, _) = prefill(m, be, st, prompt, &plan()).unwrap();
-    let mut all = logits.clone();
-    let step = |st: &mut State, logits: &mut Vec<f32>, all: &mut Vec<f32>| {
-        let next = engine_core::generate::argmax(logits);
-        *logits = m.forward(be, st, &[next], Logits::Last, None).unwrap();
-        all.extend_from_slice(logits);
-    };
-    for _ in 0..6 {
-        step(st, &mut logits, &mut all);
-    }
-    between(st);
-    let turn: Vec<u32> = prompt[..40].iter().map(|t| (t * 3 + 1) % 256).collect();
-    let (l, _) = prefill(m, be, st, &turn, &plan()).unwrap();
-    logits = l;
-    all.extend_from_slice(&logits);
-    for _ in 0..6 {
-        step(st, &mut logits, &mut all);
-    }
-    all
-}
 
 /// A helper on a thread of `scope` offering `mem` bytes, reached through a link cut after
 /// `fuse` operations; it runs the tail layers from 4 if `prefill`, else holds pages only.

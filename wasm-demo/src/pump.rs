@@ -177,7 +177,7 @@ mod tests {
     use engine_core::helper::{Helper, HelperOptions};
     use engine_core::link::keys::PairingCode;
     use engine_core::link::secure::{Gate, Responder};
-    use engine_core::protocol::{decode, encode, Intro, Message, Role, PROTOCOL_VERSION};
+    use engine_core::protocol::{decode, encode, Message};
     use engine_core::source::SynthOptions;
     use engine_core::{CpuBackend, Model};
     use futures_channel::mpsc::{unbounded, UnboundedSender};
@@ -204,18 +204,6 @@ mod tests {
         let (config, tensors) = o.tensors("tiny").unwrap();
         let identity = o.identity("tiny", &config).unwrap();
         Model::with_identity(config, &tensors, identity).unwrap()
-    }
-
-    fn hello(model: &Model) -> Message {
-        Message::Hello(Intro {
-            version: PROTOCOL_VERSION,
-            model: model.identity.name.clone(),
-            model_digest: model.identity.digest.clone(),
-            role: Role::Host,
-            mem_offer: 0,
-            backends: vec!["cpu".into()],
-            max_frame: MAX_FRAME as u64,
-        })
     }
 
     /// A wire to a host that pairs with `code`, then sends `script` once the tab is in and
@@ -313,7 +301,7 @@ mod tests {
         let script = vec![
             // The host's keep-alive is not answered; the tab's own go out on its ticks.
             Incoming::Frame(Vec::new()),
-            Incoming::Frame(encode(1, &hello(&model))),
+            Incoming::Frame(encode(1, &engine_core::remote::hello(&model, MAX_FRAME))),
             Incoming::Tick,
             Incoming::Tick,
         ];
