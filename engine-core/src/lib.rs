@@ -10,6 +10,7 @@ pub mod generate;
 pub mod helper;
 pub mod identity;
 pub mod kv;
+pub mod lending;
 pub mod link;
 pub mod model;
 pub mod page_file;

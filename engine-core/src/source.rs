@@ -137,22 +137,13 @@ pub fn load_layers(
         Source::Dir(dir) => (Model::read_config(dir)?, crate::weights::load_dir(dir)?),
         Source::Preset => {
             let config = o.config(spec)?;
-            let keep = |name: &str| layer_of(name).is_some_and(|l| layers.contains(&l));
+            let keep =
+                |name: &str| crate::weights::layer_of(name).is_some_and(|l| layers.contains(&l));
             let tensors = synth::random_weights_where(&config, o.dtype()?, o.weight_seed, &keep)?;
             (config, tensors)
         }
     };
     Model::layers_only(config, &tensors, layers, identity.clone())
-}
-
-/// The layer a tensor belongs to, from its normalised name (`model.layers.N.`).
-#[cfg(not(target_arch = "wasm32"))]
-fn layer_of(name: &str) -> Option<usize> {
-    name.strip_prefix("model.layers.")?
-        .split('.')
-        .next()?
-        .parse()
-        .ok()
 }
 
 #[cfg(not(target_arch = "wasm32"))]

@@ -11,6 +11,15 @@ use crate::tensor::{DType, Data, Elems, SharedBytes, Tensor};
 
 pub type TensorMap = HashMap<String, Tensor>;
 
+/// The layer a tensor belongs to, from its normalised name (`model.layers.N.`).
+pub fn layer_of(name: &str) -> Option<usize> {
+    name.strip_prefix("model.layers.")?
+        .split('.')
+        .next()?
+        .parse()
+        .ok()
+}
+
 /// The text-only name of a checkpoint tensor, or `None` for tensors text inference ignores.
 fn normalise_name(name: &str) -> Option<String> {
     if name.starts_with("model.visual.")

@@ -12,9 +12,11 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use engine_core::link::doors::Doors;
 use engine_core::link::secure::wire_limit;
-use engine_core::link::ws::WsListener;
+use engine_core::link::ws::{Asks, Pending, WsLink, WsListener};
 use engine_core::link::{Link, LinkError};
 use engine_core::protocol::{encode, Message};
+
+use crate::lend::{Lender, LentSlot};
 
 /// Helpers let in but not yet taken by a session, at most: a helper past them is told the
 /// host is busy.
@@ -45,6 +47,8 @@ impl Drop for Handshake {
 /// The doors helpers come in by and the helpers let in, waiting to be taken.
 pub struct Acceptor {
     doors: Arc<Doors>,
+    /// The page and weights for browser tabs, answered on the same port.
+    lender: Arc<Lender>,
     /// Where helpers dial, for messages.
     addr: String,
     tx: SyncSender<Joined>,
@@ -65,14 +69,21 @@ impl std::fmt::Debug for Acceptor {
 impl Acceptor {
     /// Listen on `addr` and let helpers in from now on (each connection's handshakes on a
     /// thread of its own, so a silent peer holds up nobody); says on stderr how helpers join.
-    pub fn start(addr: &str, max_frame: usize, insecure: bool, pair_new: bool) -> Result<Acceptor> {
+    pub fn start(
+        addr: &str,
+        max_frame: usize,
+        insecure: bool,
+        pair_new: bool,
+        lent: LentSlot,
+    ) -> Result<Acceptor> {
         let listener = WsListener::bind(addr, wire_limit(max_frame))
             .with_context(|| format!("--accept-helpers {addr}"))?
             // A browser tab is a helper too; its links are paired like any other.
             .allow_browsers(!insecure);
         let local = format!("ws://{}", listener.local_addr());
-        let acceptor = Acceptor::new(&local, insecure, pair_new)?;
+        let acceptor = Acceptor::new(&local, insecure, pair_new, lent)?;
         let (doors, tx, shown) = (acceptor.doors.clone(), acceptor.tx.clone(), local.clone());
+        let lender = acceptor.lender.clone();
         let handshakes = acceptor.handshakes.clone();
         std::thread::Builder::new()
             .name("accept-helpers".into())
@@ -84,12 +95,14 @@ impl Acceptor {
                             continue;
                         };
                         let (doors, tx, shown) = (doors.clone(), tx.clone(), shown.clone());
+                        let lender = lender.clone();
                         let peer = pending.peer_addr().to_string();
                         let _ = std::thread::Builder::new()
                             .name("helper-handshake".into())
                             .spawn(move || {
-                                let ws = pending.upgrade();
-                                let_in(&doors, ws, peer, &shown, &tx);
+                                if let Some(ws) = upgrade_or_answer(pending, &lender) {
+                                    let_in(&doors, ws, peer, &shown, &tx);
+                                }
                                 drop(slot);
                             });
                     }
@@ -106,8 +119,12 @@ impl Acceptor {
 
     /// Doors for helpers that dial `addr` (a URL, for messages), with no socket of their own:
     /// links come through [`Self::offer`] (`tether serve`'s `/helper`).
-    pub fn new(addr: &str, insecure: bool, pair_new: bool) -> Result<Acceptor> {
+    pub fn new(addr: &str, insecure: bool, pair_new: bool, lent: LentSlot) -> Result<Acceptor> {
         let doors = Arc::new(Doors::open("host", insecure, pair_new).context("this host's keys")?);
+        let lender = Arc::new(Lender {
+            doors: doors.clone(),
+            lent,
+        });
         let flag = if insecure { " --insecure" } else { "" };
         eprintln!("accepting helpers on {addr}");
         match doors.pairing_code() {
@@ -121,6 +138,7 @@ impl Acceptor {
         let (tx, rx) = mpsc::sync_channel(WAITING);
         Ok(Acceptor {
             doors,
+            lender,
             addr: addr.to_string(),
             tx,
             joined: Mutex::new(rx),
@@ -150,6 +168,11 @@ impl Acceptor {
             });
     }
 
+    /// What browser tabs fetch over HTTP: the page and the weights.
+    pub fn lender(&self) -> &Lender {
+        &self.lender
+    }
+
     /// The next helper that joins, waiting at most `wait`.
     pub fn next(&self, wait: Duration) -> Result<Box<dyn Link>> {
         let joined = self.joined.lock().unwrap_or_else(PoisonError::into_inner);
@@ -166,6 +189,21 @@ impl Acceptor {
             ),
             Err(RecvTimeoutError::Disconnected) => bail!("the accept thread stopped"),
         }
+    }
+}
+
+/// A connection's WebSocket, or `None` once a plain request (the page, weights) is answered.
+fn upgrade_or_answer(mut pending: Pending, lender: &Lender) -> Option<Result<WsLink, LinkError>> {
+    match pending.asks() {
+        Ok(Asks::Upgrade) => Some(pending.upgrade()),
+        Ok(Asks::Plain { method, target }) => {
+            let a = lender.answer(&method, &target);
+            if let Err(e) = pending.answer(a.status, &a.headers, &a.body) {
+                eprintln!("{method} {target}: {e}");
+            }
+            None
+        }
+        Err(e) => Some(Err(e)),
     }
 }
 

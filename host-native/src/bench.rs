@@ -9,7 +9,7 @@ use engine_core::split::{minimum, prefill};
 use engine_core::Logits;
 
 use crate::helper::stats_json;
-use crate::load::{self, EngineArgs};
+use crate::load::EngineArgs;
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -42,7 +42,7 @@ pub fn run(a: Args) -> Result<()> {
         bail!("--prompt-tokens must be at least 1");
     }
     a.engine.start(false)?;
-    let model = load::load(&a.engine.model, &a.engine.synth, None)?.model;
+    let model = a.engine.load(None)?.model;
     let (be, what) = a.engine.backend.make()?;
     let be = &*be;
     eprintln!("backend: {what}");

@@ -9,7 +9,7 @@ use engine_core::weights::{save_raw, RawTensor};
 use engine_core::Logits;
 use safetensors::Dtype;
 
-use crate::load::{self, EngineArgs};
+use crate::load::EngineArgs;
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -43,7 +43,7 @@ pub fn run(a: Args) -> Result<()> {
     if ids.is_empty() {
         bail!("{}: no token ids", a.ids_file.display());
     }
-    let model = load::load(&a.engine.model, &a.engine.synth, None)?.model;
+    let model = a.engine.load(None)?.model;
     let (be, what) = a.engine.backend.make()?;
     let be = &*be;
     eprintln!("backend: {what}");

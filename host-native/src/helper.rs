@@ -14,10 +14,12 @@ use engine_core::page_file::PageFile;
 use engine_core::plan::{Plan, PlanInput};
 use engine_core::protocol::Configure;
 use engine_core::remote::{HelperClient, DEFAULT_MAX_FRAME};
+use engine_core::source::SynthOptions;
 use engine_core::split::{default_split_layer, SplitPlan};
 use engine_core::{Model, State};
 
 use crate::accept::Acceptor;
+use crate::lend::{Lent, LentSlot};
 
 #[derive(clap::Args, Clone, Debug)]
 pub struct HelperArgs {
@@ -51,6 +53,9 @@ pub struct HelperArgs {
     /// a server's reconnects take the next helper from the same socket).
     #[arg(skip)]
     acceptor: Arc<OnceLock<Acceptor>>,
+    /// The model lent to browser tabs that join (their weights over HTTP), once loaded.
+    #[arg(skip)]
+    lent: LentSlot,
     /// KV positions per full-attention layer kept on this host; older whole pages move to the
     /// helper.
     #[arg(long)]
@@ -177,7 +182,7 @@ impl HelperArgs {
     /// Open the doors of [`Self::port_doors`] for helpers dialing `url`.
     pub fn open_on_port(&self, url: &str) -> Result<()> {
         if self.port_doors().is_some() && self.acceptor.get().is_none() {
-            let a = Acceptor::new(url, self.insecure, self.pair_new)?;
+            let a = Acceptor::new(url, self.insecure, self.pair_new, self.lent.clone())?;
             let _ = self.acceptor.set(a);
         }
         Ok(())
@@ -243,6 +248,14 @@ impl HelperArgs {
         }
     }
 
+    /// Lend `model` (`--model spec`) to browser tabs that join: with --accept-helpers, the
+    /// port they join serves its weights to paired tabs.
+    pub fn lend(&self, spec: &str, synth: &SynthOptions, model: &Model) {
+        if self.accept_helpers.is_some() {
+            let _ = self.lent.set(Lent::new(spec, synth, model));
+        }
+    }
+
     pub fn max_frame(&self) -> usize {
         self.max_frame
     }
@@ -260,7 +273,13 @@ impl HelperArgs {
             ),
             Some(addr) => addr,
         };
-        let a = Acceptor::start(addr, self.max_frame, self.insecure, self.pair_new)?;
+        let a = Acceptor::start(
+            addr,
+            self.max_frame,
+            self.insecure,
+            self.pair_new,
+            self.lent.clone(),
+        )?;
         // Only this session's thread starts it; a lost race keeps the first.
         Ok(self.acceptor.get_or_init(|| a))
     }

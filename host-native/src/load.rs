@@ -42,6 +42,16 @@ impl EngineArgs {
     }
 }
 
+impl EngineArgs {
+    /// `--model`, with `tokenizer` overriding its tokenizer; lent to browser tabs that join
+    /// (their weights over HTTP) when helpers may dial in.
+    pub fn load(&self, tokenizer: Option<&Path>) -> Result<Loaded> {
+        let loaded = load(&self.model, &self.synth, tokenizer)?;
+        self.helper.lend(&self.model, &self.synth, &loaded.model);
+        Ok(loaded)
+    }
+}
+
 pub struct Loaded {
     pub model: Model,
     pub tokenizer: Tokenizer,

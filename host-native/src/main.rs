@@ -5,6 +5,7 @@ mod bench;
 mod demo;
 mod eval;
 mod helper;
+mod lend;
 mod load;
 mod run;
 mod serve;

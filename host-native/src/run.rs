@@ -8,7 +8,7 @@ use anyhow::Result;
 use engine_core::generate::{Generation, Sampler, SamplingParams};
 use engine_core::tokenizer::{ChatMessage, StreamDecoder};
 
-use crate::load::{self, EngineArgs};
+use crate::load::EngineArgs;
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -42,7 +42,7 @@ pub struct Args {
 
 pub fn run(a: Args) -> Result<()> {
     a.engine.start(false)?;
-    let l = load::load(&a.engine.model, &a.engine.synth, a.tokenizer.as_deref())?;
+    let l = a.engine.load(a.tokenizer.as_deref())?;
     // A vocabulary without chat markers (the presets' byte-level one) gets the prompt as is.
     let chat = !a.raw && l.tokenizer.token_id("<|im_start|>").is_some();
     let text = if !chat {

@@ -156,13 +156,13 @@ fn tether(keys: &Path) -> Command {
     c
 }
 
-/// `tether run` on the tiny model, greedy, `tokens` tokens.
-fn run_args(extra: &[&str], tokens: u32) -> Vec<String> {
+/// `tether run` on `model`, greedy, `tokens` tokens.
+fn run_args(model: &str, extra: &[&str], tokens: u32) -> Vec<String> {
     let tokens = tokens.to_string();
     let base = [
         "run",
         "--model",
-        "tiny",
+        model,
         "--threads",
         "1",
         "--prompt",
@@ -174,8 +174,8 @@ fn run_args(extra: &[&str], tokens: u32) -> Vec<String> {
 }
 
 /// A host waiting for helpers, its stderr read as it runs.
-fn start_host(keys: &Path, extra: &[&str], tokens: u32) -> Process {
-    Process::start(tether(keys).args(run_args(extra, tokens)))
+fn start_host(keys: &Path, model: &str, extra: &[&str], tokens: u32) -> Process {
+    Process::start(tether(keys).args(run_args(model, extra, tokens)))
 }
 
 /// What a page said when its session ended (wasm-demo/tests/tab.mjs's lines).
@@ -187,11 +187,15 @@ struct Tab {
     pages: u64,
     queries: u64,
     chunks: u64,
+    /// Weight tensors fetched from the host, and taken from the browser's cache.
+    fetched: u64,
+    cached: u64,
 }
 
 /// Opens one page per URL in headless Chromium (tab.mjs) until each session ends; with
-/// `close_after`, the first page is closed once it answered that many attention queries.
-fn tabs(pages: &[String], close_after: Option<u32>) -> Child {
+/// `close_after`, the first page is closed once it answered that many attention queries; with
+/// `profile`, the pages run in that browser profile (kept for the next visit).
+fn tabs(pages: &[String], close_after: Option<u32>, profile: Option<&Path>) -> Child {
     let mut node = Command::new("node");
     node.arg(repo().join("wasm-demo/tests/tab.mjs"))
         .args(pages)
@@ -199,6 +203,9 @@ fn tabs(pages: &[String], close_after: Option<u32>) -> Child {
         .stdout(Stdio::piped());
     if let Some(n) = close_after {
         node.env("TAB_CLOSE_AFTER_QUERIES", n.to_string());
+    }
+    if let Some(p) = profile {
+        node.env("TAB_PROFILE", p);
     }
     node.spawn().unwrap()
 }
@@ -239,9 +246,9 @@ fn reports(node: Child) -> Vec<Tab> {
 }
 
 /// The host alone's tokens.
-fn alone(keys: &Path, tokens: u32) -> String {
+fn alone(keys: &Path, model: &str, tokens: u32) -> String {
     let alone = tether(keys)
-        .args(run_args(&SPLIT[..2], tokens))
+        .args(run_args(model, &SPLIT[..2], tokens))
         .output()
         .unwrap();
     assert!(
@@ -254,9 +261,14 @@ fn alone(keys: &Path, tokens: u32) -> String {
     alone
 }
 
-/// A page URL that joins `host` on load, on `backend` (auto, gpu or cpu).
-fn page(www: &str, host: &str, code: &str, backend: &str) -> String {
-    format!("http://{www}/helper.html?host={host}&code={code}&backend={backend}&join=1")
+/// A page URL that joins `host` on load, on `backend` (auto, gpu or cpu): the page from
+/// `www`, or with `www` None the one the host serves at /helper/ on the port helpers join.
+fn page(www: Option<&str>, host: &str, code: &str, backend: &str) -> String {
+    let page = match www {
+        Some(www) => format!("http://{www}/helper.html"),
+        None => format!("{}/helper/", host.replace("ws://", "http://")),
+    };
+    format!("{page}?host={host}&code={code}&backend={backend}&join=1")
 }
 
 /// Who helps a host in [`with_helpers`].
@@ -269,33 +281,41 @@ struct Helpers<'a> {
     close_after: Option<u32>,
     /// Tokens the host generates.
     tokens: u32,
+    /// `--model`.
+    model: &'a str,
+    /// The page from the host's own port (/helper/), not from a static server.
+    from_host: bool,
+    /// The tabs' browser profile, kept between runs.
+    profile: Option<&'a Path>,
+    /// Where the host takes helpers (`--accept-helpers`).
+    accept: &'a str,
 }
 
 /// A host run with `flags`, joined by `who`, each pairing with the code the host shows. Panics
 /// unless the host finished, its tokens equal the host alone's (run with `flags`' page size)
 /// and every helper held pages; returns the host's stderr and the tabs' reports.
 fn with_helpers(flags: &[&str], who: Helpers) -> (String, Vec<Tab>) {
-    let www = serve_static(repo().join("wasm-demo/www"));
-    let name = format!("{}-{}", who.tabs.join("-"), who.native);
+    let www = (!who.from_host).then(|| serve_static(repo().join("wasm-demo/www")));
+    let name = format!("{}-{}-{}", who.tabs.join("-"), who.native, who.from_host);
     let host_keys = scratch(&format!("host-keys-{name}"));
-    let alone = alone(&host_keys, who.tokens);
+    let alone = alone(&host_keys, who.model, who.tokens);
     let n = who.tabs.len() + usize::from(who.native);
     let wait = n.to_string();
     let accept = [
         flags,
-        &["--accept-helpers", "127.0.0.1:0", "--helper-wait", "120"],
+        &["--accept-helpers", who.accept, "--helper-wait", "120"],
         &["--wait-helpers", &wait, "--pair-new"],
     ]
     .concat();
-    let mut host = start_host(&host_keys, &accept, who.tokens);
+    let mut host = start_host(&host_keys, who.model, &accept, who.tokens);
     let url = host.wait_for("accepting helpers on ");
     let code = host.wait_for("pairing code for new helpers: ");
     let pages: Vec<String> = who
         .tabs
         .iter()
-        .map(|b| page(&www, &url, &code, b))
+        .map(|b| page(www.as_deref(), &url, &code, b))
         .collect();
-    let node = tabs(&pages, who.close_after);
+    let node = tabs(&pages, who.close_after, who.profile);
     let native = who
         .native
         .then(|| native_helper(&url, &code, scratch(&format!("helper-keys-{name}"))));
@@ -347,6 +367,10 @@ fn tabs_on<'a>(backends: &'a [&'a str]) -> Helpers<'a> {
         native: false,
         close_after: None,
         tokens: 12,
+        model: "tiny",
+        from_host: false,
+        profile: None,
+        accept: "127.0.0.1:0",
     }
 }
 
@@ -429,4 +453,59 @@ fn a_tab_closed_mid_decode_costs_no_tokens() {
         tabs[0].pages > 0,
         "the tab held no pages when closed: {tabs:?}"
     );
+}
+
+/// A checkpoint rather than a preset: the tab takes its page from the host's port (/helper/),
+/// fetches the weights of the tail layers it is given from the host, and on its next visit
+/// (the same browser profile, a new host run) takes them from its cache; the tokens are the
+/// host alone's both times.
+#[test]
+fn a_tab_fetches_a_checkpoints_weights_from_the_host_and_keeps_them() {
+    if !browser_ready() {
+        return;
+    }
+    let dir = scratch("checkpoint");
+    let made = tether(&dir)
+        .args(["synth", "--preset", "tiny", "--out"])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    assert!(
+        made.status.success(),
+        "{}",
+        String::from_utf8_lossy(&made.stderr)
+    );
+    let profile = scratch("profile");
+    let model = dir.to_str().unwrap();
+    // The same address both times: a browser keeps a cache per origin, port included.
+    let port = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let accept = port.to_string();
+    let visit = || {
+        let who = Helpers {
+            model,
+            from_host: true,
+            profile: Some(&profile),
+            accept: &accept,
+            ..tabs_on(&["cpu"])
+        };
+        let (_, tabs) = with_helpers(SPLIT, who);
+        assert!(tabs[0].chunks > 0, "{tabs:?}");
+        (tabs[0].fetched, tabs[0].cached)
+    };
+    let (fetched, cached) = visit();
+    assert!(
+        fetched > 0 && cached == 0,
+        "first visit: {fetched} fetched, {cached} cached"
+    );
+    let (again, from_cache) = visit();
+    assert_eq!(
+        (again, from_cache),
+        (0, fetched),
+        "the next visit fetches nothing"
+    );
+    let _ = std::fs::remove_dir_all(dir);
+    let _ = std::fs::remove_dir_all(profile);
 }

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
-use engine_core::helper::{Helper, HelperOptions, Weights};
+use engine_core::helper::{Helper, HelperOptions, Loading, Weights};
 use engine_core::link::doors::{self, DialOptions, Doors};
 use engine_core::link::idle::IdleLink;
 use engine_core::link::secure::wire_limit;
@@ -104,9 +104,10 @@ fn run(a: Args) -> Result<()> {
     // Only the model's identity now; the layers a host assigns are built when it configures.
     let identity =
         load_identity(&a.model, &a.synth).with_context(|| format!("loading model {}", a.model))?;
-    let load = |layers: std::ops::Range<usize>| {
+    let load = |layers: std::ops::Range<usize>| -> Loading<'_> {
         eprintln!("building layers {layers:?} of {}", a.model);
-        load_layers(&a.model, &a.synth, layers, &identity.identity)
+        let built = load_layers(&a.model, &a.synth, layers, &identity.identity);
+        Box::pin(std::future::ready(built))
     };
     let max_frame = usize::try_from(a.max_frame).context("--max-frame")?;
     let session = SessionOptions::new(&a)?;

@@ -4,12 +4,15 @@
 //! WebGPU (the CPU backend where there is none) and runs the tail layers of a split prefill,
 //! all through engine-core's helper runtime.
 //!
-//! The weights come from a preset (`tiny`), generated from its seed as `tether run --model
-//! tiny` does; fetching a real checkpoint's tensors over HTTP is a later step.
+//! The model is the host's: the tab fetches the tensors of the layers it is assigned from the
+//! host over HTTP, checks them and keeps them for its next visit (src/weights.rs); a preset's
+//! weights it generates from the seed, as the host did.
 
 pub mod pump;
 #[cfg(target_arch = "wasm32")]
 mod tab;
+#[cfg(target_arch = "wasm32")]
+mod weights;
 
 #[cfg(target_arch = "wasm32")]
 pub use tab::TabHelper;

@@ -7,13 +7,14 @@ use std::cell::RefCell;
 use std::rc::Rc;
 
 use engine_core::backend::gpu::{GpuBackend, GpuOptions};
-use engine_core::helper::{Helper, HelperOptions, Session, SessionEnd};
+use std::ops::Range;
+
+use engine_core::helper::{Helper, HelperOptions, Loading, Session, SessionEnd, Weights};
 use engine_core::link::keys::{hex, short, unhex, Keypair, PublicKey};
 use engine_core::link::secure::{self, Dial};
 use engine_core::link::LinkError;
 use engine_core::remote::DEFAULT_MAX_FRAME;
-use engine_core::source::SynthOptions;
-use engine_core::{Backend, CpuBackend, Model};
+use engine_core::{Backend, CpuBackend};
 use futures_channel::{mpsc, oneshot};
 use serde_json::{json, Value};
 use wasm_bindgen::prelude::*;
@@ -21,6 +22,7 @@ use wasm_bindgen::JsCast;
 use web_sys::{BinaryType, CloseEvent, MessageEvent, Storage, WebSocket};
 
 use crate::pump::{self, Incoming, Wire, TICK};
+use crate::weights::Lending;
 
 /// A browser tab as a helper: `await TabHelper.join(...)` from the page.
 #[wasm_bindgen]
@@ -29,15 +31,14 @@ pub struct TabHelper;
 #[wasm_bindgen]
 impl TabHelper {
     /// Joins the host at `url` (`ws://…`) and helps it until the session ends. `code` is the
-    /// pairing code the host shows, needed the first time only; `preset` names the model
-    /// (weights generated from its seed, as `tether run --model PRESET` does); `backend` is
-    /// `auto` (WebGPU, else CPU), `gpu` or `cpu`. `on_event` gets every event as a JSON string
-    /// (`{"kind": "status" | "backend" | "paired" | "stats" | "ended" | "error", ...}`).
-    /// Resolves with the `ended` event, rejects with the error.
+    /// pairing code the host shows, needed the first time only; the model is the host's (its
+    /// weights fetched from it as it assigns layers, crate::weights); `backend` is `auto`
+    /// (WebGPU, else CPU), `gpu` or `cpu`. `on_event` gets every event as a JSON string
+    /// (`{"kind": "status" | "backend" | "paired" | "model" | "stats" | "ended" | "error",
+    /// ...}`). Resolves with the `ended` event, rejects with the error.
     pub async fn join(
         url: String,
         code: Option<String>,
-        preset: String,
         backend: String,
         mem_budget: f64,
         on_event: js_sys::Function,
@@ -47,16 +48,7 @@ impl TabHelper {
         }));
         let events = Events(on_event);
         let code = code.filter(|c| !c.trim().is_empty());
-        match run(
-            &url,
-            code.as_deref(),
-            &preset,
-            &backend,
-            mem_budget as u64,
-            &events,
-        )
-        .await
-        {
+        match run(&url, code.as_deref(), &backend, mem_budget as u64, &events).await {
             Ok(end) => {
                 let (why, bye) = match end {
                     SessionEnd::Bye => ("the host said bye".to_string(), true),
@@ -89,10 +81,12 @@ impl Events {
         self.send(json!({"kind": "status", "text": text.into()}));
     }
 
-    /// What the helper has done so far: its pages and bytes held, requests answered by kind.
-    fn stats(&self, session: &Session) {
+    /// What the helper has done so far: its pages and bytes held, requests answered by kind,
+    /// weights fetched and taken from the cache.
+    fn stats(&self, session: &Session, lending: &Lending) {
         let c = session.counters();
         let n = |k: &str| c.get(k).copied().unwrap_or(0);
+        let w = lending.fetched();
         self.send(json!({
             "kind": "stats",
             "pages": n("kv_pages"),
@@ -101,11 +95,14 @@ impl Events {
             "queries": n("AttnQuery"),
             "prefill_chunks": n("PrefillChunk"),
             "kv_appends": n("KvAppend"),
+            "weights_fetched": w.tensors,
+            "weights_fetched_bytes": w.bytes,
+            "weights_cached": w.cached,
         }));
     }
 }
 
-fn js_err(e: JsValue) -> String {
+pub(crate) fn js_err(e: JsValue) -> String {
     e.as_string()
         .or_else(|| {
             e.dyn_ref::<js_sys::Error>()
@@ -117,31 +114,33 @@ fn js_err(e: JsValue) -> String {
 async fn run(
     url: &str,
     code: Option<&str>,
-    preset: &str,
     backend: &str,
     mem_budget: u64,
     events: &Events,
 ) -> Result<SessionEnd, String> {
     let backend = make_backend(backend, events).await?;
-    events.status(format!("generating the {preset} model's weights"));
-    let o = SynthOptions::default();
-    let (config, tensors) = o.tensors(preset).map_err(|e| e.to_string())?;
-    let identity = o.identity(preset, &config).map_err(|e| e.to_string())?;
-    let model = Model::with_identity(config, &tensors, identity).map_err(|e| e.to_string())?;
-    drop(tensors);
-
     let store = KeyStore::open()?;
-    let (mut socket, mut link) = dial(url, code, &store, events).await?;
+    let (mut socket, mut link, host) = dial(url, code, &store, events).await?;
+    events.status(format!("joined the host at {url}: asking for its model"));
+    let lending = Lending::open(url, &store.keypair()?, &host).await?;
+    let identity = lending.identity()?;
+    events.send(
+        json!({"kind": "model", "name": lending.manifest.name, "digest": lending.manifest.digest}),
+    );
     events.status(format!(
-        "joined the host at {url}: serving it ({})",
+        "serving the host at {url} ({})",
         if link.is_encrypted() {
             "encrypted"
         } else {
             "plain"
         }
     ));
-    let helper = Helper::new(
-        &model,
+    let load = |layers: Range<usize>| -> Loading<'_> { Box::pin(lending.layers(layers)) };
+    let helper = Helper::with_weights(
+        Weights::Assigned {
+            identity: &identity,
+            load: &load,
+        },
         &*backend,
         HelperOptions {
             mem_budget,
@@ -149,12 +148,12 @@ async fn run(
         },
     );
     let mut session = helper.session();
-    events.stats(&session);
+    events.stats(&session, &lending);
     let end = pump::serve(&mut socket.wire, &mut link, &mut session, |s| {
-        events.stats(s)
+        events.stats(s, &lending)
     })
     .await;
-    events.stats(&session);
+    events.stats(&session, &lending);
     Ok(end)
 }
 
@@ -191,7 +190,7 @@ async fn dial(
     code: Option<&str>,
     store: &KeyStore,
     events: &Events,
-) -> Result<(Socket, secure::Session), String> {
+) -> Result<(Socket, secure::Session, PublicKey), String> {
     let keys = store.keypair()?;
     if let Some(host) = store.host(url) {
         events.status(format!(
@@ -200,7 +199,7 @@ async fn dial(
         ));
         let mut socket = Socket::open(url).await?;
         match pump::handshake(&mut socket.wire, &keys, Dial::Known(host)).await {
-            Ok((link, _)) => return Ok((socket, link)),
+            Ok((link, _)) => return Ok((socket, link, host)),
             Err(LinkError::Refused(why)) if code.is_some() => {
                 events.status(format!(
                     "the host refused the remembered key ({why}); pairing again"
@@ -222,7 +221,7 @@ async fn dial(
     let host = host.ok_or("the host gave no key")?;
     store.set_host(url, &host)?;
     events.send(json!({"kind": "paired", "host": short(&host)}));
-    Ok((socket, link))
+    Ok((socket, link, host))
 }
 
 /// The tab's keys in the page's `localStorage`, hex as the native key store writes them: its

@@ -1,9 +1,11 @@
 // Opens helper pages in headless Chromium and waits until each says its session ended (or
 // failed). Used by host-native/tests/tab.rs: `node wasm-demo/tests/tab.mjs URL [URL...]`, each
 // URL a helper.html with its host and code in the query string and join=1. Every page gets a
-// browser context of its own (its own localStorage, as separate browsers would have). Prints one
-// JSON line per page on stdout: {state, status, backend, pages, queries, chunks}; the pages'
-// console goes to stderr.
+// browser context of its own (its own localStorage, as separate browsers would have), unless
+// TAB_PROFILE names a profile directory, which every page then shares and which outlives the
+// run (a later run is the same browser's next visit). Prints one JSON line per page on stdout:
+// {state, status, backend, pages, queries, chunks, fetched, cached}; the pages' console goes
+// to stderr.
 //
 // Env: CHROMIUM (default /usr/bin/chromium), TAB_TIMEOUT_MS (default 240000),
 // TAB_CLOSE_AFTER_QUERIES=N closes the first page once it answered N attention queries (a tab
@@ -18,7 +20,7 @@ if (urls.length === 0) {
 const timeout = Number(process.env.TAB_TIMEOUT_MS || 240000);
 const closeAfter = Number(process.env.TAB_CLOSE_AFTER_QUERIES || 0);
 
-const browser = await chromium.launch({
+const options = {
   executablePath: process.env.CHROMIUM || '/usr/bin/chromium',
   args: [
     '--no-sandbox',
@@ -34,7 +36,12 @@ const browser = await chromium.launch({
     '--no-first-run',
     '--disable-quic',
   ],
-});
+};
+const profile = process.env.TAB_PROFILE;
+const shared = profile ? await chromium.launchPersistentContext(profile, options) : null;
+const browser = shared ? null : await chromium.launch(options);
+const newContext = async () => shared || browser.newContext();
+const closeContext = async (context) => { if (!shared) await context.close(); };
 
 const readState = () => ({
   state: document.body.dataset.state,
@@ -43,10 +50,12 @@ const readState = () => ({
   pages: Number(document.getElementById('pages').textContent),
   queries: Number(document.getElementById('queries').textContent),
   chunks: Number(document.getElementById('chunks').textContent),
+  fetched: Number(document.getElementById('fetched').textContent),
+  cached: Number(document.getElementById('cached').textContent),
 });
 
 async function run(url, i) {
-  const context = await browser.newContext();
+  const context = await newContext();
   const page = await context.newPage();
   page.on('console', (m) => console.error(`[tab ${i}] ${m.text()}`));
   page.on('pageerror', (e) => console.error(`[tab ${i}] page error: ${e}`));
@@ -56,13 +65,15 @@ async function run(url, i) {
       (n) => Number(document.getElementById('queries').textContent) >= n,
       closeAfter, { timeout, polling: 10 });
     const seen = await page.evaluate(readState);
-    await context.close();
+    await page.close();
+    await closeContext(context);
     return { ...seen, state: 'closed' };
   }
   await page.waitForFunction(
     () => ['ended', 'error'].includes(document.body.dataset.state), null, { timeout });
   const seen = await page.evaluate(readState);
-  await context.close();
+  await page.close();
+  await closeContext(context);
   return seen;
 }
 
@@ -74,6 +85,6 @@ try {
   console.error(`tab.mjs: ${e}`);
   failed = true;
 } finally {
-  await browser.close();
+  await (shared || browser).close();
 }
 process.exit(failed ? 1 : 0);

@@ -1,11 +1,16 @@
 // The helper page: fills the form from the query string (?host=ws://...&code=...&backend=...;
-// &join=1 joins on load), runs TabHelper.join and shows its events. The page's state is in
+// &join=1 joins on load), runs TabHelper.join and shows its events. Served by a host at
+// /helper/, the host field defaults to that host. The page's state is in
 // document.body.dataset.state (idle, joining, ended, error) for whoever watches it.
 import init, { TabHelper } from './pkg/wasm_demo.js';
 
 const $ = (id) => document.getElementById(id);
 const params = new URLSearchParams(location.search);
-for (const id of ['host', 'code', 'model', 'backend', 'mem']) {
+if (location.pathname.startsWith('/helper/') && location.protocol.startsWith('http')) {
+  const ws = location.protocol === 'https:' ? 'wss:' : 'ws:';
+  $('host').value = `${ws}//${location.host}/helper`;
+}
+for (const id of ['host', 'code', 'backend', 'mem']) {
   if (params.has(id)) $(id).value = params.get(id);
 }
 document.body.dataset.state = 'idle';
@@ -21,11 +26,15 @@ function onEvent(json) {
     case 'status': $('status').textContent = e.text; break;
     case 'backend': $('backend-name').textContent = e.name; break;
     case 'paired': $('status').textContent = `paired with the host (key ${e.host})`; break;
+    case 'model': $('model').textContent = `${e.name} (${e.digest.slice(0, 12)})`; break;
     case 'stats':
       $('pages').textContent = e.pages;
       $('held').textContent = e.held_bytes;
       $('queries').textContent = e.queries;
       $('chunks').textContent = e.prefill_chunks;
+      $('fetched').textContent = e.weights_fetched;
+      $('fetched-bytes').textContent = e.weights_fetched_bytes;
+      $('cached').textContent = e.weights_cached;
       return;
     case 'ended': $('status').textContent = `session ended: ${e.why}`; break;
     case 'error': $('status').textContent = `error: ${e.text}`; break;
@@ -39,8 +48,8 @@ async function join() {
   try {
     await init();
     const mem = Number($('mem').value) * 1024 * 1024;
-    await TabHelper.join($('host').value, $('code').value || null, $('model').value,
-                         $('backend').value, mem, onEvent);
+    await TabHelper.join($('host').value, $('code').value || null, $('backend').value, mem,
+                         onEvent);
     document.body.dataset.state = 'ended';
   } catch (err) {
     log(`error: ${err}`);

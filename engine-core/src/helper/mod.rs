@@ -13,7 +13,9 @@ mod limits;
 mod requests;
 
 use std::collections::BTreeMap;
+use std::future::Future;
 use std::ops::Range;
+use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 
 use crate::backend::Backend;
@@ -48,8 +50,12 @@ pub enum SessionEnd {
     Refused(String),
 }
 
+/// The layers a host assigns, being built: natively ready at once (a memory-mapped checkpoint
+/// or a generated preset); in a browser tab, fetched from the host first.
+pub type Loading<'a> = Pin<Box<dyn Future<Output = crate::Result<Model>> + 'a>>;
+
 /// Builds the layers a host assigns (and nothing else) from the helper's checkpoint.
-pub type LoadLayers<'a> = dyn Fn(Range<usize>) -> crate::Result<Model> + Sync + 'a;
+pub type LoadLayers<'a> = dyn Fn(Range<usize>) -> Loading<'a> + Sync + 'a;
 
 /// The weights a helper runs its share of a split prefill with.
 pub enum Weights<'a> {
@@ -151,21 +157,23 @@ impl<'a> Helper<'a> {
 
     /// The model that runs `layers` in this session, built now if the helper loads per
     /// assignment and does not hold those layers yet.
-    fn load(&self, layers: Range<usize>) -> crate::Result<Option<Arc<Model>>> {
+    async fn load(&self, layers: Range<usize>) -> crate::Result<Option<Arc<Model>>> {
         let Weights::Assigned { load, .. } = &self.weights else {
             return Ok(None);
         };
-        let mut held = self.assigned.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(m) = held.as_ref().filter(|m| {
-            let l = m.loaded_layers();
-            l.start <= layers.start && layers.end <= l.end
-        }) {
-            return Ok(Some(m.clone()));
+        {
+            let mut held = self.assigned.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(m) = held.as_ref().filter(|m| {
+                let l = m.loaded_layers();
+                l.start <= layers.start && layers.end <= l.end
+            }) {
+                return Ok(Some(m.clone()));
+            }
+            // Drop the old layers before building the new ones.
+            *held = None;
         }
-        // Drop the old layers before building the new ones.
-        *held = None;
-        let m = Arc::new(load(layers)?);
-        *held = Some(m.clone());
+        let m = Arc::new(load(layers).await?);
+        *self.assigned.lock().unwrap_or_else(|e| e.into_inner()) = Some(m.clone());
         Ok(Some(m))
     }
 

@@ -27,7 +27,7 @@ impl Helper<'_> {
     /// Routes one request of a greeted host to the method that serves its kind.
     pub(super) async fn handle(&self, s: &mut Held, msg: Message) -> Result<Message, Refusal> {
         match msg {
-            Message::Configure(cfg) => self.on_configure(s, cfg),
+            Message::Configure(cfg) => self.on_configure(s, cfg).await,
             Message::Ping { nonce } => Ok(Message::Pong { nonce }),
             Message::Stats(_) => Ok(s.stats()),
             Message::KvAppend {
@@ -89,7 +89,7 @@ impl Helper<'_> {
     }
 
     /// A new assignment starts from nothing: rows held were laid out for the old one.
-    fn on_configure(&self, s: &mut Held, cfg: Configure) -> Result<Message, Refusal> {
+    async fn on_configure(&self, s: &mut Held, cfg: Configure) -> Result<Message, Refusal> {
         let n = self.model().config.num_hidden_layers as u32;
         if cfg.first_layer > cfg.end_layer || cfg.end_layer > n || cfg.page_size == 0 {
             return Err(Refusal(
@@ -105,6 +105,7 @@ impl Helper<'_> {
         s.layers = None;
         s.layers = self
             .load(cfg.first_layer as usize..cfg.end_layer as usize)
+            .await
             .map_err(|e| Refusal("configure", format!("loading the assigned layers: {e}")))?;
         s.configure = Some(cfg);
         Ok(Message::Ack)

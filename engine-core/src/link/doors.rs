@@ -63,6 +63,20 @@ impl Doors {
             .shown()
     }
 
+    /// The key this side shares with `peer` for lending it weights
+    /// ([`crate::lending::lending_key`]), if `peer` is paired (never with `--insecure`).
+    pub fn lending_key(&self, peer: &PublicKey) -> Option<[u8; 32]> {
+        let store = self.store.as_ref()?;
+        if !store
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .knows(peer)
+        {
+            return None;
+        }
+        crate::lending::lending_key(&self.keys, peer).ok()
+    }
+
     /// The secure handshake with the peer at `peer` (an address, for the key store and the
     /// log); remembers a peer that pairs. Wrong codes may draw a new code: `show` is called
     /// with it.

@@ -210,6 +210,7 @@ impl WsListener {
             peer,
             max_frame: self.max_frame,
             browsers: self.browsers,
+            head: 0,
         })
     }
 
@@ -226,11 +227,112 @@ pub struct Pending {
     peer: SocketAddr,
     max_frame: usize,
     browsers: bool,
+    /// The length of the request head [`Pending::asks`] saw (still unread).
+    head: usize,
 }
+
+/// What a connection to a [`WsListener`] asks for.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Asks {
+    /// A WebSocket: [`Pending::upgrade`] it.
+    Upgrade,
+    /// A plain HTTP request (a page, a file): [`Pending::answer`] it.
+    Plain { method: String, target: String },
+}
+
+/// The largest request head [`Pending::asks`] reads (a browser's is a few hundred bytes).
+const MAX_HEAD: usize = 8192;
 
 impl Pending {
     pub fn peer_addr(&self) -> SocketAddr {
         self.peer
+    }
+
+    /// Reads the request's head without taking it from the socket (within
+    /// [`HANDSHAKE_TIMEOUT`]), so an upgrade still finds it: a host that lends a browser tab
+    /// its page and weights answers plain requests on the port helpers join.
+    pub fn asks(&mut self) -> Result<Asks, LinkError> {
+        let peer = self.peer;
+        self.stream
+            .set_read_timeout(Some(HANDSHAKE_TIMEOUT))
+            .map_err(io_error(format!("timeouts on {peer}")))?;
+        let deadline = std::time::Instant::now() + HANDSHAKE_TIMEOUT;
+        let mut buf = vec![0u8; MAX_HEAD];
+        let mut seen = 0;
+        loop {
+            let n = self
+                .stream
+                .peek(&mut buf)
+                .map_err(io_error(format!("reading the request of {peer}")))?;
+            if n == 0 {
+                return Err(LinkError::Closed(format!("{peer} closed before asking")));
+            }
+            let mut headers = [httparse::EMPTY_HEADER; 64];
+            let mut req = httparse::Request::new(&mut headers);
+            match req.parse(&buf[..n]) {
+                Ok(httparse::Status::Complete(head)) => {
+                    self.head = head;
+                    return Ok(what_is_asked(&req));
+                }
+                Ok(httparse::Status::Partial) if n < MAX_HEAD => {}
+                Ok(httparse::Status::Partial) | Err(_) => {
+                    return Err(LinkError::Io(format!(
+                        "{peer} sent no valid HTTP request head"
+                    )))
+                }
+            }
+            if std::time::Instant::now() > deadline {
+                return Err(LinkError::Io(format!(
+                    "{peer} sent no whole request in time"
+                )));
+            }
+            // A peek returns what arrived so far at once; wait for more.
+            if n == seen {
+                thread::sleep(Duration::from_millis(5));
+            }
+            seen = n;
+        }
+    }
+
+    /// Answers a plain request with `status`, `headers` and `body`, then closes (within
+    /// [`HANDSHAKE_TIMEOUT`] per write). The request's head is read first: a socket closed
+    /// with bytes unread is reset, and the peer may lose the answer.
+    pub fn answer(
+        self,
+        status: u16,
+        headers: &[(&str, String)],
+        body: &[u8],
+    ) -> Result<(), LinkError> {
+        use std::io::Read;
+        use std::io::Write;
+        let peer = self.peer;
+        let mut stream = self.stream;
+        stream
+            .set_write_timeout(Some(HANDSHAKE_TIMEOUT))
+            .map_err(io_error(format!("timeouts on {peer}")))?;
+        let mut head = vec![0u8; self.head];
+        stream
+            .read_exact(&mut head)
+            .map_err(io_error(format!("reading the request of {peer}")))?;
+        let reason = StatusCode::from_u16(status)
+            .ok()
+            .and_then(|s| s.canonical_reason())
+            .unwrap_or("");
+        let mut head = format!("HTTP/1.1 {status} {reason}\r\n");
+        for (name, value) in headers {
+            head.push_str(&format!("{name}: {value}\r\n"));
+        }
+        head.push_str(&format!(
+            "Content-Length: {}\r\nConnection: close\r\n\r\n",
+            body.len()
+        ));
+        stream
+            .write_all(head.as_bytes())
+            .and_then(|()| stream.write_all(body))
+            .and_then(|()| stream.flush())
+            .map_err(io_error(format!("answering {peer}")))?;
+        let _ = stream.shutdown(Shutdown::Write);
+        Ok(())
     }
 
     /// The WebSocket handshake (within [`HANDSHAKE_TIMEOUT`]); a web page's request is turned
@@ -241,6 +343,7 @@ impl Pending {
             peer,
             max_frame,
             browsers,
+            ..
         } = self;
         let writer = prepare(&stream, peer)?;
         // tungstenite's callback type fixes the large error (an HTTP response).
@@ -261,6 +364,22 @@ impl Pending {
             tungstenite::accept_hdr_with_config(stream, check_origin, Some(config(max_frame)))
                 .map_err(|e| handshake_error(e, peer))?;
         WsLink::start(reader, writer, Role::Server, max_frame, peer)
+    }
+}
+
+/// An upgrade asks for `Upgrade: websocket`; anything else is a plain request.
+fn what_is_asked(req: &httparse::Request) -> Asks {
+    let upgrade = req.headers.iter().any(|h| {
+        h.name.eq_ignore_ascii_case("upgrade")
+            && std::str::from_utf8(h.value)
+                .is_ok_and(|v| v.trim().eq_ignore_ascii_case("websocket"))
+    });
+    match upgrade {
+        true => Asks::Upgrade,
+        false => Asks::Plain {
+            method: req.method.unwrap_or("").to_string(),
+            target: req.path.unwrap_or("/").to_string(),
+        },
     }
 }
 

@@ -33,7 +33,7 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use tracing::{info, warn};
 
-use crate::load::{self, EngineArgs};
+use crate::load::EngineArgs;
 use conversation::Conversation;
 use cross_site::Cors;
 use engine::Engine;
@@ -125,7 +125,7 @@ pub fn run(a: Args) -> Result<()> {
         bail!("--page-size and --ubatch must be at least 1");
     }
     let l = terminal::spinner(format!("loading {}", a.engine.model), || {
-        load::load(&a.engine.model, &a.engine.synth, a.tokenizer.as_deref())
+        a.engine.load(a.tokenizer.as_deref())
     })?;
     let config = &l.model.config;
     info!(

@@ -82,6 +82,9 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .route("/helper", get(helper))
+        .route("/helper/", get(lend))
+        .route("/helper/{*file}", get(lend))
+        .route("/weights/{*tensor}", get(lend))
         .fallback(|| async { ApiError::not_found("no such endpoint").with_code("unknown_url") })
         .method_not_allowed_fallback(|| async {
             ApiError::new(
@@ -582,9 +585,13 @@ async fn helper(
         return ApiError::unavailable("too many helpers are pairing at once; try again", 5)
             .into_response();
     }
+    // A person opening /helper in a browser gets the tab helper's page.
     let Ok(ws) = ws else {
-        return ApiError::invalid("/helper is a WebSocket for helpers to dial")
-            .with_code("not_a_websocket")
+        return (
+            StatusCode::PERMANENT_REDIRECT,
+            [(header::LOCATION, "/helper/")],
+            "the helper page is at /helper/\n",
+        )
             .into_response();
     };
     let limit = wire_limit(app.helper_frame);
@@ -598,6 +605,40 @@ async fn helper(
                 );
             }
         })
+}
+
+/// The tab helper's page and the weights lent to paired tabs (crate::lend), with
+/// --accept-helpers.
+async fn lend(State(app): State<Arc<App>>, uri: axum::http::Uri) -> Response {
+    let Some(acceptor) = app.acceptor.clone().filter(|a| a.get().is_some()) else {
+        return ApiError::not_found(
+            "this server takes no helpers on its port: start it with --accept-helpers",
+        )
+        .with_code("no_helpers")
+        .into_response();
+    };
+    let target = uri
+        .path_and_query()
+        .map_or_else(|| uri.path().to_string(), |p| p.to_string());
+    // The first weights request hashes a checkpoint's tensors: not on the async runtime.
+    let answer = tokio::task::spawn_blocking(move || {
+        acceptor.get().map(|a| a.lender().answer("GET", &target))
+    })
+    .await;
+    let Ok(Some(a)) = answer else {
+        return ApiError::unavailable("the helper page could not be answered", 1).into_response();
+    };
+    let mut r = (
+        StatusCode::from_u16(a.status).unwrap_or(StatusCode::OK),
+        a.body,
+    )
+        .into_response();
+    for (name, value) in a.headers {
+        if let Ok(v) = header::HeaderValue::from_str(&value) {
+            r.headers_mut().insert(name, v);
+        }
+    }
+    r
 }
 
 async fn metrics(State(app): State<Arc<App>>) -> Response {
