@@ -10,6 +10,7 @@ use axum::body::Bytes;
 use engine_core::identity::ModelIdentity;
 use engine_core::lending::{asker, tensor_path, Manifest, Sealed, MANIFEST_PATH};
 use engine_core::link::doors::Doors;
+use engine_core::link::keys::PublicKey;
 use engine_core::source::SynthOptions;
 use engine_core::weights::{self, TensorMap};
 use engine_core::{Model, ModelConfig};
@@ -18,6 +19,9 @@ include!(concat!(env!("OUT_DIR"), "/page.rs"));
 
 /// How long a weights request waits for the model to load before it is answered 503.
 const LOADING_WAIT: Duration = Duration::from_secs(120);
+
+/// How long a weights request from an unknown key waits for a pairing under way to store it.
+const PAIRING_WAIT: Duration = Duration::from_secs(2);
 
 /// The model a host lends, known once it has loaded.
 pub struct Lent {
@@ -180,6 +184,22 @@ impl Lender {
         }
     }
 
+    /// The lending key of `who`, if paired. A tab asks as soon as its side of the pairing
+    /// handshake ends, which can be before this side has stored its key: an unknown key gets
+    /// [`PAIRING_WAIT`] to appear.
+    fn paired(&self, who: &PublicKey) -> Option<[u8; 32]> {
+        let deadline = Instant::now() + PAIRING_WAIT;
+        loop {
+            if let Some(key) = self.doors.lending_key(who) {
+                return Some(key);
+            }
+            if Instant::now() > deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
     /// `/weights/manifest` or `/weights/DIGEST/NAME`, for a paired helper only.
     fn weights(&self, path: &str, query: &str) -> Answer {
         let Some((who, mac)) = asker(query) else {
@@ -188,7 +208,7 @@ impl Lender {
                 "weights go to paired helpers only: the request must name its key and MAC".into(),
             );
         };
-        let Some(key) = self.doors.lending_key(&who) else {
+        let Some(key) = self.paired(&who) else {
             return Answer::text(403, "this helper is not paired with this host".into());
         };
         if !engine_core::lending::verify(&key, path.as_bytes(), &mac) {

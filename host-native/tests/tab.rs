@@ -13,6 +13,7 @@ use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::thread::JoinHandle;
 
 use engine_core::helper::{Helper, HelperOptions, SessionEnd};
@@ -296,7 +297,9 @@ struct Helpers<'a> {
 /// and every helper held pages; returns the host's stderr and the tabs' reports.
 fn with_helpers(flags: &[&str], who: Helpers) -> (String, Vec<Tab>) {
     let www = (!who.from_host).then(|| serve_static(repo().join("wasm-demo/www")));
-    let name = format!("{}-{}-{}", who.tabs.join("-"), who.native, who.from_host);
+    // Unique per call: tests run at once, and each scratch directory starts empty.
+    static CALLS: AtomicUsize = AtomicUsize::new(0);
+    let name = format!("{}", CALLS.fetch_add(1, Ordering::SeqCst));
     let host_keys = scratch(&format!("host-keys-{name}"));
     let alone = alone(&host_keys, who.model, who.tokens);
     let n = who.tabs.len() + usize::from(who.native);

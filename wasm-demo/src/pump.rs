@@ -9,6 +9,9 @@
 //! its own keep-alives every sixth of it), and a host unheard for more than [`SILENCE`] worth of
 //! ticks is taken as lost, as a native helper's link would.
 
+use std::collections::VecDeque;
+use std::future::Future;
+use std::pin::pin;
 use std::time::Duration;
 
 use engine_core::helper::{Session, SessionEnd};
@@ -18,6 +21,7 @@ use engine_core::link::secure::{
 };
 use engine_core::link::LinkError;
 use futures_channel::mpsc::UnboundedReceiver;
+use futures_util::future::{select, Either};
 use futures_util::StreamExt;
 
 /// The timer's period: the keep-alive period of the native link (a sixth of [`SILENCE`]).
@@ -116,7 +120,7 @@ pub async fn handshake(
 }
 
 /// Serves the host over `link` until it says Bye, breaks the protocol, goes silent or the
-/// socket closes. Each frame is answered before the next is read, as the host expects;
+/// socket closes. Each frame is answered before the next is handled, as the host expects;
 /// `served` is called after each of the host's frames is handled (for the page's counters).
 pub async fn serve(
     wire: &mut Wire,
@@ -125,8 +129,14 @@ pub async fn serve(
     mut served: impl FnMut(&Session<'_, '_>),
 ) -> SessionEnd {
     let mut quiet = 0;
+    // What arrived while a frame was being handled, in order.
+    let mut early = VecDeque::new();
     loop {
-        let frame = match wire.next().await {
+        let next = match early.pop_front() {
+            Some(next) => next,
+            None => wire.next().await,
+        };
+        let frame = match next {
             Incoming::Frame(frame) => frame,
             Incoming::Tick => {
                 quiet += 1;
@@ -135,7 +145,7 @@ pub async fn serve(
                         "nothing from the host for {SILENCE:?}: taken as lost"
                     ));
                 }
-                if let Err(e) = link.seal(Vec::new()).and_then(|f| wire.send(&f)) {
+                if let Err(e) = keepalive(link, wire) {
                     return SessionEnd::Closed(e.to_string());
                 }
                 continue;
@@ -149,7 +159,11 @@ pub async fn serve(
             Ok(frame) => frame,
             Err(refusal) => return SessionEnd::Closed(wire.refuse(refusal).to_string()),
         };
-        let step = session.on_frame(&frame).await;
+        let work = session.on_frame(&frame);
+        let step = match alive_while(work, wire, &mut early, |w| keepalive(link, w)).await {
+            Ok(step) => step,
+            Err(e) => return SessionEnd::Closed(e.to_string()),
+        };
         if let Some(reply) = step.reply {
             if let Err(e) = link.seal(reply).and_then(|f| wire.send(&f)) {
                 return step
@@ -160,6 +174,34 @@ pub async fn serve(
         served(session);
         if let Some(end) = step.end {
             return end;
+        }
+    }
+}
+
+fn keepalive(link: &mut secure::Session, wire: &mut Wire) -> Result<(), LinkError> {
+    link.seal(Vec::new()).and_then(|f| wire.send(&f))
+}
+
+/// Waits for `work` (a frame being handled) while the link stays alive: each tick still
+/// sends a keep-alive, since a tab fetching the weights of the layers it is assigned may take
+/// longer than the host waits for a silent peer; whatever else arrives meanwhile waits in
+/// `early`, in order.
+async fn alive_while<T>(
+    work: impl Future<Output = T>,
+    wire: &mut Wire,
+    early: &mut VecDeque<Incoming>,
+    mut keepalive: impl FnMut(&mut Wire) -> Result<(), LinkError>,
+) -> Result<T, LinkError> {
+    let mut work = pin!(work);
+    loop {
+        // Taking the next event is cancel-safe: if `work` finishes first, nothing is lost.
+        let event = match select(work.as_mut(), pin!(wire.next())).await {
+            Either::Left((done, _)) => return Ok(done),
+            Either::Right((event, _)) => event,
+        };
+        match event {
+            Incoming::Tick => keepalive(wire)?,
+            other => early.push_back(other),
         }
     }
 }
@@ -367,5 +409,46 @@ mod tests {
             "{end:?}"
         );
         assert_eq!(seen.borrow().keepalives, ticks(SILENCE) as usize);
+    }
+
+    /// Work that outlasts several ticks (a tab fetching weights) keeps the link alive, and what
+    /// arrives meanwhile is kept, in order, for after it.
+    #[test]
+    fn long_work_sends_keepalives_and_keeps_what_arrives() {
+        let (tx, rx) = unbounded();
+        let sent = Rc::new(RefCell::new(0usize));
+        let counted = sent.clone();
+        let mut wire = Wire::new(
+            rx,
+            Box::new(move |_: &[u8]| {
+                *counted.borrow_mut() += 1;
+                Ok(())
+            }),
+        );
+        for what in [
+            Incoming::Tick,
+            Incoming::Frame(vec![1]),
+            Incoming::Tick,
+            Incoming::Frame(vec![2]),
+        ] {
+            tx.unbounded_send(what).unwrap();
+        }
+        // Done once two keep-alives went out and both frames arrived.
+        let (sent_now, mut early) = (sent.clone(), VecDeque::new());
+        let work = std::future::poll_fn(|_| match *sent_now.borrow() {
+            2 => std::task::Poll::Ready("done"),
+            _ => std::task::Poll::Pending,
+        });
+        let done = pollster::block_on(alive_while(work, &mut wire, &mut early, |w| w.send(&[])));
+        assert_eq!(done.unwrap(), "done");
+        assert_eq!(*sent.borrow(), 2);
+        let frames: Vec<_> = early
+            .iter()
+            .map(|e| match e {
+                Incoming::Frame(f) => f[0],
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        assert_eq!(frames, [1], "the second frame is still on the wire");
     }
 }
