@@ -35,18 +35,27 @@ struct Params {
 @group(0) @binding(6) var<storage, read_write> state: array<f32>;
 @group(0) @binding(7) var<storage, read_write> out: array<f32>;
 
-// The (value head, column) of a thread: workgroups take WG columns of one head.
-struct Lane {
-    h: u32,
-    kh: u32,
-    col: u32,
+// Workgroups take WG columns of one value head: the head is the workgroup's (from its id
+// alone), the column the thread's. They are computed apart so the head stays uniform under
+// WGSL's uniformity analysis, which follows values, not struct fields: an early return on a
+// head taken from a struct that also holds the column is non-uniform control flow before a
+// barrier, and Tint (Chrome's WebGPU) rejects the whole module, so neither entry point would
+// run there (naga accepts it).
+fn blocks_per_head() -> u32 {
+    return (p.dv + WG - 1u) / WG;
 }
 
-fn lane_of(lid: u32, wid: vec3<u32>, nwg: vec3<u32>) -> Lane {
-    let blocks = (p.dv + WG - 1u) / WG;
-    let wg = wid.x + wid.y * nwg.x;
-    let h = wg / blocks;
-    return Lane(h, h / (p.v_heads / p.k_heads), (wg % blocks) * WG + lid);
+fn head_of(wid: vec3<u32>, nwg: vec3<u32>) -> u32 {
+    return (wid.x + wid.y * nwg.x) / blocks_per_head();
+}
+
+fn col_of(lid: u32, wid: vec3<u32>, nwg: vec3<u32>) -> u32 {
+    return ((wid.x + wid.y * nwg.x) % blocks_per_head()) * WG + lid;
+}
+
+// The key head value head h reads.
+fn key_head(h: u32) -> u32 {
+    return h / (p.v_heads / p.k_heads);
 }
 
 // Offset of token i's key-head row in q and k.
@@ -64,27 +73,29 @@ fn delta_recurrent(
     @builtin(workgroup_id) wid: vec3<u32>,
     @builtin(num_workgroups) nwg: vec3<u32>,
 ) {
-    let ln = lane_of(lid, wid, nwg);
-    if ln.h >= p.v_heads || ln.col >= p.dv {
+    let h = head_of(wid, nwg);
+    let col = col_of(lid, wid, nwg);
+    if h >= p.v_heads || col >= p.dv {
         return;
     }
-    let sb = ln.h * p.dk * p.dv + ln.col;
+    let kh = key_head(h);
+    let sb = h * p.dk * p.dv + col;
     for (var i = p.t0; i < p.t_end; i++) {
-        let gi = i * p.v_heads + ln.h;
+        let gi = i * p.v_heads + h;
         let decay = exp(g[gi]);
-        let kb = qk_row(i, ln.kh);
+        let kb = qk_row(i, kh);
         var kv = 0.0;
         for (var r = 0u; r < p.dk; r++) {
             kv += state[sb + r * p.dv] * decay * k[kb + r];
         }
-        let delta = (v[v_index(i, ln.h, ln.col)] - kv) * beta[gi];
+        let delta = (v[v_index(i, h, col)] - kv) * beta[gi];
         var o = 0.0;
         for (var r = 0u; r < p.dk; r++) {
             let s = state[sb + r * p.dv] * decay + k[kb + r] * delta;
             state[sb + r * p.dv] = s;
             o += s * q[kb + r];
         }
-        out[v_index(i, ln.h, ln.col)] = o;
+        out[v_index(i, h, col)] = o;
     }
 }
 
@@ -104,12 +115,14 @@ fn delta_chunked(
     @builtin(workgroup_id) wid: vec3<u32>,
     @builtin(num_workgroups) nwg: vec3<u32>,
 ) {
-    let ln = lane_of(lid, wid, nwg);
-    if ln.h >= p.v_heads {
+    let h = head_of(wid, nwg);
+    if h >= p.v_heads {
         return;
     }
-    let owns_col = ln.col < p.dv;
-    let sb = ln.h * p.dk * p.dv + ln.col;
+    let kh = key_head(h);
+    let col = col_of(lid, wid, nwg);
+    let owns_col = col < p.dv;
+    let sb = h * p.dk * p.dv + col;
     var qs: array<f32, CHUNK>;
     var ks: array<f32, CHUNK>;
     var vn: array<f32, CHUNK>;
@@ -118,7 +131,7 @@ fn delta_chunked(
         if lid == 0u {
             var acc = 0.0;
             for (var i = 0u; i < n; i++) {
-                let gi = (c0 + i) * p.v_heads + ln.h;
+                let gi = (c0 + i) * p.v_heads + h;
                 acc += g[gi];
                 gc[i] = acc;
                 bt[i] = beta[gi];
@@ -131,8 +144,8 @@ fn delta_chunked(
             var kk = 0.0;
             var qkv = 0.0;
             if j <= i {
-                let ki = qk_row(c0 + i, ln.kh);
-                let kj = qk_row(c0 + j, ln.kh);
+                let ki = qk_row(c0 + i, kh);
+                let kj = qk_row(c0 + j, kh);
                 for (var r = 0u; r < p.dk; r++) {
                     kk += k[ki + r] * k[kj + r];
                     qkv += q[ki + r] * k[kj + r];
@@ -164,7 +177,7 @@ fn delta_chunked(
             for (var r = 0u; r < p.dk; r++) {
                 let s = state[sb + r * p.dv];
                 for (var i = 0u; i < n; i++) {
-                    let e = qk_row(c0 + i, ln.kh) + r;
+                    let e = qk_row(c0 + i, kh) + r;
                     qs[i] += q[e] * s;
                     ks[i] += k[e] * s;
                 }
@@ -177,7 +190,7 @@ fn delta_chunked(
                     if m < i {
                         tb *= tri[i * CHUNK + m];
                     }
-                    u += tb * v[v_index(c0 + m, ln.h, ln.col)];
+                    u += tb * v[v_index(c0 + m, h, col)];
                     ws += tb * exp(gc[m]) * ks[m];
                 }
                 vn[i] = u - ws;
@@ -187,7 +200,7 @@ fn delta_chunked(
                 for (var m = 0u; m <= i; m++) {
                     o += qk[i * CHUNK + m] * vn[m];
                 }
-                out[v_index(c0 + i, ln.h, ln.col)] = o;
+                out[v_index(c0 + i, h, col)] = o;
             }
             let last = gc[n - 1u];
             for (var m = 0u; m < n; m++) {
@@ -197,7 +210,7 @@ fn delta_chunked(
             for (var r = 0u; r < p.dk; r++) {
                 var s = state[sb + r * p.dv] * decay;
                 for (var m = 0u; m < n; m++) {
-                    s += k[qk_row(c0 + m, ln.kh) + r] * ks[m];
+                    s += k[qk_row(c0 + m, kh) + r] * ks[m];
                 }
                 state[sb + r * p.dv] = s;
             }
