@@ -41,6 +41,12 @@ use super::{Link, LinkError, LinkSender};
 /// A peer that connects but never completes the HTTP upgrade must not hang `accept` forever.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// How long a dropped link's socket stays open for reading after its Close, waiting for the
+/// peer to close too. Closing a socket with unread bytes in it makes the close a reset, and a
+/// reset can make the peer discard frames it had received but not yet read (a refusal sent
+/// just before the drop, say).
+const LINGER: Duration = Duration::from_secs(2);
+
 /// Frames read from the peer that may wait for the owner's `recv`; the reader holds one more.
 /// Small, since a frame may be as large as the frame limit, but enough that the reader keeps
 /// reading while the owner handles the frame before.
@@ -383,8 +389,9 @@ fn what_is_asked(req: &httparse::Request) -> Asks {
     }
 }
 
-/// One end of a WebSocket link. Dropping it sends the frames still queued, then a Close, then
-/// shuts the socket, so the peer's `recv` reports [`LinkError::Closed`].
+/// One end of a WebSocket link. Dropping it sends the frames still queued, then a Close, so the
+/// peer's `recv` reports [`LinkError::Closed`] after the last frame; the socket is shut once the
+/// peer closes too, or [`LINGER`] later.
 pub struct WsLink {
     out: WsSender,
     incoming: Receiver<Result<Vec<u8>, LinkError>>,
@@ -434,15 +441,26 @@ impl WsLink {
         let mut writer = WebSocket::from_raw_socket(writer, role, Some(config(max_frame)));
 
         let (in_tx, incoming) = mpsc::sync_channel(INCOMING_FRAMES);
+        // Never sent on: its sender drops when the reader ends, which is what the writer waits for.
+        let (reading, reader_done) = mpsc::channel::<()>();
         thread::Builder::new()
             .name(format!("ws-reader-{peer}"))
             .spawn(move || {
-                let end = read_frames(&mut reader, &in_tx, peer);
-                // Stops the writer too, and tells the peer that nothing more will be read; first,
-                // since the send below waits for room in the queue.
-                let _ = reader.get_ref().shutdown(Shutdown::Both);
-                // Ignored: the local end may be gone already, which is what ended the loop.
-                let _ = in_tx.send(Err(end));
+                // Dropped when this thread ends: the writer's linger stops waiting then.
+                let _reading = reading;
+                match read_frames(&mut reader, &in_tx, peer) {
+                    // The local end is gone, and its writer flushes and closes: this end keeps
+                    // reading (and discarding) until the socket ends, so no unread bytes make
+                    // the close a reset that could lose the last frames on their way.
+                    Ended::Dropped => drain(&mut reader),
+                    Ended::Peer(end) => {
+                        // Stops the writer too, and tells the peer that nothing more will be
+                        // read; first, since the send below waits for room in the queue.
+                        let _ = reader.get_ref().shutdown(Shutdown::Both);
+                        // Ignored: the local end may be gone meanwhile.
+                        let _ = in_tx.send(Err(end));
+                    }
+                }
             })
             .map_err(io_error(format!("starting the reader for {peer}")))?;
 
@@ -452,11 +470,20 @@ impl WsLink {
         thread::Builder::new()
             .name(format!("ws-writer-{peer}"))
             .spawn(move || {
-                if let Err(e) = write_frames(&mut writer, &frames) {
-                    let err = link_error(e, peer);
-                    *why.lock().unwrap_or_else(PoisonError::into_inner) = Some(err.to_string());
+                match write_frames(&mut writer, &frames) {
+                    // Everything sent and the Close with it: the peer may still be sending, so
+                    // the socket stays open for reading until the peer closes too (the reader
+                    // then ends) or LINGER passes.
+                    Ok(()) => {
+                        let _ = writer.get_ref().shutdown(Shutdown::Write);
+                        let _ = reader_done.recv_timeout(LINGER);
+                    }
+                    Err(e) => {
+                        let err = link_error(e, peer);
+                        *why.lock().unwrap_or_else(PoisonError::into_inner) = Some(err.to_string());
+                    }
                 }
-                // Wakes the reader blocked in `read` once the local end is dropped.
+                // Wakes the reader if it is still blocked in `read`.
                 let _ = writer.get_ref().shutdown(Shutdown::Both);
             })
             .map_err(io_error(format!("starting the writer for {peer}")))?;
@@ -481,37 +508,52 @@ impl WsLink {
     }
 }
 
+/// What ended the reading of frames.
+enum Ended {
+    /// This end's owner dropped the link.
+    Dropped,
+    /// The peer closed, broke the protocol, or the socket failed.
+    Peer(LinkError),
+}
+
 /// Forwards binary messages until something ends the link, and returns what did.
 fn read_frames(
     ws: &mut WebSocket<TcpStream>,
     frames: &SyncSender<Result<Vec<u8>, LinkError>>,
     peer: SocketAddr,
-) -> LinkError {
-    loop {
+) -> Ended {
+    let err = loop {
         match ws.read() {
             Ok(Message::Binary(bytes)) => {
                 // Waits while the queue is full: the peer then waits on TCP.
                 if frames.send(Ok(Vec::from(bytes))).is_err() {
-                    return LinkError::Closed("the local end was dropped".into());
+                    return Ended::Dropped;
                 }
             }
             // Unsolicited pongs are allowed and need no answer.
             Ok(Message::Pong(_)) => {}
-            Ok(Message::Close(_)) => return LinkError::Closed(format!("{peer} closed the link")),
+            Ok(Message::Close(_)) => break LinkError::Closed(format!("{peer} closed the link")),
             Ok(Message::Ping(_)) => {
-                return LinkError::Io(format!(
+                break LinkError::Io(format!(
                 "{peer} sent a WebSocket ping; this link answers only the protocol's Ping frames"
             ))
             }
             Ok(other) => {
-                return LinkError::Io(format!(
+                break LinkError::Io(format!(
                     "{peer} sent a non-binary message ({} bytes); link frames are binary",
                     other.len()
                 ))
             }
-            Err(e) => return link_error(e, peer),
+            Err(e) => break link_error(e, peer),
         }
-    }
+    };
+    Ended::Peer(err)
+}
+
+/// Reads and discards until the socket ends, stopping (as [`read_frames`] does) at anything
+/// tungstenite would answer from `read`, since only the writer thread writes.
+fn drain(ws: &mut WebSocket<TcpStream>) {
+    while let Ok(Message::Binary(_) | Message::Pong(_)) = ws.read() {}
 }
 
 /// Writes frames until every sending handle is dropped, then closes the WebSocket.
@@ -723,6 +765,22 @@ mod tests {
         let (mut server, mut client) = raw_client(1024);
         client.send(Message::text("hello")).unwrap();
         assert!(matches!(server.recv_timeout(WAIT), Err(LinkError::Io(_))));
+    }
+
+    /// A refusal sent just before the drop reaches a peer that is sending meanwhile: its
+    /// bytes arriving at the dropped end must not reset the connection under the refusal.
+    #[test]
+    fn the_last_frame_before_a_drop_reaches_a_peer_that_keeps_sending() {
+        for _ in 0..20 {
+            let (mut server, mut client) = connected(1 << 20, 1 << 20);
+            server.send(b"busy".to_vec()).unwrap();
+            drop(server);
+            for _ in 0..8 {
+                let _ = client.send(vec![7; 64 << 10]);
+            }
+            assert_eq!(client.recv_timeout(WAIT).unwrap().unwrap(), b"busy");
+            assert!(matches!(client.recv(), Err(LinkError::Closed(_))));
+        }
     }
 
     #[test]
