@@ -20,6 +20,7 @@ pub mod remote;
 pub mod source;
 pub mod split;
 pub mod synth;
+pub mod telemetry;
 pub mod tensor;
 pub mod tokenizer;
 pub mod weights;

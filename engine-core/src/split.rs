@@ -18,6 +18,7 @@ use crate::error::{Error, Result};
 use crate::model::{LayerState, Logits, Model, Pass, State};
 use crate::protocol::{Message, WireTensor};
 use crate::remote::unexpected;
+use crate::telemetry::{Device, Event};
 
 /// How prompts are split between host and helper.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -115,17 +116,12 @@ pub fn prefill(
 /// the last one's final residual.
 fn plain(model: &Model, be: &dyn Backend, state: &mut State, chunks: &[&[u32]]) -> Result<Act> {
     let mut x = None;
+    let n = model.config.num_hidden_layers;
     for c in chunks {
+        let (t0, pos) = (state.telemetry.now(), state.pos);
         let mut rows = model.embed(be, c)?;
-        let pos = state.pos;
-        model.run_layers(
-            be,
-            state,
-            &mut rows,
-            pos,
-            0..model.config.num_hidden_layers,
-            None,
-        )?;
+        model.run_layers(be, state, &mut rows, pos, 0..n, None)?;
+        host_bar(state, pos, c.len(), 0..n, t0);
         state.pos += c.len();
         state.offload(be)?;
         x = Some(rows);
@@ -146,7 +142,7 @@ fn interleaved(
 ) -> Result<Act> {
     let mut x = None;
     for pair in chunks.chunks(2) {
-        let mut pos = state.pos;
+        let (t0, mut pos) = (state.telemetry.now(), state.pos);
         let mut passes = Vec::with_capacity(2);
         for c in pair {
             passes.push(Pass::new(
@@ -166,6 +162,9 @@ fn interleaved(
         if waited {
             report.interleaved += pair.len();
         }
+        // One bar for the pair: its ubatches run by turns.
+        let n = model.config.num_hidden_layers;
+        host_bar(state, state.pos, pos - state.pos, 0..n, t0);
         state.pos = pos;
         state.offload(be)?;
         x = passes.pop().map(|p| p.x);
@@ -207,9 +206,12 @@ fn pipelined(
             report.mirror_synced = true;
         }
         for (i, c) in head.iter().enumerate() {
+            let t0 = state.telemetry.now();
             let mut x = model.embed(be, c)?;
             model.run_layers(be, state, &mut x, at(i), 0..tail.start, None)?;
             let x = be.download_owned(x);
+            host_bar(state, at(i), c.len(), 0..tail.start, t0);
+            let bytes = x.len() * size_of::<f32>();
             sent.push(x.clone());
             let msg = Message::PrefillChunk {
                 seq: state.prefill_helper().expect("checked above").seq(),
@@ -223,13 +225,16 @@ fn pipelined(
                     .expect("checked above")
                     .send(&msg)?,
             );
+            replies.handed_on(state, bytes);
             // Back-pressure: a helper slower than the host holds a bounded queue.
             while reqs.len() - replies.taken > MAX_IN_FLIGHT {
                 replies.take(be, state, reqs[replies.taken], head[replies.taken].len())?;
             }
         }
         // The host's share of the last ubatch overlaps the helper's work on the ones before.
+        let t0 = state.telemetry.now();
         model.run_layers(be, state, &mut x_last, at(head.len()), 0..tail.start, None)?;
+        host_bar(state, at(head.len()), last.len(), 0..tail.start, t0);
         last_head_done = true;
         while replies.taken < reqs.len() {
             replies.take(be, state, reqs[replies.taken], head[replies.taken].len())?;
@@ -291,10 +296,24 @@ fn pipelined(
             }
         }
     }
+    let t0 = state.telemetry.now();
     model.run_layers(be, state, &mut x_last, at(head.len()), tail.start..n, None)?;
+    host_bar(state, at(head.len()), last.len(), tail.start..n, t0);
     state.pos = start + total;
     state.offload(be)?;
     Ok(x_last)
+}
+
+/// Report that `layers` of the ubatch of `tokens` at `pos` ran on the host since `t0`.
+fn host_bar(state: &State, pos: usize, tokens: usize, layers: Range<usize>, t0: f64) {
+    state.telemetry.emit(|end_ms| Event::Ubatch {
+        device: Device::Host,
+        pos,
+        tokens,
+        layers: [layers.start, layers.end],
+        start_ms: t0,
+        end_ms,
+    });
 }
 
 fn full_layers(model: &Model, layers: &std::ops::Range<usize>) -> Vec<usize> {
@@ -473,6 +492,11 @@ struct Replies {
     sent: usize,
     taken: usize,
     final_states: Option<DeltaStates>,
+    /// When each ubatch was handed to the helper, and when its latest reply came (the
+    /// telemetry clock): a helper's bar starts at the later of its ubatch's hand-off and the
+    /// end of its previous bar.
+    handed_at: Vec<f64>,
+    helper_free: f64,
 }
 
 /// DeltaNet layers and their (recurrent, conv) states, as a reply carries them.
@@ -492,7 +516,56 @@ impl Replies {
             sent,
             taken: 0,
             final_states: None,
+            handed_at: Vec::with_capacity(sent),
+            helper_free: 0.0,
         }
+    }
+
+    /// An ubatch of `bytes` of residuals was just handed to the prefill helper.
+    fn handed_on(&mut self, state: &State, bytes: usize) {
+        let Some(id) = state.prefill_helper().map(|h| h.id) else {
+            return;
+        };
+        self.handed_at.push(state.telemetry.now());
+        state.telemetry.emit(|at_ms| Event::Transfer {
+            from: Device::Host,
+            to: Device::Helper(id),
+            kind: "PrefillChunk",
+            bytes,
+            at_ms,
+        });
+    }
+
+    /// Report the reply just taken: the helper's bar for the ubatch of `rows` at `pos`, and
+    /// the `bytes` of rows and states it sent back.
+    fn report(&mut self, state: &State, pos: usize, rows: usize, bytes: usize) {
+        let (Some(id), true) = (
+            state.prefill_helper().map(|h| h.id),
+            state.telemetry.is_on(),
+        ) else {
+            return;
+        };
+        let end = state.telemetry.now();
+        let handed = self.handed_at.get(self.taken - 1).copied().unwrap_or(end);
+        let start = handed.max(self.helper_free);
+        self.helper_free = end;
+        let helper = Device::Helper(id);
+        let tail = [self.tail.start, self.tail.end];
+        state.telemetry.emit(|_| Event::Ubatch {
+            device: helper,
+            pos,
+            tokens: rows,
+            layers: tail,
+            start_ms: start,
+            end_ms: end,
+        });
+        state.telemetry.emit(|_| Event::Transfer {
+            from: helper,
+            to: Device::Host,
+            kind: "ChunkState",
+            bytes,
+            at_ms: end,
+        });
     }
 
     /// Take the reply to request `req`, an ubatch of `len` rows, and append its KV rows.
@@ -532,6 +605,15 @@ impl Replies {
                 "chunk state at {pos}: {rows} rows (expected {len}) and DeltaNet layers {delta_layers:?}"
             )));
         }
+        let bytes = kv
+            .iter()
+            .map(|(k, v)| k.data.len() + v.data.len())
+            .sum::<usize>()
+            + states
+                .iter()
+                .map(|(s, c)| s.data.len() + c.data.len())
+                .sum::<usize>();
+        self.report(state, pos, rows, bytes * size_of::<f32>());
         for (&l, (k, v)) in layers.iter().zip(kv) {
             let LayerState::Attention(cache) = &mut state.layers[l] else {
                 unreachable!("full layers")

@@ -1,12 +1,15 @@
 //! `tether bench`: prefill and decode throughput and peak resident memory, on a checkpoint or a
 //! synthetic preset. Timings come from wall-clock around whole forward passes.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{bail, Result};
 use engine_core::generate::argmax;
 use engine_core::split::{minimum, prefill};
-use engine_core::Logits;
+use engine_core::telemetry::Telemetry;
+use engine_core::{Logits, State};
 
 use crate::helper::stats_json;
 use crate::load::EngineArgs;
@@ -27,6 +30,10 @@ pub struct Args {
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
+    /// Emit the live view's events during the timed passes and serialise each to JSON, as
+    /// `tether serve` does for a watcher of /v1/telemetry: what watching a run costs.
+    #[arg(long)]
+    telemetry: bool,
 }
 
 /// Peak resident set size of this process (Linux's VmHWM), if the platform reports it.
@@ -35,6 +42,28 @@ fn peak_rss_bytes() -> Option<u64> {
     let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
     let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kb * 1024)
+}
+
+/// Events and JSON bytes a watcher of the run was sent.
+#[derive(Default)]
+struct Watched {
+    events: AtomicU64,
+    bytes: AtomicU64,
+}
+
+/// Serialise every event of `state` from now on, counting them, as a watcher costs.
+fn watch(state: &mut State) -> Arc<Watched> {
+    let (epoch, watched) = (Instant::now(), Arc::new(Watched::default()));
+    let counts = watched.clone();
+    state.telemetry = Telemetry::new(
+        move || epoch.elapsed().as_secs_f64() * 1e3,
+        move |e| {
+            let text = serde_json::to_string(&e).unwrap_or_default();
+            counts.events.fetch_add(1, Ordering::Relaxed);
+            counts.bytes.fetch_add(text.len() as u64, Ordering::Relaxed);
+        },
+    );
+    watched
 }
 
 pub fn run(a: Args) -> Result<()> {
@@ -70,6 +99,7 @@ pub fn run(a: Args) -> Result<()> {
     for h in &helpers {
         h.stats.reset();
     }
+    let watched = a.telemetry.then(|| watch(&mut state));
     let c = &model.config;
     let (moved_before, pos_before) = (state.remote_kv_len(), state.pos);
     let plan = a.engine.helper.plan(a.ubatch);
@@ -140,9 +170,12 @@ pub fn run(a: Args) -> Result<()> {
         .iter()
         .map(|h| {
             let s = h.stats.snapshot();
+            let client = state.helpers.iter().find(|c| c.id == h.id);
             serde_json::json!({
                 "id": h.id,
                 "pages": state.pages_on(h.id),
+                // Query to reply, link included: what the host waits for, prefill and decode.
+                "attend_pages_per_s": client.and_then(|c| c.pages_per_sec()),
                 "decode_bytes": s.sent_total.bytes + s.received_total.bytes,
                 "decode_messages": s.sent_total.messages + s.received_total.messages,
             })
@@ -181,6 +214,8 @@ pub fn run(a: Args) -> Result<()> {
             "link_bytes_per_decode_token": decode_link.as_ref().filter(|_| a.gen > 0).map(|s| (s.sent_total.bytes + s.received_total.bytes) as f64 / a.gen as f64),
             "link_min_bytes_per_decode_token": link.as_ref().filter(|_| a.gen > 0).map(|_| decode_min as f64 / a.gen as f64),
             "helpers": per_helper,
+            "telemetry_events": watched.as_ref().map(|w| w.events.load(Ordering::Relaxed)),
+            "telemetry_bytes": watched.as_ref().map(|w| w.bytes.load(Ordering::Relaxed)),
         });
         println!("{obj}");
     } else {
@@ -211,6 +246,13 @@ pub fn run(a: Args) -> Result<()> {
                 b as f64 / 1e9
             ))
         );
+        if let Some(w) = &watched {
+            println!(
+                "telemetry: {} events, {} bytes of JSON",
+                w.events.load(Ordering::Relaxed),
+                w.bytes.load(Ordering::Relaxed)
+            );
+        }
     }
     Ok(())
 }

@@ -14,87 +14,12 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::thread::JoinHandle;
 
-use engine_core::helper::{Helper, HelperOptions, SessionEnd};
-use engine_core::link::doors;
-use engine_core::link::keys::KeyStore;
-use engine_core::link::secure::wire_limit;
-use engine_core::link::ws;
-use engine_core::link::LinkError;
-use engine_core::remote::DEFAULT_MAX_FRAME;
-use engine_core::CpuBackend;
+use browser::{browser_ready, chromium, native_helper, repo, scratch, tether, PROMPT, SPLIT};
+use engine_core::helper::SessionEnd;
 use tests::Process;
 
-/// Long enough to split its prefill and move pages to the helper with the flags below (the
-/// prompt of host-native/tests/join.rs).
-const PROMPT: &str = "The quick brown fox jumps over the lazy dog while the cat watches from \
-                      the warm windowsill and the birds sing in the tall green trees";
-
-/// Pages beyond 16 positions leave the host, and a prompt of more than 16 tokens prefills split
-/// in 8-token ubatches, layers 4.. on the helper.
-const SPLIT: &[&str] = &[
-    "--page-size",
-    "8",
-    "--host-kv-tokens",
-    "16",
-    "--split-min",
-    "16",
-    "--split-ubatch",
-    "8",
-    "--split-layer",
-    "4",
-];
-
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-fn chromium() -> PathBuf {
-    std::env::var_os("CHROMIUM")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| "/usr/bin/chromium".into())
-}
-
-/// What the browser test needs and is missing, with how to get it.
-fn missing() -> Vec<String> {
-    let www = repo().join("wasm-demo/www");
-    let mut missing = Vec::new();
-    if !www.join("pkg/wasm_demo.js").exists() {
-        missing.push("the page's module: scripts/build-wasm.sh".to_string());
-    }
-    if !repo()
-        .join("wasm-demo/node_modules/playwright-core")
-        .exists()
-    {
-        missing.push("playwright-core: (cd wasm-demo && npm ci)".to_string());
-    }
-    if Command::new("node").arg("--version").output().is_err() {
-        missing.push("node (20 or later)".to_string());
-    }
-    if !chromium().exists() {
-        missing.push(format!(
-            "Chromium at {} (apt-get install chromium, or set CHROMIUM)",
-            chromium().display()
-        ));
-    }
-    missing
-}
-
-/// Whether to run: everything is there, or say what is missing (and fail under
-/// TETHER_BROWSER_TESTS=1).
-fn browser_ready() -> bool {
-    let missing = missing();
-    if missing.is_empty() {
-        return true;
-    }
-    let msg = format!("the browser helper test needs: {}", missing.join("; "));
-    if std::env::var("TETHER_BROWSER_TESTS").as_deref() == Ok("1") {
-        panic!("{msg}");
-    }
-    eprintln!("skipped: {msg} (TETHER_BROWSER_TESTS=1 makes this a failure)");
-    false
-}
+mod browser;
 
 /// Serves `root`'s files over HTTP on 127.0.0.1 (GET only, one request per connection);
 /// returns the address.
@@ -142,19 +67,6 @@ fn answer(root: &Path, mut stream: TcpStream) {
     let _ = stream
         .write_all(head.as_bytes())
         .and_then(|()| stream.write_all(&body));
-}
-
-fn scratch(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("tether-tab-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    d
-}
-
-fn tether(keys: &Path) -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_tether"));
-    c.env("TETHER_CONFIG_DIR", keys)
-        .env("TETHER_CACHE_DIR", keys.join("cache"));
-    c
 }
 
 /// `tether run` on `model`, greedy, `tokens` tokens.
@@ -209,31 +121,6 @@ fn tabs(pages: &[String], close_after: Option<u32>, profile: Option<&Path>) -> C
         node.env("TAB_PROFILE", p);
     }
     node.spawn().unwrap()
-}
-
-/// A helper joining from this process as `tether-helper --join` does (keys in `keys`): pairs
-/// with `code`, then serves one session on a thread.
-fn native_helper(
-    url: &str,
-    code: &str,
-    keys: PathBuf,
-) -> JoinHandle<Result<SessionEnd, LinkError>> {
-    let (url, code) = (url.to_string(), code.to_string());
-    std::thread::spawn(move || {
-        let model = engine_core::source::load_model("tiny", &Default::default()).unwrap();
-        let mut store = KeyStore::open(&keys, "helper")?;
-        let ws = ws::connect(&url, wire_limit(DEFAULT_MAX_FRAME))?;
-        let mut link = doors::pair_with(&url, ws, &mut store, &code, "host")?;
-        let helper = Helper::new(
-            &model,
-            &CpuBackend,
-            HelperOptions {
-                mem_budget: 1 << 30,
-                max_frame: DEFAULT_MAX_FRAME,
-            },
-        );
-        Ok(helper.serve(&mut link))
-    })
 }
 
 /// The pages' reports, once tab.mjs is done.

@@ -11,6 +11,7 @@ use crate::error::{Error, Result};
 use crate::kv::{Away, PagedKv};
 use crate::page_file::PageFile;
 use crate::remote::HelperClient;
+use crate::telemetry::{self, Telemetry};
 
 /// Pages sent from the page file to a helper that lacks them, per forward pass at most: a
 /// helper that joins (or comes back) mid-sequence catches up a little after every pass, so
@@ -73,6 +74,9 @@ pub struct State {
     /// Why the last helper of this sequence was lost, if one was: the sequence went on from
     /// the page file (callers report it).
     pub helper_lost: Option<String>,
+    /// Where this sequence's ubatches, transfers and page moves are reported (nowhere by
+    /// default).
+    pub telemetry: Telemetry,
 }
 
 impl State {
@@ -108,6 +112,7 @@ impl State {
             spill: None,
             host_kv_tokens: None,
             helper_lost: None,
+            telemetry: Telemetry::default(),
         }
     }
 
@@ -332,8 +337,16 @@ impl State {
     /// the page file first, then to a helper that takes it ([`State::place`]). Then re-fill
     /// helpers a little from the page file with pages no helper holds (a helper joined late,
     /// one was lost, or one refused a page before). `be` reads each page to the host. Returns
-    /// the number of pages moved per layer.
+    /// the number of pages moved per layer. Reports where every page now is to
+    /// [`State::telemetry`].
     pub fn offload(&mut self, be: &dyn Backend) -> Result<usize> {
+        let moved = self.move_pages(be)?;
+        self.telemetry
+            .emit(|at_ms| telemetry::pages(at_ms, &self.layers));
+        Ok(moved)
+    }
+
+    fn move_pages(&mut self, be: &dyn Backend) -> Result<usize> {
         self.drop_lost_helpers();
         let Some(host_tokens) = self.host_kv_tokens else {
             return Ok(0);

@@ -23,7 +23,9 @@ use super::conversation::Conversation;
 use super::helpers::Helpers;
 use super::metrics::{KvPlacement, Metrics};
 use super::queue::{Event, Finish, FinishReason, Job, Queue};
+use super::telemetry::Hub;
 use super::terminal;
+use serde_json::json;
 
 pub struct Engine {
     pub model: Model,
@@ -45,6 +47,9 @@ pub struct Engine {
     /// Testing only (`--debug-panic-on`, hidden): panic after the prefill of a prompt that
     /// contains this text, to exercise the recovery from a panic.
     pub panic_on: Option<String>,
+    /// Where requests, tokens and the helpers are reported for `/v1/telemetry` (the sequence
+    /// reports its own ubatches and pages through `state.telemetry`).
+    pub hub: Arc<Hub>,
 }
 
 /// A request's decoding so far. It outlives a redo: when the helper is lost mid-request the
@@ -79,6 +84,7 @@ fn interrupted(job: &Job) -> Option<Outcome> {
 impl Engine {
     /// Serve jobs until the queue closes.
     pub fn run(mut self, queue: &Queue) {
+        self.report_devices();
         while let Some(job) = queue.pop() {
             let t = Instant::now();
             self.metrics.set_active(true);
@@ -164,7 +170,10 @@ impl Engine {
 
     /// Make `state` the sequence, with no cached conversation (none of it is in `state`).
     fn start_afresh(&mut self, state: State) {
+        let telemetry = self.state.telemetry.clone();
         self.state = state;
+        self.state.telemetry = telemetry;
+        self.report_devices();
         self.conversation.reset(&*self.backend, &self.state);
     }
 
@@ -187,6 +196,26 @@ impl Engine {
         if joined > 0 {
             info!("{joined} helper(s) joined; they take pages from this request on");
         }
+        self.report_devices();
+    }
+
+    /// Tell `/v1/telemetry` which helpers the sequence has, what each offered and which
+    /// layers it runs.
+    fn report_devices(&self) {
+        let devices: Vec<_> = self
+            .state
+            .helpers
+            .iter()
+            .map(|h| {
+                let layers = &h.prefill_layers;
+                json!({
+                    "device": format!("helper:{}", h.id),
+                    "offer_bytes": h.helper.mem_offer,
+                    "prefill_layers": (!layers.is_empty()).then_some([layers.start, layers.end]),
+                })
+            })
+            .collect();
+        self.hub.devices(devices.into());
     }
 
     fn generate(&mut self, job: &Job) -> Result<Outcome> {
@@ -226,6 +255,10 @@ impl Engine {
             .conversation
             .restore(be, &mut self.state, &job.prompt)?;
         let new = &job.prompt[restored.reused..];
+        self.hub.send(
+            &json!({"type": "request", "at_ms": self.hub.ms(), "id": job.id,
+            "prompt_tokens": job.prompt.len(), "reused_tokens": restored.reused}),
+        );
         let mut logits = restored.logits.unwrap_or_default();
         let bar = terminal::prefill_bar(new.len(), self.segment);
         // Checkpoints at the turn's start (when it is still ahead) and at the prompt's end.
@@ -256,6 +289,11 @@ impl Engine {
         self.debug_panic(job);
         let prefill_s = t0.elapsed().as_secs_f64();
         self.metrics.prefill(job.prompt.len(), new.len(), prefill_s);
+        self.hub.send(
+            &json!({"type": "prefill", "at_ms": self.hub.ms(), "id": job.id,
+            "tokens": new.len(), "ms": prefill_s * 1e3,
+            "tok_s": new.len() as f64 / prefill_s.max(1e-9), "ttft_ms": prefill_s * 1e3}),
+        );
 
         let t1 = Instant::now();
         for &tok in &d.tokens {
@@ -279,6 +317,10 @@ impl Engine {
             }
             n += 1;
             d.tokens.push(tok);
+            self.hub.send(
+                &json!({"type": "token", "at_ms": self.hub.ms(), "id": job.id,
+                "n": n}),
+            );
             let (text, stopped) = d.scan.push(&d.decoder.push(tok)?);
             if !text.is_empty() && job.events.send(Event::Text(text)).is_err() {
                 self.metrics.decode(n, t1.elapsed().as_secs_f64());
@@ -310,6 +352,11 @@ impl Engine {
         }
         let decode_s = t1.elapsed().as_secs_f64();
         self.metrics.decode(n, decode_s);
+        self.hub.send(
+            &json!({"type": "done", "at_ms": self.hub.ms(), "id": job.id,
+            "completion_tokens": n, "decode_tok_s": n as f64 / decode_s.max(1e-9),
+            "finish": reason.as_str()}),
+        );
         info!(
             request = job.id,
             prompt = job.prompt.len(),

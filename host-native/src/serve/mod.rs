@@ -20,8 +20,10 @@ mod helper_socket;
 mod helpers;
 mod memory;
 mod metrics;
+mod page;
 mod queue;
 mod routes;
+mod telemetry;
 mod terminal;
 
 use std::io::Write;
@@ -44,6 +46,7 @@ use memory::Footprint;
 use metrics::Metrics;
 use queue::Queue;
 use routes::App;
+use telemetry::Hub;
 
 #[derive(clap::Args)]
 #[command(after_help = "\
@@ -177,6 +180,20 @@ pub fn run(a: Args) -> Result<()> {
         plan.text
     );
     let split = a.engine.helper.plan(a.ubatch);
+    let name = a.name.clone().unwrap_or_else(|| model_id(&a.engine.model));
+    let hub = Hub::new(serde_json::json!({
+        "version": 1,
+        "model": name,
+        "layers": config.layer_types,
+        "page_size": a.engine.page_size,
+        "ubatch": split.ubatch,
+        "host_kv_tokens": a.engine.helper.host_kv_tokens().or(state.host_kv_tokens),
+        "context_tokens": ctx,
+        "kv_bytes_per_position": 2 * config.num_key_value_heads * config.head_dim * size_of::<f32>(),
+        "weights_bytes": l.model.weight_bytes(),
+        "plan": plan.text,
+    }));
+    state.telemetry = hub.telemetry();
     // Segments of whole ubatches (pairs stay pairs past interleave_from); with a helper long
     // enough that only one ubatch in 32 misses the pipeline (the last runs on the host).
     let segment = split.ubatch * if has_helpers { 32 } else { 4 };
@@ -205,7 +222,7 @@ pub fn run(a: Args) -> Result<()> {
     }
     let queue = Arc::new(Queue::new(a.queue, budget));
     let app = Arc::new(App {
-        name: a.name.clone().unwrap_or_else(|| model_id(&a.engine.model)),
+        name,
         created: routes::unix_now(),
         tokenizer: l.tokenizer.clone(),
         vocab: config.vocab_size,
@@ -223,6 +240,7 @@ pub fn run(a: Args) -> Result<()> {
         helper_frame: a.engine.helper.max_frame(),
         timeout: Duration::from_secs(a.timeout),
         next_id: AtomicU64::new(0),
+        hub: hub.clone(),
     });
     let engine = Engine {
         conversation: Conversation::new(&*backend, &state, a.checkpoints),
@@ -238,6 +256,7 @@ pub fn run(a: Args) -> Result<()> {
         timeout_s: a.timeout,
         helpers,
         panic_on: a.debug_panic_on.clone(),
+        hub,
     };
     let worker = {
         let queue = queue.clone();

@@ -34,7 +34,9 @@ use super::connections;
 use super::cross_site::{self, Cors};
 use super::memory::{self, Footprint};
 use super::metrics::Metrics;
+use super::page;
 use super::queue::{Admission, Event, Finish, Job, Queue, Refused, Ticket};
+use super::telemetry::{self, Hub};
 
 /// Largest request body: a whole long context of text, with room to spare.
 const MAX_BODY: usize = 64 << 20;
@@ -71,6 +73,8 @@ pub struct App {
     pub helpers: Option<Arc<std::sync::Mutex<Vec<Attached>>>>,
     pub timeout: Duration,
     pub next_id: AtomicU64,
+    /// The split as it runs, for `/v1/telemetry`.
+    pub hub: Arc<Hub>,
 }
 
 pub fn router(app: Arc<App>) -> Router {
@@ -81,6 +85,10 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/v1/models/{id}", get(model))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
+        .route("/v1/telemetry", get(watch))
+        .route(page::PATHS[0], get(page::file))
+        .route(page::PATHS[1], get(page::file))
+        .route(page::PATHS[2], get(page::file))
         .route("/helper", get(helper))
         .route("/helper/", get(lend))
         .route("/helper/{*file}", get(lend))
@@ -115,6 +123,8 @@ async fn count(State(app): State<Arc<App>>, req: Request, next: Next) -> Respons
         p if p.starts_with("/v1/models") => "/v1/models",
         "/health" => "/health",
         "/metrics" => "/metrics",
+        "/v1/telemetry" => "/v1/telemetry",
+        p if page::PATHS.contains(&p) => "/",
         _ => "other",
     };
     let r = next.run(req).await;
@@ -639,6 +649,14 @@ async fn lend(State(app): State<Arc<App>>, uri: axum::http::Uri) -> Response {
         }
     }
     r
+}
+
+/// `GET /v1/telemetry`: the split's events as server-sent events (docs/TELEMETRY.md).
+async fn watch(State(app): State<Arc<App>>) -> Response {
+    telemetry::stream(&app.hub, app.helpers.clone()).unwrap_or_else(|| {
+        ApiError::unavailable("too many clients watch /v1/telemetry; try again later", 5)
+            .into_response()
+    })
 }
 
 async fn metrics(State(app): State<Arc<App>>) -> Response {
