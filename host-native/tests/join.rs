@@ -10,27 +10,7 @@ use engine_core::helper::{Helper, HelperOptions, SessionEnd};
 use engine_core::link::doors::{self, DialOptions};
 use engine_core::link::LinkError;
 use engine_core::remote::DEFAULT_MAX_FRAME;
-use tests::Process;
-
-/// Long enough to split its prefill and move pages to the helper with the flags below.
-const PROMPT: &str = "The quick brown fox jumps over the lazy dog while the cat watches from \
-                      the warm windowsill and the birds sing in the tall green trees";
-
-/// Flags that make the helper do real work on the tiny model: pages beyond 16 positions leave
-/// the host, and a prompt of more than 16 tokens prefills split in 8-token ubatches, layers
-/// 4.. on the helper.
-const SPLIT: &[&str] = &[
-    "--page-size",
-    "8",
-    "--host-kv-tokens",
-    "16",
-    "--split-min",
-    "16",
-    "--split-ubatch",
-    "8",
-    "--split-layer",
-    "4",
-];
+use tests::{Process, SPLIT_FLAGS as SPLIT, SPLIT_PROMPT as PROMPT};
 
 fn scratch(name: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("tether-join-{}-{name}", std::process::id()));

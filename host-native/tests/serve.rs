@@ -656,7 +656,7 @@ fn stop_strings_and_seeded_sampling() {
 }
 
 /// SIGTERM (what a service manager or `docker stop` sends) lets the request in flight finish,
-/// then the server exits 0.
+/// then the server exits 0, though a watcher of /v1/telemetry is still connected.
 #[cfg(unix)]
 #[test]
 fn sigterm_finishes_the_request_in_flight_then_exits_cleanly() {
@@ -664,6 +664,60 @@ fn sigterm_finishes_the_request_in_flight_then_exits_cleanly() {
     let body = json!({"model": "tiny", "prompt": "Hello", "max_tokens": 48, "temperature": 0,
                       "stream": true,
                       "stream_options": {"include_usage": true}});
+    // A page watching the server: its stream never ends on its own, so it must not hold up
+    // the shutdown below. First, what it sees of one request, in order (docs/TELEMETRY.md).
+    let watcher = s
+        .agent
+        .get(format!("{}/v1/telemetry", s.base))
+        .call()
+        .unwrap();
+    let mut watched = data_lines(watcher).map(|l| serde_json::from_str::<Value>(&l).unwrap());
+    let hello = watched.next().unwrap();
+    assert_eq!(hello["type"], "hello");
+    assert_eq!(hello["layers"].as_array().map(Vec::len), Some(8));
+    let (status, _) = s.post(
+        "/v1/completions",
+        &json!({"model": "tiny", "prompt": "Hello", "max_tokens": 8, "temperature": 0}),
+    );
+    assert_eq!(status, 200);
+    let mut seen = Vec::new();
+    for e in watched.by_ref() {
+        let done = e["type"] == "done";
+        seen.push(e);
+        if done {
+            break;
+        }
+    }
+    let kinds: Vec<&str> = seen.iter().filter_map(|e| e["type"].as_str()).collect();
+    let at = |kind: &str| kinds.iter().position(|&k| k == kind);
+    assert!(
+        at("request") < at("ubatch") && at("ubatch") < at("prefill"),
+        "{kinds:?}"
+    );
+    assert!(
+        at("prefill") < at("token") && at("token") < at("done"),
+        "{kinds:?}"
+    );
+    assert_eq!(
+        kinds.iter().filter(|&&k| k == "token").count(),
+        8,
+        "{kinds:?}"
+    );
+    let done = &seen[at("done").unwrap()];
+    assert_eq!(
+        (&done["completion_tokens"], &done["finish"]),
+        (&json!(8), &json!("length"))
+    );
+    // Pages after every pass: the prompt's, then one more position per token fed.
+    let len = |e: &&Value| e["layers"][0]["len"].as_u64().unwrap();
+    let pages: Vec<u64> = seen
+        .iter()
+        .filter(|e| e["type"] == "pages")
+        .map(|e| len(&e))
+        .collect();
+    assert_eq!(pages.len(), 8, "{pages:?}");
+    assert!(pages.windows(2).all(|w| w[1] == w[0] + 1), "{pages:?}");
+
     let mut events = s.stream("/v1/completions", &body);
     let first = events.next().expect("a first chunk");
     let pid = s.child.id();

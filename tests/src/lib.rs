@@ -360,3 +360,25 @@ pub fn conversation(
     }
     all
 }
+
+/// A prompt long enough to split its prefill and move pages to a helper with [`SPLIT_FLAGS`]
+/// (the `tether` command tests: join.rs, tab.rs, split_page.rs).
+pub const SPLIT_PROMPT: &str = "The quick brown fox jumps over the lazy dog while the cat \
+                                watches from the warm windowsill and the birds sing in the \
+                                tall green trees";
+
+/// `tether` flags that make a helper do real work on the tiny model: pages beyond 16
+/// positions leave the host, and a prompt of more than 16 tokens prefills split in 8-token
+/// ubatches, layers 4.. on the helper.
+pub const SPLIT_FLAGS: &[&str] = &[
+    "--page-size",
+    "8",
+    "--host-kv-tokens",
+    "16",
+    "--split-min",
+    "16",
+    "--split-ubatch",
+    "8",
+    "--split-layer",
+    "4",
+];

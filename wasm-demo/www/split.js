@@ -143,7 +143,7 @@ function drawPages() {
     row.append(s);
     box.append(row);
   }
-  $("pages-figures").textContent = `(${p.page_size} positions each: ` +
+  $("pages-figures").textContent = `(${p.layers.length} layers, pages of ${p.page_size} positions: ` +
     Object.entries(counts).map(([on, n]) => `${n} on ${on}`).join(", ") + ")";
   drawMemory(counts);
 }

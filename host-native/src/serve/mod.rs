@@ -295,7 +295,12 @@ pub fn run(a: Args) -> Result<()> {
             load.budget >> 20,
             a.timeout
         );
-        connections::serve(listener, routes::router(app), shutdown_signal())
+        let hub = app.hub.clone();
+        let stop = async move {
+            shutdown_signal().await;
+            hub.close();
+        };
+        connections::serve(listener, routes::router(app), stop)
             .await
             .context("serving HTTP")
     })?;

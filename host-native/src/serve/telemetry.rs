@@ -37,6 +37,8 @@ pub struct Hub {
     devices: Mutex<Option<Value>>,
     pages: Mutex<Option<Event>>,
     watchers: AtomicUsize,
+    /// Set when the server stops: every stream ends, so none holds the shutdown up.
+    closed: tokio::sync::watch::Sender<bool>,
 }
 
 impl Hub {
@@ -49,7 +51,13 @@ impl Hub {
             devices: Mutex::new(None),
             pages: Mutex::new(None),
             watchers: AtomicUsize::new(0),
+            closed: tokio::sync::watch::Sender::new(false),
         })
+    }
+
+    /// End every stream: the server is stopping (they never end on their own).
+    pub fn close(&self) {
+        self.closed.send_replace(true);
     }
 
     /// Milliseconds since the server started: every event's clock.
@@ -98,6 +106,7 @@ impl Hub {
         let watcher = Watcher {
             hub: self.clone(),
             rx: self.tx.subscribe(),
+            closed: self.closed.subscribe(),
         };
         (n < MAX_WATCHERS).then_some(watcher)
     }
@@ -129,6 +138,7 @@ impl Hub {
 struct Watcher {
     hub: Arc<Hub>,
     rx: broadcast::Receiver<Arc<str>>,
+    closed: tokio::sync::watch::Receiver<bool>,
 }
 
 impl Drop for Watcher {
@@ -179,6 +189,7 @@ pub fn stream(
                     Err(RecvError::Closed) => return None,
                 },
                 _ = tick.tick() => link_sample(&w.hub, helpers.as_deref()),
+                _ = w.closed.wait_for(|&closed| closed) => return None,
             };
             Some((
                 Ok::<_, std::convert::Infallible>(Sse::default().data(text)),

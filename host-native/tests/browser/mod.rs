@@ -14,26 +14,7 @@ use engine_core::link::ws;
 use engine_core::link::LinkError;
 use engine_core::remote::DEFAULT_MAX_FRAME;
 use engine_core::CpuBackend;
-
-/// Long enough to split its prefill and move pages to the helper with the flags below (the
-/// prompt of host-native/tests/join.rs).
-pub const PROMPT: &str = "The quick brown fox jumps over the lazy dog while the cat watches from \
-                      the warm windowsill and the birds sing in the tall green trees";
-
-/// Pages beyond 16 positions leave the host, and a prompt of more than 16 tokens prefills split
-/// in 8-token ubatches, layers 4.. on the helper.
-pub const SPLIT: &[&str] = &[
-    "--page-size",
-    "8",
-    "--host-kv-tokens",
-    "16",
-    "--split-min",
-    "16",
-    "--split-ubatch",
-    "8",
-    "--split-layer",
-    "4",
-];
+pub use tests::{SPLIT_FLAGS as SPLIT, SPLIT_PROMPT as PROMPT};
 
 pub fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
