@@ -36,6 +36,7 @@ struct Seen {
     decode: String,
     pipeline: String,
     memory: usize,
+    plan: String,
 }
 
 #[test]
@@ -115,6 +116,8 @@ fn the_page_shows_a_split_run_as_it_happens() {
         seen.memory, 2,
         "a memory bar for the host and the helper: {seen:?}"
     );
+    // The plan for the helper that joined, not the one printed before it did.
+    assert!(!seen.plan.contains("no helper"), "{}", seen.plan);
     // Counters that appeared and changed.
     assert!(seen.link_after > seen.link_before, "{seen:?}");
     assert!(seen.rates > 0, "{seen:?}");

@@ -67,6 +67,7 @@ try {
       decode: document.getElementById('decode-tps').textContent,
       pipeline: document.getElementById('pipeline-figures').textContent,
       memory: document.querySelectorAll('#memory > div').length,
+      plan: document.getElementById('plan').textContent,
     };
   });
   if (process.env.SHOT) await page.screenshot({ path: process.env.SHOT, fullPage: true });

@@ -205,7 +205,12 @@ const handlers = {
     $("plan").textContent = e.plan;
     drawLayers();
   },
-  devices(e) { view.devices = e.devices; drawLayers(); drawPages(); },
+  devices(e) {
+    view.devices = e.devices;
+    if (e.plan) $("plan").textContent = e.plan;
+    drawLayers();
+    drawPages();
+  },
   pages(e) { view.pages = e; drawPages(); },
   request() { view.ubatches = []; view.transfers = []; },
   ubatch(e) { view.ubatches.push(e); scheduleTimeline(); },

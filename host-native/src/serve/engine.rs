@@ -50,6 +50,8 @@ pub struct Engine {
     /// Where requests, tokens and the helpers are reported for `/v1/telemetry` (the sequence
     /// reports its own ubatches and pages through `state.telemetry`).
     pub hub: Arc<Hub>,
+    /// The context and prompt lengths the plan is made for (`tether serve` prints it at start).
+    pub plan_for: (usize, usize),
 }
 
 /// A request's decoding so far. It outlives a redo: when the helper is lost mid-request the
@@ -200,7 +202,8 @@ impl Engine {
     }
 
     /// Tell `/v1/telemetry` which helpers the sequence has, what each offered and which
-    /// layers it runs.
+    /// layers it runs, and the plan with them (the one printed at start predates helpers that
+    /// joined).
     fn report_devices(&self) {
         let devices: Vec<_> = self
             .state
@@ -215,7 +218,11 @@ impl Engine {
                 })
             })
             .collect();
-        self.hub.devices(devices.into());
+        let plan = self
+            .helpers
+            .as_ref()
+            .map(|h| h.plan(&self.model, &self.state, self.page_size, self.plan_for));
+        self.hub.devices(devices.into(), plan);
     }
 
     fn generate(&mut self, job: &Job) -> Result<Outcome> {

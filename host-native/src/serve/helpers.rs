@@ -55,6 +55,20 @@ impl Helpers {
         }
     }
 
+    /// `tether plan`'s text for `state` as it is now, for a `context`-token context and a
+    /// `prompt`-token prompt.
+    pub fn plan(
+        &self,
+        model: &Model,
+        state: &State,
+        page_size: usize,
+        (context, prompt): (usize, usize),
+    ) -> String {
+        self.args
+            .plan_for(model, state, page_size, context, prompt)
+            .text
+    }
+
     /// The list `/metrics` reads.
     pub fn shared(&self) -> Arc<Mutex<Vec<Attached>>> {
         self.attached.clone()

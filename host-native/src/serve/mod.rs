@@ -257,6 +257,7 @@ pub fn run(a: Args) -> Result<()> {
         helpers,
         panic_on: a.debug_panic_on.clone(),
         hub,
+        plan_for: (ctx, prompt),
     };
     let worker = {
         let queue = queue.clone();

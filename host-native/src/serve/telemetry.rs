@@ -79,9 +79,11 @@ impl Hub {
         }
     }
 
-    /// The helpers the sequence has now: `[{device, offer_bytes, prefill_layers}]`.
-    pub fn devices(&self, devices: Value) {
-        let event = json!({"type": "devices", "at_ms": self.ms(), "devices": devices});
+    /// The helpers the sequence has now (`[{device, offer_bytes, prefill_layers}]`) and the
+    /// plan for them, if the server takes helpers.
+    pub fn devices(&self, devices: Value, plan: Option<String>) {
+        let event =
+            json!({"type": "devices", "at_ms": self.ms(), "devices": devices, "plan": plan});
         self.send(&event);
         *self.devices.lock().unwrap_or_else(PoisonError::into_inner) = Some(event);
     }
