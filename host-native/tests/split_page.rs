@@ -37,6 +37,14 @@ struct Seen {
     pipeline: String,
     memory: usize,
     plan: String,
+    /// The page's width at a phone's screen width.
+    phone: Phone,
+}
+
+#[derive(Debug, serde::Deserialize)]
+struct Phone {
+    width: u64,
+    screen: u64,
 }
 
 #[test]
@@ -84,6 +92,7 @@ fn the_page_shows_a_split_run_as_it_happens() {
         .arg(PROMPT)
         .env("CHROMIUM", chromium())
         .env("SHOT", shots.join("split-live.png"))
+        .env("SHOT_PHONE", shots.join("split-live-phone.png"))
         .output()
         .unwrap();
     drop(serve);
@@ -116,6 +125,8 @@ fn the_page_shows_a_split_run_as_it_happens() {
         seen.memory, 2,
         "a memory bar for the host and the helper: {seen:?}"
     );
+    // Usable on a phone: nothing scrolls sideways.
+    assert!(seen.phone.width <= seen.phone.screen, "{:?}", seen.phone);
     // The plan for the helper that joined, not the one printed before it did.
     assert!(!seen.plan.contains("no helper"), "{}", seen.plan);
     // Counters that appeared and changed.

@@ -4,8 +4,9 @@
 // `node wasm-demo/tests/split_page.mjs URL PROMPT`. Reads what the page drew from the DOM and
 // from its state (window.tetherSplit), never from pixels, and prints one JSON line:
 // {errors, answer, hello, devices, bars, transfers, pageRuns, rates, linkBefore, linkAfter,
-// prefill, decode}. Env: CHROMIUM (default /usr/bin/chromium), SHOT (save a screenshot there),
-// PAGE_TIMEOUT_MS (default 120000).
+// prefill, decode, ..., phone: {width, screen}}. Env: CHROMIUM (default /usr/bin/chromium),
+// SHOT and SHOT_PHONE (save screenshots there, desktop and phone-sized), PAGE_TIMEOUT_MS
+// (default 120000).
 import { chromium } from 'playwright-core';
 
 const [url, prompt] = process.argv.slice(2);
@@ -71,7 +72,16 @@ try {
     };
   });
   if (process.env.SHOT) await page.screenshot({ path: process.env.SHOT, fullPage: true });
-  console.log(JSON.stringify({ errors, linkBefore, ...seen }));
+  // A phone-sized screen: one column, nothing wider than the screen.
+  await page.setViewportSize({ width: 390, height: 844 });
+  const phone = await page.evaluate(() => new Promise((done) => requestAnimationFrame(() => done({
+    width: document.documentElement.scrollWidth,
+    screen: window.innerWidth,
+  }))));
+  if (process.env.SHOT_PHONE) {
+    await page.screenshot({ path: process.env.SHOT_PHONE, fullPage: true });
+  }
+  console.log(JSON.stringify({ errors, linkBefore, ...seen, phone }));
 } catch (e) {
   console.log(JSON.stringify({ errors: [...errors, `split_page.mjs: ${e.message}`] }));
 } finally {
