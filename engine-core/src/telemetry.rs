@@ -62,7 +62,8 @@ impl Serialize for Place {
 pub enum Event {
     /// Layers `layers[0] .. layers[1]` of the ubatch of `tokens` tokens at position `pos` ran
     /// on `device` from `start_ms` to `end_ms`. A helper's bar is what the host saw: from when
-    /// the ubatch was sent (or the helper's previous reply came, if later) to its reply.
+    /// the ubatch was sent (or the helper's previous bar ended, if later) to when the host took
+    /// its reply off the link (later than it arrived while the host ran its own layers).
     Ubatch {
         device: Device,
         pos: usize,
