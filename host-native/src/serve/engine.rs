@@ -262,10 +262,10 @@ impl Engine {
             .conversation
             .restore(be, &mut self.state, &job.prompt)?;
         let new = &job.prompt[restored.reused..];
-        self.hub.send(
-            &json!({"type": "request", "at_ms": self.hub.ms(), "id": job.id,
-            "prompt_tokens": job.prompt.len(), "reused_tokens": restored.reused}),
-        );
+        self.hub.event("request", || {
+            json!({"id": job.id, "prompt_tokens": job.prompt.len(),
+                   "reused_tokens": restored.reused})
+        });
         let mut logits = restored.logits.unwrap_or_default();
         let bar = terminal::prefill_bar(new.len(), self.segment);
         // Checkpoints at the turn's start (when it is still ahead) and at the prompt's end.
@@ -296,11 +296,10 @@ impl Engine {
         self.debug_panic(job);
         let prefill_s = t0.elapsed().as_secs_f64();
         self.metrics.prefill(job.prompt.len(), new.len(), prefill_s);
-        self.hub.send(
-            &json!({"type": "prefill", "at_ms": self.hub.ms(), "id": job.id,
-            "tokens": new.len(), "ms": prefill_s * 1e3,
-            "tok_s": new.len() as f64 / prefill_s.max(1e-9), "ttft_ms": prefill_s * 1e3}),
-        );
+        self.hub.event("prefill", || {
+            json!({"id": job.id, "tokens": new.len(), "ms": prefill_s * 1e3,
+                   "tok_s": new.len() as f64 / prefill_s.max(1e-9), "ttft_ms": prefill_s * 1e3})
+        });
 
         let t1 = Instant::now();
         for &tok in &d.tokens {
@@ -324,10 +323,7 @@ impl Engine {
             }
             n += 1;
             d.tokens.push(tok);
-            self.hub.send(
-                &json!({"type": "token", "at_ms": self.hub.ms(), "id": job.id,
-                "n": n}),
-            );
+            self.hub.event("token", || json!({"id": job.id, "n": n}));
             let (text, stopped) = d.scan.push(&d.decoder.push(tok)?);
             if !text.is_empty() && job.events.send(Event::Text(text)).is_err() {
                 self.metrics.decode(n, t1.elapsed().as_secs_f64());
@@ -359,11 +355,10 @@ impl Engine {
         }
         let decode_s = t1.elapsed().as_secs_f64();
         self.metrics.decode(n, decode_s);
-        self.hub.send(
-            &json!({"type": "done", "at_ms": self.hub.ms(), "id": job.id,
-            "completion_tokens": n, "decode_tok_s": n as f64 / decode_s.max(1e-9),
-            "finish": reason.as_str()}),
-        );
+        self.hub.event("done", || {
+            json!({"id": job.id, "completion_tokens": n,
+                   "decode_tok_s": n as f64 / decode_s.max(1e-9), "finish": reason.as_str()})
+        });
         info!(
             request = job.id,
             prompt = job.prompt.len(),

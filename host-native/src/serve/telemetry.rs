@@ -69,8 +69,19 @@ impl Hub {
         self.tx.receiver_count() > 0
     }
 
+    /// A server event of type `kind` with the fields `fields` builds (an object), stamped
+    /// with the time: built and sent only if someone watches (tokens are on the hot path).
+    pub fn event(&self, kind: &str, fields: impl FnOnce() -> Value) {
+        if self.watched() {
+            let mut event = fields();
+            event["type"] = kind.into();
+            event["at_ms"] = self.ms().into();
+            self.send(&event);
+        }
+    }
+
     /// Send `event` to every watcher, if there is one.
-    pub fn send(&self, event: &impl Serialize) {
+    fn send(&self, event: &impl Serialize) {
         if self.watched() {
             if let Ok(text) = serde_json::to_string(event) {
                 // Nobody listening between the check and the send is fine.
