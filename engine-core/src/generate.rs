@@ -177,6 +177,12 @@ impl<'a> Generation<'a> {
         Ok(report)
     }
 
+    /// The logits the last token was drawn from (after [`Self::prefill`], the prompt's last
+    /// row's): a caller that checks a split against the host alone compares them.
+    pub fn logits(&self) -> &[f32] {
+        &self.logits
+    }
+
     /// The next token, or `None` at a stop token.
     pub fn next_token(&mut self) -> Result<Option<u32>> {
         if let Some(tok) = self.pending.take() {

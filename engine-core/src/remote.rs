@@ -38,7 +38,7 @@ pub struct HelperClient {
     /// query to reply), summed.
     attended: (u64, f64),
     /// When each attention query still unanswered was sent, with its page count.
-    asked_at: std::collections::BTreeMap<u32, (std::time::Instant, usize)>,
+    asked_at: std::collections::BTreeMap<u32, (web_time::Instant, usize)>,
     link: Box<dyn Link>,
     next_req: u32,
     seq: u64,
@@ -321,8 +321,7 @@ impl HelperClient {
             q: WireTensor::f32(vec![positions.len(), shape.q_heads, shape.head_dim], q),
         })?;
         if self.asked_at.len() < MAX_EARLY {
-            self.asked_at
-                .insert(req, (std::time::Instant::now(), pages));
+            self.asked_at.insert(req, (web_time::Instant::now(), pages));
         }
         Ok(req)
     }

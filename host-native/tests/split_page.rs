@@ -1,9 +1,14 @@
-//! The live split page at `/`: `tether serve` on the tiny preset with a helper that joins it,
-//! headless Chromium opening the page the server serves and asking one question through its
-//! chat box (wasm-demo/tests/split_page.mjs, playwright-core). What the page drew from
-//! `/v1/telemetry` is read from its DOM and state: the layer stack split between host and
-//! helper, ubatch bars in both lanes with transfers between them, page strips with pages on the
-//! helper, link counters that grew. Saves a screenshot at target/screenshots/split-live.png.
+//! The split page, in headless Chromium driven by playwright-core:
+//! - live, at `/`: `tether serve` on the tiny preset with a helper that joins it, the page the
+//!   server serves asking one question through its chat box (wasm-demo/tests/split_page.mjs).
+//!   What the page drew from `/v1/telemetry` is read from its DOM and state: the layer stack
+//!   split between host and helper, ubatch bars in both lanes with transfers between them, page
+//!   strips with pages on the helper, link counters that grew.
+//! - the simulator, `index.html?sim` as static files with no server
+//!   (wasm-demo/tests/sim_page.mjs): runs with the split layer, the KV budget and the link
+//!   moved, each giving the host-alone tokens and drawing what its settings imply.
+//!
+//! Screenshots of both land in target/screenshots (split-live*.png, split-sim*.png).
 //!
 //! Needs what tab.rs needs (see browser/mod.rs); without it the test says so and passes, unless
 //! TETHER_BROWSER_TESTS=1 (CI) makes it fail.
@@ -84,6 +89,18 @@ fn the_page_shows_a_split_run_as_it_happens() {
         &code,
         scratch("split-page-helper"),
     );
+    // The simulator's files come from the server too (`/?sim`), the module built in.
+    for (path, kind) in [
+        ("sim.js", "text/javascript; charset=utf-8"),
+        ("pkg/wasm_demo.js", "text/javascript; charset=utf-8"),
+        ("pkg/wasm_demo_bg.wasm", "application/wasm"),
+    ] {
+        let mut r = ureq::get(format!("{url}/{path}")).call().unwrap();
+        assert_eq!(r.headers()["content-type"], kind, "{path}");
+        let body = r.body_mut().with_config().limit(64 << 20).read_to_vec();
+        let on_disk = std::fs::read(repo().join("wasm-demo/www").join(path)).unwrap();
+        assert!(body.unwrap() == on_disk, "{path} differs from the built file");
+    }
     let shots = repo().join("target/screenshots");
     std::fs::create_dir_all(&shots).unwrap();
     let out = Command::new("node")
@@ -136,4 +153,93 @@ fn the_page_shows_a_split_run_as_it_happens() {
         seen.prefill.contains("tok/s") && seen.decode.contains("tok/s"),
         "{seen:?}"
     );
+}
+
+/// What sim_page.mjs read from the page after each run.
+#[derive(Debug, serde::Deserialize)]
+struct SimSeen {
+    errors: Vec<String>,
+    runs: Vec<SimRun>,
+    phone: Phone,
+}
+
+#[derive(Debug, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct SimRun {
+    error: Option<String>,
+    settings: serde_json::Value,
+    check: serde_json::Value,
+    report: serde_json::Value,
+    check_text: String,
+    devices: Vec<serde_json::Value>,
+    layers: BTreeMap<String, usize>,
+    bars: BTreeMap<String, usize>,
+    transfers: usize,
+    page_runs: BTreeMap<String, usize>,
+    /// The last column of the link table: each row's share of the link's capacity.
+    rates: Vec<String>,
+    prefill: String,
+    plan: String,
+}
+
+#[test]
+fn the_simulator_runs_a_split_in_the_page_with_the_host_alone_tokens() {
+    if !browser_ready() {
+        return;
+    }
+    let shots = repo().join("target/screenshots");
+    std::fs::create_dir_all(&shots).unwrap();
+    let out = Command::new("node")
+        .arg(repo().join("wasm-demo/tests/sim_page.mjs"))
+        .env("CHROMIUM", chromium())
+        .env("SHOT", shots.join("split-sim.png"))
+        .env("SHOT_PHONE", shots.join("split-sim-phone.png"))
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let seen: SimSeen = serde_json::from_str(text.trim())
+        .unwrap_or_else(|e| panic!("{e}: {text}\n{}", String::from_utf8_lossy(&out.stderr)));
+    eprintln!("{seen:#?}");
+    assert!(seen.errors.is_empty(), "console errors: {:?}", seen.errors);
+    assert_eq!(seen.runs.len(), 3, "{seen:?}");
+    for run in &seen.runs {
+        assert_eq!(run.error, None, "{run:?}");
+        // The page's own check against the host alone, and what it says.
+        assert_eq!(run.check["tokens_identical"], true, "{run:?}");
+        assert_eq!(run.check["logits_identical"], true, "{run:?}");
+        assert_eq!(run.check["tokens"], run.check["alone_tokens"], "{run:?}");
+        assert!(run.check_text.starts_with("Identical"), "{run:?}");
+        assert!(run.prefill.contains("tok/s"), "{run:?}");
+        // The layer stack as set: the helper runs the layers from the split on.
+        let layers = run.settings["layers"].as_u64().unwrap() as usize;
+        let split = run.settings["split_layer"].as_u64().unwrap() as usize;
+        let helper = run.devices[0]["device"].as_str().unwrap();
+        assert_eq!(run.layers.get("host"), Some(&split), "{run:?}");
+        assert_eq!(run.layers.get(helper), Some(&(layers - split)), "{run:?}");
+        // The pipeline: the tail of every ubatch but the last on the helper, drawn as bars.
+        let ubatches = run.report["ubatches"].as_u64().unwrap() as usize;
+        assert_eq!(run.report["on_helper"], ubatches - 1, "{run:?}");
+        assert_eq!(run.bars.get(helper), Some(&(ubatches - 1)), "{run:?}");
+        assert!(run.transfers >= 2 * (ubatches - 1), "{run:?}");
+        // The link's capacity is known here, so every row has its share of it.
+        assert!(
+            !run.rates.is_empty() && run.rates.iter().all(|r| r.ends_with('%')),
+            "{run:?}"
+        );
+        assert!(run.plan.contains("helper"), "{run:?}");
+        // Pages: on the helper past the host's budget, all here without one.
+        let on_helper = run.page_runs.get(helper).copied().unwrap_or(0);
+        match run.settings["host_kv_tokens"].as_u64() {
+            Some(_) => assert!(on_helper > 0, "{run:?}"),
+            None => assert_eq!(on_helper, 0, "{run:?}"),
+        }
+    }
+    // The runs followed the controls: the split layer moved to 8, then the link slowed to
+    // 10 Mbit/s with every position kept on the host.
+    let (first, second, third) = (&seen.runs[0], &seen.runs[1], &seen.runs[2]);
+    assert_eq!(second.settings["split_layer"], 8, "{second:?}");
+    assert_ne!(first.settings["split_layer"], 8, "{first:?}");
+    assert_eq!(third.settings["bandwidth_mbps"], 10.0, "{third:?}");
+    assert_eq!(third.settings["host_kv_tokens"], serde_json::Value::Null);
+    assert!(seen.phone.width <= seen.phone.screen, "{:?}", seen.phone);
 }

@@ -1,9 +1,11 @@
-// The live view of a split (served by `tether serve` at /): a chat box on the OpenAI endpoint,
-// and the split drawn from /v1/telemetry (docs/TELEMETRY.md is the schema this reads). Plain
-// DOM and SVG: the page needs no framework. Everything drawn comes from `view`, which tests read
-// as `window.tetherSplit`.
+// The view of a split (served by `tether serve` at /, or opened as static files): the split
+// drawn from telemetry events (docs/TELEMETRY.md is the schema this reads) and, beside it,
+// either a chat box on the OpenAI endpoint with the events of /v1/telemetry (live), or, with
+// `?sim`, the simulator (sim.js), whose engine in this tab emits the same events. Plain DOM and
+// SVG: the page needs no framework. Everything drawn comes from `view`, which tests read as
+// `window.tetherSplit`.
 
-const view = {
+const fresh = () => ({
   hello: null,
   devices: [],
   pages: null,
@@ -14,7 +16,8 @@ const view = {
   prefill: null,
   decode: null,
   events: 0,
-};
+});
+const view = fresh();
 window.tetherSplit = view;
 
 const $ = (id) => document.getElementById(id);
@@ -192,8 +195,11 @@ function onLink(e) {
   const body = $("link-rates").tBodies[0];
   body.replaceChildren();
   for (const r of rates) {
+    // A real link's capacity is not known to the server; the simulator's is.
+    const cap = (e.links.find((l) => l.device === r.device) || {}).capacity_bps;
+    const share = cap ? `${((100 * 8 * Math.max(r.out, r.in)) / cap).toFixed(1)}%` : "-";
     const tr = document.createElement("tr");
-    tr.innerHTML = `<td>${r.device}</td><td>${r.kind}</td><td>${bytes(r.out)}/s</td><td>${bytes(r.in)}/s</td>`;
+    tr.innerHTML = `<td>${r.device}</td><td>${r.kind}</td><td>${bytes(r.out)}/s</td><td>${bytes(r.in)}/s</td><td>${share}</td>`;
     body.append(tr);
   }
 }
@@ -234,16 +240,34 @@ function scheduleTimeline() {
   requestAnimationFrame(() => { timelinePending = false; drawTimeline(); });
 }
 
+// Draw one event.
+function handle(e) {
+  view.events++;
+  const h = handlers[e.type];
+  if (h) h(e);
+}
+
+// Forget everything drawn (the simulator starts each run afresh).
+function reset() {
+  Object.assign(view, fresh());
+  for (const id of ["layers", "legend", "timeline", "pages", "memory"]) $(id).replaceChildren();
+  $("link-rates").tBodies[0].replaceChildren();
+}
+
 function connect() {
   const source = new EventSource(`${server}/v1/telemetry`);
-  source.onopen = () => { $("conn").textContent = "live"; $("conn").className = "badge live"; };
-  source.onerror = () => { $("conn").textContent = "reconnecting"; $("conn").className = "badge down"; };
-  source.onmessage = (m) => {
-    const e = JSON.parse(m.data);
-    view.events++;
-    const h = handlers[e.type];
-    if (h) h(e);
+  let opened = false;
+  source.onopen = () => {
+    opened = true;
+    $("conn").textContent = "live";
+    $("conn").className = "badge live";
   };
+  source.onerror = () => {
+    // Never opened: no tether server behind this page (the simulator needs none).
+    $("conn").textContent = opened ? "reconnecting" : "no server: try the simulator";
+    $("conn").className = "badge down";
+  };
+  source.onmessage = (m) => handle(JSON.parse(m.data));
 }
 
 // --- Chat: the OpenAI endpoint, streamed. ---
@@ -301,18 +325,32 @@ async function ask(prompt) {
   }
 }
 
-$("ask").addEventListener("submit", (ev) => {
-  ev.preventDefault();
-  const p = $("prompt").value.trim();
-  if (!p) return;
-  $("prompt").value = "";
-  ask(p);
-});
-$("prompt").addEventListener("keydown", (ev) => {
-  if (ev.key === "Enter" && !ev.shiftKey) {
+function startChat() {
+  $("ask").addEventListener("submit", (ev) => {
     ev.preventDefault();
-    $("ask").requestSubmit();
-  }
-});
+    const p = $("prompt").value.trim();
+    if (!p) return;
+    $("prompt").value = "";
+    ask(p);
+  });
+  $("prompt").addEventListener("keydown", (ev) => {
+    if (ev.key === "Enter" && !ev.shiftKey) {
+      ev.preventDefault();
+      $("ask").requestSubmit();
+    }
+  });
+}
+
 window.addEventListener("resize", scheduleTimeline);
-connect();
+if (new URLSearchParams(location.search).has("sim")) {
+  $("chat").hidden = true;
+  $("sim").hidden = false;
+  $("mode").textContent = "live";
+  $("mode").href = "./";
+  $("conn").textContent = "simulator";
+  const { start } = await import("./sim.js");
+  await start({ handle, reset });
+} else {
+  connect();
+  startChat();
+}

@@ -13,6 +13,7 @@ pub mod memory;
 pub mod secure;
 #[cfg(not(target_arch = "wasm32"))]
 pub mod shaped;
+pub mod traffic;
 #[cfg(all(feature = "ws", not(target_arch = "wasm32")))]
 pub mod ws;
 
@@ -20,7 +21,8 @@ use std::time::Duration;
 
 pub use memory::{pair, MemoryLink};
 #[cfg(not(target_arch = "wasm32"))]
-pub use shaped::{LinkProfile, LinkStats, ShapedLink, StatsHandle, Traffic};
+pub use shaped::{ShapedLink, StatsHandle};
+pub use traffic::{LinkProfile, LinkStats, Traffic};
 
 #[derive(Debug, thiserror::Error)]
 pub enum LinkError {

@@ -3,82 +3,13 @@
 //! loopback link; shaping shows what a USB or Wi-Fi cable would cost, and the counts are what
 //! DESIGN.md's "subtract traffic" idea is checked against.
 
-use std::collections::BTreeMap;
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use serde::Serialize;
-
+use super::traffic::{type_name, LinkProfile, LinkStats};
 use super::{Link, LinkError, LinkSender};
-use crate::protocol::peek_type;
-
-/// The sending direction of a physical link: frames leave one after another at
-/// `bandwidth_bps` and arrive `latency` after their last bit left.
-#[derive(Clone, Debug, PartialEq)]
-pub struct LinkProfile {
-    pub name: String,
-    /// Bits per second; `f64::INFINITY` for no bandwidth limit.
-    pub bandwidth_bps: f64,
-    pub latency: Duration,
-}
-
-impl LinkProfile {
-    /// Names accepted by [`LinkProfile::preset`], for listing in error messages.
-    pub const PRESETS: [&'static str; 4] = ["usb-c-10g", "usb2", "wifi", "unlimited"];
-
-    pub fn preset(name: &str) -> Option<LinkProfile> {
-        let (bandwidth_bps, latency) = match name {
-            "usb-c-10g" => (10e9, Duration::from_micros(50)),
-            "usb2" => (480e6, Duration::from_micros(100)),
-            "wifi" => (300e6, Duration::from_millis(2)),
-            "unlimited" => (f64::INFINITY, Duration::ZERO),
-            _ => return None,
-        };
-        Some(LinkProfile {
-            name: name.to_string(),
-            bandwidth_bps,
-            latency,
-        })
-    }
-
-    fn is_unlimited(&self) -> bool {
-        self.bandwidth_bps == f64::INFINITY && self.latency.is_zero()
-    }
-
-    fn transmission_time(&self, bytes: usize) -> Duration {
-        Duration::from_secs_f64(bytes as f64 * 8.0 / self.bandwidth_bps)
-    }
-}
-
-/// Messages and bytes of one message type in one direction.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
-pub struct Traffic {
-    pub messages: u64,
-    pub bytes: u64,
-}
-
-impl Traffic {
-    fn add(&mut self, bytes: usize) {
-        self.messages += 1;
-        self.bytes += bytes as u64;
-    }
-}
-
-/// Counts by message type name ([`crate::protocol::MsgType::name`], or `"unknown"` for a frame
-/// without a valid header). Only types that were seen appear.
-#[derive(Clone, Debug, Default, PartialEq, Serialize)]
-pub struct LinkStats {
-    pub sent: BTreeMap<&'static str, Traffic>,
-    pub received: BTreeMap<&'static str, Traffic>,
-    pub sent_total: Traffic,
-    pub received_total: Traffic,
-}
-
-fn type_name(frame: &[u8]) -> &'static str {
-    peek_type(frame).map_or("unknown", |t| t.name())
-}
 
 /// A shared view of a [`ShapedLink`]'s counts, so a benchmark can read them while the link
 /// itself is owned by the engine.
@@ -101,19 +32,11 @@ impl StatsHandle {
     }
 
     fn count_sent(&self, kind: &'static str, bytes: usize) {
-        let mut stats = self.lock();
-        stats.sent.entry(kind).or_default().add(bytes);
-        stats.sent_total.add(bytes);
+        self.lock().count_sent(kind, bytes);
     }
 
     fn count_received(&self, frame: &[u8]) {
-        let mut stats = self.lock();
-        stats
-            .received
-            .entry(type_name(frame))
-            .or_default()
-            .add(frame.len());
-        stats.received_total.add(frame.len());
+        self.lock().count_received(frame);
     }
 }
 
@@ -276,6 +199,7 @@ impl<L: Link> Link for ShapedLink<L> {
 mod tests {
     use super::*;
     use crate::link::pair;
+    use crate::link::traffic::Traffic;
     use crate::protocol::{MsgType, HEADER_LEN, MAGIC, PROTOCOL_VERSION};
 
     /// A frame with a valid header, `request` as its id and `payload_len` bytes of tensor data.

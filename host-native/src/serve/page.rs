@@ -1,44 +1,87 @@
-//! The live view of the split at `/` (wasm-demo/www's index.html, split.js and split.css, built
+//! The split page at `/` (wasm-demo/www's index.html, split.js, sim.js and split.css, built
 //! into the binary so `tether serve` needs no files beside it): a chat box on the OpenAI
-//! endpoint and the split drawn from `/v1/telemetry`. The same files work as static files
-//! (the page then names its server with `?server=http://HOST:PORT`, which needs `--cors`).
+//! endpoint and the split drawn from `/v1/telemetry`, or with `?sim` the simulator, which runs
+//! engine-core in the page from the WebAssembly module `scripts/build-wasm.sh` writes (built in
+//! when it was there, as the helper page is: crate::lend::PAGE). The same files work as static
+//! files (the live view then names its server with `?server=http://HOST:PORT`, which needs
+//! `--cors`; the simulator needs no server).
 
 use axum::http::{header, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
+
+const HTML: &str = "text/html; charset=utf-8";
+const JS: &str = "text/javascript; charset=utf-8";
+const CSS: &str = "text/css; charset=utf-8";
 
 /// Each file by the path it is served at, with its type.
 const FILES: &[(&str, &str, &[u8])] = &[
     (
         "/",
-        "text/html; charset=utf-8",
+        HTML,
         include_bytes!("../../../wasm-demo/www/index.html"),
     ),
     (
         "/split.js",
-        "text/javascript; charset=utf-8",
+        JS,
         include_bytes!("../../../wasm-demo/www/split.js"),
     ),
     (
+        "/sim.js",
+        JS,
+        include_bytes!("../../../wasm-demo/www/sim.js"),
+    ),
+    (
         "/split.css",
-        "text/css; charset=utf-8",
+        CSS,
         include_bytes!("../../../wasm-demo/www/split.css"),
     ),
 ];
 
+/// The simulator's module, by the path it is served at (its name under wasm-demo/www after
+/// the `/`), with its type.
+const MODULE: &[(&str, &str)] = &[
+    ("/pkg/wasm_demo.js", JS),
+    ("/pkg/wasm_demo_bg.wasm", "application/wasm"),
+];
+
 /// The paths this module serves.
-pub const PATHS: [&str; 3] = [FILES[0].0, FILES[1].0, FILES[2].0];
+pub const PATHS: [&str; 6] = [
+    FILES[0].0,
+    FILES[1].0,
+    FILES[2].0,
+    FILES[3].0,
+    MODULE[0].0,
+    MODULE[1].0,
+];
 
 pub async fn file(uri: Uri) -> Response {
-    match FILES.iter().find(|(path, ..)| *path == uri.path()) {
-        Some((_, kind, body)) => (
-            [
-                (header::CONTENT_TYPE, *kind),
-                (header::X_CONTENT_TYPE_OPTIONS, "nosniff"),
-                (header::CACHE_CONTROL, "no-cache"),
-            ],
-            *body,
+    let path = uri.path();
+    if let Some((_, kind, body)) = FILES.iter().find(|(p, ..)| *p == path) {
+        return answer(kind, body);
+    }
+    let Some((_, kind)) = MODULE.iter().find(|(p, _)| *p == path) else {
+        return StatusCode::NOT_FOUND.into_response();
+    };
+    let built = crate::lend::PAGE.and_then(|files| files.iter().find(|(n, _)| *n == &path[1..]));
+    match built {
+        Some((_, body)) => answer(kind, body),
+        None => (
+            StatusCode::NOT_FOUND,
+            "this tether was built without the page's WebAssembly module, which the simulator \
+             runs: run scripts/build-wasm.sh, then build tether again",
         )
             .into_response(),
-        None => StatusCode::NOT_FOUND.into_response(),
     }
+}
+
+fn answer(kind: &'static str, body: &'static [u8]) -> Response {
+    (
+        [
+            (header::CONTENT_TYPE, kind),
+            (header::X_CONTENT_TYPE_OPTIONS, "nosniff"),
+            (header::CACHE_CONTROL, "no-cache"),
+        ],
+        body,
+    )
+        .into_response()
 }

@@ -78,17 +78,16 @@ pub struct App {
 }
 
 pub fn router(app: Arc<App>) -> Router {
-    Router::new()
-        .route("/v1/chat/completions", post(chat))
+    let page = page::PATHS
+        .iter()
+        .fold(Router::new(), |r, p| r.route(p, get(page::file)));
+    page.route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
         .route("/v1/models/{id}", get(model))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .route("/v1/telemetry", get(watch))
-        .route(page::PATHS[0], get(page::file))
-        .route(page::PATHS[1], get(page::file))
-        .route(page::PATHS[2], get(page::file))
         .route("/helper", get(helper))
         .route("/helper/", get(lend))
         .route("/helper/{*file}", get(lend))

@@ -1,0 +1,105 @@
+// The simulator with no tether server: serves wasm-demo/www as static files from this process,
+// opens index.html?sim in headless Chromium, waits for the first run, then moves the split
+// layer, the host KV budget and the link and waits for each run. Reads what the page drew and
+// its state (window.tetherSplit, window.tetherSim), never pixels, and prints one JSON line:
+// {errors, runs: [{settings, check, split, alone, report, bars, transfers, pageRuns, layers,
+// plan}], phone: {width, screen}}. Used by host-native/tests/split_page.rs:
+// `node wasm-demo/tests/sim_page.mjs`. Env: CHROMIUM (default /usr/bin/chromium), SHOT and
+// SHOT_PHONE (screenshots), PAGE_TIMEOUT_MS (default 120000).
+import { chromium } from 'playwright-core';
+import { createServer } from 'node:http';
+import { readFile } from 'node:fs/promises';
+import { extname, join, normalize } from 'node:path';
+import { fileURLToPath } from 'node:url';
+
+const www = fileURLToPath(new URL('../www/', import.meta.url));
+const types = { '.html': 'text/html', '.js': 'text/javascript', '.css': 'text/css',
+                '.wasm': 'application/wasm' };
+const server = createServer(async (req, res) => {
+  const path = normalize(decodeURIComponent(new URL(req.url, 'http://x').pathname));
+  try {
+    if (path.includes('..')) throw new Error('outside www');
+    const body = await readFile(join(www, path.endsWith('/') ? `${path}index.html` : path));
+    res.writeHead(200, { 'content-type': types[extname(path) || '.html'] || 'application/octet-stream' });
+    res.end(body);
+  } catch {
+    res.writeHead(404).end();
+  }
+});
+await new Promise((done) => server.listen(0, '127.0.0.1', done));
+const url = `http://127.0.0.1:${server.address().port}/index.html?sim`;
+
+const timeout = Number(process.env.PAGE_TIMEOUT_MS || 120000);
+const browser = await chromium.launch({
+  executablePath: process.env.CHROMIUM || '/usr/bin/chromium',
+  args: ['--no-sandbox', '--headless=new', '--disable-background-networking',
+         '--disable-component-update', '--disable-sync', '--no-first-run'],
+});
+const errors = [];
+const runs = [];
+try {
+  const page = await browser.newPage({ viewport: { width: 1280, height: 1000 } });
+  page.on('console', (m) => { if (m.type() === 'error') errors.push(m.text()); });
+  page.on('pageerror', (e) => errors.push(`page error: ${e}`));
+  await page.goto(url);
+
+  // Wait for run number `n` to finish, then read what it drew.
+  const after = async (n) => {
+    await page.waitForFunction((k) => window.tetherSim && window.tetherSim.runs >= k
+      && !window.tetherSim.running, n, { timeout });
+    return page.evaluate(() => {
+      const s = window.tetherSim, v = window.tetherSplit;
+      const count = (sel, attr) => {
+        const out = {};
+        for (const e of document.querySelectorAll(sel)) {
+          const k = e.getAttribute(attr);
+          out[k] = (out[k] || 0) + 1;
+        }
+        return out;
+      };
+      const o = s.outcome || {};
+      return {
+        error: s.error,
+        settings: s.settings,
+        check: o.check,
+        split: o.split,
+        alone: o.alone,
+        report: o.report,
+        checkText: document.getElementById('sim-check').textContent,
+        devices: v.devices,
+        layers: count('#layers .layer', 'data-device'),
+        bars: count('#timeline rect.ubatch', 'data-device'),
+        transfers: document.querySelectorAll('#timeline line.transfer').length,
+        pageRuns: count('#pages rect.page-run', 'data-on'),
+        rates: [...document.querySelectorAll('#link-rates tbody tr')].map((r) => r.lastChild.textContent),
+        prefill: document.getElementById('prefill-tps').textContent,
+        plan: document.getElementById('plan').textContent,
+      };
+    });
+  };
+  runs.push(await after(1));
+  if (process.env.SHOT) await page.screenshot({ path: process.env.SHOT, fullPage: true });
+
+  // The split layer to 8: the helper runs half the layers.
+  await page.locator('#sim-split').fill('8');
+  await page.click('#sim-run');
+  runs.push(await after(2));
+  // Every position on the host (the slider's top), and a link of 10 Mbit/s.
+  await page.locator('#sim-kv').fill('512');
+  await page.selectOption('#sim-bw', '10');
+  await page.click('#sim-run');
+  runs.push(await after(3));
+
+  await page.setViewportSize({ width: 390, height: 844 });
+  const phone = await page.evaluate(() => new Promise((done) => requestAnimationFrame(() => done({
+    width: document.documentElement.scrollWidth,
+    screen: window.innerWidth,
+  }))));
+  if (process.env.SHOT_PHONE) await page.screenshot({ path: process.env.SHOT_PHONE, fullPage: true });
+  console.log(JSON.stringify({ errors, runs, phone }));
+} catch (e) {
+  console.log(JSON.stringify({ errors: [...errors, `sim_page.mjs: ${e.message}`], runs }));
+} finally {
+  await browser.close();
+  server.close();
+}
