@@ -8,7 +8,10 @@
 //!   (wasm-demo/tests/sim_page.mjs): runs with the split layer, the KV budget and the link
 //!   moved, each giving the host-alone tokens and drawing what its settings imply.
 //!
-//! Screenshots of both land in target/screenshots (split-live*.png, split-sim*.png).
+//! - the simulator in Firefox (wasm-demo/tests/firefox.mjs, puppeteer-core over WebDriver
+//!   BiDi): its first run, identical to the host alone and drawn.
+//!
+//! Screenshots land in target/screenshots (split-live*.png, split-sim*.png).
 //!
 //! Needs what tab.rs needs (see browser/mod.rs); without it the test says so and passes, unless
 //! TETHER_BROWSER_TESTS=1 (CI) makes it fail.
@@ -16,7 +19,10 @@
 use std::collections::BTreeMap;
 use std::process::Command;
 
-use browser::{browser_ready, chromium, native_helper, repo, scratch, tether, PROMPT, SPLIT};
+use browser::{
+    browser_ready, chromium, firefox, firefox_ready, native_helper, repo, scratch, tether,
+    PROMPT, SPLIT,
+};
 use tests::Process;
 
 mod browser;
@@ -241,5 +247,55 @@ fn the_simulator_runs_a_split_in_the_page_with_the_host_alone_tokens() {
     assert_ne!(first.settings["split_layer"], 8, "{first:?}");
     assert_eq!(third.settings["bandwidth_mbps"], 10.0, "{third:?}");
     assert_eq!(third.settings["host_kv_tokens"], serde_json::Value::Null);
+    assert!(seen.phone.width <= seen.phone.screen, "{:?}", seen.phone);
+}
+
+/// What firefox.mjs read from the page after the simulator's first run.
+#[derive(Debug, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct FirefoxSeen {
+    errors: Vec<String>,
+    browser: String,
+    check: serde_json::Value,
+    error: Option<String>,
+    bars: BTreeMap<String, usize>,
+    page_runs: BTreeMap<String, usize>,
+    layers: BTreeMap<String, usize>,
+    phone: Phone,
+}
+
+#[test]
+fn the_simulator_runs_in_firefox_too() {
+    if !firefox_ready() {
+        return;
+    }
+    let shots = repo().join("target/screenshots");
+    std::fs::create_dir_all(&shots).unwrap();
+    let out = Command::new("node")
+        .arg(repo().join("wasm-demo/tests/firefox.mjs"))
+        .env("FIREFOX", firefox())
+        .env("SHOT", shots.join("split-sim-firefox.png"))
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let seen: FirefoxSeen = serde_json::from_str(text.trim())
+        .unwrap_or_else(|e| panic!("{e}: {text}\n{}", String::from_utf8_lossy(&out.stderr)));
+    eprintln!("{seen:#?}");
+    assert!(seen.errors.is_empty(), "console errors: {:?}", seen.errors);
+    assert!(seen.browser.contains("Firefox"), "{seen:?}");
+    assert_eq!(seen.error, None, "{seen:?}");
+    assert_eq!(seen.check["tokens_identical"], true, "{seen:?}");
+    assert_eq!(seen.check["logits_identical"], true, "{seen:?}");
+    // The default run: 16 layers split at 12, 8 ubatches, pages past 256 tokens on the helper.
+    let helper = seen
+        .layers
+        .keys()
+        .find(|d| d.starts_with("helper:"))
+        .expect("layers on a helper")
+        .clone();
+    assert_eq!(seen.layers.get("host"), Some(&12), "{seen:?}");
+    assert_eq!(seen.layers.get(&helper), Some(&4), "{seen:?}");
+    assert_eq!(seen.bars.get(&helper), Some(&7), "{seen:?}");
+    assert!(seen.page_runs.get(&helper) > Some(&0), "{seen:?}");
     assert!(seen.phone.width <= seen.phone.screen, "{:?}", seen.phone);
 }

@@ -7,27 +7,10 @@
 // `node wasm-demo/tests/sim_page.mjs`. Env: CHROMIUM (default /usr/bin/chromium), SHOT and
 // SHOT_PHONE (screenshots), PAGE_TIMEOUT_MS (default 120000).
 import { chromium } from 'playwright-core';
-import { createServer } from 'node:http';
-import { readFile } from 'node:fs/promises';
-import { extname, join, normalize } from 'node:path';
-import { fileURLToPath } from 'node:url';
+import { serveWww } from './static.mjs';
 
-const www = fileURLToPath(new URL('../www/', import.meta.url));
-const types = { '.html': 'text/html', '.js': 'text/javascript', '.css': 'text/css',
-                '.wasm': 'application/wasm' };
-const server = createServer(async (req, res) => {
-  const path = normalize(decodeURIComponent(new URL(req.url, 'http://x').pathname));
-  try {
-    if (path.includes('..')) throw new Error('outside www');
-    const body = await readFile(join(www, path.endsWith('/') ? `${path}index.html` : path));
-    res.writeHead(200, { 'content-type': types[extname(path) || '.html'] || 'application/octet-stream' });
-    res.end(body);
-  } catch {
-    res.writeHead(404).end();
-  }
-});
-await new Promise((done) => server.listen(0, '127.0.0.1', done));
-const url = `http://127.0.0.1:${server.address().port}/index.html?sim`;
+const www = await serveWww();
+const url = `${www.url}index.html?sim`;
 
 const timeout = Number(process.env.PAGE_TIMEOUT_MS || 120000);
 const browser = await chromium.launch({
@@ -101,5 +84,5 @@ try {
   console.log(JSON.stringify({ errors: [...errors, `sim_page.mjs: ${e.message}`], runs }));
 } finally {
   await browser.close();
-  server.close();
+  www.close();
 }
