@@ -226,6 +226,15 @@ impl HelperArgs {
         ))
     }
 
+    /// The link's bandwidth each way in bits per second, where `--link` names a profile that
+    /// limits it (the live page shows link rates against it); a real link's is not known.
+    pub fn link_capacity_bps(&self) -> Option<f64> {
+        link_profile(&self.link)
+            .ok()
+            .map(|p| p.bandwidth_bps)
+            .filter(|b| b.is_finite())
+    }
+
     /// Whether a helper is named (--helper) or taken when it joins (--accept-helpers).
     pub fn has_helper(&self) -> bool {
         !self.helper.is_empty() || self.accept_helpers.is_some()

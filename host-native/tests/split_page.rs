@@ -17,11 +17,11 @@
 //! TETHER_BROWSER_TESTS=1 (CI) makes it fail.
 
 use std::collections::BTreeMap;
+use std::path::PathBuf;
 use std::process::Command;
 
 use browser::{
-    browser_ready, chromium, firefox, firefox_ready, native_helper, repo, scratch, tether,
-    PROMPT, SPLIT,
+    browser_ready, chromium, missing, native_helper, ready, repo, scratch, tether, PROMPT, SPLIT,
 };
 use tests::Process;
 
@@ -41,6 +41,8 @@ struct Seen {
     transfers: usize,
     page_runs: BTreeMap<String, usize>,
     rates: usize,
+    /// The link table's last column: each rate's share of the link's capacity.
+    shares: Vec<String>,
     link_before: u64,
     link_after: u64,
     prefill: String,
@@ -79,6 +81,9 @@ fn the_page_shows_a_split_run_as_it_happens() {
             "1",
             "--helper-wait",
             "120",
+            // A link of known capacity: the page shows each rate's share of it.
+            "--link",
+            "usb2",
         ],
         SPLIT,
     ]
@@ -105,7 +110,10 @@ fn the_page_shows_a_split_run_as_it_happens() {
         assert_eq!(r.headers()["content-type"], kind, "{path}");
         let body = r.body_mut().with_config().limit(64 << 20).read_to_vec();
         let on_disk = std::fs::read(repo().join("wasm-demo/www").join(path)).unwrap();
-        assert!(body.unwrap() == on_disk, "{path} differs from the built file");
+        assert!(
+            body.unwrap() == on_disk,
+            "{path} differs from the built file"
+        );
     }
     let shots = repo().join("target/screenshots");
     std::fs::create_dir_all(&shots).unwrap();
@@ -155,6 +163,10 @@ fn the_page_shows_a_split_run_as_it_happens() {
     // Counters that appeared and changed.
     assert!(seen.link_after > seen.link_before, "{seen:?}");
     assert!(seen.rates > 0, "{seen:?}");
+    assert!(
+        seen.shares.len() == seen.rates && seen.shares.iter().all(|s| s.ends_with('%')),
+        "{seen:?}"
+    );
     assert!(
         seen.prefill.contains("tok/s") && seen.decode.contains("tok/s"),
         "{seen:?}"
@@ -248,6 +260,31 @@ fn the_simulator_runs_a_split_in_the_page_with_the_host_alone_tokens() {
     assert_eq!(third.settings["bandwidth_mbps"], 10.0, "{third:?}");
     assert_eq!(third.settings["host_kv_tokens"], serde_json::Value::Null);
     assert!(seen.phone.width <= seen.phone.screen, "{:?}", seen.phone);
+}
+
+/// Debian's Firefox, which wasm-demo/tests/firefox.mjs drives.
+fn firefox() -> PathBuf {
+    std::env::var_os("FIREFOX")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| "/usr/bin/firefox-esr".into())
+}
+
+/// [`browser_ready`] for the Firefox test.
+fn firefox_ready() -> bool {
+    let mut missing = missing();
+    if !firefox().exists() {
+        missing.push(format!(
+            "Firefox at {} (apt-get install firefox-esr, or set FIREFOX)",
+            firefox().display()
+        ));
+    }
+    if !repo()
+        .join("wasm-demo/node_modules/puppeteer-core")
+        .exists()
+    {
+        missing.push("puppeteer-core: (cd wasm-demo && npm ci)".to_string());
+    }
+    ready(missing)
 }
 
 /// What firefox.mjs read from the page after the simulator's first run.

@@ -3,7 +3,7 @@
 // page strips and link counters. Used by host-native/tests/split_page.rs:
 // `node wasm-demo/tests/split_page.mjs URL PROMPT`. Reads what the page drew from the DOM and
 // from its state (window.tetherSplit), never from pixels, and prints one JSON line:
-// {errors, answer, hello, devices, bars, transfers, pageRuns, rates, linkBefore, linkAfter,
+// {errors, answer, hello, devices, bars, transfers, pageRuns, rates, shares, linkBefore, linkAfter,
 // prefill, decode, ..., phone: {width, screen}}. Env: CHROMIUM (default /usr/bin/chromium),
 // SHOT and SHOT_PHONE (save screenshots there, desktop and phone-sized), PAGE_TIMEOUT_MS
 // (default 120000).
@@ -63,6 +63,7 @@ try {
       transfers: document.querySelectorAll('#timeline line.transfer').length,
       pageRuns: count('#pages rect.page-run', 'data-on'),
       rates: document.querySelectorAll('#link-rates tbody tr').length,
+      shares: [...document.querySelectorAll('#link-rates tbody tr')].map((r) => r.lastChild.textContent),
       linkAfter: v.linkBytes,
       prefill: document.getElementById('prefill-tps').textContent,
       decode: document.getElementById('decode-tps').textContent,

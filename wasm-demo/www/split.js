@@ -195,7 +195,7 @@ function onLink(e) {
   const body = $("link-rates").tBodies[0];
   body.replaceChildren();
   for (const r of rates) {
-    // A real link's capacity is not known to the server; the simulator's is.
+    // Known for the simulator's link and a server's --link profile, not for a real link.
     const cap = (e.links.find((l) => l.device === r.device) || {}).capacity_bps;
     const share = cap ? `${((100 * 8 * Math.max(r.out, r.in)) / cap).toFixed(1)}%` : "-";
     const tr = document.createElement("tr");

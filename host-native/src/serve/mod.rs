@@ -192,6 +192,7 @@ pub fn run(a: Args) -> Result<()> {
         "kv_bytes_per_position": 2 * config.num_key_value_heads * config.head_dim * size_of::<f32>(),
         "weights_bytes": l.model.weight_bytes(),
         "plan": plan.text,
+        "link_capacity_bps": a.engine.helper.link_capacity_bps(),
     }));
     state.telemetry = hub.telemetry();
     // Segments of whole ubatches (pairs stay pairs past interleave_from); with a helper long

@@ -170,7 +170,8 @@ fn link_sample(hub: &Hub, helpers: Option<&Mutex<Vec<Attached>>>) -> String {
                 .map(|a| {
                     let s = a.stats.snapshot();
                     json!({"device": format!("helper:{}", a.id), "sent": s.sent,
-                           "received": s.received})
+                           "received": s.received,
+                           "capacity_bps": hub.hello["link_capacity_bps"]})
                 })
                 .collect()
         })

@@ -1,5 +1,5 @@
 //! What the browser tests share (tab.rs: tabs as helpers; split_page.rs: the split page, live
-//! and simulated): where Chromium, Firefox and the built page are, whether everything they need is there, a scratch
+//! and simulated): where Chromium and the built page are, whether everything they need is there, a scratch
 //! directory, the `tether` command, and a native helper that joins from the test's process.
 
 use std::path::{Path, PathBuf};
@@ -27,7 +27,7 @@ pub fn chromium() -> PathBuf {
 }
 
 /// What the browser test needs and is missing, with how to get it.
-fn missing() -> Vec<String> {
+pub fn missing() -> Vec<String> {
     let www = repo().join("wasm-demo/www");
     let mut missing = Vec::new();
     if !www.join("pkg/wasm_demo.js").exists() {
@@ -51,38 +51,15 @@ fn missing() -> Vec<String> {
     missing
 }
 
-/// Debian's Firefox, which wasm-demo/tests/firefox.mjs drives.
-pub fn firefox() -> PathBuf {
-    std::env::var_os("FIREFOX")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| "/usr/bin/firefox-esr".into())
-}
-
 /// Whether to run a Chromium test: everything is there, or say what is missing (and fail under
 /// TETHER_BROWSER_TESTS=1).
 pub fn browser_ready() -> bool {
     ready(missing())
 }
 
-/// [`browser_ready`] for a test that also drives Firefox.
-pub fn firefox_ready() -> bool {
-    let mut missing = missing();
-    if !firefox().exists() {
-        missing.push(format!(
-            "Firefox at {} (apt-get install firefox-esr, or set FIREFOX)",
-            firefox().display()
-        ));
-    }
-    if !repo()
-        .join("wasm-demo/node_modules/puppeteer-core")
-        .exists()
-    {
-        missing.push("puppeteer-core: (cd wasm-demo && npm ci)".to_string());
-    }
-    ready(missing)
-}
-
-fn ready(missing: Vec<String>) -> bool {
+/// Whether to run, given what is `missing`: nothing, or say what (and fail under
+/// TETHER_BROWSER_TESTS=1).
+pub fn ready(missing: Vec<String>) -> bool {
     if missing.is_empty() {
         return true;
     }
