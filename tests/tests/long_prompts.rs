@@ -32,12 +32,12 @@ fn model() -> &'static Model {
     M.get_or_init(|| Model::load_dir(&fixtures_dir().join("tiny_fp32")).unwrap())
 }
 
-fn gpu() -> &'static GpuBackend {
-    static GPU: OnceLock<GpuBackend> = OnceLock::new();
-    GPU.get_or_init(|| {
-        GpuBackend::new(&GpuOptions::default()).unwrap_or_else(|e| {
-            panic!("{e}\nThe GPU tests need a Vulkan adapter: apt-get install mesa-vulkan-drivers")
-        })
+/// A GPU backend of the test's own: tests run on threads of one process, and on a device
+/// they shared each one's waits would also wait for the others' work (on lavapipe this made
+/// the file five times slower).
+fn gpu() -> GpuBackend {
+    GpuBackend::new(&GpuOptions::default()).unwrap_or_else(|e| {
+        panic!("{e}\nThe GPU tests need a Vulkan adapter: apt-get install mesa-vulkan-drivers")
     })
 }
 
@@ -154,20 +154,21 @@ fn the_cpu_in_ubatches() {
 
 #[test]
 fn the_gpu_in_one_pass() {
-    let m = model();
+    let (m, gpu) = (model(), gpu());
     for len in LENGTHS {
         let mut st = m.new_state(4096);
         let all = m
-            .forward(gpu(), &mut st, &prompt(len), Logits::All, None)
+            .forward(&gpu, &mut st, &prompt(len), Logits::All, None)
             .unwrap();
-        check("gpu, one pass", len, &decode(gpu(), &mut st, all));
+        check("gpu, one pass", len, &decode(&gpu, &mut st, all));
     }
 }
 
 #[test]
 fn the_gpu_in_ubatches() {
+    let gpu = gpu();
     for len in LENGTHS {
-        check("gpu, ubatches", len, &ubatches(gpu(), len));
+        check("gpu, ubatches", len, &ubatches(&gpu, len));
     }
 }
 
@@ -196,23 +197,25 @@ fn split(host: &dyn Backend, helper: &dyn Backend, len: usize) -> Answer {
 
 #[test]
 fn split_prefill_with_a_gpu_host_and_a_cpu_helper() {
+    let gpu = gpu();
     for len in LENGTHS {
-        check("gpu host, cpu helper", len, &split(gpu(), &CpuBackend, len));
+        check("gpu host, cpu helper", len, &split(&gpu, &CpuBackend, len));
     }
 }
 
 #[test]
 fn split_prefill_with_a_cpu_host_and_a_gpu_helper() {
+    let gpu = gpu();
     for len in LENGTHS {
-        check("cpu host, gpu helper", len, &split(&CpuBackend, gpu(), len));
+        check("cpu host, gpu helper", len, &split(&CpuBackend, &gpu, len));
     }
 }
 
 #[test]
 fn split_prefill_with_the_gpu_on_both_sides() {
     // The helper's own device, as on another machine.
-    let helper = GpuBackend::new(&GpuOptions::default()).unwrap();
+    let (host, helper) = (gpu(), gpu());
     for len in LENGTHS {
-        check("gpu host, gpu helper", len, &split(gpu(), &helper, len));
+        check("gpu host, gpu helper", len, &split(&host, &helper, len));
     }
 }

@@ -66,7 +66,7 @@ pub struct Settings {
 
 impl Settings {
     /// Every number within what the page offers, so a hand-made request cannot ask the tab for
-    /// more than it can hold.
+    /// more than it can hold (prompt and completion fit the tiny preset's 4096 positions).
     fn check(&self) -> Result<(), String> {
         let within = |name: &str, v: f64, lo: f64, hi: f64| {
             if v.is_finite() && (lo..=hi).contains(&v) {
@@ -185,14 +185,7 @@ impl Answer {
 pub fn run(s: &Settings) -> Result<Outcome, String> {
     s.check()?;
     let (model, helper) = tethered(s.layers)?;
-    let c = &model.config;
-    if s.prompt_tokens + s.gen_tokens > c.max_position_embeddings {
-        return Err(format!(
-            "prompt and completion must fit the model's {} positions",
-            c.max_position_embeddings
-        ));
-    }
-    let prompt = seeded_prompt(c.vocab_size, s.prompt_tokens);
+    let prompt = seeded_prompt(model.config.vocab_size, s.prompt_tokens);
     let plan = SplitPlan {
         min_tokens: 0,
         ubatch: s.ubatch,
@@ -201,24 +194,35 @@ pub fn run(s: &Settings) -> Result<Outcome, String> {
     // A first pass over every layer, untimed, so the first timed run pays no warm-up (the
     // tab growing its memory, the engine's first allocations).
     let warm = &prompt[..s.ubatch.min(prompt.len())];
-    engine_core::split::prefill(
-        model,
-        &CpuBackend,
-        &mut model.new_state(s.page_size),
-        warm,
-        &plan,
-    )
-    .map_err(|e| e.to_string())?;
+    let mut scratch = model.new_state(s.page_size);
+    engine_core::split::prefill(model, &CpuBackend, &mut scratch, warm, &plan)
+        .map_err(|e| e.to_string())?;
     let real = Mutex::new(Clock::running());
     let state = model.new_state(s.page_size);
     let (alone, _) = generate(model, state, &prompt, &plan, s, &real, &mut |_| {})?;
+    let (split, report, events) = split(model, helper, s, &prompt, &plan)?;
+    Ok(Outcome {
+        events,
+        split,
+        alone,
+        report,
+    })
+}
 
+/// The run with the simulated helper attached, and its events.
+fn split(
+    model: &Model,
+    helper: &'static Helper<'static>,
+    s: &Settings,
+    prompt: &[u32],
+    plan: &SplitPlan,
+) -> Result<(Answer, SplitReport, Vec<Value>), String> {
     let clock = Arc::new(Mutex::new(Clock::running()));
     let link = SimLink::new(helper.session(), s, clock.clone());
     let far = link.far.clone();
     let configure = Configure {
         first_layer: s.split_layer as u32,
-        end_layer: c.num_hidden_layers as u32,
+        end_layer: s.layers as u32,
         page_size: s.page_size as u32,
     };
     let client = HelperClient::connect(Box::new(link), model, configure, DEFAULT_MAX_FRAME)
@@ -227,8 +231,7 @@ pub fn run(s: &Settings) -> Result<Outcome, String> {
     state.host_kv_tokens = s.host_kv_tokens;
     let device = format!("helper:{}", state.attach(client));
     let events = Arc::new(Mutex::new(opening(model, s, &device)));
-    let sink = events.clone();
-    let time = clock.clone();
+    let (sink, time) = (events.clone(), clock.clone());
     state.telemetry = Telemetry::new(
         move || lock(&time).now(),
         move |e| lock(&sink).push(serde_json::to_value(e).expect("events serialise")),
@@ -242,18 +245,16 @@ pub fn run(s: &Settings) -> Result<Outcome, String> {
         }]}));
     };
     sample(lock(&clock).now());
-    let (split, report) = generate(model, state, &prompt, &plan, s, &clock, &mut |at| {
-        sample(at)
-    })?;
-    sample(split.end_ms);
-    let ms = split.prefill_end_ms - split.start_ms;
+    let (answer, report) = generate(model, state, prompt, plan, s, &clock, &mut |at| sample(at))?;
+    sample(answer.end_ms);
+    let ms = answer.prefill_end_ms - answer.start_ms;
     emit(
-        json!({"type": "prefill", "id": 1, "tokens": s.prompt_tokens, "ms": ms,
-                "tok_s": split.prefill_tok_s(), "ttft_ms": ms}),
+        json!({"type": "prefill", "id": 1, "tokens": prompt.len(), "ms": ms,
+                "tok_s": answer.prefill_tok_s(), "ttft_ms": ms}),
     );
     emit(
-        json!({"type": "done", "id": 1, "completion_tokens": split.tokens.len(),
-                "decode_tok_s": split.decode_tok_s(), "finish": "length"}),
+        json!({"type": "done", "id": 1, "completion_tokens": answer.tokens.len(),
+                "decode_tok_s": answer.decode_tok_s(), "finish": "length"}),
     );
     // The helper's bars as it ran them, for the host's view of them.
     let mut events = std::mem::take(&mut *lock(&events));
@@ -262,12 +263,7 @@ pub fn run(s: &Settings) -> Result<Outcome, String> {
         bar["device"] = device.as_str().into();
         bar
     }));
-    Ok(Outcome {
-        events,
-        split,
-        alone,
-        report,
-    })
+    Ok((answer, report, events))
 }
 
 /// Prefill `prompt` and draw `s.gen_tokens` greedy tokens, timed by `clock`; `prefilled` is
