@@ -3,7 +3,7 @@
 client) against `tether serve` with a paired helper on a shaped link.
 
     pip install openai
-    cargo build --release -p host-native -p phone-ios
+    cargo build --release -p host-native
     python3 scripts/load_run.py [--clients 64] [--link wifi] [--queue-memory 200K]
 
 It starts `tether-helper --link LINK` (pairing as a user does: the code it prints), then

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Shaped tables of docs/PERFORMANCE.md, both directions shaped (helper --link too), plain link.
-# Prints one JSON line per run after its command line ("== ..."). Needs `cargo build --release -p host-native -p phone-ios`; about 25 minutes on 2 cores.
+# Prints one JSON line per run after its command line ("== ..."). Needs `cargo build --release -p host-native`; about 25 minutes on 2 cores.
 set -u
 cd "$(dirname "$0")/.."
 B=./target/release

@@ -1,11 +1,12 @@
-//! `tether-helper`: serve this device's memory and compute to a tether host over WebSocket.
+//! A helper on a device: serve its memory and compute to a tether host over WebSocket,
+//! listening for hosts or dialing one (`--join`), paired and encrypted. The `tether-helper`
+//! binary (host-native) parses [`Options`] from its command line and calls [`run`].
 
 use std::net::SocketAddr;
 use std::sync::Mutex;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use clap::Parser;
 use engine_core::helper::{Helper, HelperOptions, Loading, Weights};
 use engine_core::link::doors::{self, DialOptions, Doors};
 use engine_core::link::idle::IdleLink;
@@ -16,13 +17,9 @@ use engine_core::protocol::{encode, Message};
 use engine_core::remote::DEFAULT_MAX_FRAME;
 use engine_core::source::{load_identity, load_layers, BackendOptions, SynthOptions};
 
-#[derive(Parser)]
-#[command(
-    name = "tether-helper",
-    version,
-    about = "Lend this device's memory and compute to a tether host"
-)]
-struct Args {
+/// What a helper serves, and how: `tether-helper`'s flags.
+#[derive(clap::Args)]
+pub struct Options {
     /// Address to listen on. Loopback by default: expose the helper to a network only on purpose.
     #[arg(long, default_value = "127.0.0.1:7341")]
     listen: String,
@@ -44,8 +41,6 @@ struct Args {
     /// Largest frame accepted, in bytes (suffixes allowed).
     #[arg(long, default_value_t = DEFAULT_MAX_FRAME as u64, value_parser = parse_bytes)]
     max_frame: u64,
-    #[arg(long)]
-    threads: Option<usize>,
     /// Serve one host, then exit.
     #[arg(long)]
     once: bool,
@@ -85,22 +80,8 @@ fn parse_bytes(s: &str) -> Result<u64, String> {
         .ok_or_else(|| format!("`{s}` is not a byte count (like 512M or 4G)"))
 }
 
-fn main() {
-    if let Err(e) = run(Args::parse()) {
-        eprintln!("error: {e:#}");
-        std::process::exit(1);
-    }
-}
-
-fn run(a: Args) -> Result<()> {
-    if let Some(n) = a.threads {
-        if n == 0 {
-            bail!("--threads must be at least 1");
-        }
-        rayon::ThreadPoolBuilder::new()
-            .num_threads(n)
-            .build_global()?;
-    }
+/// Serve hosts as `a` says until a refusal ends it, or with `--once` one session.
+pub fn run(a: Options) -> Result<()> {
     // Only the model's identity now; the layers a host assigns are built when it configures.
     let identity =
         load_identity(&a.model, &a.synth).with_context(|| format!("loading model {}", a.model))?;
@@ -157,7 +138,7 @@ fn run(a: Args) -> Result<()> {
 }
 
 /// Serve the hosts that connect to `listener`, one at a time.
-fn listen(a: &Args, listener: &WsListener, doors: &Listening, helper: &Helper) -> Result<()> {
+fn listen(a: &Options, listener: &WsListener, doors: &Listening, helper: &Helper) -> Result<()> {
     std::thread::scope(|scope| loop {
         let pending = match listener.next() {
             Ok(p) => p,
@@ -182,7 +163,7 @@ fn listen(a: &Args, listener: &WsListener, doors: &Listening, helper: &Helper) -
 /// ends or the host cannot be reached, until a refusal (a wrong pairing code, a host that does
 /// not know this helper) or, with --once, the first session's end.
 fn join(
-    a: &Args,
+    a: &Options,
     url: &str,
     max_frame: usize,
     session: &SessionOptions,
@@ -233,7 +214,7 @@ struct SessionOptions {
 }
 
 impl SessionOptions {
-    fn new(a: &Args) -> Result<SessionOptions> {
+    fn new(a: &Options) -> Result<SessionOptions> {
         let profile = LinkProfile::preset(&a.link).with_context(|| {
             format!(
                 "--link {}: known profiles are {}",
@@ -266,7 +247,7 @@ struct Listening {
 }
 
 impl Listening {
-    fn new(a: &Args, listener: &WsListener, session: SessionOptions) -> Result<Listening> {
+    fn new(a: &Options, listener: &WsListener, session: SessionOptions) -> Result<Listening> {
         if a.insecure {
             eprintln!(
                 "WARNING: --insecure: this helper takes plain, unauthenticated links; anyone who \

@@ -1,0 +1,38 @@
+//! `tether-helper`: lend this machine's memory and compute to a tether host over WebSocket
+//! (Linux, Windows, macOS: "swapping in other GPU hosts"). The helper itself is phone-ios's
+//! runner, which the iOS library runs too; this is its command line.
+
+use anyhow::{bail, Result};
+use clap::Parser;
+
+#[derive(Parser)]
+#[command(
+    name = "tether-helper",
+    version,
+    about = "Lend this device's memory and compute to a tether host"
+)]
+struct Cli {
+    #[command(flatten)]
+    helper: phone_ios::runner::Options,
+    #[arg(long)]
+    threads: Option<usize>,
+}
+
+fn main() {
+    if let Err(e) = run(Cli::parse()) {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn run(cli: Cli) -> Result<()> {
+    if let Some(n) = cli.threads {
+        if n == 0 {
+            bail!("--threads must be at least 1");
+        }
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .build_global()?;
+    }
+    phone_ios::runner::run(cli.helper)
+}
