@@ -2,20 +2,26 @@
 //! listening for hosts or dialing one (`--join`), paired and encrypted. The `tether-helper`
 //! binary (host-native) parses [`Options`] from its command line and calls [`run`].
 
-use std::net::SocketAddr;
-use std::sync::Mutex;
-use std::time::Duration;
+use std::collections::BTreeMap;
+use std::net::{SocketAddr, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use engine_core::helper::{Helper, HelperOptions, Loading, Weights};
+use engine_core::helper::{Helper, HelperOptions, Loading, SessionEnd, Weights};
 use engine_core::link::doors::{self, DialOptions, Doors};
 use engine_core::link::idle::IdleLink;
 use engine_core::link::secure::wire_limit;
 use engine_core::link::ws::{Pending, WsListener};
-use engine_core::link::{Link, LinkError, LinkProfile, ShapedLink};
+use engine_core::link::{Link, LinkError, LinkProfile, LinkSender, ShapedLink};
 use engine_core::protocol::{encode, Message};
 use engine_core::remote::DEFAULT_MAX_FRAME;
 use engine_core::source::{load_identity, load_layers, BackendOptions, SynthOptions};
+use serde::Serialize;
+
+/// How often a session waiting for its host's next frame looks whether the helper was stopped.
+const STOP_POLL: Duration = Duration::from_millis(200);
 
 /// What a helper serves, and how: `tether-helper`'s flags.
 #[derive(clap::Args)]
@@ -82,6 +88,29 @@ fn parse_bytes(s: &str) -> Result<u64, String> {
 
 /// Serve hosts as `a` says until a refusal ends it, or with `--once` one session.
 pub fn run(a: Options) -> Result<()> {
+    let control = Control {
+        announce: true,
+        ..Control::default()
+    };
+    run_with(a, &control)
+}
+
+/// [`run`], reporting to `control` and ending soon after [`Control::stop`] (the iOS library
+/// runs it on a thread of its own).
+pub fn run_with(a: Options, control: &Control) -> Result<()> {
+    let ran = serve_hosts(&a, control);
+    control.update(|s| {
+        s.state = if ran.is_ok() { "stopped" } else { "failed" };
+        s.error = ran.as_ref().err().map(|e| format!("{e:#}"));
+    });
+    ran
+}
+
+fn serve_hosts(a: &Options, control: &Control) -> Result<()> {
+    control.update(|s| {
+        s.state = "starting";
+        s.mem_budget = a.mem_budget;
+    });
     // Only the model's identity now; the layers a host assigns are built when it configures.
     let identity =
         load_identity(&a.model, &a.synth).with_context(|| format!("loading model {}", a.model))?;
@@ -91,7 +120,7 @@ pub fn run(a: Options) -> Result<()> {
         Box::pin(std::future::ready(built))
     };
     let max_frame = usize::try_from(a.max_frame).context("--max-frame")?;
-    let session = SessionOptions::new(&a)?;
+    let session = SessionOptions::new(a, control)?;
     let (backend, what) = a.backend.make()?;
     let helper = Helper::with_weights(
         Weights::Assigned {
@@ -113,9 +142,9 @@ pub fn run(a: Options) -> Result<()> {
     };
     match &a.join {
         Some(url) => {
-            say(&format!("tether-helper joining {url}"));
+            control.say(&format!("tether-helper joining {url}"));
             about();
-            join(&a, url, max_frame, &session, &helper)
+            join(a, url, max_frame, &session, &helper)
         }
         None => {
             let listener = WsListener::bind(&a.listen, wire_limit(max_frame))
@@ -123,24 +152,30 @@ pub fn run(a: Options) -> Result<()> {
                 .allow_browsers(!a.insecure);
             // Flags checked and keys read before the address is announced: a script that
             // reads it may connect at once.
-            let doors = Listening::new(&a, &listener, session)?;
+            let doors = Listening::new(a, &listener, session)?;
             // The first stdout line says where to connect (with --listen HOST:0 the port is
             // chosen here).
-            say(&format!(
+            control.say(&format!(
                 "tether-helper listening on ws://{}",
                 listener.local_addr()
             ));
             about();
             doors.announce();
-            listen(&a, &listener, &doors, &helper)
+            control.listening(listener.local_addr(), doors.doors.pairing_code());
+            listen(a, &listener, &doors, &helper)
         }
     }
 }
 
 /// Serve the hosts that connect to `listener`, one at a time.
 fn listen(a: &Options, listener: &WsListener, doors: &Listening, helper: &Helper) -> Result<()> {
+    doors.session.control.wake_at(listener.local_addr());
     std::thread::scope(|scope| loop {
-        let pending = match listener.next() {
+        let next = listener.next();
+        if doors.session.control.stopped() {
+            return Ok(());
+        }
+        let pending = match next {
             Ok(p) => p,
             Err(e) => {
                 eprintln!("accepting a connection failed: {e}");
@@ -177,12 +212,14 @@ fn join(
         max_frame,
     };
     let mut wait = Duration::from_secs(1);
-    loop {
+    let control = session.control;
+    while !control.stopped() {
+        control.update(|s| s.state = "joining");
         match doors::dial(url, &dial) {
             Ok(link) => {
                 wait = Duration::from_secs(1);
-                say(&format!("joined the host at {url}"));
-                let end = helper.serve(&mut session.wrap(link));
+                control.say(&format!("joined the host at {url}"));
+                let end = session.serve(helper, link, url);
                 eprintln!("host {url}: session ended ({end:?})");
                 if a.once {
                     return Ok(());
@@ -192,29 +229,23 @@ fn join(
             Err(e) if a.once => bail!("joining the host at {url}: {e}"),
             Err(e) => eprintln!("joining the host at {url}: {e}; again in {wait:?}"),
         }
-        std::thread::sleep(wait);
+        control.sleep(wait);
         wait = (wait * 2).min(Duration::from_secs(30));
     }
-}
-
-/// A line for whoever started the helper (a script reads the address and the code from
-/// stdout); a closed stdout must not stop a helper, so write errors are ignored.
-fn say(line: &str) {
-    use std::io::Write;
-    let mut out = std::io::stdout();
-    let _ = writeln!(out, "{line}").and_then(|()| out.flush());
+    Ok(())
 }
 
 /// How a host's session runs on the link, however it was opened.
-struct SessionOptions {
+struct SessionOptions<'c> {
     /// How this helper's sending direction is shaped (--link).
     profile: LinkProfile,
     /// --idle-timeout, if any.
     idle: Option<Duration>,
+    control: &'c Control,
 }
 
-impl SessionOptions {
-    fn new(a: &Options) -> Result<SessionOptions> {
+impl<'c> SessionOptions<'c> {
+    fn new(a: &Options, control: &'c Control) -> Result<SessionOptions<'c>> {
         let profile = LinkProfile::preset(&a.link).with_context(|| {
             format!(
                 "--link {}: known profiles are {}",
@@ -223,31 +254,67 @@ impl SessionOptions {
             )
         })?;
         let idle = (a.idle_timeout > 0).then(|| Duration::from_secs(a.idle_timeout));
-        Ok(SessionOptions { profile, idle })
+        Ok(SessionOptions {
+            profile,
+            idle,
+            control,
+        })
     }
 
-    /// `link` with the idle timeout and the link shaping.
+    /// `link` with the stop, the idle timeout and the link shaping.
     fn wrap(&self, link: impl Link + 'static) -> ShapedLink<Box<dyn Link>> {
+        let link = Stoppable {
+            inner: link,
+            stop: self.control.stop.clone(),
+        };
         let link: Box<dyn Link> = match self.idle {
             Some(idle) => Box::new(IdleLink::new(link, idle)),
             None => Box::new(link),
         };
         ShapedLink::new(link, self.profile.clone())
     }
+
+    /// Serve the host at `peer` on `link` to the session's end, reporting its work.
+    fn serve(&self, helper: &Helper, link: impl Link + 'static, peer: &str) -> SessionEnd {
+        let mut link = self.wrap(link);
+        let stats = link.stats_handle();
+        self.control.update(|s| {
+            s.state = "serving";
+            s.host = Some(peer.to_string());
+            s.sessions += 1;
+        });
+        let end = helper.serve_watched(&mut link, &mut |session| {
+            let (counters, traffic) = (session.counters(), stats.snapshot());
+            self.control.update(|s| {
+                s.helper = counters;
+                s.link_sent_bytes = traffic.sent_total.bytes;
+                s.link_received_bytes = traffic.received_total.bytes;
+            });
+        });
+        self.control.update(|s| {
+            s.state = if s.address.is_some() {
+                "listening"
+            } else {
+                "joining"
+            };
+            s.host = None;
+        });
+        end
+    }
 }
 
 /// Who may come in, and who is in, on a listening helper: the doors of the secure link, and
 /// the host being served (one at a time; others are told so).
-struct Listening {
+struct Listening<'c> {
     doors: Doors,
     serving: Mutex<Option<SocketAddr>>,
     /// Where hosts connect, for the pairing hint.
     addr: SocketAddr,
-    session: SessionOptions,
+    session: SessionOptions<'c>,
 }
 
-impl Listening {
-    fn new(a: &Options, listener: &WsListener, session: SessionOptions) -> Result<Listening> {
+impl<'c> Listening<'c> {
+    fn new(a: &Options, listener: &WsListener, session: SessionOptions<'c>) -> Result<Self> {
         if a.insecure {
             eprintln!(
                 "WARNING: --insecure: this helper takes plain, unauthenticated links; anyone who \
@@ -274,7 +341,7 @@ impl Listening {
     }
 
     fn show_code(&self, code: &str) {
-        say(&format!("pairing code: {code}"));
+        self.session.control.say(&format!("pairing code: {code}"));
         eprintln!(
             "on the host: tether run --helper ws://{} --pair {code} ...",
             self.addr
@@ -290,7 +357,7 @@ impl Listening {
             .upgrade()
             .and_then(|ws| self.doors.let_in(ws, &peer.to_string(), show))
         {
-            Ok(link) => self.session.wrap(link),
+            Ok(link) => link,
             Err(e) => {
                 eprintln!("{peer}: {e}");
                 return false;
@@ -309,9 +376,154 @@ impl Listening {
             *serving = Some(peer);
         }
         eprintln!("host {peer} connected");
-        let end = helper.serve(&mut link);
+        let end = self.session.serve(helper, link, &peer.to_string());
         eprintln!("host {peer}: session ended ({end:?})");
         *self.serving.lock().unwrap_or_else(|e| e.into_inner()) = None;
         true
+    }
+}
+
+/// What a running helper is doing, as the iOS library reports it (`tether_helper_status`).
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Status {
+    /// `starting`, `listening`, `joining`, `serving`, `stopped` or `failed`.
+    pub state: &'static str,
+    /// Where hosts connect, when listening.
+    pub address: Option<String>,
+    /// The code a new host pairs with, when listening with pairing open.
+    pub pairing_code: Option<String>,
+    /// The host being served.
+    pub host: Option<String>,
+    /// Host sessions so far.
+    pub sessions: u64,
+    /// The memory offered to a host, in bytes.
+    pub mem_budget: u64,
+    /// The session's counters (requests by type, `kv_pages`, `kv_bytes`, `held_bytes`, as a
+    /// Stats request answers), after its last frame.
+    pub helper: BTreeMap<String, u64>,
+    /// Bytes sent and received on the session's link, frames and headers included.
+    pub link_sent_bytes: u64,
+    pub link_received_bytes: u64,
+    /// Why the helper stopped, if it failed.
+    pub error: Option<String>,
+}
+
+/// Stops a helper from another thread and reads its [`Status`].
+#[derive(Default)]
+pub struct Control {
+    /// Print the address, the pairing code and each join on stdout, where a script that
+    /// started `tether-helper` reads them (a library's caller reads the status instead).
+    announce: bool,
+    stop: Arc<AtomicBool>,
+    /// The listening address to connect to, to wake a helper waiting for a host.
+    wake: Mutex<Option<SocketAddr>>,
+    status: Mutex<Status>,
+}
+
+impl Control {
+    /// Ask the helper to stop: a waiting helper stops at once, a serving one within
+    /// [`STOP_POLL`] of its host's next frame (the session ends as if the link closed).
+    pub fn stop(&self) {
+        self.stop.store(true, Ordering::SeqCst);
+        let wake = *self.wake.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(mut addr) = wake {
+            if addr.ip().is_unspecified() {
+                addr.set_ip(std::net::Ipv4Addr::LOCALHOST.into());
+            }
+            // The accept returns; the loop sees the flag. A failed connect means it is gone.
+            let _ = TcpStream::connect_timeout(&addr, Duration::from_secs(1));
+        }
+    }
+
+    pub fn stopped(&self) -> bool {
+        self.stop.load(Ordering::SeqCst)
+    }
+
+    pub fn status(&self) -> Status {
+        self.status
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    /// A line for whoever started the helper, when it announces; a closed stdout must not stop
+    /// a helper, so write errors are ignored.
+    fn say(&self, line: &str) {
+        use std::io::Write;
+        if self.announce {
+            let mut out = std::io::stdout();
+            let _ = writeln!(out, "{line}").and_then(|()| out.flush());
+        }
+    }
+
+    /// Record that the helper ended with `why`.
+    pub fn failed(&self, why: &str) {
+        self.update(|s| {
+            s.state = "failed";
+            s.error = Some(why.to_string());
+        });
+    }
+
+    fn update(&self, f: impl FnOnce(&mut Status)) {
+        f(&mut self.status.lock().unwrap_or_else(PoisonError::into_inner));
+    }
+
+    fn listening(&self, addr: SocketAddr, code: Option<String>) {
+        self.update(|s| {
+            s.state = "listening";
+            s.address = Some(format!("ws://{addr}"));
+            s.pairing_code = code;
+        });
+    }
+
+    fn wake_at(&self, addr: SocketAddr) {
+        *self.wake.lock().unwrap_or_else(PoisonError::into_inner) = Some(addr);
+    }
+
+    /// Wait `d`, or less if the helper is stopped meanwhile.
+    fn sleep(&self, d: Duration) {
+        let until = Instant::now() + d;
+        while !self.stopped() && Instant::now() < until {
+            std::thread::sleep(STOP_POLL.min(until - Instant::now()));
+        }
+    }
+}
+
+/// A link that closes when its helper is stopped, checked while it waits for a frame.
+struct Stoppable<L> {
+    inner: L,
+    stop: Arc<AtomicBool>,
+}
+
+impl<L: Link> Link for Stoppable<L> {
+    fn send(&mut self, frame: Vec<u8>) -> Result<(), LinkError> {
+        self.inner.send(frame)
+    }
+
+    fn recv(&mut self) -> Result<Vec<u8>, LinkError> {
+        loop {
+            if let Some(frame) = self.recv_timeout(STOP_POLL)? {
+                return Ok(frame);
+            }
+        }
+    }
+
+    fn recv_timeout(&mut self, timeout: Duration) -> Result<Option<Vec<u8>>, LinkError> {
+        let until = Instant::now() + timeout;
+        loop {
+            if self.stop.load(Ordering::SeqCst) {
+                return Err(LinkError::Closed("this helper was stopped".into()));
+            }
+            let left = until.saturating_duration_since(Instant::now());
+            match self.inner.recv_timeout(left.min(STOP_POLL))? {
+                Some(frame) => return Ok(Some(frame)),
+                None if left <= STOP_POLL => return Ok(None),
+                None => {}
+            }
+        }
+    }
+
+    fn sender(&self) -> Box<dyn LinkSender> {
+        self.inner.sender()
     }
 }

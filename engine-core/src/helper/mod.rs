@@ -207,6 +207,16 @@ impl<'a> Helper<'a> {
     /// Serve one host over a blocking link until it says Bye, the link closes or the host
     /// breaks the protocol (the native driver of [`Session`]; read-backs are waited for here).
     pub fn serve(&self, link: &mut dyn Link) -> SessionEnd {
+        self.serve_watched(link, &mut |_| {})
+    }
+
+    /// [`Self::serve`], telling `watch` the session after every frame it answered (a driver
+    /// that reports its helper's work: the iOS library's status).
+    pub fn serve_watched(
+        &self,
+        link: &mut dyn Link,
+        watch: &mut dyn FnMut(&Session<'_, 'a>),
+    ) -> SessionEnd {
         let mut session = self.session();
         loop {
             let frame = match link.recv() {
@@ -225,6 +235,7 @@ impl<'a> Helper<'a> {
             if let Some(end) = step.end {
                 return end;
             }
+            watch(&session);
         }
     }
 }
