@@ -27,6 +27,32 @@ use tests::Process;
 
 mod browser;
 
+/// Run wasm-demo/tests/`script` with `args` (Chromium and Firefox named as this machine has
+/// them; each of `shots` an environment variable naming a screenshot in target/screenshots)
+/// and read the one JSON line it prints.
+fn page_script<T: serde::de::DeserializeOwned + std::fmt::Debug>(
+    script: &str,
+    args: &[&str],
+    shots: &[(&str, &str)],
+) -> T {
+    let dir = repo().join("target/screenshots");
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut node = Command::new("node");
+    node.arg(repo().join("wasm-demo/tests").join(script))
+        .args(args)
+        .env("CHROMIUM", chromium())
+        .env("FIREFOX", firefox());
+    for (var, file) in shots {
+        node.env(var, dir.join(file));
+    }
+    let out = node.output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let seen: T = serde_json::from_str(text.trim())
+        .unwrap_or_else(|e| panic!("{e}: {text}\n{}", String::from_utf8_lossy(&out.stderr)));
+    eprintln!("{seen:#?}");
+    seen
+}
+
 /// What split_page.mjs read from the page.
 #[derive(Debug, serde::Deserialize)]
 #[serde(rename_all = "camelCase")]
@@ -115,24 +141,17 @@ fn the_page_shows_a_split_run_as_it_happens() {
             "{path} differs from the built file"
         );
     }
-    let shots = repo().join("target/screenshots");
-    std::fs::create_dir_all(&shots).unwrap();
-    let out = Command::new("node")
-        .arg(repo().join("wasm-demo/tests/split_page.mjs"))
-        .arg(format!("{url}/"))
-        .arg(PROMPT)
-        .env("CHROMIUM", chromium())
-        .env("SHOT", shots.join("split-live.png"))
-        .env("SHOT_PHONE", shots.join("split-live-phone.png"))
-        .output()
-        .unwrap();
+    let seen: Seen = page_script(
+        "split_page.mjs",
+        &[&format!("{url}/"), PROMPT],
+        &[
+            ("SHOT", "split-live.png"),
+            ("SHOT_PHONE", "split-live-phone.png"),
+        ],
+    );
     drop(serve);
     let _ = helper.join();
     let _ = std::fs::remove_dir_all(keys);
-    let text = String::from_utf8_lossy(&out.stdout);
-    let seen: Seen = serde_json::from_str(text.trim())
-        .unwrap_or_else(|e| panic!("{e}: {text}\n{}", String::from_utf8_lossy(&out.stderr)));
-    eprintln!("{seen:#?}");
     assert!(seen.errors.is_empty(), "console errors: {:?}", seen.errors);
     assert!(
         !seen.answer.is_empty() && seen.answer_class == "msg assistant",
@@ -205,19 +224,14 @@ fn the_simulator_runs_a_split_in_the_page_with_the_host_alone_tokens() {
     if !browser_ready() {
         return;
     }
-    let shots = repo().join("target/screenshots");
-    std::fs::create_dir_all(&shots).unwrap();
-    let out = Command::new("node")
-        .arg(repo().join("wasm-demo/tests/sim_page.mjs"))
-        .env("CHROMIUM", chromium())
-        .env("SHOT", shots.join("split-sim.png"))
-        .env("SHOT_PHONE", shots.join("split-sim-phone.png"))
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    let seen: SimSeen = serde_json::from_str(text.trim())
-        .unwrap_or_else(|e| panic!("{e}: {text}\n{}", String::from_utf8_lossy(&out.stderr)));
-    eprintln!("{seen:#?}");
+    let seen: SimSeen = page_script(
+        "sim_page.mjs",
+        &[],
+        &[
+            ("SHOT", "split-sim.png"),
+            ("SHOT_PHONE", "split-sim-phone.png"),
+        ],
+    );
     assert!(seen.errors.is_empty(), "console errors: {:?}", seen.errors);
     assert_eq!(seen.runs.len(), 3, "{seen:?}");
     for run in &seen.runs {
@@ -306,18 +320,7 @@ fn the_simulator_runs_in_firefox_too() {
     if !firefox_ready() {
         return;
     }
-    let shots = repo().join("target/screenshots");
-    std::fs::create_dir_all(&shots).unwrap();
-    let out = Command::new("node")
-        .arg(repo().join("wasm-demo/tests/firefox.mjs"))
-        .env("FIREFOX", firefox())
-        .env("SHOT", shots.join("split-sim-firefox.png"))
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    let seen: FirefoxSeen = serde_json::from_str(text.trim())
-        .unwrap_or_else(|e| panic!("{e}: {text}\n{}", String::from_utf8_lossy(&out.stderr)));
-    eprintln!("{seen:#?}");
+    let seen: FirefoxSeen = page_script("firefox.mjs", &[], &[("SHOT", "split-sim-firefox.png")]);
     assert!(seen.errors.is_empty(), "console errors: {:?}", seen.errors);
     assert!(seen.browser.contains("Firefox"), "{seen:?}");
     assert_eq!(seen.error, None, "{seen:?}");

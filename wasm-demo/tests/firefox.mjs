@@ -5,7 +5,7 @@
 // pageRuns, layers, phone}. Used by host-native/tests/split_page.rs. Env: FIREFOX (default
 // /usr/bin/firefox-esr), SHOT (a screenshot), PAGE_TIMEOUT_MS (default 120000).
 import puppeteer from 'puppeteer-core';
-import { serveWww } from './static.mjs';
+import { collectErrors, installCountBy, phoneWidth, serveWww } from './common.mjs';
 
 const timeout = Number(process.env.PAGE_TIMEOUT_MS || 120000);
 const www = await serveWww();
@@ -17,23 +17,15 @@ const browser = await puppeteer.launch({
 const errors = [];
 try {
   const page = await browser.newPage();
-  page.on('console', (m) => { if (m.type() === 'error') errors.push(m.text()); });
-  page.on('pageerror', (e) => errors.push(`page error: ${e}`));
+  collectErrors(page, errors);
   await page.setViewport({ width: 1280, height: 1000 });
   await page.goto(`${www.url}index.html?sim`);
+  await installCountBy(page);
   await page.waitForFunction(
     () => window.tetherSim && window.tetherSim.runs >= 1 && !window.tetherSim.running,
     { timeout });
   const seen = await page.evaluate(() => {
-    const s = window.tetherSim;
-    const count = (sel, attr) => {
-      const out = {};
-      for (const e of document.querySelectorAll(sel)) {
-        const k = e.getAttribute(attr);
-        out[k] = (out[k] || 0) + 1;
-      }
-      return out;
-    };
+    const s = window.tetherSim, count = window.countBy;
     return {
       browser: navigator.userAgent,
       check: s.outcome && s.outcome.check,
@@ -44,11 +36,7 @@ try {
     };
   });
   if (process.env.SHOT) await page.screenshot({ path: process.env.SHOT, fullPage: true });
-  await page.setViewport({ width: 390, height: 844 });
-  const phone = await page.evaluate(() => new Promise((done) => requestAnimationFrame(() => done({
-    width: document.documentElement.scrollWidth,
-    screen: window.innerWidth,
-  }))));
+  const phone = await phoneWidth(page, (size) => page.setViewport(size));
   console.log(JSON.stringify({ errors, ...seen, phone }));
 } catch (e) {
   console.log(JSON.stringify({ errors: [...errors, `firefox.mjs: ${e.message}`] }));

@@ -7,7 +7,7 @@
 // `node wasm-demo/tests/sim_page.mjs`. Env: CHROMIUM (default /usr/bin/chromium), SHOT and
 // SHOT_PHONE (screenshots), PAGE_TIMEOUT_MS (default 120000).
 import { chromium } from 'playwright-core';
-import { serveWww } from './static.mjs';
+import { CHROMIUM_ARGS, collectErrors, installCountBy, phoneWidth, serveWww } from './common.mjs';
 
 const www = await serveWww();
 const url = `${www.url}index.html?sim`;
@@ -15,31 +15,22 @@ const url = `${www.url}index.html?sim`;
 const timeout = Number(process.env.PAGE_TIMEOUT_MS || 120000);
 const browser = await chromium.launch({
   executablePath: process.env.CHROMIUM || '/usr/bin/chromium',
-  args: ['--no-sandbox', '--headless=new', '--disable-background-networking',
-         '--disable-component-update', '--disable-sync', '--no-first-run'],
+  args: CHROMIUM_ARGS,
 });
 const errors = [];
 const runs = [];
 try {
   const page = await browser.newPage({ viewport: { width: 1280, height: 1000 } });
-  page.on('console', (m) => { if (m.type() === 'error') errors.push(m.text()); });
-  page.on('pageerror', (e) => errors.push(`page error: ${e}`));
+  collectErrors(page, errors);
   await page.goto(url);
+  await installCountBy(page);
 
   // Wait for run number `n` to finish, then read what it drew.
   const after = async (n) => {
     await page.waitForFunction((k) => window.tetherSim && window.tetherSim.runs >= k
       && !window.tetherSim.running, n, { timeout });
     return page.evaluate(() => {
-      const s = window.tetherSim, v = window.tetherSplit;
-      const count = (sel, attr) => {
-        const out = {};
-        for (const e of document.querySelectorAll(sel)) {
-          const k = e.getAttribute(attr);
-          out[k] = (out[k] || 0) + 1;
-        }
-        return out;
-      };
+      const s = window.tetherSim, v = window.tetherSplit, count = window.countBy;
       const o = s.outcome || {};
       return {
         error: s.error,
@@ -73,11 +64,7 @@ try {
   await page.click('#sim-run');
   runs.push(await after(3));
 
-  await page.setViewportSize({ width: 390, height: 844 });
-  const phone = await page.evaluate(() => new Promise((done) => requestAnimationFrame(() => done({
-    width: document.documentElement.scrollWidth,
-    screen: window.innerWidth,
-  }))));
+  const phone = await phoneWidth(page, (size) => page.setViewportSize(size));
   if (process.env.SHOT_PHONE) await page.screenshot({ path: process.env.SHOT_PHONE, fullPage: true });
   console.log(JSON.stringify({ errors, runs, phone }));
 } catch (e) {

@@ -8,6 +8,7 @@
 // SHOT and SHOT_PHONE (save screenshots there, desktop and phone-sized), PAGE_TIMEOUT_MS
 // (default 120000).
 import { chromium } from 'playwright-core';
+import { CHROMIUM_ARGS, collectErrors, installCountBy, phoneWidth } from './common.mjs';
 
 const [url, prompt] = process.argv.slice(2);
 if (!url || !prompt) {
@@ -17,15 +18,14 @@ if (!url || !prompt) {
 const timeout = Number(process.env.PAGE_TIMEOUT_MS || 120000);
 const browser = await chromium.launch({
   executablePath: process.env.CHROMIUM || '/usr/bin/chromium',
-  args: ['--no-sandbox', '--headless=new', '--disable-background-networking',
-         '--disable-component-update', '--disable-sync', '--no-first-run'],
+  args: CHROMIUM_ARGS,
 });
 const errors = [];
 try {
   const page = await browser.newPage({ viewport: { width: 1280, height: 900 } });
-  page.on('console', (m) => { if (m.type() === 'error') errors.push(m.text()); });
-  page.on('pageerror', (e) => errors.push(`page error: ${e}`));
+  collectErrors(page, errors);
   await page.goto(url);
+  await installCountBy(page);
   await page.waitForFunction(() => window.tetherSplit && window.tetherSplit.hello, null, { timeout });
   // The link counters as they were before the question (after the first two samples).
   await page.waitForFunction(() => window.tetherSplit.linkBytes !== undefined, null, { timeout });
@@ -43,15 +43,7 @@ try {
     linkBefore, { timeout });
 
   const seen = await page.evaluate(() => {
-    const v = window.tetherSplit;
-    const count = (sel, attr) => {
-      const out = {};
-      for (const e of document.querySelectorAll(sel)) {
-        const k = e.getAttribute(attr);
-        out[k] = (out[k] || 0) + 1;
-      }
-      return out;
-    };
+    const v = window.tetherSplit, count = window.countBy;
     const messages = [...document.querySelectorAll('#messages .msg')];
     return {
       answer: messages.length ? messages[messages.length - 1].textContent : '',
@@ -74,11 +66,7 @@ try {
   });
   if (process.env.SHOT) await page.screenshot({ path: process.env.SHOT, fullPage: true });
   // A phone-sized screen: one column, nothing wider than the screen.
-  await page.setViewportSize({ width: 390, height: 844 });
-  const phone = await page.evaluate(() => new Promise((done) => requestAnimationFrame(() => done({
-    width: document.documentElement.scrollWidth,
-    screen: window.innerWidth,
-  }))));
+  const phone = await phoneWidth(page, (size) => page.setViewportSize(size));
   if (process.env.SHOT_PHONE) {
     await page.screenshot({ path: process.env.SHOT_PHONE, fullPage: true });
   }
