@@ -129,6 +129,7 @@ fn the_page_shows_a_split_run_as_it_happens() {
     // The simulator's files come from the server too (`/?sim`), the module built in.
     for (path, kind) in [
         ("sim.js", "text/javascript; charset=utf-8"),
+        ("sim-worker.js", "text/javascript; charset=utf-8"),
         ("pkg/wasm_demo.js", "text/javascript; charset=utf-8"),
         ("pkg/wasm_demo_bg.wasm", "application/wasm"),
     ] {

@@ -1,12 +1,11 @@
 // The simulator (index.html?sim): a host and a helper of a small synthetic model in this tab,
-// engine-core compiled to WebAssembly (wasm-demo/src/sim.rs), joined by a link simulated on a
-// virtual clock. Each run's events are the live page's (docs/TELEMETRY.md), drawn by split.js;
-// each run is also made on the host alone, and the page says whether the tokens and logits
-// were the same bits. Tests read `window.tetherSim`.
-import init, { simulate } from "./pkg/wasm_demo.js";
+// engine-core compiled to WebAssembly (wasm-demo/src/sim.rs, run in a worker: sim-worker.js),
+// joined by a link simulated on a virtual clock. Each run's events are the live page's
+// (docs/TELEMETRY.md), drawn by split.js; each run is also made on the host alone, and the page
+// says whether the tokens and logits were the same bits. Tests read `window.tetherSim`.
 
 const $ = (id) => document.getElementById(id);
-const sim = { runs: 0, running: false, settings: null, outcome: null, error: null };
+const sim = { runs: 0, running: false, again: false, settings: null, outcome: null, error: null };
 window.tetherSim = sim;
 
 function settings() {
@@ -65,15 +64,17 @@ function show(out, s, draw) {
 async function run(draw) {
   const s = settings();
   label(s);
-  if (sim.running) return;
+  // Settings changed during a run: run them when it ends.
+  if (sim.running) {
+    sim.again = true;
+    return;
+  }
   sim.running = true;
   $("sim-run").disabled = true;
   $("sim-check").className = "check";
   $("sim-check").textContent = "running…";
-  // Let the page paint before the run holds the tab.
-  await new Promise((done) => requestAnimationFrame(() => setTimeout(done, 0)));
   try {
-    show(JSON.parse(simulate(JSON.stringify(s))), s, draw);
+    show(JSON.parse(await simulate(JSON.stringify(s))), s, draw);
     sim.error = null;
   } catch (err) {
     sim.error = String(err);
@@ -83,11 +84,27 @@ async function run(draw) {
     sim.runs++;
     sim.running = false;
     $("sim-run").disabled = false;
+    if (sim.again) {
+      sim.again = false;
+      run(draw);
+    }
   }
 }
 
+// One run at a time goes to the worker; its answer comes back as a message.
+const worker = new Worker(new URL("./sim-worker.js", import.meta.url), { type: "module" });
+let answered = null;
+worker.onmessage = (m) => answered(m.data);
+worker.onerror = (e) => answered({ error: `the simulator's worker failed: ${e.message}` });
+
+function simulate(settings) {
+  return new Promise((done, fail) => {
+    answered = (a) => (a.error === undefined ? done(a.ok) : fail(new Error(a.error)));
+    worker.postMessage(settings);
+  });
+}
+
 export async function start(draw) {
-  await init();
   const form = $("sim-form");
   // Every change runs again once the visitor stops moving a slider; Run runs at once.
   let pending;

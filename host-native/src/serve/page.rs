@@ -1,10 +1,11 @@
-//! The split page at `/` (wasm-demo/www's index.html, split.js, sim.js and split.css, built
-//! into the binary so `tether serve` needs no files beside it): a chat box on the OpenAI
-//! endpoint and the split drawn from `/v1/telemetry`, or with `?sim` the simulator, which runs
-//! engine-core in the page from the WebAssembly module `scripts/build-wasm.sh` writes (built in
-//! when it was there, as the helper page is: crate::lend::PAGE). The same files work as static
-//! files (the live view then names its server with `?server=http://HOST:PORT`, which needs
-//! `--cors`; the simulator needs no server).
+//! The split page at `/` (wasm-demo/www's index.html, split.js, sim.js, sim-worker.js and
+//! split.css, built into the binary so `tether serve` needs no files beside it): a chat box on
+//! the OpenAI endpoint and the split drawn from `/v1/telemetry`, or with `?sim` the simulator,
+//! which runs engine-core in a worker of the page from the WebAssembly module
+//! `scripts/build-wasm.sh` writes (built in when it was there, as the helper page is:
+//! crate::lend::PAGE). The same files work as static files (the live view then names its
+//! server with `?server=http://HOST:PORT`, which needs `--cors`; the simulator needs no
+//! server).
 
 use axum::http::{header, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
@@ -31,6 +32,11 @@ const FILES: &[(&str, &str, &[u8])] = &[
         include_bytes!("../../../wasm-demo/www/sim.js"),
     ),
     (
+        "/sim-worker.js",
+        JS,
+        include_bytes!("../../../wasm-demo/www/sim-worker.js"),
+    ),
+    (
         "/split.css",
         CSS,
         include_bytes!("../../../wasm-demo/www/split.css"),
@@ -45,14 +51,9 @@ const MODULE: &[(&str, &str)] = &[
 ];
 
 /// The paths this module serves.
-pub const PATHS: [&str; 6] = [
-    FILES[0].0,
-    FILES[1].0,
-    FILES[2].0,
-    FILES[3].0,
-    MODULE[0].0,
-    MODULE[1].0,
-];
+pub fn paths() -> impl Iterator<Item = &'static str> {
+    FILES.iter().map(|f| f.0).chain(MODULE.iter().map(|m| m.0))
+}
 
 pub async fn file(uri: Uri) -> Response {
     let path = uri.path();

@@ -78,9 +78,7 @@ pub struct App {
 }
 
 pub fn router(app: Arc<App>) -> Router {
-    let page = page::PATHS
-        .iter()
-        .fold(Router::new(), |r, p| r.route(p, get(page::file)));
+    let page = page::paths().fold(Router::new(), |r, p| r.route(p, get(page::file)));
     page.route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
@@ -123,7 +121,7 @@ async fn count(State(app): State<Arc<App>>, req: Request, next: Next) -> Respons
         "/health" => "/health",
         "/metrics" => "/metrics",
         "/v1/telemetry" => "/v1/telemetry",
-        p if page::PATHS.contains(&p) => "/",
+        p if page::paths().any(|q| q == p) => "/",
         _ => "other",
     };
     let r = next.run(req).await;
