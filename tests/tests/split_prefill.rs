@@ -461,3 +461,39 @@ fn a_pipeline_deeper_than_the_incoming_queue_completes_over_a_websocket() {
         assert!(got == want, "logits differ from the host alone's");
     });
 }
+
+/// A synthetic model that is not whole L L L F cycles (6 layers: L L L F L L) split at 4: the
+/// helper's layers hold no KV, so its mirror is only its position and DeltaNet state. It used
+/// to refuse every chunk after the first (its order check read the mirror's position from KV
+/// rows it has none of), and the host ran the batch alone.
+#[test]
+fn a_helper_whose_layers_hold_no_kv_takes_every_chunk() {
+    let synth = engine_core::source::SynthOptions {
+        layers: Some(6),
+        weight_dtype: "f32".into(),
+        weight_seed: 3,
+    };
+    let m = engine_core::source::load_model("tiny", &synth).unwrap();
+    let prompt: Vec<u32> = (0..90).map(|i| (i * 53 + 7) % 256).collect();
+    let plan = SplitPlan {
+        min_tokens: 20,
+        ubatch: 16,
+        ..SplitPlan::default()
+    };
+    let (want, _) = prefill(&m, &CpuBackend, &mut m.new_state(16), &prompt, &plan).unwrap();
+    std::thread::scope(|scope| {
+        let mut st = m.new_state(16);
+        attach(
+            &m,
+            &mut st,
+            tests::spawn_helper(scope, &m, &CpuBackend),
+            4,
+            16,
+            None,
+        );
+        let (got, report) = prefill(&m, &CpuBackend, &mut st, &prompt, &plan).unwrap();
+        assert_eq!(report.fallback, None);
+        assert_eq!(report.on_helper, 5, "{report:?}");
+        assert!(got == want, "logits differ from the host alone");
+    });
+}

@@ -499,10 +499,10 @@ pub(super) fn kv_len(st: &State, layer: u32) -> usize {
 }
 
 /// A prefill chunk must continue the mirror: at its position, with every full layer's KV rows
-/// up to there.
+/// up to there (none to check when the helper's layers have no full-attention layer).
 fn check_mirror_at(s: &Held, seq: u64, pos: u64, full: &[u32]) -> Result<(), Refusal> {
     let (at, held) = s.seqs.get(&seq).map_or((0, 0), |st| {
-        let held = full.iter().map(|&l| kv_len(st, l)).max().unwrap_or(0);
+        let held = full.iter().map(|&l| kv_len(st, l)).max().unwrap_or(st.pos);
         (st.pos, held)
     });
     if pos as usize != at || held != at {
