@@ -14,7 +14,7 @@ use engine_core::link::doors::{self, DialOptions, Doors};
 use engine_core::link::idle::IdleLink;
 use engine_core::link::secure::wire_limit;
 use engine_core::link::ws::{Pending, WsListener};
-use engine_core::link::{Link, LinkError, LinkProfile, LinkSender, ShapedLink};
+use engine_core::link::{Link, LinkError, LinkProfile, LinkSender, ShapedLink, StatsHandle};
 use engine_core::protocol::{encode, Message};
 use engine_core::remote::DEFAULT_MAX_FRAME;
 use engine_core::source::{load_identity, load_layers, BackendOptions, SynthOptions};
@@ -277,20 +277,21 @@ impl<'c> SessionOptions<'c> {
     /// Serve the host at `peer` on `link` to the session's end, reporting its work.
     fn serve(&self, helper: &Helper, link: impl Link + 'static, peer: &str) -> SessionEnd {
         let mut link = self.wrap(link);
-        let stats = link.stats_handle();
+        *lock(&self.control.link) = Some(link.stats_handle());
         self.control.update(|s| {
             s.state = "serving";
             s.host = Some(peer.to_string());
             s.sessions += 1;
         });
-        let end = helper.serve_watched(&mut link, &mut |session| {
-            let (counters, traffic) = (session.counters(), stats.snapshot());
-            self.control.update(|s| {
-                s.helper = counters;
-                s.link_sent_bytes = traffic.sent_total.bytes;
-                s.link_received_bytes = traffic.received_total.bytes;
-            });
-        });
+        let end = if self.control.announce {
+            // A command-line helper's status has no reader: no counters taken per frame.
+            helper.serve(&mut link)
+        } else {
+            helper.serve_watched(&mut link, &mut |session| {
+                let counters = session.counters();
+                self.control.update(|s| s.helper = counters);
+            })
+        };
         self.control.update(|s| {
             s.state = if s.address.is_some() {
                 "listening"
@@ -364,7 +365,7 @@ impl<'c> Listening<'c> {
             }
         };
         {
-            let mut serving = self.serving.lock().unwrap_or_else(|e| e.into_inner());
+            let mut serving = lock(&self.serving);
             if let Some(other) = *serving {
                 let why = format!(
                     "this helper is serving another host ({other}); try again when it is done"
@@ -378,7 +379,7 @@ impl<'c> Listening<'c> {
         eprintln!("host {peer} connected");
         let end = self.session.serve(helper, link, &peer.to_string());
         eprintln!("host {peer}: session ended ({end:?})");
-        *self.serving.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        *lock(&self.serving) = None;
         true
     }
 }
@@ -401,7 +402,7 @@ pub struct Status {
     /// The session's counters (requests by type, `kv_pages`, `kv_bytes`, `held_bytes`, as a
     /// Stats request answers), after its last frame.
     pub helper: BTreeMap<String, u64>,
-    /// Bytes sent and received on the session's link, frames and headers included.
+    /// Bytes sent and received on the last session's link, frames and headers included.
     pub link_sent_bytes: u64,
     pub link_received_bytes: u64,
     /// Why the helper stopped, if it failed.
@@ -415,6 +416,8 @@ pub struct Control {
     /// started `tether-helper` reads them (a library's caller reads the status instead).
     announce: bool,
     stop: Arc<AtomicBool>,
+    /// The last session's link counters, read when the status is.
+    link: Mutex<Option<StatsHandle>>,
     /// The listening address to connect to, to wake a helper waiting for a host.
     wake: Mutex<Option<SocketAddr>>,
     status: Mutex<Status>,
@@ -425,7 +428,7 @@ impl Control {
     /// [`STOP_POLL`] of its host's next frame (the session ends as if the link closed).
     pub fn stop(&self) {
         self.stop.store(true, Ordering::SeqCst);
-        let wake = *self.wake.lock().unwrap_or_else(PoisonError::into_inner);
+        let wake = *lock(&self.wake);
         if let Some(mut addr) = wake {
             if addr.ip().is_unspecified() {
                 addr.set_ip(std::net::Ipv4Addr::LOCALHOST.into());
@@ -440,10 +443,12 @@ impl Control {
     }
 
     pub fn status(&self) -> Status {
-        self.status
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .clone()
+        let mut status = lock(&self.status).clone();
+        if let Some(traffic) = lock(&self.link).as_ref().map(StatsHandle::snapshot) {
+            status.link_sent_bytes = traffic.sent_total.bytes;
+            status.link_received_bytes = traffic.received_total.bytes;
+        }
+        status
     }
 
     /// A line for whoever started the helper, when it announces; a closed stdout must not stop
@@ -465,7 +470,7 @@ impl Control {
     }
 
     fn update(&self, f: impl FnOnce(&mut Status)) {
-        f(&mut self.status.lock().unwrap_or_else(PoisonError::into_inner));
+        f(&mut lock(&self.status));
     }
 
     fn listening(&self, addr: SocketAddr, code: Option<String>) {
@@ -477,7 +482,7 @@ impl Control {
     }
 
     fn wake_at(&self, addr: SocketAddr) {
-        *self.wake.lock().unwrap_or_else(PoisonError::into_inner) = Some(addr);
+        *lock(&self.wake) = Some(addr);
     }
 
     /// Wait `d`, or less if the helper is stopped meanwhile.
@@ -526,4 +531,8 @@ impl<L: Link> Link for Stoppable<L> {
     fn sender(&self) -> Box<dyn LinkSender> {
         self.inner.sender()
     }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
 }

@@ -26,7 +26,7 @@ use std::time::Duration;
 
 use engine_core::generate::{Generation, Sampler, SamplingParams};
 use engine_core::helper::{Helper, HelperOptions, Session};
-use engine_core::link::traffic::type_name;
+use engine_core::link::traffic::{type_name, Wire};
 use engine_core::link::{Link, LinkError, LinkProfile, LinkSender, LinkStats};
 use engine_core::plan::{Plan, PlanInput};
 use engine_core::protocol::{decode, Configure, Message};
@@ -420,27 +420,19 @@ impl Clock {
     }
 }
 
-/// One direction of the link: frames leave one after another and arrive after the latency.
-struct Wire {
-    profile: LinkProfile,
-    free_at: f64,
-}
-
-impl Wire {
-    /// When a frame of `bytes` sent at `at` arrives.
-    fn carry(&mut self, at: f64, bytes: usize) -> f64 {
-        let ms = |d: Duration| d.as_secs_f64() * 1e3;
-        self.free_at = at.max(self.free_at) + ms(self.profile.transmission_time(bytes));
-        self.free_at + ms(self.profile.latency)
-    }
+/// Virtual milliseconds as the link model's instants (a `Duration` since the run began).
+fn on_wire(wire: &mut Wire<Duration>, at_ms: f64, bytes: usize) -> f64 {
+    wire.carry(Duration::from_secs_f64(at_ms / 1e3), bytes)
+        .as_secs_f64()
+        * 1e3
 }
 
 /// The helper's end of the link, and the wire to it.
 struct Far {
     session: Session<'static, 'static>,
     speed: f64,
-    up: Wire,
-    down: Wire,
+    up: Wire<Duration>,
+    down: Wire<Duration>,
     /// When the helper finishes what it was given so far.
     free_at: f64,
     to_helper: VecDeque<(f64, Vec<u8>)>,
@@ -462,7 +454,7 @@ impl Far {
             return Err(LinkError::Closed(why.clone()));
         }
         self.stats.count_sent(type_name(&frame), frame.len());
-        let arrives = self.up.carry(at, frame.len());
+        let arrives = on_wire(&mut self.up, at, frame.len());
         self.to_helper.push_back((arrives, frame));
         Ok(())
     }
@@ -496,7 +488,7 @@ impl Far {
             return;
         };
         if let Some(reply) = step.reply {
-            let at = self.down.carry(self.free_at, reply.len());
+            let at = on_wire(&mut self.down, self.free_at, reply.len());
             self.to_host.push_back((at, reply));
         }
         if let Some(end) = step.end {
@@ -513,10 +505,7 @@ struct SimLink {
 
 impl SimLink {
     fn new(session: Session<'static, 'static>, s: &Settings, clock: Arc<Mutex<Clock>>) -> Self {
-        let wire = || Wire {
-            profile: s.profile(),
-            free_at: 0.0,
-        };
+        let wire = || Wire::new(s.profile(), Duration::ZERO);
         let far = Far {
             session,
             speed: s.helper_speed,
@@ -738,17 +727,5 @@ mod tests {
         assert_eq!(c.now(), stopped);
         c.start(stopped + 500.0);
         assert!(c.now() >= stopped + 500.0 && c.now() < stopped + 510.0);
-        let mut w = Wire {
-            profile: LinkProfile {
-                name: "t".into(),
-                bandwidth_bps: 8e3,
-                latency: Duration::from_millis(5),
-            },
-            free_at: 0.0,
-        };
-        // 1000 bytes at 8 kbit/s: one second on the wire, then 5 ms; the next waits for it.
-        assert_eq!(w.carry(0.0, 1000), 1005.0);
-        assert_eq!(w.carry(10.0, 1000), 2005.0);
-        assert_eq!(w.carry(3000.0, 0), 3005.0);
     }
 }

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use super::traffic::{type_name, LinkProfile, LinkStats};
+use super::traffic::{type_name, LinkProfile, LinkStats, Wire};
 use super::{Link, LinkError, LinkSender};
 
 /// A shared view of a [`ShapedLink`]'s counts, so a benchmark can read them while the link
@@ -146,11 +146,9 @@ fn deliver(
     mut target: Box<dyn LinkSender>,
     failure: &Mutex<Option<String>>,
 ) {
-    // When the wire finishes transmitting the previous frame.
-    let mut wire_free = Instant::now();
+    let mut wire = Wire::new(profile.clone(), Instant::now());
     for (sent_at, frame) in frames {
-        wire_free = sent_at.max(wire_free) + profile.transmission_time(frame.len());
-        let arrival = wire_free + profile.latency;
+        let arrival = wire.carry(sent_at, frame.len());
         if let Some(wait) = arrival.checked_duration_since(Instant::now()) {
             thread::sleep(wait);
         }

@@ -4,6 +4,7 @@
 //! by message type ([`LinkStats`]) that `tether bench` and the live page report.
 
 use std::collections::BTreeMap;
+use std::ops::Add;
 use std::time::Duration;
 
 use serde::Serialize;
@@ -50,6 +51,30 @@ impl LinkProfile {
     }
 }
 
+/// One direction of a link as its profile models it: frames leave one after another and each
+/// arrives `latency` after its last bit left. `T` is the clock's instant: `Instant` for a
+/// shaped link, a `Duration` since the run began for the page's simulator (virtual time).
+pub struct Wire<T> {
+    profile: LinkProfile,
+    /// When the wire finishes sending the frames so far.
+    free_at: T,
+}
+
+impl<T: Copy + Ord + Add<Duration, Output = T>> Wire<T> {
+    pub fn new(profile: LinkProfile, start: T) -> Wire<T> {
+        Wire {
+            profile,
+            free_at: start,
+        }
+    }
+
+    /// When a frame of `bytes` sent at `sent` arrives.
+    pub fn carry(&mut self, sent: T, bytes: usize) -> T {
+        self.free_at = sent.max(self.free_at) + self.profile.transmission_time(bytes);
+        self.free_at + self.profile.latency
+    }
+}
+
 /// Messages and bytes of one message type in one direction.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct Traffic {
@@ -93,5 +118,25 @@ impl LinkStats {
             .or_default()
             .add(frame.len());
         self.received_total.add(frame.len());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn frames_queue_on_the_wire_then_take_the_latency() {
+        let profile = LinkProfile {
+            name: "t".into(),
+            bandwidth_bps: 8e3,
+            latency: Duration::from_millis(5),
+        };
+        let mut w = Wire::new(profile, Duration::ZERO);
+        let ms = Duration::from_millis;
+        // 1000 bytes at 8 kbit/s: one second on the wire, then 5 ms; the next waits for it.
+        assert_eq!(w.carry(ms(0), 1000), ms(1005));
+        assert_eq!(w.carry(ms(10), 1000), ms(2005));
+        assert_eq!(w.carry(ms(3000), 0), ms(3005));
     }
 }
