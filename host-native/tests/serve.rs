@@ -940,6 +940,15 @@ fn only_json_posts_are_read_and_pages_get_no_cors_by_default() {
             assert_eq!(v["error"]["code"], "unsupported_media_type", "{v}");
         }
     }
+    // A large refused body is read to its end first, so the answer is not lost to a reset
+    // connection, and the kept-alive connection serves the next request.
+    let big = "x".repeat(8 << 20);
+    for _ in 0..3 {
+        let mut r = s.send("/v1/completions", Some("text/plain"), evil, &big);
+        assert_eq!(r.status(), 415);
+        let v: Value = r.body_mut().read_json().unwrap();
+        assert_eq!(v["error"]["code"], "unsupported_media_type", "{v}");
+    }
     // Nothing was tokenised or generated.
     assert_eq!(s.metric("tether_prompts_tokenised_total"), 0.0);
     assert_eq!(s.metric("tether_completion_tokens_total"), 0.0);

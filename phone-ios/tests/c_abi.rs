@@ -40,7 +40,8 @@ fn c_program() -> PathBuf {
     BUILT
         .get_or_init(|| {
             let here = Path::new(env!("CARGO_MANIFEST_DIR"));
-            let out = std::env::temp_dir().join(format!("tether-c-abi-{}", std::process::id()));
+            // In target/ (not /tmp), replaced by each run: the program holds the whole library.
+            let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join("tether-c-abi");
             let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
             let built = Command::new(&cc)
                 .args(["-std=c11", "-Wall", "-Wextra", "-Werror", "-I"])
@@ -131,7 +132,7 @@ impl Drop for CHelper {
 }
 
 fn keys(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("tether-c-abi-keys-{}-{name}", std::process::id()));
+    let d = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("tether-c-abi-keys-{name}"));
     let _ = std::fs::remove_dir_all(&d);
     d
 }

@@ -19,11 +19,11 @@ use std::time::Duration;
 use anyhow::Result;
 use axum::body::{to_bytes, Body};
 use axum::extract::Request;
-use axum::http::{Method, StatusCode};
+use axum::http::{header, HeaderValue, Method, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::Router;
-use http_body_util::LengthLimitError;
+use http_body_util::{BodyExt, LengthLimitError};
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::TcpListener;
@@ -103,6 +103,35 @@ pub async fn serve(
     // Every connection's slot back: all of them have finished.
     let _ = slots.acquire_many(MAX_CONNECTIONS as u32).await;
     Ok(())
+}
+
+/// Answer a request refused before its body was read, reading and dropping that body first
+/// (up to `limit` bytes, within [`BODY_TIMEOUT`], nothing kept). A connection closed with
+/// unread bytes in its receive buffer is reset by the kernel, and a client still sending its
+/// body may then lose the answer with it; read, the connection also stays open for the next
+/// request. A body past the limit or the time is left, and the connection closed.
+pub async fn refuse_after_body(body: Body, limit: usize, answer: Response) -> Response {
+    let mut body = body;
+    let mut read = 0usize;
+    let drained = tokio::time::timeout(BODY_TIMEOUT, async {
+        while let Some(frame) = body.frame().await {
+            let Ok(frame) = frame else { return false };
+            read += frame.data_ref().map_or(0, |d| d.len());
+            if read > limit {
+                return false;
+            }
+        }
+        true
+    })
+    .await
+    .unwrap_or(false);
+    let mut answer = answer;
+    if !drained {
+        answer
+            .headers_mut()
+            .insert(header::CONNECTION, HeaderValue::from_static("close"));
+    }
+    answer
 }
 
 /// Read a POST's body within [`BODY_TIMEOUT`] and up to `limit` bytes before the handler sees

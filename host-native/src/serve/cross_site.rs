@@ -13,18 +13,21 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 
 use super::api::ApiError;
+use super::connections;
 
 /// 415 for a POST whose body is not declared JSON (`application/json`, parameters such as
-/// `charset` allowed): nothing else is read, so nothing else can start a generation.
-pub async fn require_json(req: Request, next: Next) -> Response {
+/// `charset` allowed): its body is read only to be dropped (see
+/// [`connections::refuse_after_body`]), so nothing else can start a generation.
+pub async fn require_json(limit: usize, req: Request, next: Next) -> Response {
     if req.method() == Method::POST && !is_json(req.headers()) {
-        return ApiError::new(
+        let refusal = ApiError::new(
             StatusCode::UNSUPPORTED_MEDIA_TYPE,
             "invalid_request_error",
             "the body must be JSON, sent with `Content-Type: application/json`",
         )
         .with_code("unsupported_media_type")
         .into_response();
+        return connections::refuse_after_body(req.into_body(), limit, refusal).await;
     }
     next.run(req).await
 }

@@ -98,11 +98,13 @@ pub fn router(app: Arc<App>) -> Router {
                 "this endpoint does not take that method",
             )
         })
-        // Innermost: a body is read only once it is known to be JSON, and counted.
+        // Innermost: a body is parsed only once it is known to be JSON, and counted.
         .layer(middleware::from_fn(|req, next| {
             connections::body_in_time(MAX_BODY, req, next)
         }))
-        .layer(middleware::from_fn(cross_site::require_json))
+        .layer(middleware::from_fn(|req, next| {
+            cross_site::require_json(MAX_BODY, req, next)
+        }))
         .layer(middleware::from_fn_with_state(app.clone(), count))
         .layer(DefaultBodyLimit::max(MAX_BODY))
         .layer(middleware::from_fn_with_state(
