@@ -15,8 +15,9 @@ use crate::ModelConfig;
 #[derive(Clone, Debug)]
 #[cfg_attr(feature = "cli", derive(clap::Args))]
 pub struct BackendOptions {
-    /// cpu, or gpu (wgpu: Metal, Vulkan or DX12; a software Vulkan adapter such as lavapipe
-    /// counts, and is far slower than the CPU backend).
+    /// cpu, gpu (wgpu: Metal, Vulkan or DX12; a software Vulkan adapter such as lavapipe
+    /// counts, and is far slower than the CPU backend), or metal (the same kernels on Metal
+    /// itself, without wgpu: macOS and iOS builds only).
     #[cfg_attr(feature = "cli", arg(long, default_value = "cpu"))]
     pub backend: String,
 }

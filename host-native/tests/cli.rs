@@ -35,7 +35,13 @@ fn eval_reproduces_the_fixture_on_both_backends() {
     let ids: Vec<String> = r.ids("prompt_ids").iter().map(u32::to_string).collect();
     std::fs::write(dir.join("ids.txt"), ids.join(", ")).unwrap();
     let model = fixtures_dir().join("tiny_fp32_T150");
-    for backend in ["cpu", "gpu"] {
+    // On a Mac, Metal itself too (not run here: docs/PHONE.md).
+    let backends: &[&str] = if cfg!(target_vendor = "apple") {
+        &["cpu", "gpu", "metal"]
+    } else {
+        &["cpu", "gpu"]
+    };
+    for &backend in backends {
         let out = dir.join(format!("out-{backend}.safetensors"));
         tether(&[
             "eval",
@@ -181,6 +187,25 @@ fn bad_arguments_fail_with_a_message() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("not a directory, nor a preset"), "{err}");
+    // Metal itself is an Apple build's backend; elsewhere the error says what to use.
+    let out = Command::new(env!("CARGO_BIN_EXE_tether"))
+        .args([
+            "run",
+            "--model",
+            "tiny",
+            "--prompt",
+            "x",
+            "--backend",
+            "metal",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--backend metal") && err.contains("--backend gpu"),
+        "{err}"
+    );
 }
 
 #[test]

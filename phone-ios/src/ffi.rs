@@ -44,6 +44,11 @@ fn arguments(config: &str) -> Result<Vec<String>, String> {
             args.extend(["--mem-budget".into(), budget.to_string()]);
         }
     }
+    if !object.contains_key("backend") {
+        if let Some(backend) = DEVICE_BACKEND {
+            args.extend(["--backend".into(), backend.into()]);
+        }
+    }
     for (key, value) in object {
         let flag = format!("--{}", key.replace('_', "-"));
         match value {
@@ -56,6 +61,14 @@ fn arguments(config: &str) -> Result<Vec<String>, String> {
     }
     Ok(args)
 }
+
+/// The backend a config without one gets: the phone's GPU through Metal on iOS; elsewhere the
+/// command line's default.
+const DEVICE_BACKEND: Option<&str> = if cfg!(target_os = "ios") {
+    Some("metal")
+} else {
+    None
+};
 
 /// Half the memory this app may still allocate (iOS 13 and later).
 #[cfg(target_os = "ios")]

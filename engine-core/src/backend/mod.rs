@@ -14,8 +14,8 @@ pub mod gpu;
 
 pub use cpu::CpuBackend;
 
-/// The backend called `name` (`cpu`, or `gpu` in builds with the `gpu` feature), and a line
-/// saying what it runs on.
+/// The backend called `name` (`cpu`; `gpu` in builds with the `gpu` feature; `metal` in Apple
+/// builds with the `metal` feature), and a line saying what it runs on.
 pub fn select(name: &str) -> crate::Result<(Box<dyn Backend>, String)> {
     match name {
         "cpu" => Ok((
@@ -33,8 +33,21 @@ pub fn select(name: &str) -> crate::Result<(Box<dyn Backend>, String)> {
         "gpu" => Err(crate::Error::Invalid(
             "--backend gpu: this build has no GPU backend (engine-core's `gpu` feature)".into(),
         )),
+        #[cfg(all(feature = "metal", target_vendor = "apple"))]
+        "metal" => {
+            let be = gpu::GpuBackend::metal()
+                .map_err(|e| crate::Error::Invalid(format!("--backend metal: {e}")))?;
+            let what = format!("metal ({})", be.adapter_name());
+            Ok((Box::new(be), what))
+        }
+        #[cfg(not(all(feature = "metal", target_vendor = "apple")))]
+        "metal" => Err(crate::Error::Invalid(
+            "--backend metal: Metal itself runs only in macOS and iOS builds (engine-core's \
+             `metal` feature); elsewhere --backend gpu runs the same kernels through wgpu"
+                .into(),
+        )),
         other => Err(crate::Error::Invalid(format!(
-            "--backend {other}: expected cpu or gpu"
+            "--backend {other}: expected cpu, gpu or metal"
         ))),
     }
 }

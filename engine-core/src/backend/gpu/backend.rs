@@ -19,6 +19,8 @@ use crate::tensor::{DType, Data, Matrix};
 
 pub struct GpuBackend {
     gpu: Gpu,
+    /// `gpu` on wgpu, `metal` on Metal itself (what a helper's hello names).
+    name: &'static str,
     /// Device copies of weight matrices, keyed by the address and length of their bytes.
     weights: Mutex<HashMap<(usize, usize), Uploaded>>,
     /// Device copies of layer parameters, keyed by [`Param::key`]; each holds a clone of its
@@ -37,18 +39,27 @@ impl GpuBackend {
     /// The backend on the device `opts` picks, waited for on this thread (in a browser this
     /// fails: await [`GpuBackend::new_async`] there).
     pub fn new(opts: &GpuOptions) -> Result<GpuBackend, GpuError> {
-        Gpu::with_options(opts).map(GpuBackend::on)
+        Gpu::with_options(opts).map(|gpu| GpuBackend::on(gpu, "gpu"))
+    }
+
+    /// The backend on the system's Metal device, driven directly (no wgpu).
+    #[cfg(all(feature = "metal", target_vendor = "apple"))]
+    pub fn metal() -> Result<GpuBackend, GpuError> {
+        Gpu::metal().map(|gpu| GpuBackend::on(gpu, "metal"))
     }
 
     /// [`GpuBackend::new`] as a future, for a browser tab, where the device arrives through
     /// the page's event loop.
     pub async fn new_async(opts: &GpuOptions) -> Result<GpuBackend, GpuError> {
-        Gpu::acquire(opts).await.map(GpuBackend::on)
+        Gpu::acquire(opts)
+            .await
+            .map(|gpu| GpuBackend::on(gpu, "gpu"))
     }
 
-    fn on(gpu: Gpu) -> GpuBackend {
+    fn on(gpu: Gpu, name: &'static str) -> GpuBackend {
         GpuBackend {
             gpu,
+            name,
             weights: Mutex::new(HashMap::new()),
             params: Mutex::new(HashMap::new()),
         }
@@ -177,7 +188,7 @@ type DeltaKernel = fn(&Gpu, DeltaShape, GpuDeltaInputs, &GpuTensor) -> GpuTensor
 
 impl Backend for GpuBackend {
     fn name(&self) -> &'static str {
-        "gpu"
+        self.name
     }
 
     fn upload(&self, x: Vec<f32>) -> Act {

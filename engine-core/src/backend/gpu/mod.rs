@@ -5,9 +5,13 @@
 
 mod backend;
 mod context;
+mod device;
+#[cfg(all(feature = "metal", target_vendor = "apple"))]
+mod metal_device;
 pub mod ops;
 mod pool;
 mod tensor;
+mod wgpu_device;
 
 pub use backend::GpuBackend;
 pub use context::{Gpu, GpuError, GpuOptions};

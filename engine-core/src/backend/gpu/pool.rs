@@ -1,6 +1,6 @@
 //! Pooled device buffers. Creating a buffer (and binding it the first time) is expensive on
 //! every GPU API, and a forward pass makes and drops dozens of activations per layer, so freed
-//! buffers go back to a free list keyed by size class and usage and are handed out again.
+//! buffers go back to a free list keyed by size class and are handed out again.
 //!
 //! Safety of reuse: a [`Pooled`] buffer returns to the pool only when its last owner drops it,
 //! and the recording batch owns a reference to every buffer it binds until it is submitted
@@ -9,6 +9,8 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
+
+use super::device::Buffer;
 
 /// Buffers at most this large are rounded up to a power of two; larger ones to a multiple of
 /// it, so big activations waste at most this much.
@@ -27,37 +29,29 @@ fn size_class(bytes: u64) -> u64 {
 }
 
 pub(super) struct BufferPool {
-    device: wgpu::Device,
-    free: Mutex<HashMap<(u64, wgpu::BufferUsages), Vec<wgpu::Buffer>>>,
+    /// Free buffers by size class.
+    free: Mutex<HashMap<u64, Vec<Buffer>>>,
 }
 
 impl BufferPool {
-    pub(super) fn new(device: wgpu::Device) -> Arc<BufferPool> {
+    pub(super) fn new() -> Arc<BufferPool> {
         Arc::new(BufferPool {
-            device,
             free: Mutex::new(HashMap::new()),
         })
     }
 
-    /// A buffer of at least `bytes` with `usage`; its contents are whatever it held last.
-    pub(super) fn take(self: &Arc<Self>, bytes: u64, usage: wgpu::BufferUsages) -> Pooled {
+    /// A buffer of at least `bytes` (`make` makes one of the size class when none is free);
+    /// its contents are whatever it held last.
+    pub(super) fn take(self: &Arc<Self>, bytes: u64, make: impl FnOnce(u64) -> Buffer) -> Pooled {
         let size = size_class(bytes);
         let reused = self
             .free
             .lock()
             .expect("buffer pool lock")
-            .get_mut(&(size, usage))
+            .get_mut(&size)
             .and_then(Vec::pop);
-        let buffer = reused.unwrap_or_else(|| {
-            self.device.create_buffer(&wgpu::BufferDescriptor {
-                label: Some("tether pooled"),
-                size,
-                usage,
-                mapped_at_creation: false,
-            })
-        });
         Pooled {
-            buffer: Some(buffer),
+            buffer: Some(reused.unwrap_or_else(|| make(size))),
             pool: self.clone(),
         }
     }
@@ -65,13 +59,13 @@ impl BufferPool {
 
 /// A buffer on loan from the pool; dropping it gives it back.
 pub(super) struct Pooled {
-    buffer: Option<wgpu::Buffer>,
+    buffer: Option<Buffer>,
     pool: Arc<BufferPool>,
 }
 
 impl std::ops::Deref for Pooled {
-    type Target = wgpu::Buffer;
-    fn deref(&self) -> &wgpu::Buffer {
+    type Target = Buffer;
+    fn deref(&self) -> &Buffer {
         self.buffer.as_ref().expect("a pooled buffer until dropped")
     }
 }
@@ -79,9 +73,8 @@ impl std::ops::Deref for Pooled {
 impl Drop for Pooled {
     fn drop(&mut self) {
         if let Some(b) = self.buffer.take() {
-            let key = (b.size(), b.usage());
             if let Ok(mut free) = self.pool.free.lock() {
-                free.entry(key).or_default().push(b);
+                free.entry(b.size()).or_default().push(b);
             }
         }
     }

@@ -3,16 +3,13 @@
 
 use std::future::Future;
 use std::ops::Range;
-use std::pin::Pin;
-use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex};
-use std::task::{Context, Poll, Waker};
+use std::sync::Arc;
 
 use half::f16;
 use shaders::WeightFormat;
-use wgpu::util::DeviceExt;
 
 use super::context::{Gpu, GpuError};
+use super::device::Buffer;
 use super::pool::Pooled;
 use crate::tensor::{Data, Matrix};
 
@@ -39,7 +36,7 @@ impl GpuTensor {
         self.len as u64 * 4
     }
 
-    pub(super) fn buffer(&self) -> &wgpu::Buffer {
+    pub(super) fn buffer(&self) -> &Buffer {
         &self.buf
     }
 
@@ -50,7 +47,7 @@ impl GpuTensor {
 
 /// One block of a weight matrix: rows `row0 .. row0 + rows`, in its own buffer.
 pub(super) struct WeightBlock {
-    pub(super) buffer: wgpu::Buffer,
+    pub(super) buffer: Buffer,
     pub(super) row0: usize,
     pub(super) rows: usize,
 }
@@ -71,58 +68,6 @@ impl GpuMatrix {
     }
 }
 
-/// What the staging buffer's map callback leaves for its [`ReadBack`].
-#[derive(Default)]
-struct MapSlot {
-    /// The callback's result, once it has fired.
-    done: Option<Result<(), wgpu::BufferAsyncError>>,
-    /// The task to wake when it fires (the last one that polled the read too early).
-    waker: Option<Waker>,
-}
-
-/// A read-back whose copies are submitted and whose staging buffer is being mapped; its
-/// output is the buffer's bytes. It owns the buffer, so it outlives the call that started it.
-struct ReadBack {
-    /// `None` when there is nothing to read.
-    staging: Option<wgpu::Buffer>,
-    slot: Arc<Mutex<MapSlot>>,
-    /// Natively the map callback runs only inside `device.poll`, which nothing else may call:
-    /// the first poll of the read waits for the device. (A browser polls its device itself.)
-    #[cfg(not(target_arch = "wasm32"))]
-    device: wgpu::Device,
-    #[cfg(not(target_arch = "wasm32"))]
-    waited: bool,
-}
-
-impl Future for ReadBack {
-    type Output = Result<Vec<u8>, GpuError>;
-
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let this = self.get_mut();
-        let Some(staging) = &this.staging else {
-            return Poll::Ready(Ok(Vec::new()));
-        };
-        #[cfg(not(target_arch = "wasm32"))]
-        if !std::mem::replace(&mut this.waited, true) {
-            if let Err(e) = this.device.poll(wgpu::PollType::wait_indefinitely()) {
-                return Poll::Ready(Err(GpuError::ReadBack(e.to_string())));
-            }
-        }
-        let mut slot = this.slot.lock().expect("read-back slot lock");
-        let Some(done) = slot.done.take() else {
-            slot.waker = Some(cx.waker().clone());
-            return Poll::Pending;
-        };
-        drop(slot);
-        done.map_err(|e| GpuError::ReadBack(e.to_string()))?;
-        let bytes = staging
-            .get_mapped_range(..)
-            .map_err(|e| GpuError::ReadBack(e.to_string()))?
-            .to_vec();
-        Poll::Ready(Ok(bytes))
-    }
-}
-
 /// Row `r` of `data` (`cols` wide) as f32 into `out`.
 fn row_f32(data: &Data, cols: usize, r: usize, out: &mut [f32]) {
     data.to_f32_into(r * cols..(r + 1) * cols, out);
@@ -131,24 +76,15 @@ fn row_f32(data: &Data, cols: usize, r: usize, out: &mut [f32]) {
 impl Gpu {
     /// An uninitialised tensor of `len` elements from the pool.
     pub fn alloc(&self, len: usize) -> GpuTensor {
-        let usage = wgpu::BufferUsages::STORAGE
-            | wgpu::BufferUsages::COPY_SRC
-            | wgpu::BufferUsages::COPY_DST;
         GpuTensor {
-            buf: Arc::new(self.pool.take(len as u64 * 4, usage)),
+            buf: Arc::new(self.pool.take(len as u64 * 4, |size| self.new_buffer(size))),
             len,
         }
     }
 
     fn upload_bytes(&self, bytes: &[u8], len: usize) -> GpuTensor {
         let t = self.alloc(len);
-        self.uploaded
-            .fetch_add(bytes.len() as u64, Ordering::Relaxed);
-        if !bytes.is_empty() {
-            // Lands at the next submission, before its commands; `t` is fresh from the pool,
-            // so no recorded command can be reading it.
-            self.queue.write_buffer(t.buffer(), 0, bytes);
-        }
+        self.write(&t, bytes);
         t
     }
 
@@ -162,61 +98,6 @@ impl Gpu {
 
     pub fn zeros(&self, len: usize) -> GpuTensor {
         self.upload_f32(&vec![0.0; len])
-    }
-
-    /// Records copies of element ranges of tensors, concatenated, into a new staging buffer of
-    /// `total` bytes after everything recorded so far, and submits them with the batch now: many
-    /// pieces cost one submission, and ops recorded later cannot change what is read.
-    fn record_read(&self, parts: &[(&GpuTensor, Range<usize>)], total: u64) -> wgpu::Buffer {
-        let staging = self.device.create_buffer(&wgpu::BufferDescriptor {
-            label: Some("tether read-back"),
-            size: total,
-            usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
-            mapped_at_creation: false,
-        });
-        let tensors: Vec<&GpuTensor> = parts.iter().map(|(t, _)| *t).collect();
-        self.record(&tensors, |e| {
-            let mut at = 0;
-            for (t, r) in parts {
-                assert!(r.end <= t.len(), "read-back out of bounds");
-                let bytes = r.len() as u64 * 4;
-                if bytes > 0 {
-                    e.copy_buffer_to_buffer(t.buffer(), r.start as u64 * 4, &staging, at, bytes);
-                }
-                at += bytes;
-            }
-        });
-        self.flush();
-        staging
-    }
-
-    /// Starts a read of element ranges of tensors ([`Gpu::record_read`]) and asks for its
-    /// staging buffer to be mapped. The sync and the async reads both start here.
-    fn start_read(&self, parts: &[(&GpuTensor, Range<usize>)]) -> ReadBack {
-        let total: u64 = parts.iter().map(|(_, r)| r.len() as u64 * 4).sum();
-        let staging = (total > 0).then(|| self.record_read(parts, total));
-        let slot = Arc::new(Mutex::new(MapSlot::default()));
-        if let Some(staging) = &staging {
-            let filled = slot.clone();
-            staging.map_async(wgpu::MapMode::Read, .., move |r| {
-                let waker = {
-                    let mut slot = filled.lock().expect("read-back slot lock");
-                    slot.done = Some(r);
-                    slot.waker.take()
-                };
-                if let Some(w) = waker {
-                    w.wake();
-                }
-            });
-        }
-        ReadBack {
-            staging,
-            slot,
-            #[cfg(not(target_arch = "wasm32"))]
-            device: self.device.clone(),
-            #[cfg(not(target_arch = "wasm32"))]
-            waited: false,
-        }
     }
 
     /// [`Gpu::start_read`] waited for on this thread.
@@ -334,16 +215,11 @@ impl Gpu {
                     bytemuck::cast_slice(&v).to_vec()
                 }
             };
-            self.uploaded
-                .fetch_add(bytes.len() as u64, Ordering::Relaxed);
-            let buffer = self
-                .device
-                .create_buffer_init(&wgpu::util::BufferInitDescriptor {
-                    label: Some("tether weights"),
-                    contents: &bytes,
-                    usage: wgpu::BufferUsages::STORAGE,
-                });
-            blocks.push(WeightBlock { buffer, row0, rows });
+            blocks.push(WeightBlock {
+                buffer: self.weights(&bytes),
+                row0,
+                rows,
+            });
         }
         Ok(GpuMatrix {
             rows: m.rows,
