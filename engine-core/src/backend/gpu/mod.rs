@@ -1,7 +1,8 @@
-//! The wgpu op layer: every kernel of the `shaders` crate as a function on device buffers
-//! (`ops`), the device with its pipeline cache and recording batch (`context`), pooled
-//! activations and row-blocked weights (`tensor`, `pool`), and `GpuBackend`, the `Backend`
-//! trait on these ops (`backend`; see docs/GPU.md for what it does not do yet).
+//! The GPU op layer: every kernel of the `shaders` crate as a function on device buffers
+//! (`ops`), over a `device::Device` (wgpu in `wgpu_device`; Metal itself in `metal_device`,
+//! Apple builds with the `metal` feature), held with its recording batch by `Gpu` (`context`),
+//! pooled activations and row-blocked weights (`tensor`, `pool`), and `GpuBackend`, the
+//! `Backend` trait on these ops (`backend`; see docs/GPU.md for what it does not do yet).
 
 mod backend;
 mod context;
