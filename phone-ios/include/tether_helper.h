@@ -18,8 +18,8 @@ typedef struct TetherHelper TetherHelper;
 /* Start a helper. `config_json` is a JSON object whose keys are tether-helper's flags
  * (`{"model": "qwen35-0.8b", "join": "ws://192.168.1.5:8080/helper", "pair": "215-770"}`; a
  * string or number is the flag's value, true gives the flag alone). On iOS, without
- * "mem-budget" it offers half of what os_proc_available_memory() allows, and without
- * "backend" it computes on Metal ("backend": "metal"). Returns NULL on a bad
+ * "mem-budget" it offers half of what os_proc_available_memory() allows; "backend": "metal"
+ * computes on Metal itself (not the default: never run yet). Returns NULL on a bad
  * config, with *error (if error is not NULL) set to a message to free with
  * tether_string_free. A model that cannot be loaded is reported by tether_helper_status. */
 TetherHelper *tether_helper_start(const char *config_json, char **error);

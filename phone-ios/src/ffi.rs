@@ -6,7 +6,9 @@
 //! "pair": "215-770", "mem-budget": "2G"}`; `_` may stand for `-`): a string or number is the
 //! flag's value, `true` gives the flag alone, `false` and `null` leave it out. The command line's
 //! own parser checks them, so the two cannot drift apart. On iOS a config without `mem-budget`
-//! offers half of what `os_proc_available_memory` says the app may still use.
+//! offers half of what `os_proc_available_memory` says the app may still use. `"backend":
+//! "metal"` computes on Metal itself; it is not the default while it has never run on a device
+//! (docs/PHONE.md).
 
 use std::ffi::{c_char, CStr, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -44,11 +46,6 @@ fn arguments(config: &str) -> Result<Vec<String>, String> {
             args.extend(["--mem-budget".into(), budget.to_string()]);
         }
     }
-    if !object.contains_key("backend") {
-        if let Some(backend) = DEVICE_BACKEND {
-            args.extend(["--backend".into(), backend.into()]);
-        }
-    }
     for (key, value) in object {
         let flag = format!("--{}", key.replace('_', "-"));
         match value {
@@ -61,14 +58,6 @@ fn arguments(config: &str) -> Result<Vec<String>, String> {
     }
     Ok(args)
 }
-
-/// The backend a config without one gets: the phone's GPU through Metal on iOS; elsewhere the
-/// command line's default.
-const DEVICE_BACKEND: Option<&str> = if cfg!(target_os = "ios") {
-    Some("metal")
-} else {
-    None
-};
 
 /// Half the memory this app may still allocate (iOS 13 and later).
 #[cfg(target_os = "ios")]

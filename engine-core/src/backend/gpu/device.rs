@@ -6,7 +6,9 @@
 //!
 //! A device records work into one batch at a time, which [`Device::submit`] sends to its one
 //! queue. [`Gpu`](super::Gpu) above it keeps every pooled buffer a batch binds alive until the
-//! batch is submitted, and serialises recording, so an implementation sees one caller at a time.
+//! batch is submitted, and serialises dispatches, copies, submissions and reads under one lock.
+//! Buffers are made and written (`buffer`, `weights`, `write`) outside that lock, from any
+//! thread: each implementation orders a write itself.
 
 use std::future::Future;
 use std::ops::Range;

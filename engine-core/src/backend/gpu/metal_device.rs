@@ -19,7 +19,7 @@ use std::ops::Range;
 use std::ptr::NonNull;
 use std::sync::{Arc, Mutex};
 
-use objc2::rc::Retained;
+use objc2::rc::{autoreleasepool, Retained};
 use objc2::runtime::ProtocolObject;
 use objc2_foundation::NSString;
 use objc2_metal::{
@@ -34,6 +34,12 @@ use super::context::GpuError;
 use super::device::{Binding, Buffer, Device, Reading};
 
 type Object<P> = Retained<ProtocolObject<P>>;
+
+// A command-line tool's MTLCreateSystemDefaultDevice returns no device unless CoreGraphics is
+// linked (objc2-metal's documentation); wgpu links it today, this does not rely on that.
+#[cfg(target_os = "macos")]
+#[link(name = "CoreGraphics", kind = "framework")]
+extern "C" {}
 
 /// A shared-storage Metal buffer.
 pub(super) struct MetalBuffer(Object<dyn MTLBuffer>);
@@ -126,7 +132,15 @@ impl Batch {
     fn commit(mut self) -> Object<dyn MTLCommandBuffer> {
         self.end_encoder();
         self.commands.commit();
-        self.commands
+        self.commands.clone()
+    }
+}
+
+/// An encoder released without `endEncoding` fails Metal's API validation (a batch left
+/// unsubmitted when the device goes, or a panic while recording).
+impl Drop for Batch {
+    fn drop(&mut self) {
+        self.end_encoder();
     }
 }
 
@@ -135,6 +149,9 @@ pub(super) struct MetalDevice {
     queue: Object<dyn MTLCommandQueue>,
     pipelines: Mutex<HashMap<PipelineKey, Arc<Pipeline>>>,
     batch: Mutex<Option<Batch>>,
+    /// Command buffers committed by flushes since the last read-back, whose errors that read
+    /// reports (they completed before it: one queue runs them in order).
+    flushed: Mutex<Vec<Object<dyn MTLCommandBuffer>>>,
 }
 
 // SAFETY: the device and queue are thread-safe (see `MetalBuffer`); the command buffer and
@@ -157,6 +174,7 @@ impl MetalDevice {
             queue,
             pipelines: Mutex::new(HashMap::new()),
             batch: Mutex::new(None),
+            flushed: Mutex::new(Vec::new()),
         })
     }
 
@@ -164,6 +182,15 @@ impl MetalDevice {
     /// A kernel that does not translate or compile is a build defect (CI translates every
     /// specialisation), so it panics, as wgpu does on an invalid shader.
     fn pipeline(&self, kernel: &'static Kernel, entry: &'static str, spec: &Spec) -> Arc<Pipeline> {
+        autoreleasepool(|_| self.build_pipeline(kernel, entry, spec))
+    }
+
+    fn build_pipeline(
+        &self,
+        kernel: &'static Kernel,
+        entry: &'static str,
+        spec: &Spec,
+    ) -> Arc<Pipeline> {
         let key = (kernel.name, entry, spec.key());
         let mut cache = self.pipelines.lock().expect("pipeline cache lock");
         if let Some(p) = cache.get(&key) {
@@ -210,13 +237,14 @@ impl MetalDevice {
 
     /// A new shared buffer holding `bytes` (at least 4 bytes long).
     fn shared_with(&self, bytes: &[u8]) -> Object<dyn MTLBuffer> {
-        let Some(ptr) = NonNull::new(bytes.as_ptr() as *mut c_void) else {
-            return self.shared(bytes.len().max(4) as u64);
-        };
+        if bytes.is_empty() {
+            return self.shared(4);
+        }
+        let ptr = NonNull::new(bytes.as_ptr() as *mut c_void).expect("a slice's pointer");
         // SAFETY: `ptr` points at `bytes.len()` readable bytes, which Metal copies.
         unsafe {
             self.device
-                .newBufferWithBytes_length_options(ptr, bytes.len().max(1), SHARED)
+                .newBufferWithBytes_length_options(ptr, bytes.len(), SHARED)
         }
         .expect("a shared Metal buffer")
     }
@@ -227,14 +255,18 @@ impl MetalDevice {
             .expect("a shared Metal buffer")
     }
 
-    /// `f` on the batch being recorded, begun on first use.
+    /// `f` on the batch being recorded, begun on first use. Like every call into Metal here,
+    /// in an autorelease pool: the helper's threads are long-lived Rust threads with none of
+    /// their own, so objects Metal autoreleases would pile up until the thread ends.
     fn recording<R>(&self, f: impl FnOnce(&mut Batch) -> R) -> R {
-        let mut batch = self.batch.lock().expect("batch lock");
-        let batch = batch.get_or_insert_with(|| Batch {
-            commands: self.queue.commandBuffer().expect("a Metal command buffer"),
-            encoder: Encoder::None,
-        });
-        f(batch)
+        autoreleasepool(|_| {
+            let mut batch = self.batch.lock().expect("batch lock");
+            let batch = batch.get_or_insert_with(|| Batch {
+                commands: self.queue.commandBuffer().expect("a Metal command buffer"),
+                encoder: Encoder::None,
+            });
+            f(batch)
+        })
     }
 }
 
@@ -255,8 +287,9 @@ impl Device for MetalDevice {
         true
     }
 
+    /// Capped at what the kernels' u32 indices and the sizes struct's u32 fields can address.
     fn max_binding(&self) -> u64 {
-        self.device.maxBufferLength() as u64
+        (self.device.maxBufferLength() as u64).min(u64::from(u32::MAX))
     }
 
     fn buffer(&self, bytes: u64) -> Buffer {
@@ -350,31 +383,51 @@ impl Device for MetalDevice {
     }
 
     fn submit(&self) -> bool {
-        let batch = self.batch.lock().expect("batch lock").take();
-        batch.map(Batch::commit).is_some()
+        autoreleasepool(|_| {
+            let batch = self.batch.lock().expect("batch lock").take();
+            let Some(commands) = batch.map(Batch::commit) else {
+                return false;
+            };
+            self.flushed.lock().expect("flushed lock").push(commands);
+            true
+        })
     }
 
     fn read(&self, parts: &[(&Buffer, Range<u64>)]) -> Reading {
-        let total: u64 = parts.iter().map(|(_, r)| r.end - r.start).sum();
+        autoreleasepool(|_| self.read_in_pool(parts))
+    }
+}
+
+impl MetalDevice {
+    fn read_in_pool(&self, parts: &[(&Buffer, Range<u64>)]) -> Reading {
+        let total: u64 = parts
+            .iter()
+            .map(|(_, r)| r.end.saturating_sub(r.start))
+            .sum();
         let staging = self.shared(total);
         let staged = Buffer::Metal(MetalBuffer(staging.clone()));
         let mut at = 0;
         for (b, r) in parts {
-            let bytes = r.end - r.start;
+            let bytes = r.end.saturating_sub(r.start);
             if bytes > 0 {
                 self.copy(b, r.start, &staged, at, bytes);
             }
             at += bytes;
         }
-        let commands = self
-            .batch
-            .lock()
-            .expect("batch lock")
-            .take()
-            .map(Batch::commit);
+        let mut commands = std::mem::take(&mut *self.flushed.lock().expect("flushed lock"));
+        commands.extend(
+            self.batch
+                .lock()
+                .expect("batch lock")
+                .take()
+                .map(Batch::commit),
+        );
         Box::pin(async move {
-            if let Some(c) = &commands {
-                c.waitUntilCompleted();
+            // The last one completes after the others (one queue, in order).
+            if let Some(last) = commands.last() {
+                last.waitUntilCompleted();
+            }
+            for c in &commands {
                 if c.status() == MTLCommandBufferStatus::Error {
                     let why = c
                         .error()
