@@ -142,6 +142,7 @@ fn delta_step(c: &mut Criterion) {
         v_heads: 48,
         dk: 128,
         dv: 128,
+        value_heads_tiled: false,
     };
     // One state per DeltaNet layer of the 27B (48 of 3 MiB).
     let states: Vec<GpuTensor> = (0..48)

@@ -27,6 +27,20 @@ pub enum LayerKind {
     FullAttention,
 }
 
+/// How a checkpoint stores the weights whose form differs between the two formats tether
+/// reads. The model's math is the same on both; this says which form to expect.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WeightLayout {
+    /// Hugging Face safetensors: RMSNorm weights as offsets `w` (scale `1 + w`), `A_log`, and
+    /// value heads grouped by the key head they read.
+    #[default]
+    HuggingFace,
+    /// llama.cpp's GGUF (its converter's choices): RMSNorm scales `1 + w` as stored,
+    /// `ssm_a = -exp(A_log)`, and value heads tiled (`DeltaShape::value_heads_tiled`).
+    Gguf,
+}
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ModelConfig {
     pub vocab_size: usize,
@@ -49,6 +63,9 @@ pub struct ModelConfig {
     pub layer_types: Vec<LayerKind>,
     /// Token ids that end generation, from `eos_token_id` (a number or a list).
     pub eos_token_ids: Vec<u32>,
+    /// The checkpoint's form of norms, decay rates and value-head order.
+    #[serde(default)]
+    pub layout: WeightLayout,
 }
 
 fn field<'a>(obj: &'a Value, name: &str) -> Result<&'a Value> {
@@ -165,6 +182,7 @@ impl ModelConfig {
             tie_word_embeddings: tie,
             layer_types,
             eos_token_ids,
+            layout: WeightLayout::HuggingFace,
         };
         cfg.validate()?;
         Ok(cfg)

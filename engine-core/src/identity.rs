@@ -99,15 +99,34 @@ impl ModelIdentity {
             h.update(&digest);
         }
         cache.save();
-        let canonical = dir.canonicalize().unwrap_or_else(|_| dir.to_path_buf());
-        let name = canonical
-            .file_name()
-            .map_or_else(|| dir.display().to_string(), |n| n.to_string_lossy().into());
         Ok(ModelIdentity {
-            name,
+            name: base_name(dir),
             digest: h.finalize().to_hex().to_string(),
         })
     }
+
+    /// A one-file model (a GGUF): the config, then the blake3 of the file's bytes (cached).
+    #[cfg(not(target_arch = "wasm32"))]
+    pub fn of_file(path: &Path, config: &ModelConfig) -> Result<Self> {
+        let mut h = hasher("file", config);
+        let mut cache = DigestCache::load();
+        h.update(&cache.digest(path)?);
+        cache.save();
+        Ok(ModelIdentity {
+            name: base_name(path),
+            digest: h.finalize().to_hex().to_string(),
+        })
+    }
+}
+
+/// The last component of `path` as the user sees it (`.` resolved).
+#[cfg(not(target_arch = "wasm32"))]
+fn base_name(path: &Path) -> String {
+    let canonical = path.canonicalize().unwrap_or_else(|_| path.to_path_buf());
+    canonical.file_name().map_or_else(
+        || path.display().to_string(),
+        |n| n.to_string_lossy().into(),
+    )
 }
 
 /// Where tether keeps caches: `$TETHER_CACHE_DIR`, else the platform's cache directory

@@ -7,6 +7,7 @@ pub mod backend;
 pub mod config;
 pub mod error;
 pub mod generate;
+pub mod gguf;
 pub mod helper;
 pub mod identity;
 pub mod kv;

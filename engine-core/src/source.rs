@@ -96,6 +96,11 @@ impl SynthOptions {
 pub fn load_model(spec: &str, o: &SynthOptions) -> Result<Model> {
     match Source::parse(spec)? {
         Source::Dir(dir) => Model::load_dir(dir),
+        Source::Gguf(path) => {
+            let (config, tensors) = crate::gguf::qwen35::load(path)?;
+            let identity = ModelIdentity::of_file(path, &config)?;
+            Model::with_identity(config, &tensors, identity)
+        }
         Source::Preset => {
             let (config, tensors) = o.tensors(spec)?;
             let identity = o.identity(spec, &config)?;
@@ -113,6 +118,11 @@ pub fn load_identity(spec: &str, o: &SynthOptions) -> Result<Model> {
         Source::Dir(dir) => {
             let config = Model::read_config(dir)?;
             let identity = ModelIdentity::of_checkpoint(dir, &config)?;
+            (config, identity)
+        }
+        Source::Gguf(path) => {
+            let config = crate::gguf::qwen35::read_config(path)?;
+            let identity = ModelIdentity::of_file(path, &config)?;
             (config, identity)
         }
         Source::Preset => {
@@ -136,6 +146,7 @@ pub fn load_layers(
 ) -> Result<Model> {
     let (config, tensors) = match Source::parse(spec)? {
         Source::Dir(dir) => (Model::read_config(dir)?, crate::weights::load_dir(dir)?),
+        Source::Gguf(path) => crate::gguf::qwen35::load(path)?,
         Source::Preset => {
             let config = o.config(spec)?;
             let keep =
@@ -150,6 +161,8 @@ pub fn load_layers(
 #[cfg(not(target_arch = "wasm32"))]
 enum Source<'a> {
     Dir(&'a std::path::Path),
+    /// A GGUF file (llama.cpp's `qwen35`).
+    Gguf(&'a std::path::Path),
     Preset,
 }
 
@@ -159,11 +172,13 @@ impl<'a> Source<'a> {
         let dir = std::path::Path::new(spec);
         if dir.is_dir() {
             Ok(Source::Dir(dir))
+        } else if dir.is_file() {
+            Ok(Source::Gguf(dir))
         } else if synth::PRESETS.contains(&spec) {
             Ok(Source::Preset)
         } else {
             Err(Error::Invalid(format!(
-                "--model {spec}: not a directory, nor a preset ({})",
+                "--model {spec}: not a directory, nor a GGUF file, nor a preset ({})",
                 synth::PRESETS.join(", ")
             )))
         }

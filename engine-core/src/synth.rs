@@ -7,7 +7,7 @@ use rand::{Rng, SeedableRng};
 use rand_xoshiro::Xoshiro256PlusPlus;
 use rayon::prelude::*;
 
-use crate::config::{LayerKind, ModelConfig, MAX_LAYERS};
+use crate::config::{LayerKind, ModelConfig, WeightLayout, MAX_LAYERS};
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Data, Elems, Tensor};
 use crate::weights::TensorMap;
@@ -36,6 +36,7 @@ pub fn preset(name: &str) -> Result<ModelConfig> {
         tie_word_embeddings: tie,
         layer_types: ModelConfig::interval_layer_types(layers, 4),
         eos_token_ids: Vec::new(),
+        layout: WeightLayout::HuggingFace,
     };
     match name {
         "tiny" => Ok(ModelConfig {

@@ -13,7 +13,7 @@ mod common;
 use std::collections::BTreeMap;
 use std::path::{Component, Path, PathBuf};
 
-use engine_core::config::{MAX_ELEMS, MAX_LAYERS};
+use engine_core::config::{WeightLayout, MAX_ELEMS, MAX_LAYERS};
 use engine_core::tensor::DType;
 use engine_core::{synth, weights, LayerKind, Model, ModelConfig};
 use proptest::prelude::*;
@@ -44,6 +44,7 @@ fn config() -> ModelConfig {
         tie_word_embeddings: false,
         layer_types: vec![LayerKind::LinearAttention, LayerKind::FullAttention],
         eos_token_ids: vec![1],
+        layout: WeightLayout::HuggingFace,
     }
 }
 

@@ -449,12 +449,21 @@ fn delta_rule_matches_cpu_in_both_forms() {
             v_heads: 4,
             dk: 16,
             dv: 24,
+            value_heads_tiled: false,
         },
         DeltaShape {
             k_heads: 1,
             v_heads: 2,
             dk: 32,
             dv: 80,
+            value_heads_tiled: false,
+        }, // llama.cpp's value-head order (a GGUF's).
+        DeltaShape {
+            k_heads: 2,
+            v_heads: 6,
+            dk: 16,
+            dv: 8,
+            value_heads_tiled: true,
         },
     ];
     for s in shapes {
@@ -476,12 +485,14 @@ fn delta_rule_stays_exact_past_the_software_drivers_loop_limit() {
         v_heads: 4,
         dk: 16,
         dv: 16,
+        value_heads_tiled: false,
     };
     let real_keys = DeltaShape {
         k_heads: 1,
         v_heads: 2,
         dk: 128,
         dv: 16,
+        value_heads_tiled: false,
     };
     for (s, t) in [(tiny, 700), (tiny, 2100), (real_keys, 300)] {
         check_delta(s, t, &mut rng);

@@ -21,6 +21,7 @@ fn chunked_and_recurrent_delta_rule_agree() {
         v_heads: 4,
         dk: 32,
         dv: 16,
+        value_heads_tiled: false,
     };
     let mut rng = Rng(0x1234_5678);
     for t in [1usize, 40, 64, 65, 130, 200] {

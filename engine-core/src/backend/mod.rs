@@ -168,6 +168,23 @@ pub struct DeltaShape {
     pub v_heads: usize,
     pub dk: usize,
     pub dv: usize,
+    /// How value heads share key heads when there are more of them. Grouped (Hugging Face's
+    /// order): value head `h` reads key head `h / (v_heads / k_heads)`. Tiled (llama.cpp's GGUF
+    /// order, whose converter permutes every value-head-indexed weight so that ggml can
+    /// broadcast): key head `h % k_heads`. Only this mapping differs; every other value-head
+    /// quantity is permuted consistently by the file.
+    pub value_heads_tiled: bool,
+}
+
+impl DeltaShape {
+    /// The key head value head `h` reads.
+    pub fn key_head(&self, h: usize) -> usize {
+        if self.value_heads_tiled {
+            h % self.k_heads
+        } else {
+            h / (self.v_heads / self.k_heads)
+        }
+    }
 }
 
 /// Inputs of the gated delta rule for `t` tokens: `q, k` `[t, k_heads, dk]` (already

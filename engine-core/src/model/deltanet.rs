@@ -5,7 +5,7 @@
 use super::state::DeltaState;
 use super::Loader;
 use crate::backend::{Act, Backend, DeltaInputs, DeltaShape, Param};
-use crate::config::ModelConfig;
+use crate::config::{ModelConfig, WeightLayout};
 use crate::error::Result;
 use crate::tensor::Matrix;
 
@@ -35,10 +35,15 @@ impl DeltaNet {
             c.linear_conv_kernel_dim,
         );
         let (cd, vd) = (c.conv_dim(), c.linear_value_dim());
-        let neg_a = ld
-            .vector(&format!("{p}A_log"), &[hv])?
-            .into_iter()
-            .map(|a| -a.exp());
+        let neg_a = match c.layout {
+            WeightLayout::HuggingFace => ld
+                .vector(&format!("{p}A_log"), &[hv])?
+                .into_iter()
+                .map(|a| -a.exp())
+                .collect(),
+            // The converter wrote -exp(A_log) itself.
+            WeightLayout::Gguf => ld.vector(&format!("{p}ssm_a"), &[hv])?,
+        };
         let dt_bias = ld.vector(&format!("{p}dt_bias"), &[hv])?;
         Ok(DeltaNet {
             in_proj_qkv: ld.matrix(&format!("{p}in_proj_qkv.weight"), cd, h)?,
@@ -48,7 +53,11 @@ impl DeltaNet {
             conv: ld
                 .vector(&format!("{p}conv1d.weight"), &[cd, 1, kern])?
                 .into(),
-            gates: neg_a.chain(dt_bias).collect::<Vec<f32>>().into(),
+            gates: neg_a
+                .into_iter()
+                .chain(dt_bias)
+                .collect::<Vec<f32>>()
+                .into(),
             norm: ld
                 .vector(&format!("{p}norm.weight"), &[c.linear_value_head_dim])?
                 .into(),
@@ -58,6 +67,7 @@ impl DeltaNet {
                 v_heads: hv,
                 dk: c.linear_key_head_dim,
                 dv: c.linear_value_head_dim,
+                value_heads_tiled: c.layout == WeightLayout::Gguf,
             },
         })
     }

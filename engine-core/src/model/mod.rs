@@ -14,7 +14,7 @@ mod state;
 pub use state::{Checkpoint, DeltaState, LayerState, State};
 
 use crate::backend::{Act, Backend, Param};
-use crate::config::{LayerKind, ModelConfig};
+use crate::config::{LayerKind, ModelConfig, WeightLayout};
 use crate::error::{Error, Result};
 use crate::identity::ModelIdentity;
 use crate::kv::{Away, PendingAttention};
@@ -115,6 +115,7 @@ struct Ends {
 /// and both shapes.
 pub(crate) struct Loader<'a> {
     tensors: &'a TensorMap,
+    layout: WeightLayout,
 }
 
 impl<'a> Loader<'a> {
@@ -146,14 +147,15 @@ impl<'a> Loader<'a> {
         Ok(self.tensor(name, shape)?.data.to_f32_vec())
     }
 
-    /// An RMSNorm weight stored as an offset, returned as the scale `1 + w`.
+    /// An RMSNorm's scale `1 + w`: a safetensors checkpoint stores the offset `w`, a GGUF
+    /// the scale itself.
     pub(crate) fn offset_norm(&self, name: &str, dim: usize) -> Result<Param> {
-        Ok(self
-            .vector(name, &[dim])?
-            .into_iter()
-            .map(|w| 1.0 + w)
-            .collect::<Vec<f32>>()
-            .into())
+        let stored = self.vector(name, &[dim])?;
+        Ok(match self.layout {
+            WeightLayout::HuggingFace => stored.into_iter().map(|w| 1.0 + w).collect(),
+            WeightLayout::Gguf => stored,
+        }
+        .into())
     }
 }
 
@@ -202,7 +204,10 @@ impl Model {
     ) -> Result<Model> {
         config.validate()?;
         let c = &config;
-        let ld = Loader { tensors };
+        let ld = Loader {
+            tensors,
+            layout: config.layout,
+        };
         let (h, v) = (c.hidden_size, c.vocab_size);
         let ends = if with_ends {
             let embed = ld.matrix("model.embed_tokens.weight", v, h)?;

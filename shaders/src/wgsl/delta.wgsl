@@ -1,7 +1,8 @@
 // The gated delta rule (cpu/delta.rs), per value head h, state S [dk, dv] in f32:
 //   S = S e^g;  delta = beta (v - S^T k);  S += k (outer) delta;  o = S^T q
 // q, k [t, k_heads, dk]; v [t, v_heads, dv]; g, beta [t, v_heads]; state [v_heads, dk, dv];
-// out [t, v_heads, dv]. Value head h reads key head h / (v_heads / k_heads).
+// out [t, v_heads, dv]. Value head h reads key head h / (v_heads / k_heads), or h % k_heads
+// when `tiled` (llama.cpp's value-head order: DeltaShape::key_head).
 // Every column of S evolves on its own (k, q, g, beta are shared, v and the output are per
 // column), so one thread owns one column of one head: no atomics, and only the chunked form,
 // whose chunk-level coefficients are shared, needs workgroup memory.
@@ -24,6 +25,7 @@ struct Params {
     v_heads: u32,
     dk: u32,
     dv: u32,
+    tiled: u32,
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -55,6 +57,9 @@ fn col_of(lid: u32, wid: vec3<u32>, nwg: vec3<u32>) -> u32 {
 
 // The key head value head h reads.
 fn key_head(h: u32) -> u32 {
+    if (p.tiled != 0u) {
+        return h % p.k_heads;
+    }
     return h / (p.v_heads / p.k_heads);
 }
 

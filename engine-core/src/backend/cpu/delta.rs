@@ -67,7 +67,6 @@ fn per_head(
     f: impl Fn(&Head, &mut [f32], &mut [f32]) + Sync,
 ) {
     let t = x.g.len() / s.v_heads;
-    let group = s.v_heads / s.k_heads;
     let per_head_out: Vec<Vec<f32>> = state
         .par_chunks_mut(s.dk * s.dv)
         .enumerate()
@@ -76,7 +75,7 @@ fn per_head(
                 s,
                 x,
                 h,
-                kh: h / group,
+                kh: s.key_head(h),
             };
             let mut o = vec![0.0; t * s.dv];
             f(&head, st, &mut o);

@@ -456,6 +456,7 @@ fn delta(
                 u(s.v_heads),
                 u(s.dk),
                 u(s.dv),
+                u32::from(s.value_heads_tiled),
             ],
             &[
                 (1, t_of(x.q)),

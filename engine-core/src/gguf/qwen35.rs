@@ -1,0 +1,231 @@
+//! A `qwen35` GGUF as llama.cpp's converter (`convert_hf_to_gguf.py`, `Qwen3_5TextModel`)
+//! writes it, read into tether's config and tensor names. The converter renames every tensor,
+//! adds 1 to RMSNorm weights (not the DeltaNet output norm's), stores `-exp(A_log)` as
+//! `ssm_a`, squeezes the conv kernel, and, when there are fewer key heads than value heads,
+//! permutes every value-head-indexed weight from grouped to tiled order. Tensors keep their
+//! bytes here (mapped, not copied): the model reads the last three in their GGUF form
+//! ([`WeightLayout::Gguf`]), so nothing is undone and no row or column is moved.
+//!
+//! Checked against files the converter itself wrote from the fixtures
+//! (`scripts/gguf-from-fixture.py`, `tests/tests/gguf.rs`).
+
+use super::{GgmlType, Gguf, TensorInfo, Value};
+use crate::config::{LayerKind, ModelConfig, WeightLayout};
+use crate::error::{Error, Result};
+use crate::tensor::{Data, Elems, SharedBytes, Tensor};
+use crate::weights::TensorMap;
+
+const ARCH: &str = "qwen35";
+
+fn meta<'a>(g: &'a Gguf, key: &str) -> Result<&'a Value> {
+    g.get(&format!("{ARCH}.{key}"))
+        .ok_or_else(|| Error::Config(format!("GGUF: no `{ARCH}.{key}`")))
+}
+
+fn count(g: &Gguf, key: &str) -> Result<usize> {
+    let v = meta(g, key)?;
+    v.as_u64()
+        .and_then(|n| usize::try_from(n).ok())
+        .ok_or_else(|| Error::Config(format!("GGUF: `{ARCH}.{key}` = {v:?} is not a count")))
+}
+
+fn number(g: &Gguf, key: &str) -> Result<f32> {
+    let v = meta(g, key)?;
+    v.as_f64()
+        .map(|x| x as f32)
+        .ok_or_else(|| Error::Config(format!("GGUF: `{ARCH}.{key}` = {v:?} is not a number")))
+}
+
+/// The model's config from the file's metadata (and, for the vocabulary and tied embeddings,
+/// its tensors).
+pub fn config(g: &Gguf) -> Result<ModelConfig> {
+    match g.get("general.architecture").and_then(Value::as_str) {
+        Some(ARCH) => {}
+        other => {
+            return Err(Error::Config(format!(
+                "GGUF architecture {other:?}: tether runs `{ARCH}` (Qwen3.5 dense)"
+            )))
+        }
+    }
+    let blocks = count(g, "block_count")?;
+    // Multi-token-prediction layers (`nextn`) follow the model's own in block numbering.
+    let nextn = g
+        .get(&format!("{ARCH}.nextn_predict_layers"))
+        .and_then(Value::as_u64)
+        .unwrap_or(0) as usize;
+    let layers = blocks
+        .checked_sub(nextn)
+        .ok_or_else(|| Error::Config("GGUF: more nextn layers than blocks".into()))?;
+    let recurrent = meta(g, "attention.recurrent_layers")?
+        .as_array()
+        .ok_or_else(|| Error::Config("GGUF: recurrent_layers is not an array".into()))?;
+    if recurrent.len() < layers {
+        return Err(Error::Config(format!(
+            "GGUF: recurrent_layers lists {} layers of {layers}",
+            recurrent.len()
+        )));
+    }
+    let layer_types = recurrent[..layers]
+        .iter()
+        .map(|v| match v {
+            Value::Bool(true) => Ok(LayerKind::LinearAttention),
+            Value::Bool(false) => Ok(LayerKind::FullAttention),
+            other => Err(Error::Config(format!(
+                "GGUF: recurrent_layers holds {other:?}"
+            ))),
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let embed = find(g, "token_embd.weight")?;
+    let [vocab_size, _] = embed.shape[..] else {
+        return Err(Error::Config(
+            "GGUF: token_embd.weight is not a matrix".into(),
+        ));
+    };
+    let head_dim = count(g, "attention.key_length")?;
+    let rope_dims = count(g, "rope.dimension_count")?;
+    let v_heads = count(g, "ssm.time_step_rank")?;
+    let eos = g
+        .get("tokenizer.ggml.eos_token_id")
+        .and_then(Value::as_u64)
+        .and_then(|id| u32::try_from(id).ok());
+    let cfg = ModelConfig {
+        vocab_size,
+        hidden_size: count(g, "embedding_length")?,
+        intermediate_size: count(g, "feed_forward_length")?,
+        num_hidden_layers: layers,
+        num_attention_heads: count(g, "attention.head_count")?,
+        num_key_value_heads: count(g, "attention.head_count_kv")?,
+        head_dim,
+        linear_num_key_heads: count(g, "ssm.group_count")?,
+        linear_num_value_heads: v_heads,
+        linear_key_head_dim: count(g, "ssm.state_size")?,
+        linear_value_head_dim: count(g, "ssm.inner_size")? / v_heads.max(1),
+        linear_conv_kernel_dim: count(g, "ssm.conv_kernel")?,
+        rms_norm_eps: number(g, "attention.layer_norm_rms_epsilon")?,
+        rope_theta: number(g, "rope.freq_base")?,
+        partial_rotary_factor: rope_dims as f32 / head_dim.max(1) as f32,
+        max_position_embeddings: count(g, "context_length")?,
+        tie_word_embeddings: !g.tensors.iter().any(|t| t.name == "output.weight"),
+        layer_types,
+        eos_token_ids: eos.into_iter().collect(),
+        layout: WeightLayout::Gguf,
+    };
+    cfg.validate()?;
+    Ok(cfg)
+}
+
+fn find<'a>(g: &'a Gguf, name: &str) -> Result<&'a TensorInfo> {
+    g.tensors
+        .iter()
+        .find(|t| t.name == name)
+        .ok_or_else(|| Error::MissingTensor(name.to_string()))
+}
+
+/// tether's (Hugging Face's text-only) name for a GGUF tensor of a model of `layers` layers,
+/// or `None` for one it does not use (the nextn layers).
+fn hf_name(name: &str, layers: usize) -> Option<String> {
+    let top = match name {
+        "token_embd.weight" => Some("model.embed_tokens.weight"),
+        "output_norm.weight" => Some("model.norm.weight"),
+        "output.weight" => Some("lm_head.weight"),
+        _ => None,
+    };
+    if let Some(t) = top {
+        return Some(t.to_string());
+    }
+    let rest = name.strip_prefix("blk.")?;
+    let (layer, tensor) = rest.split_once('.')?;
+    let layer: usize = layer.parse().ok()?;
+    if layer >= layers {
+        return None;
+    }
+    let hf = match tensor {
+        "attn_norm.weight" => "input_layernorm.weight",
+        "post_attention_norm.weight" => "post_attention_layernorm.weight",
+        "ffn_gate.weight" => "mlp.gate_proj.weight",
+        "ffn_up.weight" => "mlp.up_proj.weight",
+        "ffn_down.weight" => "mlp.down_proj.weight",
+        "attn_q.weight" => "self_attn.q_proj.weight",
+        "attn_k.weight" => "self_attn.k_proj.weight",
+        "attn_v.weight" => "self_attn.v_proj.weight",
+        "attn_output.weight" => "self_attn.o_proj.weight",
+        "attn_q_norm.weight" => "self_attn.q_norm.weight",
+        "attn_k_norm.weight" => "self_attn.k_norm.weight",
+        "attn_qkv.weight" => "linear_attn.in_proj_qkv.weight",
+        "attn_gate.weight" => "linear_attn.in_proj_z.weight",
+        "ssm_beta.weight" => "linear_attn.in_proj_b.weight",
+        "ssm_alpha.weight" => "linear_attn.in_proj_a.weight",
+        "ssm_a" => "linear_attn.ssm_a",
+        "ssm_dt.bias" => "linear_attn.dt_bias",
+        "ssm_conv1d.weight" => "linear_attn.conv1d.weight",
+        "ssm_norm.weight" => "linear_attn.norm.weight",
+        "ssm_out.weight" => "linear_attn.out_proj.weight",
+        _ => return None,
+    };
+    Some(format!("model.layers.{layer}.{hf}"))
+}
+
+/// The tensors tether uses, under its names, sharing `bytes` (the mapped file). A tensor tether
+/// would use but cannot read yet (a quantised type) is an error naming it.
+pub fn tensors(g: &Gguf, bytes: &SharedBytes, layers: usize) -> Result<TensorMap> {
+    let mut out = TensorMap::new();
+    for t in &g.tensors {
+        let Some(name) = hf_name(&t.name, layers) else {
+            continue;
+        };
+        let data = match t.dtype {
+            GgmlType::F32 => Data::F32(Elems::from_bytes(bytes, t.range.clone())),
+            GgmlType::F16 => Data::F16(Elems::from_bytes(bytes, t.range.clone())),
+            GgmlType::BF16 => Data::BF16(Elems::from_bytes(bytes, t.range.clone())),
+            other => {
+                return Err(Error::Weights(format!(
+                    "GGUF tensor `{}` is {}: this build reads F32, F16 and BF16 GGUF tensors \
+                     (quantised ones are not read yet)",
+                    t.name,
+                    other.name()
+                )))
+            }
+        };
+        // The converter squeezed the conv kernel's middle axis of 1.
+        let shape = match (name.ends_with("conv1d.weight"), &t.shape[..]) {
+            (true, &[channels, kernel]) => vec![channels, 1, kernel],
+            _ => t.shape.clone(),
+        };
+        out.insert(name, Tensor { shape, data });
+    }
+    Ok(out)
+}
+
+/// A GGUF file's config and tensors (memory-mapped: no weight is copied).
+#[cfg(not(target_arch = "wasm32"))]
+pub fn load(path: &std::path::Path) -> Result<(ModelConfig, TensorMap)> {
+    let (g, bytes) = open(path)?;
+    let config = config(&g).map_err(|e| in_file(path, e))?;
+    let tensors = tensors(&g, &bytes, config.num_hidden_layers)?;
+    Ok((config, tensors))
+}
+
+/// A GGUF file's config alone (the file is mapped and its header parsed; no tensor is read).
+#[cfg(not(target_arch = "wasm32"))]
+pub fn read_config(path: &std::path::Path) -> Result<ModelConfig> {
+    let (g, _) = open(path)?;
+    config(&g).map_err(|e| in_file(path, e))
+}
+
+#[cfg(not(target_arch = "wasm32"))]
+fn in_file(path: &std::path::Path, e: Error) -> Error {
+    match e {
+        Error::Config(m) => Error::Config(format!("{}: {m}", path.display())),
+        other => other,
+    }
+}
+
+#[cfg(not(target_arch = "wasm32"))]
+fn open(path: &std::path::Path) -> Result<(Gguf, SharedBytes)> {
+    let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+    // SAFETY: read-only, as for safetensors (weights::load_dir).
+    let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
+    let g = Gguf::parse(&map)
+        .map_err(|e| Error::Weights(format!("{}: not a valid GGUF file: {e}", path.display())))?;
+    Ok((g, std::sync::Arc::new(map)))
+}

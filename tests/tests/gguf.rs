@@ -1,0 +1,140 @@
+//! GGUF files written by llama.cpp's own converter (`convert_hf_to_gguf.py` at upstream
+//! 0c1e57098, through `scripts/gguf-from-fixture.py`) from the fixture checkpoints, in
+//! `tests/fixtures/gguf/`: tether must read the converter's layout (names, +1 norms, `ssm_a`,
+//! the squeezed conv, value heads tiled since the fixtures have 2 key heads and 4 value heads)
+//! and give the fixtures' logits.
+
+use std::path::PathBuf;
+
+use engine_core::backend::gpu::{GpuBackend, GpuOptions};
+use engine_core::{Backend, CpuBackend, Logits, Model};
+use tests::{fixtures_dir, max_abs_diff, Reference};
+
+fn gguf(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(format!("fixtures/gguf/{name}"))
+}
+
+fn load(name: &str) -> Model {
+    let (config, tensors) = engine_core::gguf::qwen35::load(&gguf(name)).expect("GGUF loads");
+    Model::from_tensors(config, &tensors).expect("GGUF builds")
+}
+
+/// Prefill logits of every position, then `n` greedy steps: the ids and all logits.
+fn run(model: &Model, prompt: &[u32], n: usize) -> (Vec<f32>, Vec<u32>, Vec<f32>) {
+    run_on(&CpuBackend, model, prompt, n)
+}
+
+fn run_on(
+    be: &dyn Backend,
+    model: &Model,
+    prompt: &[u32],
+    n: usize,
+) -> (Vec<f32>, Vec<u32>, Vec<f32>) {
+    let mut st = model.new_state(16);
+    let prefill = model
+        .forward(be, &mut st, prompt, Logits::All, None)
+        .unwrap();
+    let vocab = model.config.vocab_size;
+    let mut logits = prefill[prefill.len() - vocab..].to_vec();
+    let (mut ids, mut all) = (Vec::new(), Vec::new());
+    for _ in 0..n {
+        all.extend_from_slice(&logits);
+        let next = argmax(&logits);
+        ids.push(next);
+        logits = model
+            .forward(be, &mut st, &[next], Logits::Last, None)
+            .unwrap();
+    }
+    (prefill, ids, all)
+}
+
+fn argmax(v: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &x) in v.iter().enumerate() {
+        if x > v[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+#[test]
+fn the_converters_f32_gguf_gives_the_fixtures_logits() {
+    for fixture in ["tiny_fp32", "tiny_fp32_T150"] {
+        let model = load(&format!("{fixture}.f32.gguf"));
+        let r = Reference::load(fixture);
+        let want = r.ids("gen_ids");
+        let (prefill, ids, gen) = run(&model, &r.ids("prompt_ids"), want.len());
+        let d = max_abs_diff(&prefill, &r.f32("prefill_logits").1);
+        assert!(d < 1e-4, "{fixture}: prefill logits differ by {d}");
+        assert_eq!(ids, want, "{fixture}: greedy ids");
+        let d = max_abs_diff(&gen, &r.f32("gen_logits").1);
+        assert!(d < 1e-4, "{fixture}: generation logits differ by {d}");
+    }
+}
+
+/// The same file on the GPU backend (lavapipe in CI): the WGSL delta rule's tiled value heads.
+#[test]
+fn the_converters_gguf_runs_on_the_gpu() {
+    let gpu = GpuBackend::new(&GpuOptions::default()).expect("a GPU adapter (lavapipe)");
+    let model = load("tiny_fp32.f32.gguf");
+    let r = Reference::load("tiny_fp32");
+    let want = r.ids("gen_ids");
+    let (prefill, ids, gen) = run_on(&gpu, &model, &r.ids("prompt_ids"), want.len());
+    let d = max_abs_diff(&prefill, &r.f32("prefill_logits").1);
+    assert!(d < 1e-4, "prefill logits differ by {d}");
+    assert_eq!(ids, want);
+    let d = max_abs_diff(&gen, &r.f32("gen_logits").1);
+    assert!(d < 1e-4, "generation logits differ by {d}");
+}
+
+/// The converter's config is the checkpoint's, read back from its metadata.
+#[test]
+fn the_config_is_read_from_the_metadata() {
+    let (config, _) = engine_core::gguf::qwen35::load(&gguf("tiny_fp32.f32.gguf")).unwrap();
+    let text = std::fs::read_to_string(fixtures_dir().join("tiny_fp32/config.json")).unwrap();
+    let hf = engine_core::ModelConfig::from_json_str(&text).unwrap();
+    assert_eq!(config.layout, engine_core::config::WeightLayout::Gguf);
+    let as_hf = engine_core::ModelConfig {
+        layout: hf.layout,
+        eos_token_ids: hf.eos_token_ids.clone(),
+        ..config
+    };
+    assert_eq!(as_hf, hf);
+}
+
+/// f16 and bf16 files hold the same weights rounded (the matrices; norms and gates stay f32):
+/// tether reading them gives what tether gives on the same rounding from safetensors.
+#[test]
+fn half_precision_ggufs_match_the_same_weights_from_safetensors() {
+    for (file, fixture, dtype) in [
+        (
+            "tiny_fp32.f16.gguf",
+            "tiny_fp32",
+            engine_core::tensor::DType::F16,
+        ),
+        (
+            "tiny_bf16.bf16.gguf",
+            "tiny_bf16",
+            engine_core::tensor::DType::BF16,
+        ),
+    ] {
+        let ours = load(file);
+        let dir = fixtures_dir().join(fixture);
+        let config = Model::read_config(&dir).unwrap();
+        let mut tensors = engine_core::weights::load_dir(&dir).unwrap();
+        for t in tensors.values_mut() {
+            if t.shape.len() == 2 {
+                t.data = engine_core::tensor::Data::from_f32(&t.data.to_f32_vec(), dtype);
+            }
+        }
+        let reference = Model::from_tensors(config, &tensors).unwrap();
+        let prompt = Reference::load(fixture).ids("prompt_ids");
+        let (a, ids_a, gen_a) = run(&ours, &prompt, 8);
+        let (b, ids_b, gen_b) = run(&reference, &prompt, 8);
+        let d = max_abs_diff(&a, &b).max(max_abs_diff(&gen_a, &gen_b));
+        eprintln!("{file}: logits within {d}");
+        assert!(d < 1e-4, "{file}: logits differ by {d}");
+        assert_eq!(ids_a, ids_b, "{file}");
+    }
+}
