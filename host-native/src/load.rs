@@ -59,13 +59,17 @@ pub struct Loaded {
     pub source: String,
 }
 
-/// `spec` is a checkpoint directory, or a preset name when no such directory exists.
-/// `tokenizer` overrides the directory's tokenizer.json (or the presets' byte-level one).
+/// `spec` is a checkpoint directory, a GGUF file, or a preset name when no such directory
+/// exists. `tokenizer` overrides the directory's tokenizer.json or the GGUF's own (or the
+/// presets' byte-level one).
 pub fn load(spec: &str, o: &SynthOptions, tokenizer: Option<&Path>) -> Result<Loaded> {
     let dir = PathBuf::from(spec);
     let model = load_model(spec, o).with_context(|| format!("loading model {spec}"))?;
     let dir_tok = if dir.join("tokenizer.json").exists() {
         Some(Tokenizer::from_dir(&dir)?)
+    } else if dir.is_file() && tokenizer.is_none() {
+        // A GGUF's own tokenizer and chat template.
+        engine_core::gguf::vocab::read(&dir)?
     } else {
         None
     };

@@ -138,3 +138,103 @@ fn half_precision_ggufs_match_the_same_weights_from_safetensors() {
         assert_eq!(ids_a, ids_b, "{file}");
     }
 }
+
+/// A GGUF holding the fixture tokenizer as the converter writes it: every id's token in id
+/// order (`[PADn]` where the tokenizer has none), its type (1 normal, 3 the added special
+/// tokens, 5 unused), the merges as `"a b"`, the pre-tokenizer's name. These rules were checked
+/// once against `convert_hf_to_gguf.py --vocab-only` on the same tokenizer.json (the three
+/// arrays were equal); the converter's file is 16 MB, so the test builds its own.
+fn vocab_gguf(chat_template: &str) -> Vec<u8> {
+    use engine_core::gguf::{Value, Writer};
+    let path = fixtures_dir().join("tokenizer/tokenizer.json");
+    let json: serde_json::Value = serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();
+    let n = 248_320;
+    let mut tokens: Vec<Option<String>> = vec![None; n];
+    let mut types = vec![5i32; n];
+    for (text, id) in json["model"]["vocab"].as_object().unwrap() {
+        let id = id.as_u64().unwrap() as usize;
+        tokens[id] = Some(text.clone());
+        types[id] = 1;
+    }
+    for a in json["added_tokens"].as_array().unwrap() {
+        let id = a["id"].as_u64().unwrap() as usize;
+        tokens[id] = Some(a["content"].as_str().unwrap().to_string());
+        types[id] = if a["special"].as_bool().unwrap() {
+            3
+        } else {
+            4
+        };
+    }
+    let merges = json["model"]["merges"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| {
+            Value::Str(format!(
+                "{} {}",
+                p[0].as_str().unwrap(),
+                p[1].as_str().unwrap()
+            ))
+        })
+        .collect();
+    let mut w = Writer::new();
+    w.meta("general.architecture", Value::Str("qwen35".into()))
+        .meta("tokenizer.ggml.model", Value::Str("gpt2".into()))
+        .meta("tokenizer.ggml.pre", Value::Str("qwen35".into()))
+        .meta(
+            "tokenizer.ggml.tokens",
+            Value::Array(
+                tokens
+                    .into_iter()
+                    .enumerate()
+                    .map(|(i, t)| Value::Str(t.unwrap_or_else(|| format!("[PAD{i}]"))))
+                    .collect(),
+            ),
+        )
+        .meta(
+            "tokenizer.ggml.token_type",
+            Value::Array(types.into_iter().map(Value::I32).collect()),
+        )
+        .meta("tokenizer.ggml.merges", Value::Array(merges))
+        .meta("tokenizer.ggml.eos_token_id", Value::U32(248_046))
+        .meta("tokenizer.chat_template", Value::Str(chat_template.into()));
+    w.to_bytes()
+}
+
+#[test]
+fn the_tokenizer_in_a_gguf_encodes_as_its_tokenizer_json() {
+    use engine_core::gguf::{vocab, Gguf};
+    use engine_core::tokenizer::{ChatMessage, Tokenizer};
+    // ChatML with a system turn of its own, so the test sees that this template is used.
+    let template = "<|im_start|>system\nbe brief<|im_end|>\n{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+    let bytes = vocab_gguf(template);
+    let ours = vocab::tokenizer(&Gguf::parse(&bytes).unwrap())
+        .unwrap()
+        .expect("a real vocabulary");
+    let reference = Tokenizer::from_dir(fixtures_dir().join("tokenizer")).unwrap();
+    let text = std::fs::read_to_string(fixtures_dir().join("tokenizer/samples.json")).unwrap();
+    let samples: serde_json::Value = serde_json::from_str(&text).unwrap();
+    for s in samples["samples"].as_array().unwrap() {
+        let text = s["text"].as_str().unwrap();
+        let want: Vec<u32> = s["ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as u32)
+            .collect();
+        assert_eq!(ours.encode(text).unwrap(), want, "{text:?}");
+        assert_eq!(
+            ours.decode(&want).unwrap(),
+            reference.decode(&want).unwrap()
+        );
+    }
+    // The template, and user text kept from spelling special tokens: the reference (no
+    // template in its directory) renders ChatML, given the same system turn.
+    let user = ChatMessage::new("user", "hi <|im_end|> there");
+    let system = ChatMessage::new("system", "be brief");
+    assert_eq!(
+        ours.encode_chat(std::slice::from_ref(&user), true).unwrap(),
+        reference.encode_chat(&[system, user], true).unwrap()
+    );
+    assert_eq!(ours.vocab_size(), reference.vocab_size());
+}

@@ -9,6 +9,7 @@
 //! `tests/fuzz_gguf.rs` throws random and mutated files at this parser.
 
 pub mod qwen35;
+pub mod vocab;
 
 use std::collections::BTreeMap;
 use std::ops::Range;
@@ -293,6 +294,18 @@ impl Gguf {
             tensors,
         })
     }
+}
+
+/// A GGUF file, memory-mapped and parsed (the tensor data stays in the mapping).
+#[cfg(not(target_arch = "wasm32"))]
+pub fn open(path: &std::path::Path) -> crate::Result<(Gguf, crate::tensor::SharedBytes)> {
+    use crate::Error;
+    let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+    // SAFETY: read-only, as for safetensors (weights::load_dir).
+    let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
+    let g = Gguf::parse(&map)
+        .map_err(|e| Error::Weights(format!("{}: not a valid GGUF file: {e}", path.display())))?;
+    Ok((g, std::sync::Arc::new(map)))
 }
 
 struct Reader<'a> {

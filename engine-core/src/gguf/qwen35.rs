@@ -199,7 +199,7 @@ pub fn tensors(g: &Gguf, bytes: &SharedBytes, layers: usize) -> Result<TensorMap
 /// A GGUF file's config and tensors (memory-mapped: no weight is copied).
 #[cfg(not(target_arch = "wasm32"))]
 pub fn load(path: &std::path::Path) -> Result<(ModelConfig, TensorMap)> {
-    let (g, bytes) = open(path)?;
+    let (g, bytes) = super::open(path)?;
     let config = config(&g).map_err(|e| in_file(path, e))?;
     let tensors = tensors(&g, &bytes, config.num_hidden_layers)?;
     Ok((config, tensors))
@@ -208,7 +208,7 @@ pub fn load(path: &std::path::Path) -> Result<(ModelConfig, TensorMap)> {
 /// A GGUF file's config alone (the file is mapped and its header parsed; no tensor is read).
 #[cfg(not(target_arch = "wasm32"))]
 pub fn read_config(path: &std::path::Path) -> Result<ModelConfig> {
-    let (g, _) = open(path)?;
+    let (g, _) = super::open(path)?;
     config(&g).map_err(|e| in_file(path, e))
 }
 
@@ -218,14 +218,4 @@ fn in_file(path: &std::path::Path, e: Error) -> Error {
         Error::Config(m) => Error::Config(format!("{}: {m}", path.display())),
         other => other,
     }
-}
-
-#[cfg(not(target_arch = "wasm32"))]
-fn open(path: &std::path::Path) -> Result<(Gguf, SharedBytes)> {
-    let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
-    // SAFETY: read-only, as for safetensors (weights::load_dir).
-    let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
-    let g = Gguf::parse(&map)
-        .map_err(|e| Error::Weights(format!("{}: not a valid GGUF file: {e}", path.display())))?;
-    Ok((g, std::sync::Arc::new(map)))
 }
