@@ -29,6 +29,7 @@ fn weights(rows: usize, cols: usize, dtype: DType) -> Matrix {
             (0..len).map(|_| f16::from_f32(next())).collect(),
         )),
         DType::F32 => Data::F32(Elems::Owned((0..len).map(|_| next()).collect())),
+        DType::Q8_0 => Data::from_f32(&(0..len).map(|_| next()).collect::<Vec<f32>>(), dtype),
     };
     Matrix { rows, cols, data }
 }
@@ -63,6 +64,8 @@ fn gemv(c: &mut Criterion) {
             (3584, 1024, DType::BF16),
             (248320, 1024, DType::F16),
             (3584, 1024, DType::F16),
+            (3584, 1024, DType::Q8_0),
+            (1024, 3584, DType::Q8_0),
         ],
     );
 }
@@ -77,6 +80,7 @@ fn gemm(c: &mut Criterion) {
             (1024, 3584, DType::BF16),
             (3584, 1024, DType::F16),
             (1024, 3584, DType::F16),
+            (3584, 1024, DType::Q8_0),
         ],
     );
 }

@@ -89,9 +89,11 @@ impl Entry {
     /// The bytes the tensor takes, if its dtype is known and its size fits.
     pub fn bytes(&self) -> Option<usize> {
         let dtype = DType::parse(&self.dtype)?;
-        self.shape
+        let elems = self
+            .shape
             .iter()
-            .try_fold(dtype.size(), |n, &d| n.checked_mul(d))
+            .try_fold(1usize, |n, &d| n.checked_mul(d))?;
+        dtype.bytes_for(elems)
     }
 
     /// `bytes` as this tensor, if they are exactly what the manifest says.
@@ -120,6 +122,7 @@ impl Entry {
             DType::F32 => Data::F32(Elems::from_bytes(&shared, range)),
             DType::BF16 => Data::BF16(Elems::from_bytes(&shared, range)),
             DType::F16 => Data::F16(Elems::from_bytes(&shared, range)),
+            DType::Q8_0 => Data::Q8_0(Elems::from_bytes(&shared, range)),
         };
         Ok(Tensor {
             shape: self.shape.clone(),

@@ -133,6 +133,7 @@ fn fill(name: &str, n: usize, init: &Init, seed: u64, dtype: DType) -> Data {
         DType::F16 => Data::F16(Elems::Owned(
             build(n, half::f16::from_f32, chunk_values).into(),
         )),
+        DType::Q8_0 => Data::from_f32(&build(n, |v| v, chunk_values), DType::Q8_0),
     }
 }
 
@@ -287,6 +288,11 @@ pub fn write_hf_dir(
         DType::F32 => "float32",
         DType::BF16 => "bfloat16",
         DType::F16 => "float16",
+        DType::Q8_0 => {
+            return Err(Error::Invalid(
+                "a safetensors checkpoint cannot hold Q8_0 weights (write a GGUF)".into(),
+            ))
+        }
     }
     .into();
     let path = dir.join("config.json");

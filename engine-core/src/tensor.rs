@@ -13,14 +13,27 @@ pub enum DType {
     F32,
     BF16,
     F16,
+    /// llama.cpp's Q8_0: blocks of 32 weights sharing an f16 scale ([`BlockQ8_0`]).
+    Q8_0,
 }
 
 impl DType {
-    pub fn size(self) -> usize {
+    /// Elements per block and bytes per block (1 element for the float types).
+    pub fn block(self) -> (usize, usize) {
         match self {
-            DType::F32 => 4,
-            DType::BF16 | DType::F16 => 2,
+            DType::F32 => (1, 4),
+            DType::BF16 | DType::F16 => (1, 2),
+            DType::Q8_0 => (Q8_0_BLOCK, std::mem::size_of::<BlockQ8_0>()),
         }
+    }
+
+    /// Bytes `elems` elements take (a whole number of blocks), if that fits a usize.
+    pub fn bytes_for(self, elems: usize) -> Option<usize> {
+        let (block, bytes) = self.block();
+        elems
+            .is_multiple_of(block)
+            .then(|| (elems / block).checked_mul(bytes))
+            .flatten()
     }
 
     pub fn name(self) -> &'static str {
@@ -28,6 +41,7 @@ impl DType {
             DType::F32 => "f32",
             DType::BF16 => "bf16",
             DType::F16 => "f16",
+            DType::Q8_0 => "q8_0",
         }
     }
 
@@ -36,8 +50,46 @@ impl DType {
             "f32" | "fp32" | "float32" => Some(DType::F32),
             "bf16" | "bfloat16" => Some(DType::BF16),
             "f16" | "fp16" | "float16" => Some(DType::F16),
+            "q8_0" => Some(DType::Q8_0),
             _ => None,
         }
+    }
+
+    /// Whether the type stores blocks of weights with a shared scale.
+    pub fn is_quantised(self) -> bool {
+        self.block().0 > 1
+    }
+}
+
+/// Weights per Q8_0 block.
+pub const Q8_0_BLOCK: usize = 32;
+
+/// One Q8_0 block, byte for byte as ggml stores it: weight `i` is `d * qs[i]`.
+#[derive(Clone, Copy, Debug, Default, bytemuck::Pod, bytemuck::Zeroable)]
+#[repr(C)]
+pub struct BlockQ8_0 {
+    pub d: f16,
+    pub qs: [i8; Q8_0_BLOCK],
+}
+
+impl BlockQ8_0 {
+    /// ggml's reference quantisation (`quantize_row_q8_0_ref`): the scale maps the largest
+    /// magnitude to 127, each weight rounds to nearest (halves away from zero).
+    pub fn quantise(x: &[f32; Q8_0_BLOCK]) -> BlockQ8_0 {
+        let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        let d = amax / 127.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        BlockQ8_0 {
+            d: f16::from_f32(d),
+            qs: x.map(|v| (v * id).round() as i8),
+        }
+    }
+
+    /// The 32 weights as f32.
+    #[inline(always)]
+    pub fn dequantise(&self) -> [f32; Q8_0_BLOCK] {
+        let d = self.d.to_f32();
+        self.qs.map(|q| d * f32::from(q))
     }
 }
 
@@ -87,6 +139,7 @@ pub enum Data {
     F32(Elems<f32>),
     BF16(Elems<bf16>),
     F16(Elems<f16>),
+    Q8_0(Elems<BlockQ8_0>),
 }
 
 impl Data {
@@ -95,14 +148,17 @@ impl Data {
             Data::F32(_) => DType::F32,
             Data::BF16(_) => DType::BF16,
             Data::F16(_) => DType::F16,
+            Data::Q8_0(_) => DType::Q8_0,
         }
     }
 
+    /// Elements (weights), not blocks.
     pub fn len(&self) -> usize {
         match self {
             Data::F32(e) => e.len(),
             Data::BF16(e) => e.len(),
             Data::F16(e) => e.len(),
+            Data::Q8_0(e) => e.len() * Q8_0_BLOCK,
         }
     }
 
@@ -110,12 +166,25 @@ impl Data {
         self.len() == 0
     }
 
-    /// Convert `range` of the elements to f32 into `out` (same length as `range`).
+    /// Convert `range` of the elements to f32 into `out` (same length as `range`). For a
+    /// quantised type the range must start and end on block boundaries (rows of a matrix whose
+    /// width is a whole number of blocks do).
     pub fn to_f32_into(&self, range: Range<usize>, out: &mut [f32]) {
         match self {
             Data::F32(e) => out.copy_from_slice(&e[range]),
             Data::BF16(e) => crate::backend::cpu::convert::bf16_to_f32(&e[range], out),
             Data::F16(e) => crate::backend::cpu::convert::f16_to_f32(&e[range], out),
+            Data::Q8_0(e) => {
+                assert!(
+                    range.start.is_multiple_of(Q8_0_BLOCK) && range.end.is_multiple_of(Q8_0_BLOCK),
+                    "a Q8_0 range off block boundaries"
+                );
+                assert_eq!(out.len(), range.len());
+                let blocks = &e[range.start / Q8_0_BLOCK..range.end / Q8_0_BLOCK];
+                for (b, o) in blocks.iter().zip(out.chunks_exact_mut(Q8_0_BLOCK)) {
+                    o.copy_from_slice(&b.dequantise());
+                }
+            }
         }
     }
 
@@ -131,10 +200,12 @@ impl Data {
             Data::F32(e) => bytemuck::cast_slice(e),
             Data::BF16(e) => bytemuck::cast_slice(e),
             Data::F16(e) => bytemuck::cast_slice(e),
+            Data::Q8_0(e) => bytemuck::cast_slice(e),
         }
     }
 
-    /// Owned data from f32 values, stored as `dtype` (round to nearest even).
+    /// Owned data from f32 values, stored as `dtype` (round to nearest even; Q8_0 as ggml
+    /// quantises, `values` a whole number of blocks).
     pub fn from_f32(values: &[f32], dtype: DType) -> Data {
         match dtype {
             DType::F32 => Data::F32(Elems::Owned(values.into())),
@@ -144,6 +215,15 @@ impl Data {
             DType::F16 => Data::F16(Elems::Owned(
                 values.iter().map(|&v| f16::from_f32(v)).collect(),
             )),
+            DType::Q8_0 => {
+                assert_eq!(values.len() % Q8_0_BLOCK, 0, "Q8_0 takes whole blocks");
+                Data::Q8_0(Elems::Owned(
+                    values
+                        .chunks_exact(Q8_0_BLOCK)
+                        .map(|c| BlockQ8_0::quantise(c.try_into().expect("a block")))
+                        .collect(),
+                ))
+            }
         }
     }
 }
@@ -176,7 +256,7 @@ impl Matrix {
 
     /// Bytes the matrix occupies in its storage dtype.
     pub fn nbytes(&self) -> usize {
-        self.rows * self.cols * self.dtype().size()
+        self.data.as_bytes().len()
     }
 
     /// Row `r` converted to f32 (embedding lookup).

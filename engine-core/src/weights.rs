@@ -84,22 +84,17 @@ pub fn add_safetensors(bytes: SharedBytes, what: &str, out: &mut TensorMap) -> R
         let Some(norm) = normalise_name(&name) else {
             continue;
         };
-        let dtype = match view.dtype() {
-            StDtype::F32 => DType::F32,
-            StDtype::BF16 => DType::BF16,
-            StDtype::F16 => DType::F16,
+        let start = view.data().as_ptr() as usize - base;
+        let range = start..start + view.data().len();
+        let data = match view.dtype() {
+            StDtype::F32 => Data::F32(Elems::from_bytes(&bytes, range)),
+            StDtype::BF16 => Data::BF16(Elems::from_bytes(&bytes, range)),
+            StDtype::F16 => Data::F16(Elems::from_bytes(&bytes, range)),
             other => {
                 return Err(Error::Weights(format!(
                     "{what}: tensor `{name}` has dtype {other:?}; tether reads f32, bf16 and f16"
                 )))
             }
-        };
-        let start = view.data().as_ptr() as usize - base;
-        let range = start..start + view.data().len();
-        let data = match dtype {
-            DType::F32 => Data::F32(Elems::from_bytes(&bytes, range)),
-            DType::BF16 => Data::BF16(Elems::from_bytes(&bytes, range)),
-            DType::F16 => Data::F16(Elems::from_bytes(&bytes, range)),
         };
         out.insert(
             norm,
@@ -222,17 +217,22 @@ pub fn save_safetensors(tensors: &TensorMap, path: &std::path::Path) -> Result<(
                 DType::F32 => StDtype::F32,
                 DType::BF16 => StDtype::BF16,
                 DType::F16 => StDtype::F16,
+                DType::Q8_0 => {
+                    return Err(Error::Weights(format!(
+                        "{n} is Q8_0, which a safetensors file cannot hold"
+                    )))
+                }
             };
-            (
+            Ok((
                 n.clone(),
                 RawTensor {
                     dtype,
                     shape: t.shape.clone(),
                     bytes: t.data.as_bytes(),
                 },
-            )
+            ))
         })
-        .collect();
+        .collect::<Result<_>>()?;
     raw.sort_by(|a, b| a.0.cmp(&b.0));
     save_raw(&raw, path)
 }

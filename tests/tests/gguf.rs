@@ -238,3 +238,73 @@ fn the_tokenizer_in_a_gguf_encodes_as_its_tokenizer_json() {
     );
     assert_eq!(ours.vocab_size(), reference.vocab_size());
 }
+
+/// The converter's own Q8_0 file (`--outtype q8_0`: every matrix Q8_0, norms and gates f32).
+/// Its logits are those of the same weights dequantised to f32 (by ggml's definition, computed
+/// here) within f32 rounding; against the f32 fixture they differ by the quantisation, and the
+/// greedy tokens stay the fixture's for as many steps as the margin below allows.
+#[test]
+fn the_converters_q8_0_gguf_computes_its_dequantised_weights() {
+    use engine_core::tensor::{Data, Elems};
+    let quantised = load("tiny_fp32.q8_0.gguf");
+    let (config, mut tensors) =
+        engine_core::gguf::qwen35::load(&gguf("tiny_fp32.q8_0.gguf")).unwrap();
+    let mut n_q8 = 0;
+    for t in tensors.values_mut() {
+        if let Data::Q8_0(blocks) = &t.data {
+            let values: Vec<f32> = blocks
+                .iter()
+                .flat_map(|b| b.qs.map(|q| b.d.to_f32() * f32::from(q)))
+                .collect();
+            t.data = Data::F32(Elems::Owned(values.into()));
+            n_q8 += 1;
+        }
+    }
+    assert_eq!(n_q8, 64, "every matrix of the file is Q8_0");
+    let dequantised = Model::from_tensors(config, &tensors).unwrap();
+    let r = Reference::load("tiny_fp32");
+    let prompt = r.ids("prompt_ids");
+    let want = r.ids("gen_ids");
+    let (a, ids_a, gen_a) = run(&quantised, &prompt, want.len());
+    let (b, ids_b, gen_b) = run(&dequantised, &prompt, want.len());
+    let d = max_abs_diff(&a, &b).max(max_abs_diff(&gen_a, &gen_b));
+    assert!(d < 1e-4, "Q8_0 against its dequantised weights: {d}");
+    assert_eq!(ids_a, ids_b);
+    // tether's Q8_0 quantiser gives the converter's blocks, byte for byte (a matrix the
+    // converter does not permute).
+    let hf = engine_core::weights::load_dir(&fixtures_dir().join("tiny_fp32")).unwrap();
+    let name = "model.layers.0.mlp.gate_proj.weight";
+    let ours = Data::from_f32(
+        &hf[name].data.to_f32_vec(),
+        engine_core::tensor::DType::Q8_0,
+    );
+    let (_, file) = engine_core::gguf::qwen35::load(&gguf("tiny_fp32.q8_0.gguf")).unwrap();
+    assert_eq!(ours.as_bytes(), file[name].data.as_bytes());
+    // Against the f32 fixture: quantisation noise. The greedy ids may part only where the
+    // f32 run's top two logits were closer than twice the noise seen in the prefill.
+    let vs_f32 = max_abs_diff(&a, &r.f32("prefill_logits").1);
+    let same = ids_a.iter().zip(&want).take_while(|(a, b)| a == b).count();
+    let f32_gen = r.f32("gen_logits").1;
+    let margin = |step: usize| {
+        let mut row = f32_gen[step * 256..(step + 1) * 256].to_vec();
+        row.sort_by(|a, b| b.total_cmp(a));
+        row[0] - row[1]
+    };
+    eprintln!(
+        "Q8_0 vs the f32 fixture: prefill logits within {vs_f32}; greedy ids equal for {same} of \
+         {} steps",
+        want.len()
+    );
+    assert!(
+        vs_f32 < 1.0,
+        "Q8_0 prefill logits differ from f32 by {vs_f32}"
+    );
+    if same < want.len() {
+        let m = margin(same);
+        eprintln!("first difference at step {same}, where the f32 margin is {m}");
+        assert!(
+            m < 2.0 * vs_f32,
+            "Q8_0 left the f32 ids at step {same}, whose margin {m} the noise cannot explain"
+        );
+    }
+}

@@ -177,10 +177,11 @@ pub fn tensors(g: &Gguf, bytes: &SharedBytes, layers: usize) -> Result<TensorMap
             GgmlType::F32 => Data::F32(Elems::from_bytes(bytes, t.range.clone())),
             GgmlType::F16 => Data::F16(Elems::from_bytes(bytes, t.range.clone())),
             GgmlType::BF16 => Data::BF16(Elems::from_bytes(bytes, t.range.clone())),
+            GgmlType::Q8_0 => Data::Q8_0(Elems::from_bytes(bytes, t.range.clone())),
             other => {
                 return Err(Error::Weights(format!(
-                    "GGUF tensor `{}` is {}: this build reads F32, F16 and BF16 GGUF tensors \
-                     (quantised ones are not read yet)",
+                    "GGUF tensor `{}` is {}: this build reads F32, F16, BF16 and Q8_0 GGUF \
+                     tensors",
                     t.name,
                     other.name()
                 )))

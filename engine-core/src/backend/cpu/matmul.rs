@@ -17,7 +17,7 @@ use rayon::prelude::*;
 use super::convert;
 #[cfg(target_arch = "x86_64")]
 use crate::tensor::DType;
-use crate::tensor::{Data, Matrix};
+use crate::tensor::{BlockQ8_0, Data, Matrix, Q8_0_BLOCK};
 
 /// Rows of `x` from which `gemm` beats the dot-product kernel. Measured on Zen 4 (2 threads) with
 /// bf16 weights, 1024x3584 and 3584x1024: the dot kernel is faster up to t = 12, the two are even
@@ -46,9 +46,10 @@ pub fn matmul(x: &[f32], w: &Matrix, out: &mut [f32]) {
         return blocked::matmul_gemm(x, t, w, out);
     }
     match &w.data {
-        Data::F32(e) => matmul_dots(x, t, k, e, out),
-        Data::BF16(e) => matmul_dots(x, t, k, e, out),
-        Data::F16(e) => matmul_dots(x, t, k, e, out),
+        Data::F32(e) => matmul_dots(x, t, k, e, k, dots_task, out),
+        Data::BF16(e) => matmul_dots(x, t, k, e, k, dots_task, out),
+        Data::F16(e) => matmul_dots(x, t, k, e, k, dots_task, out),
+        Data::Q8_0(e) => matmul_dots(x, t, k, e, k / Q8_0_BLOCK, dots_task_q8_0, out),
     }
 }
 
@@ -58,13 +59,26 @@ fn rows_per_task(n: usize) -> usize {
     n.div_ceil(rayon::current_num_threads() * 8).max(16)
 }
 
-fn matmul_dots<T: Widen>(x: &[f32], t: usize, k: usize, w: &[T], out: &mut [f32]) {
-    let n = w.len() / k;
+/// A task's dot products: weight rows `w` into `out` (`[rows, t]`).
+type DotsTask<T> = fn(&[f32], usize, &[T], &mut [f32]);
+
+/// The dot-product path over weight rows of `per_row` storage units (elements, or blocks of a
+/// quantised type) each, `task` computing one task's rows.
+fn matmul_dots<T: Sync>(
+    x: &[f32],
+    t: usize,
+    k: usize,
+    w: &[T],
+    per_row: usize,
+    task: DotsTask<T>,
+    out: &mut [f32],
+) {
+    let n = w.len() / per_row;
     let task_rows = rows_per_task(n);
     if t == 1 {
         out.par_chunks_mut(task_rows)
-            .zip(w.par_chunks(task_rows * k))
-            .for_each(|(o, w)| dots_task(x, k, w, o));
+            .zip(w.par_chunks(task_rows * per_row))
+            .for_each(|(o, w)| task(x, k, w, o));
         return;
     }
     // Tasks own disjoint output rows `o`, which are columns of `out`: fill `[n, t]` and transpose
@@ -72,8 +86,8 @@ fn matmul_dots<T: Widen>(x: &[f32], t: usize, k: usize, w: &[T], out: &mut [f32]
     let mut out_t = vec![0.0f32; n * t];
     out_t
         .par_chunks_mut(task_rows * t)
-        .zip(w.par_chunks(task_rows * k))
-        .for_each(|(o, w)| dots_task(x, k, w, o));
+        .zip(w.par_chunks(task_rows * per_row))
+        .for_each(|(o, w)| task(x, k, w, o));
     out.par_chunks_mut(n).enumerate().for_each(|(r, row)| {
         for (o, v) in row.iter_mut().enumerate() {
             *v = out_t[o * t + r];
@@ -94,7 +108,7 @@ fn dots_task<T: Widen>(x: &[f32], k: usize, w: &[T], out: &mut [f32]) {
 fn dots_task_portable<T: Widen>(x: &[f32], k: usize, w: &[T], out: &mut [f32]) {
     // Lanes per row of `x`: 32 lanes (4 AVX2 registers) for few rows, 16 for more, so that there
     // are enough independent FMA chains without running out of registers.
-    for_each_group(x, k, w, out, |wr, xg, dst| match dst.len() {
+    for_each_group(x, k, w, k, out, |wr, xg, dst| match dst.len() {
         4 => dst.copy_from_slice(&dots::<T, 4, 16>(wr, xg)),
         3 => dst.copy_from_slice(&dots::<T, 3, 16>(wr, xg)),
         2 => dst.copy_from_slice(&dots::<T, 2, 32>(wr, xg)),
@@ -102,23 +116,66 @@ fn dots_task_portable<T: Widen>(x: &[f32], k: usize, w: &[T], out: &mut [f32]) {
     });
 }
 
-/// Calls `group(weight row, rows of x, outputs)` for every weight row and every group of up to
-/// `X_GROUP` rows of `x`, so that one weight row, read once from memory, serves all of `x` from
-/// L1.
+/// Calls `group(weight row, rows of x, outputs)` for every weight row (`per_row` storage units)
+/// and every group of up to `X_GROUP` rows of `x`, so that one weight row, read once from
+/// memory, serves all of `x` from L1.
 #[inline(always)]
 fn for_each_group<T>(
     x: &[f32],
     k: usize,
     w: &[T],
+    per_row: usize,
     out: &mut [f32],
     mut group: impl FnMut(&[T], &[f32], &mut [f32]),
 ) {
     let t = x.len() / k;
-    for (wr, out_r) in w.chunks_exact(k).zip(out.chunks_exact_mut(t)) {
+    for (wr, out_r) in w.chunks_exact(per_row).zip(out.chunks_exact_mut(t)) {
         for (xg, dst) in x.chunks(X_GROUP * k).zip(out_r.chunks_mut(X_GROUP)) {
             group(wr, xg, dst);
         }
     }
+}
+
+/// Q8_0 weight rows (`k / 32` blocks each) into `out`: each block is dequantised in registers
+/// (`d * q`, as ggml defines it) and multiplied into the rows of `x`; no row is ever widened in
+/// memory.
+fn dots_task_q8_0(x: &[f32], k: usize, w: &[BlockQ8_0], out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if avx2::available() {
+        // SAFETY: the CPU has the features the kernel is compiled for.
+        return unsafe { avx2::dots_task_q8_0(x, k, w, out) };
+    }
+    dots_task_q8_0_portable(x, k, w, out);
+}
+
+fn dots_task_q8_0_portable(x: &[f32], k: usize, w: &[BlockQ8_0], out: &mut [f32]) {
+    for_each_group(x, k, w, k / Q8_0_BLOCK, out, |wr, xg, dst| {
+        match dst.len() {
+            4 => dst.copy_from_slice(&dots_q8_0::<4>(wr, xg)),
+            3 => dst.copy_from_slice(&dots_q8_0::<3>(wr, xg)),
+            2 => dst.copy_from_slice(&dots_q8_0::<2>(wr, xg)),
+            _ => dst.copy_from_slice(&dots_q8_0::<1>(wr, xg)),
+        }
+    });
+}
+
+/// Dot products of one Q8_0 weight row with the `R` rows of `xs`, one lane per weight of a
+/// block.
+#[inline(always)]
+fn dots_q8_0<const R: usize>(w: &[BlockQ8_0], xs: &[f32]) -> [f32; R] {
+    let k = w.len() * Q8_0_BLOCK;
+    assert_eq!(xs.len(), R * k);
+    let mut acc = [[0.0f32; Q8_0_BLOCK]; R];
+    for (b, block) in w.iter().enumerate() {
+        let wv = block.dequantise();
+        for (r, acc_r) in acc.iter_mut().enumerate() {
+            let xc = &xs[r * k + b * Q8_0_BLOCK..][..Q8_0_BLOCK];
+            for ((a, &wv), &xv) in acc_r.iter_mut().zip(&wv).zip(xc) {
+                *a = fmadd(wv, xv, *a);
+            }
+        }
+    }
+    std::array::from_fn(|r| sum_lanes(&acc[r]))
 }
 
 /// A weight storage type, widened to f32 by the dot-product kernels.
@@ -233,7 +290,7 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
 mod avx2 {
     use std::arch::x86_64::*;
 
-    use super::{for_each_group, sum_lanes, DType, Widen};
+    use super::{for_each_group, sum_lanes, BlockQ8_0, DType, Widen, Q8_0_BLOCK};
 
     pub fn available() -> bool {
         is_x86_feature_detected!("avx2")
@@ -247,7 +304,7 @@ mod avx2 {
     pub unsafe fn dots_task<T: Widen>(x: &[f32], k: usize, w: &[T], out: &mut [f32]) {
         // Accumulator registers per row of `x`: 4 chains in flight for one row, 6-8 for more,
         // which covers FMA latency (4 cycles) times its two pipes without spilling.
-        for_each_group(x, k, w, out, |wr, xg, dst| {
+        for_each_group(x, k, w, k, out, |wr, xg, dst| {
             // SAFETY: this closure runs only inside `dots_task`, whose caller checked the CPU.
             unsafe {
                 match dst.len() {
@@ -258,6 +315,68 @@ mod avx2 {
                 }
             }
         });
+    }
+
+    /// # Safety
+    /// The CPU must support AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dots_task_q8_0(x: &[f32], k: usize, w: &[BlockQ8_0], out: &mut [f32]) {
+        for_each_group(x, k, w, k / Q8_0_BLOCK, out, |wr, xg, dst| {
+            // SAFETY: this closure runs only inside `dots_task_q8_0`, whose caller checked
+            // the CPU.
+            unsafe {
+                match dst.len() {
+                    4 => dst.copy_from_slice(&dots_q8_0::<4>(wr, xg)),
+                    3 => dst.copy_from_slice(&dots_q8_0::<3>(wr, xg)),
+                    2 => dst.copy_from_slice(&dots_q8_0::<2>(wr, xg)),
+                    _ => dst.copy_from_slice(&dots_q8_0::<1>(wr, xg)),
+                }
+            }
+        });
+    }
+
+    /// Dot products of one Q8_0 weight row with the `R` rows of `xs`: per block, the 32
+    /// signed bytes widened to f32 in four registers and scaled by `d`, then two accumulator
+    /// registers per row.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2, FMA and F16C.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn dots_q8_0<const R: usize>(w: &[BlockQ8_0], xs: &[f32]) -> [f32; R] {
+        let k = w.len() * Q8_0_BLOCK;
+        assert_eq!(xs.len(), R * k);
+        // SAFETY: the caller guarantees the CPU features; each block's 32 bytes and each row's
+        // 32 floats are read through bounds-checked array references.
+        unsafe {
+            let mut acc = [[_mm256_setzero_ps(); 2]; R];
+            for (b, block) in w.iter().enumerate() {
+                let d = _mm256_set1_ps(block.d.to_f32());
+                let q = _mm256_loadu_si256(block.qs.as_ptr().cast());
+                let (lo, hi) = (_mm256_castsi256_si128(q), _mm256_extracti128_si256::<1>(q));
+                let wv = [
+                    _mm256_cvtepi8_epi32(lo),
+                    _mm256_cvtepi8_epi32(_mm_srli_si128::<8>(lo)),
+                    _mm256_cvtepi8_epi32(hi),
+                    _mm256_cvtepi8_epi32(_mm_srli_si128::<8>(hi)),
+                ]
+                .map(|v| _mm256_mul_ps(d, _mm256_cvtepi32_ps(v)));
+                for (r, acc_r) in acc.iter_mut().enumerate() {
+                    let xc: &[f32; Q8_0_BLOCK] = xs[r * k + b * Q8_0_BLOCK..][..Q8_0_BLOCK]
+                        .try_into()
+                        .unwrap();
+                    for (j, wv) in wv.iter().enumerate() {
+                        let xv = _mm256_loadu_ps(xc[j * 8..].as_ptr());
+                        acc_r[j % 2] = _mm256_fmadd_ps(*wv, xv, acc_r[j % 2]);
+                    }
+                }
+            }
+            std::array::from_fn(|r| {
+                let mut lanes = [0.0f32; 8];
+                _mm256_storeu_ps(lanes.as_mut_ptr(), _mm256_add_ps(acc[r][0], acc[r][1]));
+                sum_lanes(&lanes)
+            })
+        }
     }
 
     /// # Safety
@@ -286,6 +405,7 @@ mod avx2 {
                     _mm256_castsi256_ps(_mm256_slli_epi32::<16>(h))
                 }
                 DType::F16 => _mm256_cvtph_ps(_mm_loadu_si128(p.cast())),
+                DType::Q8_0 => unreachable!("Q8_0 has its own kernel, dots_q8_0"),
             }
         }
     }
@@ -410,6 +530,10 @@ mod blocked {
                         convert::f16_to_f32(&e[range], buf);
                         buf
                     }
+                    Data::Q8_0(_) => {
+                        w.data.to_f32_into(range, buf);
+                        buf
+                    }
                 };
                 // SAFETY: dst is `out[.., o0..o0 + rows]` (t rows of stride n inside `out`, of
                 // length t * n), written by this task only; lhs is `x` as [t, k] row-major and
@@ -467,6 +591,7 @@ mod tests {
             Data::F32(e) => dots_task_portable(x, k, e, &mut out_t),
             Data::BF16(e) => dots_task_portable(x, k, e, &mut out_t),
             Data::F16(e) => dots_task_portable(x, k, e, &mut out_t),
+            Data::Q8_0(e) => dots_task_q8_0_portable(x, k, e, &mut out_t),
         }
         for r in 0..t {
             for o in 0..n {
@@ -481,7 +606,15 @@ mod tests {
             cols: k,
             data: Data::from_f32(&values(n * k, (n * 31 + k) as u64), dtype),
         };
-        let wf = w.data.to_f32_vec();
+        // The weights' values by ggml's definition, computed here (Q8_0: weight i of a block
+        // is d * qs[i]), not by the kernels' own widening.
+        let wf: Vec<f32> = match &w.data {
+            Data::Q8_0(blocks) => blocks
+                .iter()
+                .flat_map(|b| b.qs.map(|q| b.d.to_f32() * f32::from(q)))
+                .collect(),
+            other => other.to_f32_vec(),
+        };
         let x = values(t * k, t as u64 + 7);
         let mut out = vec![f32::NAN; t * n];
         f(&x, &w, &mut out);
@@ -527,6 +660,36 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Q8_0 rows are whole blocks of 32.
+    const Q8_SHAPES: [(usize, usize); 4] = [(37, 32), (300, 1024), (5, 64), (129, 96)];
+
+    #[test]
+    fn q8_0_matches_f64_reference_on_both_kernels_and_gemm() {
+        for t in [1, 2, 3, 4, 5, 9, 16, 40] {
+            for (n, k) in Q8_SHAPES {
+                check(t, n, k, DType::Q8_0, matmul);
+                check(t, n, k, DType::Q8_0, portable);
+            }
+        }
+    }
+
+    /// ggml's rounding: the largest magnitude becomes +-127, the rest round to nearest.
+    #[test]
+    fn q8_0_quantises_as_ggml_does() {
+        let mut x = [0.0f32; 32];
+        x[3] = -2.54;
+        x[7] = 1.0;
+        x[9] = 0.009;
+        x[10] = -0.03;
+        let b = crate::tensor::BlockQ8_0::quantise(&x);
+        assert_eq!(b.d.to_f32(), half::f16::from_f32(2.54 / 127.0).to_f32());
+        assert_eq!(
+            (b.qs[3], b.qs[7], b.qs[9], b.qs[10], b.qs[0]),
+            (-127, 50, 0, -2, 0)
+        );
+        assert_eq!(crate::tensor::BlockQ8_0::quantise(&[0.0; 32]).qs, [0; 32]);
     }
 
     #[test]

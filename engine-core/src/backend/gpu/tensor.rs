@@ -164,6 +164,12 @@ impl Gpu {
         format: WeightFormat,
         block_bytes: u64,
     ) -> Result<GpuMatrix, GpuError> {
+        if m.data.dtype().is_quantised() {
+            return Err(GpuError::Unsupported(format!(
+                "{} weights are not on the GPU backend yet (run them with --backend cpu)",
+                m.data.dtype().name()
+            )));
+        }
         if format == WeightFormat::F16 && !self.has_f16() {
             return Err(GpuError::Unsupported(format!(
                 "native f16 weights need shader-f16, which {} lacks (use f16-packed)",
