@@ -186,7 +186,10 @@ fn bad_arguments_fail_with_a_message() {
         .unwrap();
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("not a directory, nor a preset"), "{err}");
+    assert!(
+        err.contains("not a directory, nor a GGUF file, nor a preset"),
+        "{err}"
+    );
     // Metal itself is an Apple build's backend; elsewhere the error says what to use.
     let out = Command::new(env!("CARGO_BIN_EXE_tether"))
         .args([
@@ -206,6 +209,21 @@ fn bad_arguments_fail_with_a_message() {
         err.contains("--backend metal") && err.contains("--backend gpu"),
         "{err}"
     );
+    // Q8_0 weights (a GGUF) on the GPU backend, which has no quantised kernels yet: refused
+    // before anything runs.
+    let q8 = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../tests/fixtures/gguf/tiny_fp32.q8_0.gguf"
+    );
+    let out = Command::new(env!("CARGO_BIN_EXE_tether"))
+        .args(["run", "--model", q8, "--prompt", "x", "--backend", "gpu"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("cannot compute with q8_0 weights"), "{err}");
+    // The same file on the CPU runs.
+    tether(&["run", "--model", q8, "--prompt", "x", "--max-tokens", "3"]);
 }
 
 #[test]

@@ -326,6 +326,22 @@ impl Model {
         n
     }
 
+    /// An error if `be` cannot multiply the weights as they are stored (quantised matrices on a
+    /// backend without kernels for them), before anything runs.
+    pub fn check_backend(&self, be: &dyn Backend) -> Result<()> {
+        let head = self.ends.as_ref().map(|e| e.lm_head.dtype());
+        for dtype in [self.weight_dtype(), head].into_iter().flatten() {
+            if !be.reads(dtype) {
+                return Err(Error::Invalid(format!(
+                    "the {} backend cannot compute with {} weights yet: use --backend cpu",
+                    be.name(),
+                    dtype.name()
+                )));
+            }
+        }
+        Ok(())
+    }
+
     /// How the weights are stored (the MLP's, which every layer has).
     pub fn weight_dtype(&self) -> Option<crate::tensor::DType> {
         self.layers

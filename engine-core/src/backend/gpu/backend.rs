@@ -191,6 +191,10 @@ impl Backend for GpuBackend {
         self.name
     }
 
+    fn reads(&self, dtype: crate::tensor::DType) -> bool {
+        !dtype.is_quantised()
+    }
+
     fn upload(&self, x: Vec<f32>) -> Act {
         Act::Device(self.gpu.upload_f32(&x))
     }
