@@ -41,6 +41,12 @@ pub enum WeightLayout {
     Gguf,
 }
 
+impl WeightLayout {
+    fn is_hugging_face(&self) -> bool {
+        *self == WeightLayout::HuggingFace
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ModelConfig {
     pub vocab_size: usize,
@@ -63,8 +69,10 @@ pub struct ModelConfig {
     pub layer_types: Vec<LayerKind>,
     /// Token ids that end generation, from `eos_token_id` (a number or a list).
     pub eos_token_ids: Vec<u32>,
-    /// The checkpoint's form of norms, decay rates and value-head order.
-    #[serde(default)]
+    /// The checkpoint's form of norms, decay rates and value-head order. Left out of the JSON
+    /// when it is the default, so that configs (and the identities hashed from them) of
+    /// safetensors checkpoints read as they did before GGUF.
+    #[serde(default, skip_serializing_if = "WeightLayout::is_hugging_face")]
     pub layout: WeightLayout,
 }
 
@@ -301,8 +309,17 @@ impl ModelConfig {
         }
     }
 
+    /// `int(head_dim * partial_rotary_factor)` as Hugging Face computes it, a product within
+    /// f32 rounding of a whole number taken as that number (a GGUF stores the dimension count,
+    /// and its ratio to the head width does not always survive f32).
     pub fn rotary_dim(&self) -> usize {
-        (self.head_dim as f32 * self.partial_rotary_factor) as usize
+        let exact = self.head_dim as f32 * self.partial_rotary_factor;
+        let nearest = exact.round();
+        if (exact - nearest).abs() < 1e-3 {
+            nearest as usize
+        } else {
+            exact as usize
+        }
     }
 
     /// Values of one DeltaNet layer's state for one sequence: the recurrent state

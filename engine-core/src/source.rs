@@ -56,7 +56,8 @@ impl Default for SynthOptions {
 
 impl SynthOptions {
     pub fn dtype(&self) -> Result<DType> {
-        DType::parse(&self.weight_dtype).ok_or_else(|| {
+        let dtype = DType::parse(&self.weight_dtype).filter(|d| !d.is_quantised());
+        dtype.ok_or_else(|| {
             Error::Invalid(format!(
                 "--dtype {}: expected f32, bf16 or f16",
                 self.weight_dtype

@@ -133,7 +133,7 @@ fn fill(name: &str, n: usize, init: &Init, seed: u64, dtype: DType) -> Data {
         DType::F16 => Data::F16(Elems::Owned(
             build(n, half::f16::from_f32, chunk_values).into(),
         )),
-        DType::Q8_0 => Data::from_f32(&build(n, |v| v, chunk_values), DType::Q8_0),
+        DType::Q8_0 => unreachable!("random_weights_where refuses quantised dtypes"),
     }
 }
 
@@ -150,6 +150,12 @@ pub fn random_weights_where(
     seed: u64,
     keep: &dyn Fn(&str) -> bool,
 ) -> Result<TensorMap> {
+    if dtype.is_quantised() {
+        return Err(Error::Invalid(format!(
+            "synthetic weights are f32, bf16 or f16, not {}",
+            dtype.name()
+        )));
+    }
     let mut out = TensorMap::new();
     for (name, shape, init) in tensor_specs(c)? {
         if keep(&name) {

@@ -7,7 +7,7 @@ use safetensors::{Dtype as StDtype, SafeTensors};
 use std::collections::HashMap;
 
 use crate::error::{Error, Result};
-use crate::tensor::{DType, Data, Elems, SharedBytes, Tensor};
+use crate::tensor::{Data, Elems, SharedBytes, Tensor};
 
 pub type TensorMap = HashMap<String, Tensor>;
 
@@ -213,6 +213,7 @@ pub fn save_safetensors(tensors: &TensorMap, path: &std::path::Path) -> Result<(
     let mut raw: Vec<(String, RawTensor)> = tensors
         .iter()
         .map(|(n, t)| {
+            use crate::tensor::DType;
             let dtype = match t.dtype() {
                 DType::F32 => StDtype::F32,
                 DType::BF16 => StDtype::BF16,

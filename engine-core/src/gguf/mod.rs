@@ -25,6 +25,12 @@ const MAX_DIMS: u32 = 4;
 /// Nesting of metadata arrays (llama.cpp writes none deeper than 1).
 const MAX_DEPTH: u32 = 2;
 
+/// Most array elements in a file's metadata, all arrays together: a [`Value`] takes 32 bytes
+/// however few the file spends on it, so this count bounds memory (1 GiB) where the file's
+/// length would not. Real files' largest arrays are vocabularies and merge lists of well under
+/// a million each.
+const MAX_ARRAY_ITEMS: usize = 1 << 25;
+
 #[derive(Debug, thiserror::Error)]
 #[error("{0}")]
 pub struct GgufError(pub String);
@@ -200,7 +206,11 @@ impl Gguf {
     }
 
     pub fn parse(bytes: &[u8]) -> Result<Gguf, GgufError> {
-        let mut r = Reader { bytes, at: 0 };
+        let mut r = Reader {
+            bytes,
+            at: 0,
+            items: 0,
+        };
         if r.take(4)? != MAGIC {
             return Err(bad("not a GGUF file (no GGUF magic)"));
         }
@@ -239,7 +249,10 @@ impl Gguf {
                     .map_err(|e| bad(format!("tensor {i}: {e}")))?,
             );
         }
-        let data_start = (r.at as u64).next_multiple_of(alignment);
+        let data_start = (r.at as u64)
+            .checked_next_multiple_of(alignment)
+            .filter(|&s| s <= bytes.len() as u64 || infos.is_empty())
+            .ok_or_else(|| bad("the file ends before its tensor data (truncated?)"))?;
         let data_len = (bytes.len() as u64).saturating_sub(data_start);
         let mut tensors = Vec::with_capacity(infos.len());
         let mut names = std::collections::HashSet::new();
@@ -311,6 +324,8 @@ pub fn open(path: &std::path::Path) -> crate::Result<(Gguf, crate::tensor::Share
 struct Reader<'a> {
     bytes: &'a [u8],
     at: usize,
+    /// Array items read so far (see [`MAX_ARRAY_ITEMS`]).
+    items: usize,
 }
 
 /// A tensor's name, `ne` dimensions (contiguous first), type and data offset.
@@ -392,6 +407,12 @@ impl<'a> Reader<'a> {
                     _ => 8,
                 };
                 let n = self.count(min)?;
+                self.items = self.items.saturating_add(n);
+                if self.items > MAX_ARRAY_ITEMS {
+                    return Err(bad(format!(
+                        "more than {MAX_ARRAY_ITEMS} array items in the metadata"
+                    )));
+                }
                 let mut items = Vec::with_capacity(n);
                 for _ in 0..n {
                     items.push(self.value(elem, depth + 1)?);
@@ -571,6 +592,8 @@ mod tests {
             .iter()
             .flat_map(|x| x.to_le_bytes())
             .collect();
+        // An empty tensor first: its range must stay inside a file cut short anywhere.
+        w.tensor("empty", &[0, 32], GgmlType::F32, Vec::new());
         w.tensor("t", &[2, 3], GgmlType::F32, v);
         w.tensor("q", &[1, 32], GgmlType::Q8_0, vec![7; 34]);
         w.to_bytes()
@@ -586,15 +609,16 @@ mod tests {
             g.get("tokenizer.ggml.tokens").unwrap().as_array().unwrap()[1],
             Value::Str("bc".into())
         );
-        let t = &g.tensors[0];
+        assert!(g.tensors[0].range.is_empty());
+        let t = &g.tensors[1];
         assert_eq!((t.name.as_str(), t.shape.as_slice()), ("t", &[2, 3][..]));
         let floats: Vec<f32> = bytes[t.range.clone()]
             .chunks(4)
             .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
             .collect();
         assert_eq!(floats, [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]);
-        assert_eq!(g.tensors[1].range.len(), 34);
-        assert_eq!(g.tensors[1].range.start % 32, 0);
+        assert_eq!(g.tensors[2].range.len(), 34);
+        assert_eq!(g.tensors[2].range.start % 32, 0);
     }
 
     #[test]
@@ -604,9 +628,27 @@ mod tests {
             // Cutting into the last tensor's data or its padding: only the data's end matters.
             if let Ok(g) = Gguf::parse(&bytes[..n]) {
                 assert!(g.tensors.iter().all(|t| t.range.end <= n), "cut at {n}");
+                for t in &g.tensors {
+                    let _ = &bytes[..n][t.range.clone()];
+                }
             }
         }
         assert!(Gguf::parse(&bytes[..100]).is_err());
+    }
+
+    /// A file of empty tensors cut between its descriptions and its (aligned) data: no range
+    /// may point past the end.
+    #[test]
+    fn empty_tensors_of_a_cut_file_stay_inside_it() {
+        let mut w = Writer::new();
+        w.meta("general.architecture", Value::Str("qwen35".into()));
+        w.tensor("token_embd.weight", &[0, 32], GgmlType::F32, Vec::new());
+        let bytes = w.to_bytes();
+        for n in 0..=bytes.len() {
+            if let Ok(g) = Gguf::parse(&bytes[..n]) {
+                assert!(g.tensors.iter().all(|t| t.range.end <= n), "cut at {n}");
+            }
+        }
     }
 
     #[test]

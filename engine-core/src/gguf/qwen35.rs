@@ -10,7 +10,7 @@
 //! (`scripts/gguf-from-fixture.py`, `tests/tests/gguf.rs`).
 
 use super::{GgmlType, Gguf, TensorInfo, Value};
-use crate::config::{LayerKind, ModelConfig, WeightLayout};
+use crate::config::{LayerKind, ModelConfig, WeightLayout, MAX_LAYERS};
 use crate::error::{Error, Result};
 use crate::tensor::{Data, Elems, SharedBytes, Tensor};
 use crate::weights::TensorMap;
@@ -56,32 +56,29 @@ pub fn config(g: &Gguf) -> Result<ModelConfig> {
     let layers = blocks
         .checked_sub(nextn)
         .ok_or_else(|| Error::Config("GGUF: more nextn layers than blocks".into()))?;
-    let recurrent = meta(g, "attention.recurrent_layers")?
-        .as_array()
-        .ok_or_else(|| Error::Config("GGUF: recurrent_layers is not an array".into()))?;
-    if recurrent.len() < layers {
+    if layers > MAX_LAYERS {
         return Err(Error::Config(format!(
-            "GGUF: recurrent_layers lists {} layers of {layers}",
-            recurrent.len()
+            "GGUF: {layers} layers; tether reads at most {MAX_LAYERS}"
         )));
     }
-    let layer_types = recurrent[..layers]
-        .iter()
-        .map(|v| match v {
-            Value::Bool(true) => Ok(LayerKind::LinearAttention),
-            Value::Bool(false) => Ok(LayerKind::FullAttention),
-            other => Err(Error::Config(format!(
-                "GGUF: recurrent_layers holds {other:?}"
-            ))),
-        })
-        .collect::<Result<Vec<_>>>()?;
+    let layer_types = layer_types(g, layers)?;
     let embed = find(g, "token_embd.weight")?;
     let [vocab_size, _] = embed.shape[..] else {
         return Err(Error::Config(
             "GGUF: token_embd.weight is not a matrix".into(),
         ));
     };
-    let head_dim = count(g, "attention.key_length")?;
+    let hidden_size = count(g, "embedding_length")?;
+    let heads = count(g, "attention.head_count")?;
+    // llama.cpp's defaults where the converter wrote nothing.
+    let head_dim = match g.get(&format!("{ARCH}.attention.key_length")) {
+        Some(_) => count(g, "attention.key_length")?,
+        None => hidden_size / heads.max(1),
+    };
+    let rope_theta = match g.get(&format!("{ARCH}.rope.freq_base")) {
+        Some(_) => number(g, "rope.freq_base")?,
+        None => 10_000.0,
+    };
     let rope_dims = count(g, "rope.dimension_count")?;
     let v_heads = count(g, "ssm.time_step_rank")?;
     let eos = g
@@ -90,10 +87,10 @@ pub fn config(g: &Gguf) -> Result<ModelConfig> {
         .and_then(|id| u32::try_from(id).ok());
     let cfg = ModelConfig {
         vocab_size,
-        hidden_size: count(g, "embedding_length")?,
+        hidden_size,
         intermediate_size: count(g, "feed_forward_length")?,
         num_hidden_layers: layers,
-        num_attention_heads: count(g, "attention.head_count")?,
+        num_attention_heads: heads,
         num_key_value_heads: count(g, "attention.head_count_kv")?,
         head_dim,
         linear_num_key_heads: count(g, "ssm.group_count")?,
@@ -102,7 +99,7 @@ pub fn config(g: &Gguf) -> Result<ModelConfig> {
         linear_value_head_dim: count(g, "ssm.inner_size")? / v_heads.max(1),
         linear_conv_kernel_dim: count(g, "ssm.conv_kernel")?,
         rms_norm_eps: number(g, "attention.layer_norm_rms_epsilon")?,
-        rope_theta: number(g, "rope.freq_base")?,
+        rope_theta,
         partial_rotary_factor: rope_dims as f32 / head_dim.max(1) as f32,
         max_position_embeddings: count(g, "context_length")?,
         tie_word_embeddings: !g.tensors.iter().any(|t| t.name == "output.weight"),
@@ -112,6 +109,41 @@ pub fn config(g: &Gguf) -> Result<ModelConfig> {
     };
     cfg.validate()?;
     Ok(cfg)
+}
+
+/// Each layer's kind: from `attention.recurrent_layers`, which the converter writes when the
+/// checkpoint lists `layer_types`; otherwise, as llama.cpp does, every
+/// `full_attention_interval`-th layer (default 4) is full attention.
+fn layer_types(g: &Gguf, layers: usize) -> Result<Vec<LayerKind>> {
+    let Some(recurrent) = g.get(&format!("{ARCH}.attention.recurrent_layers")) else {
+        let interval = match g.get(&format!("{ARCH}.full_attention_interval")) {
+            Some(_) => count(g, "full_attention_interval")?,
+            None => 4,
+        };
+        if interval == 0 {
+            return Err(Error::Config("GGUF: full_attention_interval is 0".into()));
+        }
+        return Ok(ModelConfig::interval_layer_types(layers, interval));
+    };
+    let recurrent = recurrent
+        .as_array()
+        .ok_or_else(|| Error::Config("GGUF: recurrent_layers is not an array".into()))?;
+    if recurrent.len() < layers {
+        return Err(Error::Config(format!(
+            "GGUF: recurrent_layers lists {} layers of {layers}",
+            recurrent.len()
+        )));
+    }
+    recurrent[..layers]
+        .iter()
+        .map(|v| match v {
+            Value::Bool(true) => Ok(LayerKind::LinearAttention),
+            Value::Bool(false) => Ok(LayerKind::FullAttention),
+            other => Err(Error::Config(format!(
+                "GGUF: recurrent_layers holds {other:?}"
+            ))),
+        })
+        .collect()
 }
 
 fn find<'a>(g: &'a Gguf, name: &str) -> Result<&'a TensorInfo> {

@@ -20,18 +20,16 @@ const CONTROL: i64 = 3;
 const USER_DEFINED: i64 = 4;
 const BYTE: i64 = 6;
 
-/// The split pattern of a `pre` name: Qwen3.5's (`qwen35`) and Qwen2/3's (`qwen2`), as in
-/// their `tokenizer.json`.
+/// The split pattern of a `pre` name: Qwen3.5's (`qwen35`), as in its `tokenizer.json`. The
+/// rest of the rebuilt tokenizer (NFC, `ignore_merges`, byte-level decoding) is Qwen3.5's too,
+/// so other names are refused rather than guessed.
 fn split_pattern(pre: &str) -> Option<&'static str> {
-    Some(match pre {
-        "qwen35" => {
-            r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-        }
-        "qwen2" => {
-            r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-        }
-        _ => return None,
-    })
+    match pre {
+        "qwen35" => Some(
+            r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+        ),
+        _ => None,
+    }
 }
 
 fn strings<'a>(g: &'a Gguf, key: &str) -> Result<Vec<&'a str>> {
@@ -79,7 +77,7 @@ pub fn tokenizer(g: &Gguf) -> Result<Option<Tokenizer>> {
     }
     let pattern = split_pattern(&pre).ok_or_else(|| {
         Error::Tokenizer(format!(
-            "GGUF pre-tokenizer `{pre}` is not one tether knows (qwen35, qwen2): pass \
+            "GGUF pre-tokenizer `{pre}` is not one tether knows (qwen35): pass \
              --tokenizer tokenizer.json"
         ))
     })?;

@@ -49,8 +49,8 @@ impl Attention {
         })
     }
 
-    pub(super) fn weight_bytes(&self) -> usize {
-        self.q_proj.nbytes() + self.k_proj.nbytes() + self.v_proj.nbytes() + self.o_proj.nbytes()
+    pub(super) fn matrices(&self) -> [&Matrix; 4] {
+        [&self.q_proj, &self.k_proj, &self.v_proj, &self.o_proj]
     }
 
     /// The layer up to attention: project, norm and rotate q and k, append this step's K and V

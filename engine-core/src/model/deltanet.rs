@@ -72,7 +72,7 @@ impl DeltaNet {
         })
     }
 
-    pub(super) fn weight_bytes(&self) -> usize {
+    pub(super) fn matrices(&self) -> [&Matrix; 5] {
         [
             &self.in_proj_qkv,
             &self.in_proj_z,
@@ -80,9 +80,6 @@ impl DeltaNet {
             &self.in_proj_a,
             &self.out_proj,
         ]
-        .iter()
-        .map(|m| m.nbytes())
-        .sum()
     }
 
     pub(super) fn forward(

@@ -136,6 +136,13 @@ impl<'a> Loader<'a> {
 
     pub(crate) fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Matrix> {
         let t = self.tensor(name, &[rows, cols])?;
+        let (block, _) = t.dtype().block();
+        if !cols.is_multiple_of(block) {
+            return Err(Error::Weights(format!(
+                "{name}: rows of {cols} {} weights are not whole blocks of {block}",
+                t.dtype().name()
+            )));
+        }
         Ok(Matrix {
             rows,
             cols,
@@ -307,39 +314,47 @@ impl Model {
         State::new(&self.config, page_size)
     }
 
-    /// Bytes of weights as stored (tied embeddings counted once).
-    pub fn weight_bytes(&self) -> usize {
-        let mut n = 0;
-        if let Some(e) = &self.ends {
-            n += e.embed.nbytes();
-            if !self.config.tie_word_embeddings {
-                n += e.lm_head.nbytes();
-            }
-        }
-        for l in self.layers.iter().flatten() {
-            n += l.mlp.gate.nbytes() + l.mlp.up.nbytes() + l.mlp.down.nbytes();
-            n += match &l.mixer {
-                Mixer::Attention(a) => a.weight_bytes(),
-                Mixer::DeltaNet(d) => d.weight_bytes(),
+    /// Every matrix of the layers this model holds.
+    fn layer_matrices(&self) -> impl Iterator<Item = &Matrix> {
+        self.layers.iter().flatten().flat_map(|l| {
+            let mixer: Vec<&Matrix> = match &l.mixer {
+                Mixer::Attention(a) => a.matrices().to_vec(),
+                Mixer::DeltaNet(d) => d.matrices().to_vec(),
             };
-        }
-        n
+            [&l.mlp.gate, &l.mlp.up, &l.mlp.down]
+                .into_iter()
+                .chain(mixer)
+        })
     }
 
-    /// An error if `be` cannot multiply the weights as they are stored (quantised matrices on a
+    /// Bytes of weights as stored (tied embeddings counted once).
+    pub fn weight_bytes(&self) -> usize {
+        let ends = self.ends.as_ref().map_or(0, |e| {
+            let head = if self.config.tie_word_embeddings {
+                0
+            } else {
+                e.lm_head.nbytes()
+            };
+            e.embed.nbytes() + head
+        });
+        ends + self.layer_matrices().map(Matrix::nbytes).sum::<usize>()
+    }
+
+    /// An error if `be` cannot use the weights as they are stored (quantised matrices on a
     /// backend without kernels for them), before anything runs.
     pub fn check_backend(&self, be: &dyn Backend) -> Result<()> {
-        let head = self.ends.as_ref().map(|e| e.lm_head.dtype());
-        for dtype in [self.weight_dtype(), head].into_iter().flatten() {
-            if !be.reads(dtype) {
-                return Err(Error::Invalid(format!(
-                    "the {} backend cannot compute with {} weights yet: use --backend cpu",
-                    be.name(),
-                    dtype.name()
-                )));
-            }
+        let ends = self.ends.iter().flat_map(|e| [&e.embed, &e.lm_head]);
+        match ends
+            .chain(self.layer_matrices())
+            .find(|m| !be.reads(m.dtype()))
+        {
+            Some(m) => Err(Error::Invalid(format!(
+                "the {} backend cannot compute with {} weights yet: use --backend cpu",
+                be.name(),
+                m.dtype().name()
+            ))),
+            None => Ok(()),
         }
-        Ok(())
     }
 
     /// How the weights are stored (the MLP's, which every layer has).
