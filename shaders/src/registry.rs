@@ -62,6 +62,8 @@ pub enum WeightFormat {
     F16Packed,
     /// `array<f16>`: adapters with `shader-f16`.
     F16,
+    /// llama.cpp's Q8_0 blocks, each 32 signed bytes and an f32 scale in 9 words.
+    Q8_0,
 }
 
 impl WeightFormat {
@@ -70,6 +72,7 @@ impl WeightFormat {
             WeightFormat::F32 => 0,
             WeightFormat::F16Packed => 1,
             WeightFormat::F16 => 2,
+            WeightFormat::Q8_0 => 3,
         }
     }
 
@@ -78,21 +81,28 @@ impl WeightFormat {
             WeightFormat::F32 => "f32",
             WeightFormat::F16Packed => "f16-packed",
             WeightFormat::F16 => "f16",
+            WeightFormat::Q8_0 => "q8_0",
         }
     }
 
-    /// Bytes per stored element.
-    pub fn elem_bytes(self) -> usize {
+    /// Bytes a row of `cols` values takes on the device, padding included.
+    pub fn row_bytes(self, cols: usize) -> usize {
+        let stride = self.row_stride(cols);
         match self {
-            WeightFormat::F32 => 4,
-            WeightFormat::F16Packed | WeightFormat::F16 => 2,
+            WeightFormat::F32 => stride * 4,
+            WeightFormat::F16Packed | WeightFormat::F16 => stride * 2,
+            WeightFormat::Q8_0 => stride / 32 * 36,
         }
     }
 
     /// Stored elements per row of `cols` values: rows are padded to a multiple of 8, so that
-    /// every row starts on 16 bytes and `matvec` reads 8 elements in one or two vector loads.
+    /// every row starts on 16 bytes and `matvec` reads 8 elements in one or two vector loads
+    /// (Q8_0 rows to whole blocks of 32).
     pub fn row_stride(self, cols: usize) -> usize {
-        cols.next_multiple_of(8)
+        match self {
+            WeightFormat::Q8_0 => cols.next_multiple_of(32),
+            _ => cols.next_multiple_of(8),
+        }
     }
 }
 
@@ -183,8 +193,8 @@ const WG: Param = Param {
 
 const W: Param = Param {
     name: "W",
-    doc: "weight storage: 0 f32, 1 f16 pairs packed in u32, 2 native f16",
-    values: &[0, 1, 2],
+    doc: "weight storage: 0 f32, 1 f16 pairs packed in u32, 2 native f16, 3 Q8_0 blocks",
+    values: &[0, 1, 2, 3],
 };
 
 const WEIGHTS: &str = include_str!("wgsl/weights.wgsl");

@@ -86,6 +86,13 @@ fn the_converters_gguf_runs_on_the_gpu() {
     assert_eq!(ids, want);
     let d = max_abs_diff(&gen, &r.f32("gen_logits").1);
     assert!(d < 1e-4, "generation logits differ by {d}");
+    // The Q8_0 file on the device (weights.wgsl's Q8_0 blocks) against the CPU's Q8_0 run.
+    let q8 = load("tiny_fp32.q8_0.gguf");
+    let (cpu_prefill, cpu_ids, cpu_gen) = run(&q8, &r.ids("prompt_ids"), 8);
+    let (prefill, ids, gen) = run_on(&gpu, &q8, &r.ids("prompt_ids"), 8);
+    let d = max_abs_diff(&prefill, &cpu_prefill).max(max_abs_diff(&gen, &cpu_gen));
+    assert!(d < 1e-4, "Q8_0 on the GPU differs from the CPU by {d}");
+    assert_eq!(ids, cpu_ids);
 }
 
 /// The converter's config is the checkpoint's, read back from its metadata.

@@ -139,6 +139,55 @@ fn matmul_matches_cpu_for_every_weight_format_and_kernel() {
     }
 }
 
+/// Q8_0 blocks on the device (weights.wgsl's `W == 3`) give the CPU's Q8_0 product: the same
+/// blocks dequantised as read, in both kernels, whole and in row blocks; and the embedding
+/// gather gives the CPU's dequantised rows exactly.
+#[test]
+fn q8_0_weights_match_the_cpu_in_both_kernels_and_the_gather() {
+    let g = gpu();
+    let mut rng = Rng(21);
+    for (t, rows, cols) in [(1, 7, 32), (3, 33, 64), (20, 37, 96), (6, 3, 1120)] {
+        let x = rng.vec(t * cols);
+        let w = matrix(rows, cols, &rng.vec(rows * cols), DType::Q8_0);
+        let want = cpu_matmul(&x, &w);
+        let xg = g.upload_f32(&x);
+        let whole = g.upload_matrix(&w, WeightFormat::Q8_0).unwrap();
+        let blocked = g
+            .upload_matrix_blocked(
+                &w,
+                WeightFormat::Q8_0,
+                2 * WeightFormat::Q8_0.row_bytes(cols) as u64,
+            )
+            .unwrap();
+        assert_eq!(blocked.blocks(), rows.div_ceil(2));
+        for wg in [&whole, &blocked] {
+            for which in [MatmulKernel::Vector, MatmulKernel::Tiled] {
+                check(
+                    &format!(
+                        "q8_0 {which:?} t={t} {rows}x{cols} in {} blocks",
+                        wg.blocks()
+                    ),
+                    &down(&ops::matmul_with(g, &xg, wg, which)),
+                    &want,
+                    TOL_F32,
+                );
+            }
+        }
+        let ids: Vec<u32> = (0..rows as u32).rev().collect();
+        let mut rows_want = vec![0.0; rows * cols];
+        for (i, &id) in ids.iter().enumerate() {
+            w.row_f32(id as usize, &mut rows_want[i * cols..(i + 1) * cols]);
+        }
+        let got = down(&ops::embed(g, &blocked, &g.upload_u32(&ids)));
+        check("q8_0 embed", &got, &rows_want, 0.0);
+    }
+    // A Q8_0 matrix is never re-rounded into another device format, nor floats into Q8_0.
+    let q = matrix(2, 32, &rng.vec(64), DType::Q8_0);
+    assert!(g.upload_matrix(&q, WeightFormat::F32).is_err());
+    let f = matrix(2, 32, &rng.vec(64), DType::F32);
+    assert!(g.upload_matrix(&f, WeightFormat::Q8_0).is_err());
+}
+
 /// Rows of x in groups (what a product wider than one binding takes, such as every prompt
 /// row's logits over a real vocabulary) give the product of one pass, bit for bit.
 #[test]
@@ -172,7 +221,7 @@ fn weights_split_into_row_blocks_give_the_same_product() {
         let w = matrix(rows, cols, &rng.vec(rows * cols), dtype);
         let want = cpu_matmul(&x, &w);
         // 4 rows per block: blocks of 4, 4, ..., 3 rows.
-        let block = (4 * format.row_stride(cols) * format.elem_bytes()) as u64;
+        let block = (4 * format.row_bytes(cols)) as u64;
         let wg = g.upload_matrix_blocked(&w, format, block).unwrap();
         assert_eq!(wg.blocks(), rows.div_ceil(4));
         for which in [MatmulKernel::Vector, MatmulKernel::Tiled] {
@@ -205,7 +254,7 @@ fn embedding_gather_matches_cpu_rows() {
             table.row_f32(id as usize, &mut want[i * cols..(i + 1) * cols]);
         }
         for block_rows in [vocab, 3] {
-            let block = (block_rows * format.row_stride(cols) * format.elem_bytes()) as u64;
+            let block = (block_rows * format.row_bytes(cols)) as u64;
             let tg: GpuMatrix = g.upload_matrix_blocked(&table, format, block).unwrap();
             let got = down(&ops::embed(g, &tg, &ids_g));
             // f32 -> f16 on the device rounds; everything else is an exact copy.

@@ -206,13 +206,6 @@ pub struct DeltaInputs<'a, T: ?Sized = [f32]> {
 pub trait Backend: Send + Sync {
     fn name(&self) -> &'static str;
 
-    /// Whether matrices stored as `dtype` can be multiplied here (the GPU backend has no
-    /// quantised kernels yet).
-    fn reads(&self, dtype: crate::tensor::DType) -> bool {
-        let _ = dtype;
-        true
-    }
-
     /// Host values into the backend (the CPU keeps the vector as it is).
     fn upload(&self, x: Vec<f32>) -> Act;
 

@@ -86,6 +86,7 @@ impl GpuBackend {
         }
         let format = match (w.data.dtype(), self.gpu.has_f16()) {
             (DType::F32, _) => WeightFormat::F32,
+            (DType::Q8_0, _) => WeightFormat::Q8_0,
             (_, true) => WeightFormat::F16,
             (_, false) => WeightFormat::F16Packed,
         };
@@ -189,10 +190,6 @@ type DeltaKernel = fn(&Gpu, DeltaShape, GpuDeltaInputs, &GpuTensor) -> GpuTensor
 impl Backend for GpuBackend {
     fn name(&self) -> &'static str {
         self.name
-    }
-
-    fn reads(&self, dtype: crate::tensor::DType) -> bool {
-        !dtype.is_quantised()
     }
 
     fn upload(&self, x: Vec<f32>) -> Act {

@@ -11,7 +11,7 @@ use shaders::WeightFormat;
 use super::context::{Gpu, GpuError};
 use super::device::Buffer;
 use super::pool::Pooled;
-use crate::tensor::{Data, Matrix};
+use crate::tensor::{DType, Data, Matrix, Q8_0_BLOCK};
 
 /// `len` 4-byte elements (f32, or u32 for ids, positions and argmax results) on the device.
 /// Cloning shares the buffer; the buffer returns to the pool when the last clone (and every
@@ -66,6 +66,21 @@ impl GpuMatrix {
     pub fn blocks(&self) -> usize {
         self.blocks.len()
     }
+}
+
+/// Rows `rows` of Q8_0 `data` (`cols` wide, whole blocks) in the device layout of weights.wgsl's
+/// `W == 3`: per block 8 words of the signed bytes, then the scale widened to f32 (exactly).
+fn q8_0_rows(data: &Data, cols: usize, rows: Range<usize>) -> Vec<u8> {
+    let Data::Q8_0(blocks) = data else {
+        unreachable!("upload_matrix_blocked checked the dtype")
+    };
+    let per_row = cols / Q8_0_BLOCK;
+    let mut out = Vec::with_capacity(rows.len() * per_row * 36);
+    for b in &blocks[rows.start * per_row..rows.end * per_row] {
+        out.extend(b.qs.map(|q| q as u8));
+        out.extend_from_slice(&b.d.to_f32().to_le_bytes());
+    }
+    out
 }
 
 /// Row `r` of `data` (`cols` wide) as f32 into `out`.
@@ -164,10 +179,12 @@ impl Gpu {
         format: WeightFormat,
         block_bytes: u64,
     ) -> Result<GpuMatrix, GpuError> {
-        if m.data.dtype().is_quantised() {
+        // Quantised blocks are moved, never re-rounded: Q8_0 matrices go to the device as Q8_0.
+        if (m.data.dtype() == DType::Q8_0) != (format == WeightFormat::Q8_0) {
             return Err(GpuError::Unsupported(format!(
-                "{} weights are not on the GPU backend yet (run them with --backend cpu)",
-                m.data.dtype().name()
+                "a {} matrix as {} device weights",
+                m.data.dtype().name(),
+                format.name()
             )));
         }
         if format == WeightFormat::F16 && !self.has_f16() {
@@ -179,7 +196,7 @@ impl Gpu {
         assert!(m.cols > 0, "a weight matrix with no columns");
         assert_eq!(m.data.len(), m.rows * m.cols);
         let stride = format.row_stride(m.cols);
-        let row_bytes = (stride * format.elem_bytes()) as u64;
+        let row_bytes = format.row_bytes(m.cols) as u64;
         let rows_per_block = usize::try_from(block_bytes / row_bytes.max(1))
             .unwrap_or(usize::MAX)
             .min(m.rows)
@@ -195,6 +212,7 @@ impl Gpu {
         for row0 in (0..m.rows).step_by(rows_per_block) {
             let rows = rows_per_block.min(m.rows - row0);
             let bytes: Vec<u8> = match format {
+                WeightFormat::Q8_0 => q8_0_rows(&m.data, m.cols, row0..row0 + rows),
                 WeightFormat::F32 => {
                     let mut v = vec![0.0f32; rows * stride];
                     for r in 0..rows {
