@@ -30,6 +30,9 @@ fn weights(rows: usize, cols: usize, dtype: DType) -> Matrix {
         )),
         DType::F32 => Data::F32(Elems::Owned((0..len).map(|_| next()).collect())),
         DType::Q8_0 => Data::from_f32(&(0..len).map(|_| next()).collect::<Vec<f32>>(), dtype),
+        DType::Q4K | DType::Q5K | DType::Q6K => {
+            unreachable!("tether does not quantise to k-quants; no case here uses them")
+        }
     };
     Matrix { rows, cols, data }
 }

@@ -123,6 +123,9 @@ impl Entry {
             DType::BF16 => Data::BF16(Elems::from_bytes(&shared, range)),
             DType::F16 => Data::F16(Elems::from_bytes(&shared, range)),
             DType::Q8_0 => Data::Q8_0(Elems::from_bytes(&shared, range)),
+            DType::Q4K => Data::Q4K(Elems::from_bytes(&shared, range)),
+            DType::Q5K => Data::Q5K(Elems::from_bytes(&shared, range)),
+            DType::Q6K => Data::Q6K(Elems::from_bytes(&shared, range)),
         };
         Ok(Tensor {
             shape: self.shape.clone(),

@@ -133,7 +133,9 @@ fn fill(name: &str, n: usize, init: &Init, seed: u64, dtype: DType) -> Data {
         DType::F16 => Data::F16(Elems::Owned(
             build(n, half::f16::from_f32, chunk_values).into(),
         )),
-        DType::Q8_0 => unreachable!("random_weights_where refuses quantised dtypes"),
+        DType::Q8_0 | DType::Q4K | DType::Q5K | DType::Q6K => {
+            unreachable!("random_weights_where refuses quantised dtypes")
+        }
     }
 }
 
@@ -294,10 +296,11 @@ pub fn write_hf_dir(
         DType::F32 => "float32",
         DType::BF16 => "bfloat16",
         DType::F16 => "float16",
-        DType::Q8_0 => {
-            return Err(Error::Invalid(
-                "a safetensors checkpoint cannot hold Q8_0 weights (write a GGUF)".into(),
-            ))
+        DType::Q8_0 | DType::Q4K | DType::Q5K | DType::Q6K => {
+            return Err(Error::Invalid(format!(
+                "a safetensors checkpoint cannot hold {} weights (write a GGUF)",
+                dtype.name()
+            )))
         }
     }
     .into();

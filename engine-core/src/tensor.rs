@@ -15,6 +15,11 @@ pub enum DType {
     F16,
     /// llama.cpp's Q8_0: blocks of 32 weights sharing an f16 scale ([`BlockQ8_0`]).
     Q8_0,
+    /// llama.cpp's k-quants: super-blocks of 256 weights ([`BlockQ4K`], [`BlockQ5K`],
+    /// [`BlockQ6K`]), read from GGUF files (tether does not quantise to them).
+    Q4K,
+    Q5K,
+    Q6K,
 }
 
 impl DType {
@@ -24,6 +29,9 @@ impl DType {
             DType::F32 => (1, 4),
             DType::BF16 | DType::F16 => (1, 2),
             DType::Q8_0 => (Q8_0_BLOCK, std::mem::size_of::<BlockQ8_0>()),
+            DType::Q4K => (QK_K, std::mem::size_of::<BlockQ4K>()),
+            DType::Q5K => (QK_K, std::mem::size_of::<BlockQ5K>()),
+            DType::Q6K => (QK_K, std::mem::size_of::<BlockQ6K>()),
         }
     }
 
@@ -42,6 +50,9 @@ impl DType {
             DType::BF16 => "bf16",
             DType::F16 => "f16",
             DType::Q8_0 => "q8_0",
+            DType::Q4K => "q4_k",
+            DType::Q5K => "q5_k",
+            DType::Q6K => "q6_k",
         }
     }
 
@@ -51,6 +62,9 @@ impl DType {
             "bf16" | "bfloat16" => Some(DType::BF16),
             "f16" | "fp16" | "float16" => Some(DType::F16),
             "q8_0" => Some(DType::Q8_0),
+            "q4_k" => Some(DType::Q4K),
+            "q5_k" => Some(DType::Q5K),
+            "q6_k" => Some(DType::Q6K),
             _ => None,
         }
     }
@@ -63,6 +77,154 @@ impl DType {
 
 /// Weights per Q8_0 block.
 pub const Q8_0_BLOCK: usize = 32;
+
+/// Weights per k-quant super-block.
+pub const QK_K: usize = 256;
+
+/// A block of quantised weights as ggml stores it, and its values by ggml's definition (the
+/// float operations in ggml's order, so the values are the reference's bit for bit).
+pub trait QuantBlock: bytemuck::Pod + Send + Sync {
+    /// Weights per block.
+    const LEN: usize;
+    /// Writes the block's `LEN` weights to `out`.
+    fn dequantise_into(&self, out: &mut [f32]);
+}
+
+impl QuantBlock for BlockQ8_0 {
+    const LEN: usize = Q8_0_BLOCK;
+    fn dequantise_into(&self, out: &mut [f32]) {
+        out.copy_from_slice(&self.dequantise());
+    }
+}
+
+/// Q4_K: 8 sub-blocks of 32 weights, each with a 6-bit scale and min (packed in `scales`),
+/// scaled by `d` and `dmin`; weight = `d * sc * q - dmin * m` with 4-bit `q`.
+#[derive(Clone, Copy, Debug, bytemuck::Pod, bytemuck::Zeroable)]
+#[repr(C)]
+pub struct BlockQ4K {
+    pub d: f16,
+    pub dmin: f16,
+    pub scales: [u8; 12],
+    pub qs: [u8; QK_K / 2],
+}
+
+/// Q5_K: as Q4_K with a fifth bit per weight in `qh`.
+#[derive(Clone, Copy, Debug, bytemuck::Pod, bytemuck::Zeroable)]
+#[repr(C)]
+pub struct BlockQ5K {
+    pub d: f16,
+    pub dmin: f16,
+    pub scales: [u8; 12],
+    pub qh: [u8; QK_K / 8],
+    pub qs: [u8; QK_K / 2],
+}
+
+/// Q6_K: 16 sub-blocks of 16 weights with signed 8-bit scales; weight = `d * sc * (q - 32)`
+/// with 6-bit `q` (low 4 bits in `ql`, high 2 in `qh`).
+#[derive(Clone, Copy, Debug, bytemuck::Pod, bytemuck::Zeroable)]
+#[repr(C)]
+pub struct BlockQ6K {
+    pub ql: [u8; QK_K / 2],
+    pub qh: [u8; QK_K / 4],
+    pub scales: [i8; QK_K / 16],
+    pub d: f16,
+}
+
+/// Sub-block `j`'s 6-bit scale and min of a Q4_K/Q5_K block (ggml's `get_scale_min_k4`).
+fn scale_min_k4(j: usize, s: &[u8; 12]) -> (f32, f32) {
+    let (sc, m) = if j < 4 {
+        (s[j] & 63, s[j + 4] & 63)
+    } else {
+        (
+            (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4),
+            (s[j + 4] >> 4) | ((s[j] >> 6) << 4),
+        )
+    };
+    (f32::from(sc), f32::from(m))
+}
+
+impl QuantBlock for BlockQ4K {
+    const LEN: usize = QK_K;
+    fn dequantise_into(&self, out: &mut [f32]) {
+        let (d, dmin) = (self.d.to_f32(), self.dmin.to_f32());
+        for (j, (q, out)) in self
+            .qs
+            .chunks_exact(32)
+            .zip(out.chunks_exact_mut(64))
+            .enumerate()
+        {
+            let (s1, m1) = scale_min_k4(2 * j, &self.scales);
+            let (s2, m2) = scale_min_k4(2 * j + 1, &self.scales);
+            let (d1, m1, d2, m2) = (d * s1, dmin * m1, d * s2, dmin * m2);
+            for (l, &q) in q.iter().enumerate() {
+                out[l] = d1 * f32::from(q & 0xF) - m1;
+                out[l + 32] = d2 * f32::from(q >> 4) - m2;
+            }
+        }
+    }
+}
+
+impl QuantBlock for BlockQ5K {
+    const LEN: usize = QK_K;
+    fn dequantise_into(&self, out: &mut [f32]) {
+        let (d, dmin) = (self.d.to_f32(), self.dmin.to_f32());
+        for (j, (q, out)) in self
+            .qs
+            .chunks_exact(32)
+            .zip(out.chunks_exact_mut(64))
+            .enumerate()
+        {
+            let (s1, m1) = scale_min_k4(2 * j, &self.scales);
+            let (s2, m2) = scale_min_k4(2 * j + 1, &self.scales);
+            let (d1, m1, d2, m2) = (d * s1, dmin * m1, d * s2, dmin * m2);
+            for (l, &q) in q.iter().enumerate() {
+                let h = self.qh[l];
+                let lo = (q & 0xF) | (((h >> (2 * j)) & 1) << 4);
+                let hi = (q >> 4) | (((h >> (2 * j + 1)) & 1) << 4);
+                out[l] = d1 * f32::from(lo) - m1;
+                out[l + 32] = d2 * f32::from(hi) - m2;
+            }
+        }
+    }
+}
+
+impl QuantBlock for BlockQ6K {
+    const LEN: usize = QK_K;
+    fn dequantise_into(&self, out: &mut [f32]) {
+        let d = self.d.to_f32();
+        for (half, out) in out.chunks_exact_mut(128).enumerate() {
+            let ql = &self.ql[64 * half..][..64];
+            let qh = &self.qh[32 * half..][..32];
+            let sc = &self.scales[8 * half..][..8];
+            for l in 0..32 {
+                let is = l / 16;
+                let q = [
+                    (ql[l] & 0xF) | ((qh[l] & 3) << 4),
+                    (ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4),
+                    (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4),
+                    (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4),
+                ];
+                for (k, &q) in q.iter().enumerate() {
+                    let q = i32::from(q) - 32;
+                    out[l + 32 * k] = (d * f32::from(sc[is + 2 * k])) * q as f32;
+                }
+            }
+        }
+    }
+}
+
+/// Elements `range` (block-aligned) of quantised `blocks` as f32 into `out`.
+fn dequantise_range<B: QuantBlock>(blocks: &[B], range: Range<usize>, out: &mut [f32]) {
+    assert!(
+        range.start.is_multiple_of(B::LEN) && range.end.is_multiple_of(B::LEN),
+        "a quantised range off block boundaries"
+    );
+    assert_eq!(out.len(), range.len());
+    let blocks = &blocks[range.start / B::LEN..range.end / B::LEN];
+    for (b, o) in blocks.iter().zip(out.chunks_exact_mut(B::LEN)) {
+        b.dequantise_into(o);
+    }
+}
 
 /// One Q8_0 block, byte for byte as ggml stores it: weight `i` is `d * qs[i]`.
 #[derive(Clone, Copy, Debug, Default, bytemuck::Pod, bytemuck::Zeroable)]
@@ -140,6 +302,9 @@ pub enum Data {
     BF16(Elems<bf16>),
     F16(Elems<f16>),
     Q8_0(Elems<BlockQ8_0>),
+    Q4K(Elems<BlockQ4K>),
+    Q5K(Elems<BlockQ5K>),
+    Q6K(Elems<BlockQ6K>),
 }
 
 impl Data {
@@ -149,6 +314,9 @@ impl Data {
             Data::BF16(_) => DType::BF16,
             Data::F16(_) => DType::F16,
             Data::Q8_0(_) => DType::Q8_0,
+            Data::Q4K(_) => DType::Q4K,
+            Data::Q5K(_) => DType::Q5K,
+            Data::Q6K(_) => DType::Q6K,
         }
     }
 
@@ -159,6 +327,9 @@ impl Data {
             Data::BF16(e) => e.len(),
             Data::F16(e) => e.len(),
             Data::Q8_0(e) => e.len() * Q8_0_BLOCK,
+            Data::Q4K(e) => e.len() * QK_K,
+            Data::Q5K(e) => e.len() * QK_K,
+            Data::Q6K(e) => e.len() * QK_K,
         }
     }
 
@@ -174,17 +345,10 @@ impl Data {
             Data::F32(e) => out.copy_from_slice(&e[range]),
             Data::BF16(e) => crate::backend::cpu::convert::bf16_to_f32(&e[range], out),
             Data::F16(e) => crate::backend::cpu::convert::f16_to_f32(&e[range], out),
-            Data::Q8_0(e) => {
-                assert!(
-                    range.start.is_multiple_of(Q8_0_BLOCK) && range.end.is_multiple_of(Q8_0_BLOCK),
-                    "a Q8_0 range off block boundaries"
-                );
-                assert_eq!(out.len(), range.len());
-                let blocks = &e[range.start / Q8_0_BLOCK..range.end / Q8_0_BLOCK];
-                for (b, o) in blocks.iter().zip(out.chunks_exact_mut(Q8_0_BLOCK)) {
-                    o.copy_from_slice(&b.dequantise());
-                }
-            }
+            Data::Q8_0(e) => dequantise_range(e, range, out),
+            Data::Q4K(e) => dequantise_range(e, range, out),
+            Data::Q5K(e) => dequantise_range(e, range, out),
+            Data::Q6K(e) => dequantise_range(e, range, out),
         }
     }
 
@@ -201,6 +365,9 @@ impl Data {
             Data::BF16(e) => bytemuck::cast_slice(e),
             Data::F16(e) => bytemuck::cast_slice(e),
             Data::Q8_0(e) => bytemuck::cast_slice(e),
+            Data::Q4K(e) => bytemuck::cast_slice(e),
+            Data::Q5K(e) => bytemuck::cast_slice(e),
+            Data::Q6K(e) => bytemuck::cast_slice(e),
         }
     }
 
@@ -223,6 +390,12 @@ impl Data {
                         .map(|c| BlockQ8_0::quantise(c.try_into().expect("a block")))
                         .collect(),
                 ))
+            }
+            DType::Q4K | DType::Q5K | DType::Q6K => {
+                panic!(
+                    "tether reads {} weights; it does not quantise to them",
+                    dtype.name()
+                )
             }
         }
     }

@@ -72,7 +72,7 @@ pub fn run(a: Args) -> Result<()> {
     }
     a.engine.start(false)?;
     let model = a.engine.load(None)?.model;
-    let (be, what) = a.engine.backend.make()?;
+    let (be, what) = a.engine.backend_for(&model)?;
     let be = &*be;
     eprintln!("backend: {what}");
     let v = model.config.vocab_size as u64;

@@ -44,7 +44,7 @@ pub fn run(a: Args) -> Result<()> {
         bail!("{}: no token ids", a.ids_file.display());
     }
     let model = a.engine.load(None)?.model;
-    let (be, what) = a.engine.backend.make()?;
+    let (be, what) = a.engine.backend_for(&model)?;
     let be = &*be;
     eprintln!("backend: {what}");
     let v = model.config.vocab_size;

@@ -7,7 +7,7 @@ use anyhow::{bail, Context, Result};
 use engine_core::source::load_model;
 pub use engine_core::source::{BackendOptions, SynthOptions};
 use engine_core::tokenizer::Tokenizer;
-use engine_core::Model;
+use engine_core::{Backend, Model};
 
 use crate::helper::HelperArgs;
 
@@ -43,6 +43,14 @@ impl EngineArgs {
 }
 
 impl EngineArgs {
+    /// The `--backend`, and a line saying what it runs on, once it is known to compute with
+    /// `model`'s weights.
+    pub fn backend_for(&self, model: &Model) -> Result<(Box<dyn Backend>, String)> {
+        let (be, what) = self.backend.make()?;
+        model.check_backend(&*be)?;
+        Ok((be, what))
+    }
+
     /// `--model`, with `tokenizer` overriding its tokenizer; lent to browser tabs that join
     /// (their weights over HTTP) when helpers may dial in.
     pub fn load(&self, tokenizer: Option<&Path>) -> Result<Loaded> {

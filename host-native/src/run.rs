@@ -68,7 +68,7 @@ pub fn run(a: Args) -> Result<()> {
         min_p: a.min_p,
         seed: a.seed,
     })?;
-    let (be, what) = a.engine.backend.make()?;
+    let (be, what) = a.engine.backend_for(&l.model)?;
     let be = &*be;
     eprintln!("backend: {what}");
     let mut state = l.model.new_state(a.engine.page_size);

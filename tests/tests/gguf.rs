@@ -315,3 +315,58 @@ fn the_converters_q8_0_gguf_computes_its_dequantised_weights() {
         );
     }
 }
+
+/// Q4_K, Q5_K and Q6_K blocks (random, with finite scales) against their values as llama.cpp's
+/// gguf-py dequantises them (`scripts/kquant-fixture.py` wrote both into kquants.gguf): equal
+/// bit for bit; and tether's products with them, on the dot-product path and gemm's, against
+/// an f64 product of those values.
+#[test]
+fn k_quants_dequantise_as_llama_cpp_does_and_multiply() {
+    use engine_core::gguf::Gguf;
+    use engine_core::tensor::{Data, Elems, Matrix, SharedBytes};
+    let bytes = std::fs::read(gguf("kquants.gguf")).unwrap();
+    let g = Gguf::parse(&bytes).unwrap();
+    let shared: SharedBytes = std::sync::Arc::new(bytes.clone());
+    let find = |name: &str| g.tensors.iter().find(|t| t.name == name).unwrap().clone();
+    for name in ["q4_k", "q5_k", "q6_k"] {
+        let (q, f) = (find(name), find(&format!("{name}.f32")));
+        let data = match name {
+            "q4_k" => Data::Q4K(Elems::from_bytes(&shared, q.range.clone())),
+            "q5_k" => Data::Q5K(Elems::from_bytes(&shared, q.range.clone())),
+            _ => Data::Q6K(Elems::from_bytes(&shared, q.range.clone())),
+        };
+        let want: Vec<f32> = bytes[f.range.clone()]
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        let got = data.to_f32_vec();
+        assert!(
+            got.iter()
+                .zip(&want)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{name}: dequantised values differ from gguf-py's"
+        );
+        let [rows, cols] = q.shape[..] else { panic!() };
+        let w = Matrix { rows, cols, data };
+        for t in [1, 3, 4, 20] {
+            let x: Vec<f32> = (0..t * cols)
+                .map(|i| ((i * 7919 % 1000) as f32 - 500.0) / 500.0)
+                .collect();
+            let mut out = vec![0.0; t * rows];
+            engine_core::backend::cpu::matmul::matmul(&x, &w, &mut out);
+            for r in 0..t {
+                for o in 0..rows {
+                    let terms =
+                        (0..cols).map(|i| x[r * cols + i] as f64 * want[o * cols + i] as f64);
+                    let (sum, mag) = terms.fold((0.0, 0.0), |(s, m), p| (s + p, m + p.abs()));
+                    let tol = 4.0 * f32::EPSILON as f64 * (cols as f64).sqrt() * mag + 1e-30;
+                    let got = out[r * rows + o] as f64;
+                    assert!(
+                        (got - sum).abs() <= tol,
+                        "{name} t={t} [{r},{o}]: {got} vs {sum}"
+                    );
+                }
+            }
+        }
+    }
+}

@@ -206,6 +206,13 @@ pub struct DeltaInputs<'a, T: ?Sized = [f32]> {
 pub trait Backend: Send + Sync {
     fn name(&self) -> &'static str;
 
+    /// Whether matrices stored as `dtype` can be used here (the GPU backend has no k-quant
+    /// kernels yet).
+    fn reads(&self, dtype: crate::tensor::DType) -> bool {
+        let _ = dtype;
+        true
+    }
+
     /// Host values into the backend (the CPU keeps the vector as it is).
     fn upload(&self, x: Vec<f32>) -> Act;
 

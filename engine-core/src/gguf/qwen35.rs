@@ -210,10 +210,13 @@ pub fn tensors(g: &Gguf, bytes: &SharedBytes, layers: usize) -> Result<TensorMap
             GgmlType::F16 => Data::F16(Elems::from_bytes(bytes, t.range.clone())),
             GgmlType::BF16 => Data::BF16(Elems::from_bytes(bytes, t.range.clone())),
             GgmlType::Q8_0 => Data::Q8_0(Elems::from_bytes(bytes, t.range.clone())),
+            GgmlType::Q4K => Data::Q4K(Elems::from_bytes(bytes, t.range.clone())),
+            GgmlType::Q5K => Data::Q5K(Elems::from_bytes(bytes, t.range.clone())),
+            GgmlType::Q6K => Data::Q6K(Elems::from_bytes(bytes, t.range.clone())),
             other => {
                 return Err(Error::Weights(format!(
-                    "GGUF tensor `{}` is {}: this build reads F32, F16, BF16 and Q8_0 GGUF \
-                     tensors",
+                    "GGUF tensor `{}` is {}: this build reads F32, F16, BF16, Q8_0, Q4_K, Q5_K \
+                     and Q6_K GGUF tensors",
                     t.name,
                     other.name()
                 )))

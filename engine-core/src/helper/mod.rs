@@ -172,7 +172,11 @@ impl<'a> Helper<'a> {
             // Drop the old layers before building the new ones.
             *held = None;
         }
-        let m = Arc::new(load(layers).await?);
+        let m = load(layers).await?;
+        // Weights this helper's backend cannot use (k-quants on a GPU) end the session with
+        // that reason instead of a panic at the first layer.
+        m.check_backend(self.backend)?;
+        let m = Arc::new(m);
         *self.assigned.lock().unwrap_or_else(|e| e.into_inner()) = Some(m.clone());
         Ok(Some(m))
     }

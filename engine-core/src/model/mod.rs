@@ -340,6 +340,23 @@ impl Model {
         ends + self.layer_matrices().map(Matrix::nbytes).sum::<usize>()
     }
 
+    /// An error if `be` cannot use the weights as they are stored (k-quant matrices on the GPU
+    /// backend, which has no kernels for them yet), before anything runs.
+    pub fn check_backend(&self, be: &dyn Backend) -> Result<()> {
+        let ends = self.ends.iter().flat_map(|e| [&e.embed, &e.lm_head]);
+        match ends
+            .chain(self.layer_matrices())
+            .find(|m| !be.reads(m.dtype()))
+        {
+            Some(m) => Err(Error::Invalid(format!(
+                "the {} backend cannot compute with {} weights yet: use --backend cpu",
+                be.name(),
+                m.dtype().name()
+            ))),
+            None => Ok(()),
+        }
+    }
+
     /// How the weights are stored (the MLP's, which every layer has).
     pub fn weight_dtype(&self) -> Option<crate::tensor::DType> {
         self.layers

@@ -137,7 +137,7 @@ pub fn run(a: Args) -> Result<()> {
         config.num_hidden_layers,
         l.model.weight_bytes() as f64 / (1u64 << 20) as f64
     );
-    let (backend, what) = a.engine.backend.make()?;
+    let (backend, what) = a.engine.backend_for(&l.model)?;
     info!("backend: {what}");
     let mut state = l.model.new_state(a.engine.page_size);
     let attached = a

@@ -17,7 +17,7 @@ use rayon::prelude::*;
 use super::convert;
 #[cfg(target_arch = "x86_64")]
 use crate::tensor::DType;
-use crate::tensor::{BlockQ8_0, Data, Matrix, Q8_0_BLOCK};
+use crate::tensor::{BlockQ8_0, Data, Matrix, QuantBlock, Q8_0_BLOCK, QK_K};
 
 /// Rows of `x` from which `gemm` beats the dot-product kernel. Measured on Zen 4 (2 threads) with
 /// bf16 weights, 1024x3584 and 3584x1024: the dot kernel is faster up to t = 12, the two are even
@@ -50,6 +50,9 @@ pub fn matmul(x: &[f32], w: &Matrix, out: &mut [f32]) {
         Data::BF16(e) => matmul_dots(x, t, k, e, k, dots_task, out),
         Data::F16(e) => matmul_dots(x, t, k, e, k, dots_task, out),
         Data::Q8_0(e) => matmul_dots(x, t, k, e, k / Q8_0_BLOCK, dots_task_q8_0, out),
+        Data::Q4K(e) => matmul_dots(x, t, k, e, k / QK_K, dots_task_quant, out),
+        Data::Q5K(e) => matmul_dots(x, t, k, e, k / QK_K, dots_task_quant, out),
+        Data::Q6K(e) => matmul_dots(x, t, k, e, k / QK_K, dots_task_quant, out),
     }
 }
 
@@ -149,29 +152,37 @@ fn dots_task_q8_0(x: &[f32], k: usize, w: &[BlockQ8_0], out: &mut [f32]) {
 }
 
 fn dots_task_q8_0_portable(x: &[f32], k: usize, w: &[BlockQ8_0], out: &mut [f32]) {
-    for_each_group(x, k, w, k / Q8_0_BLOCK, out, |wr, xg, dst| {
-        match dst.len() {
-            4 => dst.copy_from_slice(&dots_q8_0::<4>(wr, xg)),
-            3 => dst.copy_from_slice(&dots_q8_0::<3>(wr, xg)),
-            2 => dst.copy_from_slice(&dots_q8_0::<2>(wr, xg)),
-            _ => dst.copy_from_slice(&dots_q8_0::<1>(wr, xg)),
-        }
+    dots_task_quant(x, k, w, out);
+}
+
+/// Quantised weight rows (`k / B::LEN` blocks each) into `out`, each block dequantised on the
+/// stack (one block at a time, never a row) and multiplied into the rows of `x`: the portable
+/// kernel of every quantised type, and the only one of the k-quants so far.
+fn dots_task_quant<B: QuantBlock>(x: &[f32], k: usize, w: &[B], out: &mut [f32]) {
+    for_each_group(x, k, w, k / B::LEN, out, |wr, xg, dst| match dst.len() {
+        4 => dst.copy_from_slice(&dots_quant::<B, 4>(wr, xg)),
+        3 => dst.copy_from_slice(&dots_quant::<B, 3>(wr, xg)),
+        2 => dst.copy_from_slice(&dots_quant::<B, 2>(wr, xg)),
+        _ => dst.copy_from_slice(&dots_quant::<B, 1>(wr, xg)),
     });
 }
 
-/// Dot products of one Q8_0 weight row with the `R` rows of `xs`, one lane per weight of a
-/// block.
+/// Dot products of one quantised weight row with the `R` rows of `xs`, 32 lanes per row.
 #[inline(always)]
-fn dots_q8_0<const R: usize>(w: &[BlockQ8_0], xs: &[f32]) -> [f32; R] {
-    let k = w.len() * Q8_0_BLOCK;
+fn dots_quant<B: QuantBlock, const R: usize>(w: &[B], xs: &[f32]) -> [f32; R] {
+    let k = w.len() * B::LEN;
     assert_eq!(xs.len(), R * k);
-    let mut acc = [[0.0f32; Q8_0_BLOCK]; R];
+    let mut acc = [[0.0f32; 32]; R];
+    let mut buf = [0.0f32; QK_K];
+    let wv = &mut buf[..B::LEN];
     for (b, block) in w.iter().enumerate() {
-        let wv = block.dequantise();
+        block.dequantise_into(wv);
         for (r, acc_r) in acc.iter_mut().enumerate() {
-            let xc = &xs[r * k + b * Q8_0_BLOCK..][..Q8_0_BLOCK];
-            for ((a, &wv), &xv) in acc_r.iter_mut().zip(&wv).zip(xc) {
-                *a = fmadd(wv, xv, *a);
+            let xb = &xs[r * k + b * B::LEN..][..B::LEN];
+            for (wc, xc) in wv.chunks_exact(32).zip(xb.chunks_exact(32)) {
+                for ((a, &wv), &xv) in acc_r.iter_mut().zip(wc).zip(xc) {
+                    *a = fmadd(wv, xv, *a);
+                }
             }
         }
     }
@@ -405,7 +416,9 @@ mod avx2 {
                     _mm256_castsi256_ps(_mm256_slli_epi32::<16>(h))
                 }
                 DType::F16 => _mm256_cvtph_ps(_mm_loadu_si128(p.cast())),
-                DType::Q8_0 => unreachable!("Q8_0 has its own kernel, dots_q8_0"),
+                DType::Q8_0 | DType::Q4K | DType::Q5K | DType::Q6K => {
+                    unreachable!("quantised types have their own kernels")
+                }
             }
         }
     }
@@ -530,7 +543,7 @@ mod blocked {
                         convert::f16_to_f32(&e[range], buf);
                         buf
                     }
-                    Data::Q8_0(_) => {
+                    Data::Q8_0(_) | Data::Q4K(_) | Data::Q5K(_) | Data::Q6K(_) => {
                         w.data.to_f32_into(range, buf);
                         buf
                     }
@@ -592,6 +605,9 @@ mod tests {
             Data::BF16(e) => dots_task_portable(x, k, e, &mut out_t),
             Data::F16(e) => dots_task_portable(x, k, e, &mut out_t),
             Data::Q8_0(e) => dots_task_q8_0_portable(x, k, e, &mut out_t),
+            Data::Q4K(e) => dots_task_quant(x, k, e, &mut out_t),
+            Data::Q5K(e) => dots_task_quant(x, k, e, &mut out_t),
+            Data::Q6K(e) => dots_task_quant(x, k, e, &mut out_t),
         }
         for r in 0..t {
             for o in 0..n {

@@ -192,6 +192,14 @@ impl Backend for GpuBackend {
         self.name
     }
 
+    /// Q8_0 has kernels (weights.wgsl's `W = 3`); the k-quants do not yet.
+    fn reads(&self, dtype: DType) -> bool {
+        match dtype {
+            DType::F32 | DType::BF16 | DType::F16 | DType::Q8_0 => true,
+            DType::Q4K | DType::Q5K | DType::Q6K => false,
+        }
+    }
+
     fn upload(&self, x: Vec<f32>) -> Act {
         Act::Device(self.gpu.upload_f32(&x))
     }

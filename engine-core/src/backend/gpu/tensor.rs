@@ -179,8 +179,12 @@ impl Gpu {
         format: WeightFormat,
         block_bytes: u64,
     ) -> Result<GpuMatrix, GpuError> {
-        // Quantised blocks are moved, never re-rounded: Q8_0 matrices go to the device as Q8_0.
-        if (m.data.dtype() == DType::Q8_0) != (format == WeightFormat::Q8_0) {
+        // Quantised blocks are moved, never re-rounded: Q8_0 matrices go to the device as Q8_0,
+        // and the k-quants (no kernels yet) not at all.
+        let dtype = m.data.dtype();
+        if (dtype == DType::Q8_0) != (format == WeightFormat::Q8_0)
+            || (dtype.is_quantised() && dtype != DType::Q8_0)
+        {
             return Err(GpuError::Unsupported(format!(
                 "a {} matrix as {} device weights",
                 m.data.dtype().name(),
