@@ -370,3 +370,33 @@ fn k_quants_dequantise_as_llama_cpp_does_and_multiply() {
         }
     }
 }
+
+/// A model with a k-quant matrix runs on the CPU, and the GPU backend, which has no k-quant
+/// kernels, refuses it before anything runs (what `tether run --backend gpu` and a GPU helper
+/// report).
+#[test]
+fn the_gpu_backend_refuses_k_quant_weights_up_front() {
+    use engine_core::tensor::{BlockQ4K, DType, Data, Elems};
+    let mut config = engine_core::synth::preset("tiny").unwrap();
+    config.hidden_size = 256;
+    let mut tensors = engine_core::synth::random_weights(&config, DType::F32, 1).unwrap();
+    let name = "model.layers.0.mlp.gate_proj.weight";
+    let shape = tensors[name].shape.clone();
+    let mut rng = tests::Rng(5);
+    let blocks: Vec<BlockQ4K> = (0..shape[0] * shape[1] / 256)
+        .map(|_| BlockQ4K {
+            d: half::f16::from_f32(rng.uniform() * 0.01),
+            dmin: half::f16::from_f32(rng.uniform() * 0.01),
+            scales: std::array::from_fn(|_| (rng.uniform() * 255.0) as u8),
+            qs: std::array::from_fn(|_| (rng.uniform() * 255.0) as u8),
+        })
+        .collect();
+    tensors.get_mut(name).unwrap().data = Data::Q4K(Elems::Owned(blocks.into()));
+    let model = Model::from_tensors(config, &tensors).unwrap();
+    model.check_backend(&CpuBackend).unwrap();
+    let (prefill, _, _) = run(&model, &[1, 2, 3], 2);
+    assert!(prefill.iter().all(|v| v.is_finite()));
+    let gpu = GpuBackend::new(&GpuOptions::default()).expect("a GPU adapter (lavapipe)");
+    let e = model.check_backend(&gpu).unwrap_err().to_string();
+    assert!(e.contains("cannot compute with q4_k weights"), "{e}");
+}
