@@ -110,6 +110,17 @@ pub fn load_model(spec: &str, o: &SynthOptions) -> Result<Model> {
     }
 }
 
+/// `spec`'s config and every tensor (memory-mapped from a checkpoint or GGUF; a preset's
+/// generated), for a tool that rewrites a model (`tether quantize`).
+#[cfg(not(target_arch = "wasm32"))]
+pub fn load_tensors(spec: &str, o: &SynthOptions) -> Result<(ModelConfig, TensorMap)> {
+    match Source::parse(spec)? {
+        Source::Dir(dir) => Ok((Model::read_config(dir)?, crate::weights::load_dir(dir)?)),
+        Source::Gguf(path) => crate::gguf::qwen35::load(path),
+        Source::Preset => o.tensors(spec),
+    }
+}
+
 /// `spec`'s config and whole-model identity, with no layers built: what a helper shows in the
 /// handshake before a host assigns it layers. A checkpoint's weight files are hashed once and
 /// cached ([`ModelIdentity::of_checkpoint`]); a preset generates nothing.

@@ -7,6 +7,7 @@ mod eval;
 mod helper;
 mod lend;
 mod load;
+mod quantize;
 mod run;
 mod serve;
 
@@ -42,6 +43,9 @@ enum Command {
     Synth(SynthArgs),
     /// Explain what would run where for a context, and what it costs on the link.
     Plan(PlanArgs),
+    /// Write a model (checkpoint directory, GGUF or preset) as a GGUF llama.cpp reads, its
+    /// matrices as f32, f16, bf16 or q8_0.
+    Quantize(quantize::Args),
     /// Pair with a tether-helper by the code it shows; later commands need no --pair.
     Pair(PairArgs),
 }
@@ -106,6 +110,7 @@ fn main() {
         Command::Bench(a) => bench::run(a),
         Command::Synth(a) => synth(a),
         Command::Plan(a) => plan(a),
+        Command::Quantize(a) => quantize::run(a),
         Command::Pair(a) => helper::pair(&a.url, &a.code),
     };
     if let Err(e) = result {

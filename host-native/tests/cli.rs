@@ -271,3 +271,107 @@ fn demo_splits_offloads_and_checks_against_the_host_alone() {
         "{text}"
     );
 }
+
+/// `tether quantize` writes the file llama.cpp's converter writes from the same checkpoint
+/// (tests/fixtures/gguf, made by `scripts/gguf-from-fixture.py`): every tensor's name, type,
+/// shape and bytes, in f32, f16 and q8_0, and the same metadata values.
+#[test]
+fn quantize_writes_the_converters_file() {
+    use engine_core::gguf::Gguf;
+    let dir = scratch("quantize");
+    let fixtures = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/fixtures/gguf");
+    let checkpoint = fixtures_dir().join("tiny_fp32");
+    for t in ["f32", "f16", "q8_0"] {
+        let out = dir.join(format!("tiny.{t}.gguf"));
+        let _ = std::fs::remove_file(&out);
+        tether(&[
+            "quantize",
+            checkpoint.to_str().unwrap(),
+            out.to_str().unwrap(),
+            "--type",
+            t,
+        ]);
+        let ours = std::fs::read(&out).unwrap();
+        let theirs = std::fs::read(format!("{fixtures}/tiny_fp32.{t}.gguf")).unwrap();
+        let (a, b) = (Gguf::parse(&ours).unwrap(), Gguf::parse(&theirs).unwrap());
+        assert_eq!(a.tensors.len(), b.tensors.len(), "{t}");
+        for tb in &b.tensors {
+            let ta = a
+                .tensors
+                .iter()
+                .find(|x| x.name == tb.name)
+                .unwrap_or_else(|| {
+                    panic!("{t}: no {}", tb.name);
+                });
+            assert_eq!(
+                (ta.dtype, &ta.shape),
+                (tb.dtype, &tb.shape),
+                "{t}: {}",
+                tb.name
+            );
+            assert!(
+                ours[ta.range.clone()] == theirs[tb.range.clone()],
+                "{t}: {} differs",
+                tb.name
+            );
+        }
+        // The converter's name is title-cased; its rope sections come from the checkpoint's
+        // mrope_section, which tether's config does not keep (they change nothing for text);
+        // the vocabulary is the fixture script's, as the checkpoint has none.
+        let skip = [
+            "general.name",
+            "general.size_label",
+            "qwen35.rope.dimension_sections",
+        ];
+        for (k, v) in &b.metadata {
+            if skip.contains(&k.as_str()) || k.starts_with("tokenizer.") {
+                continue;
+            }
+            assert_eq!(a.get(k), Some(v), "{t}: metadata {k}");
+        }
+    }
+    // A GGUF re-typed: the converter's f32 file as q8_0 is the converter's q8_0 file.
+    let out = dir.join("re.q8_0.gguf");
+    let _ = std::fs::remove_file(&out);
+    let f32_file = format!("{fixtures}/tiny_fp32.f32.gguf");
+    tether(&[
+        "quantize",
+        &f32_file,
+        out.to_str().unwrap(),
+        "--type",
+        "q8_0",
+    ]);
+    let ours = std::fs::read(&out).unwrap();
+    let theirs = std::fs::read(format!("{fixtures}/tiny_fp32.q8_0.gguf")).unwrap();
+    let (a, b) = (Gguf::parse(&ours).unwrap(), Gguf::parse(&theirs).unwrap());
+    for tb in &b.tensors {
+        let ta = a.tensors.iter().find(|x| x.name == tb.name).unwrap();
+        assert!(
+            ours[ta.range.clone()] == theirs[tb.range.clone()],
+            "{}",
+            tb.name
+        );
+    }
+    // It refuses to overwrite a file, and types it does not write.
+    let out = dir.join("tiny.q8_0.gguf");
+    let again = Command::new(env!("CARGO_BIN_EXE_tether"))
+        .args([
+            "quantize",
+            checkpoint.to_str().unwrap(),
+            out.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    assert!(!again.status.success());
+    let q4 = Command::new(env!("CARGO_BIN_EXE_tether"))
+        .args([
+            "quantize",
+            "tiny",
+            dir.join("x.gguf").to_str().unwrap(),
+            "--type",
+            "q4_k",
+        ])
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&q4.stderr).contains("expected f32, f16, bf16 or q8_0"));
+}

@@ -8,6 +8,7 @@
 //! data by unchecked sums, so a crafted header could abort the process.
 //! `tests/fuzz_gguf.rs` throws random and mutated files at this parser.
 
+pub mod quantize;
 pub mod qwen35;
 pub mod vocab;
 
@@ -446,36 +447,28 @@ impl<'a> Reader<'a> {
     }
 }
 
-/// Writes GGUF version 3 (tests, and `tether quantize` later): metadata, then tensors whose
-/// bytes are already in their type's layout.
+/// Writes GGUF version 3: metadata, then tensors whose bytes are in their type's layout. The
+/// bytes may be given with each tensor ([`Writer::tensor`], for tests) or produced one tensor
+/// at a time while writing ([`Writer::describe`] and [`Writer::write`]), so a model larger
+/// than memory can be written.
+#[derive(Default)]
 pub struct Writer {
     metadata: Vec<(String, Value)>,
-    tensors: Vec<(String, Vec<u64>, u32, Vec<u8>)>,
+    tensors: Vec<Described>,
+    /// The bytes given with [`Writer::tensor`], by tensor index.
+    given: Vec<Vec<u8>>,
 }
 
-impl Default for Writer {
-    fn default() -> Self {
-        Writer::new()
-    }
+struct Described {
+    name: String,
+    ne: Vec<u64>,
+    dtype: GgmlType,
+    nbytes: u64,
 }
 
-impl Writer {
-    pub fn new() -> Writer {
-        Writer {
-            metadata: Vec::new(),
-            tensors: Vec::new(),
-        }
-    }
-
-    pub fn meta(&mut self, key: &str, value: Value) -> &mut Self {
-        self.metadata.push((key.to_string(), value));
-        self
-    }
-
-    /// A tensor of row-major `shape` (outermost first) in `dtype`, `bytes` in ggml's layout.
-    pub fn tensor(&mut self, name: &str, shape: &[usize], dtype: GgmlType, bytes: Vec<u8>) {
-        let ne = shape.iter().rev().map(|&d| d as u64).collect();
-        let id = match dtype {
+impl GgmlType {
+    fn id(self) -> u32 {
+        match self {
             GgmlType::F32 => 0,
             GgmlType::F16 => 1,
             GgmlType::BF16 => 30,
@@ -490,37 +483,92 @@ impl Writer {
             GgmlType::Q5K => 13,
             GgmlType::Q6K => 14,
             GgmlType::Iq4Xs => 23,
-        };
-        self.tensors.push((name.to_string(), ne, id, bytes));
+        }
+    }
+}
+
+impl Writer {
+    pub fn new() -> Writer {
+        Writer::default()
     }
 
+    pub fn meta(&mut self, key: &str, value: Value) -> &mut Self {
+        self.metadata.push((key.to_string(), value));
+        self
+    }
+
+    /// A tensor of row-major `shape` (outermost first) in `dtype`, whose bytes
+    /// [`Writer::write`] asks for by its index (the order of `describe` calls).
+    pub fn describe(&mut self, name: &str, shape: &[usize], dtype: GgmlType) {
+        let (block, bytes) = dtype.block();
+        let elems: u64 = shape.iter().map(|&d| d as u64).product();
+        self.tensors.push(Described {
+            name: name.to_string(),
+            ne: shape.iter().rev().map(|&d| d as u64).collect(),
+            dtype,
+            nbytes: elems / block * bytes,
+        });
+    }
+
+    /// A tensor with its bytes (ggml's layout).
+    pub fn tensor(&mut self, name: &str, shape: &[usize], dtype: GgmlType, bytes: Vec<u8>) {
+        self.describe(name, shape, dtype);
+        self.given.resize(self.tensors.len() - 1, Vec::new());
+        self.given.push(bytes);
+    }
+
+    /// The whole file, from the bytes given with [`Writer::tensor`].
     pub fn to_bytes(&self) -> Vec<u8> {
         let mut out = Vec::new();
-        out.extend_from_slice(MAGIC);
-        out.extend_from_slice(&3u32.to_le_bytes());
-        out.extend_from_slice(&(self.tensors.len() as u64).to_le_bytes());
-        out.extend_from_slice(&(self.metadata.len() as u64).to_le_bytes());
+        self.write(&mut out, |i| Ok(self.given[i].clone()))
+            .expect("writing to memory");
+        out
+    }
+
+    /// Writes the file to `out`, asking `bytes_of(i)` for tensor `i`'s bytes when it is its
+    /// turn; each must be the length its type and shape give.
+    pub fn write(
+        &self,
+        out: &mut impl std::io::Write,
+        mut bytes_of: impl FnMut(usize) -> std::io::Result<Vec<u8>>,
+    ) -> std::io::Result<()> {
+        let mut head = Vec::new();
+        head.extend_from_slice(MAGIC);
+        head.extend_from_slice(&3u32.to_le_bytes());
+        head.extend_from_slice(&(self.tensors.len() as u64).to_le_bytes());
+        head.extend_from_slice(&(self.metadata.len() as u64).to_le_bytes());
         for (k, v) in &self.metadata {
-            put_str(&mut out, k);
-            put_value(&mut out, v, true);
+            put_str(&mut head, k);
+            put_value(&mut head, v, true);
         }
         let mut offset = 0u64;
-        for (name, ne, id, bytes) in &self.tensors {
-            put_str(&mut out, name);
-            out.extend_from_slice(&(ne.len() as u32).to_le_bytes());
-            for d in ne {
-                out.extend_from_slice(&d.to_le_bytes());
+        for t in &self.tensors {
+            put_str(&mut head, &t.name);
+            head.extend_from_slice(&(t.ne.len() as u32).to_le_bytes());
+            for d in &t.ne {
+                head.extend_from_slice(&d.to_le_bytes());
             }
-            out.extend_from_slice(&id.to_le_bytes());
-            out.extend_from_slice(&offset.to_le_bytes());
-            offset = (offset + bytes.len() as u64).next_multiple_of(DEFAULT_ALIGNMENT);
+            head.extend_from_slice(&t.dtype.id().to_le_bytes());
+            head.extend_from_slice(&offset.to_le_bytes());
+            offset = (offset + t.nbytes).next_multiple_of(DEFAULT_ALIGNMENT);
         }
-        out.resize(out.len().next_multiple_of(DEFAULT_ALIGNMENT as usize), 0);
-        for (_, _, _, bytes) in &self.tensors {
-            out.extend_from_slice(bytes);
-            out.resize(out.len().next_multiple_of(DEFAULT_ALIGNMENT as usize), 0);
+        head.resize(head.len().next_multiple_of(DEFAULT_ALIGNMENT as usize), 0);
+        out.write_all(&head)?;
+        for (i, t) in self.tensors.iter().enumerate() {
+            let bytes = bytes_of(i)?;
+            if bytes.len() as u64 != t.nbytes {
+                return Err(std::io::Error::other(format!(
+                    "tensor `{}`: {} bytes, its type and shape take {}",
+                    t.name,
+                    bytes.len(),
+                    t.nbytes
+                )));
+            }
+            out.write_all(&bytes)?;
+            let pad = t.nbytes.next_multiple_of(DEFAULT_ALIGNMENT) - t.nbytes;
+            out.write_all(&vec![0; pad as usize])?;
         }
-        out
+        Ok(())
     }
 }
 

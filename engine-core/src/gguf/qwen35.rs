@@ -153,48 +153,68 @@ fn find<'a>(g: &'a Gguf, name: &str) -> Result<&'a TensorInfo> {
         .ok_or_else(|| Error::MissingTensor(name.to_string()))
 }
 
+/// The converter's names of the model's ends: (GGUF, tether's).
+const TOP: [(&str, &str); 3] = [
+    ("token_embd.weight", "model.embed_tokens.weight"),
+    ("output_norm.weight", "model.norm.weight"),
+    ("output.weight", "lm_head.weight"),
+];
+
+/// The converter's names within a layer (after `blk.N.` and `model.layers.N.`): (GGUF,
+/// tether's). `ssm_a` keeps its GGUF name in tether, being `-exp(A_log)`, not `A_log`.
+const LAYER: [(&str, &str); 20] = [
+    ("attn_norm.weight", "input_layernorm.weight"),
+    (
+        "post_attention_norm.weight",
+        "post_attention_layernorm.weight",
+    ),
+    ("ffn_gate.weight", "mlp.gate_proj.weight"),
+    ("ffn_up.weight", "mlp.up_proj.weight"),
+    ("ffn_down.weight", "mlp.down_proj.weight"),
+    ("attn_q.weight", "self_attn.q_proj.weight"),
+    ("attn_k.weight", "self_attn.k_proj.weight"),
+    ("attn_v.weight", "self_attn.v_proj.weight"),
+    ("attn_output.weight", "self_attn.o_proj.weight"),
+    ("attn_q_norm.weight", "self_attn.q_norm.weight"),
+    ("attn_k_norm.weight", "self_attn.k_norm.weight"),
+    ("attn_qkv.weight", "linear_attn.in_proj_qkv.weight"),
+    ("attn_gate.weight", "linear_attn.in_proj_z.weight"),
+    ("ssm_beta.weight", "linear_attn.in_proj_b.weight"),
+    ("ssm_alpha.weight", "linear_attn.in_proj_a.weight"),
+    ("ssm_a", "linear_attn.ssm_a"),
+    ("ssm_dt.bias", "linear_attn.dt_bias"),
+    ("ssm_conv1d.weight", "linear_attn.conv1d.weight"),
+    ("ssm_norm.weight", "linear_attn.norm.weight"),
+    ("ssm_out.weight", "linear_attn.out_proj.weight"),
+];
+
 /// tether's (Hugging Face's text-only) name for a GGUF tensor of a model of `layers` layers,
 /// or `None` for one it does not use (the nextn layers).
 fn hf_name(name: &str, layers: usize) -> Option<String> {
-    let top = match name {
-        "token_embd.weight" => Some("model.embed_tokens.weight"),
-        "output_norm.weight" => Some("model.norm.weight"),
-        "output.weight" => Some("lm_head.weight"),
-        _ => None,
-    };
-    if let Some(t) = top {
-        return Some(t.to_string());
+    if let Some((_, hf)) = TOP.iter().find(|(g, _)| *g == name) {
+        return Some(hf.to_string());
     }
-    let rest = name.strip_prefix("blk.")?;
-    let (layer, tensor) = rest.split_once('.')?;
-    let layer: usize = layer.parse().ok()?;
-    if layer >= layers {
-        return None;
-    }
-    let hf = match tensor {
-        "attn_norm.weight" => "input_layernorm.weight",
-        "post_attention_norm.weight" => "post_attention_layernorm.weight",
-        "ffn_gate.weight" => "mlp.gate_proj.weight",
-        "ffn_up.weight" => "mlp.up_proj.weight",
-        "ffn_down.weight" => "mlp.down_proj.weight",
-        "attn_q.weight" => "self_attn.q_proj.weight",
-        "attn_k.weight" => "self_attn.k_proj.weight",
-        "attn_v.weight" => "self_attn.v_proj.weight",
-        "attn_output.weight" => "self_attn.o_proj.weight",
-        "attn_q_norm.weight" => "self_attn.q_norm.weight",
-        "attn_k_norm.weight" => "self_attn.k_norm.weight",
-        "attn_qkv.weight" => "linear_attn.in_proj_qkv.weight",
-        "attn_gate.weight" => "linear_attn.in_proj_z.weight",
-        "ssm_beta.weight" => "linear_attn.in_proj_b.weight",
-        "ssm_alpha.weight" => "linear_attn.in_proj_a.weight",
-        "ssm_a" => "linear_attn.ssm_a",
-        "ssm_dt.bias" => "linear_attn.dt_bias",
-        "ssm_conv1d.weight" => "linear_attn.conv1d.weight",
-        "ssm_norm.weight" => "linear_attn.norm.weight",
-        "ssm_out.weight" => "linear_attn.out_proj.weight",
-        _ => return None,
-    };
+    let (layer, tensor) = name.strip_prefix("blk.")?.split_once('.')?;
+    let layer: usize = layer.parse().ok().filter(|&l| l < layers)?;
+    let (_, hf) = LAYER.iter().find(|(g, _)| *g == tensor)?;
     Some(format!("model.layers.{layer}.{hf}"))
+}
+
+/// The GGUF name of one of tether's tensor names (`A_log` maps to `ssm_a`, which the writer
+/// computes from it).
+pub(super) fn gguf_name(name: &str) -> Option<String> {
+    if let Some((g, _)) = TOP.iter().find(|(_, hf)| *hf == name) {
+        return Some(g.to_string());
+    }
+    let (layer, tensor) = name.strip_prefix("model.layers.")?.split_once('.')?;
+    let layer: usize = layer.parse().ok()?;
+    let tensor = if tensor == "linear_attn.A_log" {
+        "linear_attn.ssm_a"
+    } else {
+        tensor
+    };
+    let (g, _) = LAYER.iter().find(|(_, hf)| *hf == tensor)?;
+    Some(format!("blk.{layer}.{g}"))
 }
 
 /// The tensors tether uses, under its names, sharing `bytes` (the mapped file). A tensor tether
