@@ -40,7 +40,7 @@ pub fn run(a: Args) -> Result<()> {
     let name = input
         .file_stem()
         .map_or_else(|| a.input.clone(), |n| n.to_string_lossy().into_owned());
-    let vocab = config.vocab_size;
+    let model = &config;
     let add_tokenizer = |w: &mut gguf::Writer| -> engine_core::Result<()> {
         if input.is_dir() && input.join("tokenizer.json").exists() {
             let json = std::fs::read(input.join("tokenizer.json"))
@@ -54,7 +54,7 @@ pub fn run(a: Args) -> Result<()> {
                 c["chat_template"] = t.into();
                 config = Some(c.to_string());
             }
-            quantize::tokenizer_metadata(w, &json, config.as_deref(), vocab)?;
+            quantize::tokenizer_metadata(w, &json, config.as_deref(), model)?;
         } else if input.is_file() {
             // A GGUF's own tokenizer, as it is.
             let (g, _) = gguf::open(input)?;

@@ -400,3 +400,33 @@ fn the_gpu_backend_refuses_k_quant_weights_up_front() {
     let e = model.check_backend(&gpu).unwrap_err().to_string();
     assert!(e.contains("cannot compute with q4_k weights"), "{e}");
 }
+
+/// The end token comes from tokenizer_config.json, else from the model's config (as the
+/// converter falls back to config.json): without one llama.cpp takes id 11, `,` in Qwen's
+/// vocabulary, and stops at every comma.
+#[test]
+fn quantize_names_the_end_token_from_the_config_when_the_tokenizer_does_not() {
+    use engine_core::gguf::{quantize, Gguf, Value, Writer};
+    let json = std::fs::read(fixtures_dir().join("tokenizer/tokenizer.json")).unwrap();
+    let mut config = engine_core::synth::preset("qwen35-0.8b").unwrap();
+    for (tokenizer_config, want) in [
+        (None, 248_046),
+        (Some(r#"{"eos_token": "<|endoftext|>"}"#), 248_044),
+    ] {
+        let mut w = Writer::new();
+        quantize::tokenizer_metadata(&mut w, &json, tokenizer_config, &config).unwrap();
+        let bytes = w.to_bytes();
+        let g = Gguf::parse(&bytes).unwrap();
+        assert_eq!(
+            g.get("tokenizer.ggml.eos_token_id"),
+            Some(&Value::U32(want))
+        );
+    }
+    config.eos_token_ids.clear();
+    let mut w = Writer::new();
+    quantize::tokenizer_metadata(&mut w, &json, None, &config).unwrap();
+    assert!(Gguf::parse(&w.to_bytes())
+        .unwrap()
+        .get("tokenizer.ggml.eos_token_id")
+        .is_none());
+}

@@ -111,15 +111,18 @@ fn full_attention_interval(c: &ModelConfig) -> usize {
 }
 
 /// The converter's tokenizer metadata from a `tokenizer.json` (and the chat template and end
-/// token from `tokenizer_config.json`), for `vocab_size` ids: every id's token in id order
+/// token from `tokenizer_config.json`, else the model config's first `eos_token_id`, as the
+/// converter falls back to `config.json`), for `vocab_size` ids: every id's token in id order
 /// (`[PADn]` where there is none), its type (1 normal, 3 special added, 4 other added, 5
-/// unused) and the merges as `"a b"`. The same rules `gguf::vocab` reads back.
+/// unused) and the merges as `"a b"`. The same rules `gguf::vocab` reads back. Without an end
+/// token llama.cpp takes id 11 for one (its BPE default), which is `,` in Qwen's vocabulary.
 pub fn tokenizer_metadata(
     w: &mut Writer,
     tokenizer_json: &[u8],
     config_json: Option<&str>,
-    vocab_size: usize,
+    c: &ModelConfig,
 ) -> Result<()> {
+    let vocab_size = c.vocab_size;
     let bad = |why: &str| Error::Tokenizer(format!("tokenizer.json: {why}"));
     let json: Json = serde_json::from_slice(tokenizer_json).map_err(|e| bad(&e.to_string()))?;
     let model = &json["model"];
@@ -200,7 +203,11 @@ pub fn tokenizer_metadata(
         .meta("tokenizer.ggml.merges", Value::Array(merges))
         .meta("tokenizer.ggml.add_bos_token", Value::Bool(false))
         .meta("tokenizer.ggml.add_eos_token", Value::Bool(false));
-    if let Some(id) = config["eos_token"].as_str().and_then(id_of) {
+    let eos = config["eos_token"]
+        .as_str()
+        .and_then(id_of)
+        .or_else(|| c.eos_token_ids.first().map(|&id| u64::from(id)));
+    if let Some(id) = eos {
         w.meta("tokenizer.ggml.eos_token_id", Value::U32(id as u32));
     }
     if let Some(t) = config["chat_template"].as_str() {
