@@ -143,48 +143,49 @@ fn scale_min_k4(j: usize, s: &[u8; 12]) -> (f32, f32) {
     (f32::from(sc), f32::from(m))
 }
 
+/// Q4_K's and Q5_K's weights: sub-block `j` (32 weights from 32 bytes of `qs`, low nibbles
+/// for even `j`, high for odd) scaled `d * sc - dmin * m`, with a fifth bit from `qh` for Q5_K.
+fn dequantise_k4(
+    (d, dmin): (f16, f16),
+    scales: &[u8; 12],
+    qs: &[u8; QK_K / 2],
+    qh: Option<&[u8; QK_K / 8]>,
+    out: &mut [f32],
+) {
+    let (d, dmin) = (d.to_f32(), dmin.to_f32());
+    for (j, (q, out)) in qs
+        .chunks_exact(32)
+        .zip(out.chunks_exact_mut(64))
+        .enumerate()
+    {
+        let (s1, m1) = scale_min_k4(2 * j, scales);
+        let (s2, m2) = scale_min_k4(2 * j + 1, scales);
+        let (d1, m1, d2, m2) = (d * s1, dmin * m1, d * s2, dmin * m2);
+        for (l, &q) in q.iter().enumerate() {
+            let high = |bit: usize| qh.map_or(0, |h| ((h[l] >> bit) & 1) << 4);
+            out[l] = d1 * f32::from((q & 0xF) | high(2 * j)) - m1;
+            out[l + 32] = d2 * f32::from((q >> 4) | high(2 * j + 1)) - m2;
+        }
+    }
+}
+
 impl QuantBlock for BlockQ4K {
     const LEN: usize = QK_K;
     fn dequantise_into(&self, out: &mut [f32]) {
-        let (d, dmin) = (self.d.to_f32(), self.dmin.to_f32());
-        for (j, (q, out)) in self
-            .qs
-            .chunks_exact(32)
-            .zip(out.chunks_exact_mut(64))
-            .enumerate()
-        {
-            let (s1, m1) = scale_min_k4(2 * j, &self.scales);
-            let (s2, m2) = scale_min_k4(2 * j + 1, &self.scales);
-            let (d1, m1, d2, m2) = (d * s1, dmin * m1, d * s2, dmin * m2);
-            for (l, &q) in q.iter().enumerate() {
-                out[l] = d1 * f32::from(q & 0xF) - m1;
-                out[l + 32] = d2 * f32::from(q >> 4) - m2;
-            }
-        }
+        dequantise_k4((self.d, self.dmin), &self.scales, &self.qs, None, out);
     }
 }
 
 impl QuantBlock for BlockQ5K {
     const LEN: usize = QK_K;
     fn dequantise_into(&self, out: &mut [f32]) {
-        let (d, dmin) = (self.d.to_f32(), self.dmin.to_f32());
-        for (j, (q, out)) in self
-            .qs
-            .chunks_exact(32)
-            .zip(out.chunks_exact_mut(64))
-            .enumerate()
-        {
-            let (s1, m1) = scale_min_k4(2 * j, &self.scales);
-            let (s2, m2) = scale_min_k4(2 * j + 1, &self.scales);
-            let (d1, m1, d2, m2) = (d * s1, dmin * m1, d * s2, dmin * m2);
-            for (l, &q) in q.iter().enumerate() {
-                let h = self.qh[l];
-                let lo = (q & 0xF) | (((h >> (2 * j)) & 1) << 4);
-                let hi = (q >> 4) | (((h >> (2 * j + 1)) & 1) << 4);
-                out[l] = d1 * f32::from(lo) - m1;
-                out[l + 32] = d2 * f32::from(hi) - m2;
-            }
-        }
+        dequantise_k4(
+            (self.d, self.dmin),
+            &self.scales,
+            &self.qs,
+            Some(&self.qh),
+            out,
+        );
     }
 }
 
