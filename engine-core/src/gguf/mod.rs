@@ -97,6 +97,24 @@ impl Value {
     }
 }
 
+/// ggml's type ids (`ggml_type`) of the types this reader knows, for both directions.
+const GGML_IDS: [(u32, GgmlType); 14] = [
+    (0, GgmlType::F32),
+    (1, GgmlType::F16),
+    (2, GgmlType::Q4_0),
+    (3, GgmlType::Q4_1),
+    (6, GgmlType::Q5_0),
+    (7, GgmlType::Q5_1),
+    (8, GgmlType::Q8_0),
+    (10, GgmlType::Q2K),
+    (11, GgmlType::Q3K),
+    (12, GgmlType::Q4K),
+    (13, GgmlType::Q5K),
+    (14, GgmlType::Q6K),
+    (23, GgmlType::Iq4Xs),
+    (30, GgmlType::BF16),
+];
+
 /// A tensor's element type (`ggml_type`), as far as this reader knows them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum GgmlType {
@@ -118,23 +136,15 @@ pub enum GgmlType {
 
 impl GgmlType {
     fn from_id(id: u32) -> Option<GgmlType> {
-        Some(match id {
-            0 => GgmlType::F32,
-            1 => GgmlType::F16,
-            2 => GgmlType::Q4_0,
-            3 => GgmlType::Q4_1,
-            6 => GgmlType::Q5_0,
-            7 => GgmlType::Q5_1,
-            8 => GgmlType::Q8_0,
-            10 => GgmlType::Q2K,
-            11 => GgmlType::Q3K,
-            12 => GgmlType::Q4K,
-            13 => GgmlType::Q5K,
-            14 => GgmlType::Q6K,
-            23 => GgmlType::Iq4Xs,
-            30 => GgmlType::BF16,
-            _ => return None,
-        })
+        GGML_IDS.iter().find(|(i, _)| *i == id).map(|&(_, t)| t)
+    }
+
+    fn id(self) -> u32 {
+        GGML_IDS
+            .iter()
+            .find(|(_, t)| *t == self)
+            .map(|&(i, _)| i)
+            .expect("every GgmlType has an id")
     }
 
     /// Elements per block and bytes per block (ggml's `blck_size`, `type_size`).
@@ -464,27 +474,6 @@ struct Described {
     ne: Vec<u64>,
     dtype: GgmlType,
     nbytes: u64,
-}
-
-impl GgmlType {
-    fn id(self) -> u32 {
-        match self {
-            GgmlType::F32 => 0,
-            GgmlType::F16 => 1,
-            GgmlType::BF16 => 30,
-            GgmlType::Q4_0 => 2,
-            GgmlType::Q4_1 => 3,
-            GgmlType::Q5_0 => 6,
-            GgmlType::Q5_1 => 7,
-            GgmlType::Q8_0 => 8,
-            GgmlType::Q2K => 10,
-            GgmlType::Q3K => 11,
-            GgmlType::Q4K => 12,
-            GgmlType::Q5K => 13,
-            GgmlType::Q6K => 14,
-            GgmlType::Iq4Xs => 23,
-        }
-    }
 }
 
 impl Writer {

@@ -148,10 +148,6 @@ fn dots_task_q8_0(x: &[f32], k: usize, w: &[BlockQ8_0], out: &mut [f32]) {
         // SAFETY: the CPU has the features the kernel is compiled for.
         return unsafe { avx2::dots_task_q8_0(x, k, w, out) };
     }
-    dots_task_q8_0_portable(x, k, w, out);
-}
-
-fn dots_task_q8_0_portable(x: &[f32], k: usize, w: &[BlockQ8_0], out: &mut [f32]) {
     dots_task_quant(x, k, w, out);
 }
 
@@ -604,7 +600,7 @@ mod tests {
             Data::F32(e) => dots_task_portable(x, k, e, &mut out_t),
             Data::BF16(e) => dots_task_portable(x, k, e, &mut out_t),
             Data::F16(e) => dots_task_portable(x, k, e, &mut out_t),
-            Data::Q8_0(e) => dots_task_q8_0_portable(x, k, e, &mut out_t),
+            Data::Q8_0(e) => dots_task_quant(x, k, e, &mut out_t),
             Data::Q4K(e) => dots_task_quant(x, k, e, &mut out_t),
             Data::Q5K(e) => dots_task_quant(x, k, e, &mut out_t),
             Data::Q6K(e) => dots_task_quant(x, k, e, &mut out_t),

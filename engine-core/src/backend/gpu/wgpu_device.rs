@@ -377,11 +377,12 @@ impl Device for WgpuDevice {
             usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
             mapped_at_creation: false,
         });
+        let staged = Buffer::Wgpu(staging.clone());
         let mut at = 0;
         for (b, r) in parts {
             let bytes = r.end - r.start;
             if bytes > 0 {
-                self.copy(b, r.start, &Buffer::Wgpu(staging.clone()), at, bytes);
+                self.copy(b, r.start, &staged, at, bytes);
             }
             at += bytes;
         }
