@@ -26,7 +26,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 use crate::identity::ModelIdentity;
-use crate::tensor::{DType, Data, Elems, SharedBytes, Tensor};
+use crate::tensor::{DType, Data, SharedBytes, Tensor};
 use crate::weights::{layer_of, TensorMap};
 use crate::{synth, Model, ModelConfig};
 
@@ -118,15 +118,7 @@ impl Entry {
         }
         let range = 0..bytes.len();
         let shared: SharedBytes = Arc::new(bytes);
-        let data = match dtype {
-            DType::F32 => Data::F32(Elems::from_bytes(&shared, range)),
-            DType::BF16 => Data::BF16(Elems::from_bytes(&shared, range)),
-            DType::F16 => Data::F16(Elems::from_bytes(&shared, range)),
-            DType::Q8_0 => Data::Q8_0(Elems::from_bytes(&shared, range)),
-            DType::Q4K => Data::Q4K(Elems::from_bytes(&shared, range)),
-            DType::Q5K => Data::Q5K(Elems::from_bytes(&shared, range)),
-            DType::Q6K => Data::Q6K(Elems::from_bytes(&shared, range)),
-        };
+        let data = Data::from_bytes(dtype, &shared, range);
         Ok(Tensor {
             shape: self.shape.clone(),
             data,

@@ -17,6 +17,7 @@ pub mod model;
 pub mod page_file;
 pub mod plan;
 pub mod protocol;
+pub mod quant;
 pub mod remote;
 pub mod source;
 pub mod split;

@@ -218,7 +218,7 @@ pub fn save_safetensors(tensors: &TensorMap, path: &std::path::Path) -> Result<(
                 DType::F32 => StDtype::F32,
                 DType::BF16 => StDtype::BF16,
                 DType::F16 => StDtype::F16,
-                DType::Q8_0 | DType::Q4K | DType::Q5K | DType::Q6K => {
+                _ => {
                     return Err(Error::Weights(format!(
                         "{n} is {}, which a safetensors file cannot hold",
                         t.dtype().name()

@@ -316,25 +316,26 @@ fn the_converters_q8_0_gguf_computes_its_dequantised_weights() {
     }
 }
 
-/// Q4_K, Q5_K and Q6_K blocks (random, with finite scales) against their values as llama.cpp's
-/// gguf-py dequantises them (`scripts/kquant-fixture.py` wrote both into kquants.gguf): equal
-/// bit for bit; and tether's products with them, on the dot-product path and gemm's, against
-/// an f64 product of those values.
+/// Blocks of every quantised type tether reads (random, with finite scales) against their
+/// values as llama.cpp's gguf-py dequantises them (`scripts/quant-fixture.py` wrote both into
+/// quants.gguf): equal bit for bit; and tether's products with them, on the dot-product path
+/// and gemm's, against an f64 product of those values.
 #[test]
-fn k_quants_dequantise_as_llama_cpp_does_and_multiply() {
+fn quantised_types_dequantise_as_llama_cpp_does_and_multiply() {
     use engine_core::gguf::Gguf;
-    use engine_core::tensor::{Data, Elems, Matrix, SharedBytes};
-    let bytes = std::fs::read(gguf("kquants.gguf")).unwrap();
+    use engine_core::tensor::{DType, Data, Matrix, SharedBytes};
+    let bytes = std::fs::read(gguf("quants.gguf")).unwrap();
     let g = Gguf::parse(&bytes).unwrap();
     let shared: SharedBytes = std::sync::Arc::new(bytes.clone());
     let find = |name: &str| g.tensors.iter().find(|t| t.name == name).unwrap().clone();
-    for name in ["q4_k", "q5_k", "q6_k"] {
+    let names = [
+        "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "iq4_nl", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k",
+        "iq4_xs",
+    ];
+    for name in names {
         let (q, f) = (find(name), find(&format!("{name}.f32")));
-        let data = match name {
-            "q4_k" => Data::Q4K(Elems::from_bytes(&shared, q.range.clone())),
-            "q5_k" => Data::Q5K(Elems::from_bytes(&shared, q.range.clone())),
-            _ => Data::Q6K(Elems::from_bytes(&shared, q.range.clone())),
-        };
+        assert_eq!(Some(q.dtype), DType::parse(name));
+        let data = Data::from_bytes(q.dtype, &shared, q.range.clone());
         let want: Vec<f32> = bytes[f.range.clone()]
             .chunks_exact(4)
             .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
@@ -429,4 +430,46 @@ fn quantize_names_the_end_token_from_the_config_when_the_tokenizer_does_not() {
         .unwrap()
         .get("tokenizer.ggml.eos_token_id")
         .is_none());
+}
+
+/// Files as llama.cpp's `llama-quantize` writes them (`scripts/llama-quantize-fixtures.sh`),
+/// between them holding every type tether reads but IQ4_NL (whose blocks `quants.gguf` tests):
+/// each runs, and its logits are those of the same weights dequantised to f32 within f32
+/// rounding, so every matrix is read in its layout and type (the dequantised values themselves
+/// are checked against gguf-py above).
+#[test]
+fn llama_quantize_outputs_compute_their_dequantised_weights() {
+    use engine_core::tensor::{Data, Elems};
+    let files = [
+        "tiny_fp32.q4_0.gguf",
+        "tiny_fp32.q5_1.gguf",
+        "tiny_fp32.q4_k_m.gguf",
+        "tiny256.q2_k.gguf",
+        "tiny256.q3_k_m.gguf",
+        "tiny256.q4_k_m.gguf",
+        "tiny256.iq4_xs.gguf",
+    ];
+    let prompt = Reference::load("tiny_fp32").ids("prompt_ids");
+    for file in files {
+        let quantised = load(file);
+        let (config, mut tensors) = engine_core::gguf::qwen35::load(&gguf(file)).unwrap();
+        let mut types = std::collections::BTreeSet::new();
+        for t in tensors.values_mut() {
+            if t.dtype().is_quantised() {
+                types.insert(t.dtype().name());
+                t.data = Data::F32(Elems::Owned(t.data.to_f32_vec().into()));
+            }
+        }
+        assert!(types.len() >= 2, "{file}: {types:?}");
+        let dequantised = Model::from_tensors(config, &tensors).unwrap();
+        let (a, ids_a, gen_a) = run(&quantised, &prompt, 4);
+        let (b, ids_b, gen_b) = run(&dequantised, &prompt, 4);
+        let scale = b.iter().fold(1.0f32, |m, v| m.max(v.abs()));
+        let d = max_abs_diff(&a, &b).max(max_abs_diff(&gen_a, &gen_b)) / scale;
+        assert!(
+            d < 1e-5,
+            "{file} ({types:?}) against its dequantised weights: {d}"
+        );
+        assert_eq!(ids_a, ids_b, "{file}");
+    }
 }

@@ -15,6 +15,8 @@ pub mod vocab;
 use std::collections::BTreeMap;
 use std::ops::Range;
 
+use crate::tensor::DType;
+
 const MAGIC: &[u8; 4] = b"GGUF";
 
 /// `general.alignment` when a file does not set it.
@@ -97,95 +99,6 @@ impl Value {
     }
 }
 
-/// ggml's type ids (`ggml_type`) of the types this reader knows, for both directions.
-const GGML_IDS: [(u32, GgmlType); 14] = [
-    (0, GgmlType::F32),
-    (1, GgmlType::F16),
-    (2, GgmlType::Q4_0),
-    (3, GgmlType::Q4_1),
-    (6, GgmlType::Q5_0),
-    (7, GgmlType::Q5_1),
-    (8, GgmlType::Q8_0),
-    (10, GgmlType::Q2K),
-    (11, GgmlType::Q3K),
-    (12, GgmlType::Q4K),
-    (13, GgmlType::Q5K),
-    (14, GgmlType::Q6K),
-    (23, GgmlType::Iq4Xs),
-    (30, GgmlType::BF16),
-];
-
-/// A tensor's element type (`ggml_type`), as far as this reader knows them.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum GgmlType {
-    F32,
-    F16,
-    BF16,
-    Q4_0,
-    Q4_1,
-    Q5_0,
-    Q5_1,
-    Q8_0,
-    Q2K,
-    Q3K,
-    Q4K,
-    Q5K,
-    Q6K,
-    Iq4Xs,
-}
-
-impl GgmlType {
-    fn from_id(id: u32) -> Option<GgmlType> {
-        GGML_IDS.iter().find(|(i, _)| *i == id).map(|&(_, t)| t)
-    }
-
-    fn id(self) -> u32 {
-        GGML_IDS
-            .iter()
-            .find(|(_, t)| *t == self)
-            .map(|&(i, _)| i)
-            .expect("every GgmlType has an id")
-    }
-
-    /// Elements per block and bytes per block (ggml's `blck_size`, `type_size`).
-    pub fn block(self) -> (u64, u64) {
-        match self {
-            GgmlType::F32 => (1, 4),
-            GgmlType::F16 | GgmlType::BF16 => (1, 2),
-            GgmlType::Q4_0 => (32, 18),
-            GgmlType::Q4_1 => (32, 20),
-            GgmlType::Q5_0 => (32, 22),
-            GgmlType::Q5_1 => (32, 24),
-            GgmlType::Q8_0 => (32, 34),
-            GgmlType::Q2K => (256, 84),
-            GgmlType::Q3K => (256, 110),
-            GgmlType::Q4K => (256, 144),
-            GgmlType::Q5K => (256, 176),
-            GgmlType::Q6K => (256, 210),
-            GgmlType::Iq4Xs => (256, 136),
-        }
-    }
-
-    pub fn name(self) -> &'static str {
-        match self {
-            GgmlType::F32 => "F32",
-            GgmlType::F16 => "F16",
-            GgmlType::BF16 => "BF16",
-            GgmlType::Q4_0 => "Q4_0",
-            GgmlType::Q4_1 => "Q4_1",
-            GgmlType::Q5_0 => "Q5_0",
-            GgmlType::Q5_1 => "Q5_1",
-            GgmlType::Q8_0 => "Q8_0",
-            GgmlType::Q2K => "Q2_K",
-            GgmlType::Q3K => "Q3_K",
-            GgmlType::Q4K => "Q4_K",
-            GgmlType::Q5K => "Q5_K",
-            GgmlType::Q6K => "Q6_K",
-            GgmlType::Iq4Xs => "IQ4_XS",
-        }
-    }
-}
-
 /// One tensor's description.
 #[derive(Clone, Debug)]
 pub struct TensorInfo {
@@ -193,7 +106,7 @@ pub struct TensorInfo {
     /// Row-major shape, outermost first (GGUF lists `ne[0]`, the contiguous one, first: this is
     /// that list reversed, as safetensors and torch write shapes).
     pub shape: Vec<usize>,
-    pub dtype: GgmlType,
+    pub dtype: DType,
     /// Its bytes within the whole buffer.
     pub range: Range<usize>,
 }
@@ -272,6 +185,7 @@ impl Gguf {
                 return Err(bad(format!("tensor `{name}` appears twice")));
             }
             let (block, block_bytes) = dtype.block();
+            let (block, block_bytes) = (block as u64, block_bytes as u64);
             let elems = dims
                 .iter()
                 .try_fold(1u64, |n, &d| n.checked_mul(d))
@@ -340,7 +254,7 @@ struct Reader<'a> {
 }
 
 /// A tensor's name, `ne` dimensions (contiguous first), type and data offset.
-type RawInfo = (String, Vec<u64>, GgmlType, u64);
+type RawInfo = (String, Vec<u64>, DType, u64);
 
 impl<'a> Reader<'a> {
     fn remaining(&self) -> usize {
@@ -447,7 +361,7 @@ impl<'a> Reader<'a> {
             .map(|_| self.u64())
             .collect::<Result<Vec<u64>, _>>()?;
         let id = self.u32()?;
-        let dtype = GgmlType::from_id(id).ok_or_else(|| {
+        let dtype = DType::from_ggml_id(id).ok_or_else(|| {
             bad(format!(
                 "`{name}` has ggml type {id}, which tether does not read"
             ))
@@ -472,7 +386,7 @@ pub struct Writer {
 struct Described {
     name: String,
     ne: Vec<u64>,
-    dtype: GgmlType,
+    dtype: DType,
     nbytes: u64,
 }
 
@@ -488,9 +402,10 @@ impl Writer {
 
     /// A tensor of row-major `shape` (outermost first) in `dtype`, whose bytes
     /// [`Writer::write`] asks for by its index (the order of `describe` calls).
-    pub fn describe(&mut self, name: &str, shape: &[usize], dtype: GgmlType) {
+    pub fn describe(&mut self, name: &str, shape: &[usize], dtype: DType) {
         let (block, bytes) = dtype.block();
         let elems: u64 = shape.iter().map(|&d| d as u64).product();
+        let (block, bytes) = (block as u64, bytes as u64);
         self.tensors.push(Described {
             name: name.to_string(),
             ne: shape.iter().rev().map(|&d| d as u64).collect(),
@@ -500,7 +415,7 @@ impl Writer {
     }
 
     /// A tensor with its bytes (ggml's layout).
-    pub fn tensor(&mut self, name: &str, shape: &[usize], dtype: GgmlType, bytes: Vec<u8>) {
+    pub fn tensor(&mut self, name: &str, shape: &[usize], dtype: DType, bytes: Vec<u8>) {
         self.describe(name, shape, dtype);
         self.given.resize(self.tensors.len() - 1, Vec::new());
         self.given.push(bytes);
@@ -537,7 +452,7 @@ impl Writer {
             for d in &t.ne {
                 head.extend_from_slice(&d.to_le_bytes());
             }
-            head.extend_from_slice(&t.dtype.id().to_le_bytes());
+            head.extend_from_slice(&t.dtype.ggml_id().to_le_bytes());
             head.extend_from_slice(&offset.to_le_bytes());
             offset = (offset + t.nbytes).next_multiple_of(DEFAULT_ALIGNMENT);
         }
@@ -630,9 +545,9 @@ mod tests {
             .flat_map(|x| x.to_le_bytes())
             .collect();
         // An empty tensor first: its range must stay inside a file cut short anywhere.
-        w.tensor("empty", &[0, 32], GgmlType::F32, Vec::new());
-        w.tensor("t", &[2, 3], GgmlType::F32, v);
-        w.tensor("q", &[1, 32], GgmlType::Q8_0, vec![7; 34]);
+        w.tensor("empty", &[0, 32], DType::F32, Vec::new());
+        w.tensor("t", &[2, 3], DType::F32, v);
+        w.tensor("q", &[1, 32], DType::Q8_0, vec![7; 34]);
         w.to_bytes()
     }
 
@@ -679,7 +594,7 @@ mod tests {
     fn empty_tensors_of_a_cut_file_stay_inside_it() {
         let mut w = Writer::new();
         w.meta("general.architecture", Value::Str("qwen35".into()));
-        w.tensor("token_embd.weight", &[0, 32], GgmlType::F32, Vec::new());
+        w.tensor("token_embd.weight", &[0, 32], DType::F32, Vec::new());
         let bytes = w.to_bytes();
         for n in 0..=bytes.len() {
             if let Ok(g) = Gguf::parse(&bytes[..n]) {

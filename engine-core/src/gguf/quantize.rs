@@ -10,41 +10,27 @@
 
 use std::io::Write;
 
-use half::{bf16, f16};
 use serde_json::Value as Json;
 
 use super::qwen35::gguf_name;
-use super::{GgmlType, Value, Writer};
+use super::{Value, Writer};
 use crate::config::{LayerKind, ModelConfig, WeightLayout};
 use crate::error::{Error, Result};
-use crate::tensor::{BlockQ8_0, DType, Q8_0_BLOCK};
+use crate::tensor::{DType, Data, Q8_0_BLOCK};
 use crate::weights::TensorMap;
 
 /// The types `tether quantize` writes matrices in.
 pub const TARGETS: [DType; 4] = [DType::F32, DType::F16, DType::BF16, DType::Q8_0];
 
-/// llama.cpp's `general.file_type` (`llama_ftype`) of a file whose matrices are `dtype`.
+/// llama.cpp's `general.file_type` (`llama_ftype`) of a file whose matrices are `dtype`, one of
+/// the [`TARGETS`].
 fn file_type(dtype: DType) -> u32 {
     match dtype {
         DType::F32 => 0,
         DType::F16 => 1,
         DType::Q8_0 => 7,
         DType::BF16 => 32,
-        DType::Q4K => 15,
-        DType::Q5K => 17,
-        DType::Q6K => 18,
-    }
-}
-
-fn ggml_type(dtype: DType) -> GgmlType {
-    match dtype {
-        DType::F32 => GgmlType::F32,
-        DType::F16 => GgmlType::F16,
-        DType::BF16 => GgmlType::BF16,
-        DType::Q8_0 => GgmlType::Q8_0,
-        DType::Q4K => GgmlType::Q4K,
-        DType::Q5K => GgmlType::Q5K,
-        DType::Q6K => GgmlType::Q6K,
+        other => unreachable!("quantize does not write {}", other.name()),
     }
 }
 
@@ -362,30 +348,6 @@ fn values(p: &Plan, c: &ModelConfig, tensors: &TensorMap) -> Vec<f32> {
     }
 }
 
-fn encode(values: &[f32], dtype: DType) -> Vec<u8> {
-    match dtype {
-        DType::F32 => bytemuck::cast_slice(values).to_vec(),
-        DType::F16 => values
-            .iter()
-            .flat_map(|&v| f16::from_f32(v).to_le_bytes())
-            .collect(),
-        DType::BF16 => values
-            .iter()
-            .flat_map(|&v| bf16::from_f32(v).to_le_bytes())
-            .collect(),
-        DType::Q8_0 => values
-            .chunks_exact(Q8_0_BLOCK)
-            .flat_map(|c| {
-                let b = BlockQ8_0::quantise(c.try_into().expect("a block"));
-                bytemuck::bytes_of(&b).to_vec()
-            })
-            .collect(),
-        DType::Q4K | DType::Q5K | DType::Q6K => {
-            unreachable!("quantize writes only its TARGETS")
-        }
-    }
-}
-
 /// Writes `tensors` of model `c` (named `name`) as a GGUF to `out`, matrices as `target`,
 /// with the metadata `add_tokenizer` adds; `progress(done, total)` after each tensor.
 pub fn write(
@@ -408,12 +370,14 @@ pub fn write(
     metadata(&mut w, c, name, target);
     add_tokenizer(&mut w)?;
     for p in &plans {
-        w.describe(&p.name, &p.shape, ggml_type(p.dtype));
+        w.describe(&p.name, &p.shape, p.dtype);
     }
     let total = plans.len();
     w.write(out, |i| {
         let p = &plans[i];
-        let bytes = encode(&values(p, c, tensors), p.dtype);
+        let bytes = Data::from_f32(&values(p, c, tensors), p.dtype)
+            .as_bytes()
+            .to_vec();
         progress(i + 1, total);
         Ok(bytes)
     })

@@ -9,10 +9,10 @@
 //! Checked against files the converter itself wrote from the fixtures
 //! (`scripts/gguf-from-fixture.py`, `tests/tests/gguf.rs`).
 
-use super::{GgmlType, Gguf, TensorInfo, Value};
+use super::{Gguf, TensorInfo, Value};
 use crate::config::{LayerKind, ModelConfig, WeightLayout, MAX_LAYERS};
 use crate::error::{Error, Result};
-use crate::tensor::{Data, Elems, SharedBytes, Tensor};
+use crate::tensor::{Data, SharedBytes, Tensor};
 use crate::weights::TensorMap;
 
 const ARCH: &str = "qwen35";
@@ -217,31 +217,14 @@ pub(super) fn gguf_name(name: &str) -> Option<String> {
     Some(format!("blk.{layer}.{g}"))
 }
 
-/// The tensors tether uses, under its names, sharing `bytes` (the mapped file). A tensor tether
-/// would use but cannot read yet (a quantised type) is an error naming it.
+/// The tensors tether uses, under its names, sharing `bytes` (the mapped file).
 pub fn tensors(g: &Gguf, bytes: &SharedBytes, layers: usize) -> Result<TensorMap> {
     let mut out = TensorMap::new();
     for t in &g.tensors {
         let Some(name) = hf_name(&t.name, layers) else {
             continue;
         };
-        let data = match t.dtype {
-            GgmlType::F32 => Data::F32(Elems::from_bytes(bytes, t.range.clone())),
-            GgmlType::F16 => Data::F16(Elems::from_bytes(bytes, t.range.clone())),
-            GgmlType::BF16 => Data::BF16(Elems::from_bytes(bytes, t.range.clone())),
-            GgmlType::Q8_0 => Data::Q8_0(Elems::from_bytes(bytes, t.range.clone())),
-            GgmlType::Q4K => Data::Q4K(Elems::from_bytes(bytes, t.range.clone())),
-            GgmlType::Q5K => Data::Q5K(Elems::from_bytes(bytes, t.range.clone())),
-            GgmlType::Q6K => Data::Q6K(Elems::from_bytes(bytes, t.range.clone())),
-            other => {
-                return Err(Error::Weights(format!(
-                    "GGUF tensor `{}` is {}: this build reads F32, F16, BF16, Q8_0, Q4_K, Q5_K \
-                     and Q6_K GGUF tensors",
-                    t.name,
-                    other.name()
-                )))
-            }
-        };
+        let data = Data::from_bytes(t.dtype, bytes, t.range.clone());
         // The converter squeezed the conv kernel's middle axis of 1.
         let shape = match (name.ends_with("conv1d.weight"), &t.shape[..]) {
             (true, &[channels, kernel]) => vec![channels, 1, kernel],

@@ -17,7 +17,7 @@ use rayon::prelude::*;
 use super::convert;
 #[cfg(target_arch = "x86_64")]
 use crate::tensor::DType;
-use crate::tensor::{BlockQ8_0, Data, Matrix, QuantBlock, Q8_0_BLOCK, QK_K};
+use crate::tensor::{match_quant, BlockQ8_0, Data, Matrix, QuantBlock, Q8_0_BLOCK, QK_K};
 
 /// Rows of `x` from which `gemm` beats the dot-product kernel. Measured on Zen 4 (2 threads) with
 /// bf16 weights, 1024x3584 and 3584x1024: the dot kernel is faster up to t = 12, the two are even
@@ -46,13 +46,13 @@ pub fn matmul(x: &[f32], w: &Matrix, out: &mut [f32]) {
         return blocked::matmul_gemm(x, t, w, out);
     }
     match &w.data {
-        Data::F32(e) => matmul_dots(x, t, k, e, k, dots_task, out),
-        Data::BF16(e) => matmul_dots(x, t, k, e, k, dots_task, out),
-        Data::F16(e) => matmul_dots(x, t, k, e, k, dots_task, out),
-        Data::Q8_0(e) => matmul_dots(x, t, k, e, k / Q8_0_BLOCK, dots_task_q8_0, out),
-        Data::Q4K(e) => matmul_dots(x, t, k, e, k / QK_K, dots_task_quant, out),
-        Data::Q5K(e) => matmul_dots(x, t, k, e, k / QK_K, dots_task_quant, out),
-        Data::Q6K(e) => matmul_dots(x, t, k, e, k / QK_K, dots_task_quant, out),
+        Data::F32(e) => matmul_dots(x, t, k, e, n, dots_task, out),
+        Data::BF16(e) => matmul_dots(x, t, k, e, n, dots_task, out),
+        Data::F16(e) => matmul_dots(x, t, k, e, n, dots_task, out),
+        Data::Q8_0(e) => matmul_dots(x, t, k, e, n, dots_task_q8_0, out),
+        quant => match_quant!(quant, e => matmul_dots(x, t, k, e, n, dots_task_quant, out),
+            Data::F32(_) | Data::BF16(_) | Data::F16(_) => unreachable!("matched above"),
+        ),
     }
 }
 
@@ -65,18 +65,18 @@ fn rows_per_task(n: usize) -> usize {
 /// A task's dot products: weight rows `w` into `out` (`[rows, t]`).
 type DotsTask<T> = fn(&[f32], usize, &[T], &mut [f32]);
 
-/// The dot-product path over weight rows of `per_row` storage units (elements, or blocks of a
-/// quantised type) each, `task` computing one task's rows.
+/// The dot-product path over the `n` weight rows in `w` (elements, or blocks of a quantised
+/// type), `task` computing one task's rows.
 fn matmul_dots<T: Sync>(
     x: &[f32],
     t: usize,
     k: usize,
     w: &[T],
-    per_row: usize,
+    n: usize,
     task: DotsTask<T>,
     out: &mut [f32],
 ) {
-    let n = w.len() / per_row;
+    let per_row = w.len() / n;
     let task_rows = rows_per_task(n);
     if t == 1 {
         out.par_chunks_mut(task_rows)
@@ -153,7 +153,7 @@ fn dots_task_q8_0(x: &[f32], k: usize, w: &[BlockQ8_0], out: &mut [f32]) {
 
 /// Quantised weight rows (`k / B::LEN` blocks each) into `out`, each block dequantised on the
 /// stack (one block at a time, never a row) and multiplied into the rows of `x`: the portable
-/// kernel of every quantised type, and the only one of the k-quants so far.
+/// kernel of every quantised type, and the only one of those without their own.
 fn dots_task_quant<B: QuantBlock>(x: &[f32], k: usize, w: &[B], out: &mut [f32]) {
     for_each_group(x, k, w, k / B::LEN, out, |wr, xg, dst| match dst.len() {
         4 => dst.copy_from_slice(&dots_quant::<B, 4>(wr, xg)),
@@ -412,9 +412,7 @@ mod avx2 {
                     _mm256_castsi256_ps(_mm256_slli_epi32::<16>(h))
                 }
                 DType::F16 => _mm256_cvtph_ps(_mm_loadu_si128(p.cast())),
-                DType::Q8_0 | DType::Q4K | DType::Q5K | DType::Q6K => {
-                    unreachable!("quantised types have their own kernels")
-                }
+                _ => unreachable!("quantised types have their own kernels"),
             }
         }
     }
@@ -539,8 +537,8 @@ mod blocked {
                         convert::f16_to_f32(&e[range], buf);
                         buf
                     }
-                    Data::Q8_0(_) | Data::Q4K(_) | Data::Q5K(_) | Data::Q6K(_) => {
-                        w.data.to_f32_into(range, buf);
+                    quantised => {
+                        quantised.to_f32_into(range, buf);
                         buf
                     }
                 };
@@ -596,15 +594,11 @@ mod tests {
         let (n, k) = (w.rows, w.cols);
         let t = x.len() / k;
         let mut out_t = vec![0.0; n * t];
-        match &w.data {
+        match_quant!(&w.data, e => dots_task_quant(x, k, e, &mut out_t),
             Data::F32(e) => dots_task_portable(x, k, e, &mut out_t),
             Data::BF16(e) => dots_task_portable(x, k, e, &mut out_t),
             Data::F16(e) => dots_task_portable(x, k, e, &mut out_t),
-            Data::Q8_0(e) => dots_task_quant(x, k, e, &mut out_t),
-            Data::Q4K(e) => dots_task_quant(x, k, e, &mut out_t),
-            Data::Q5K(e) => dots_task_quant(x, k, e, &mut out_t),
-            Data::Q6K(e) => dots_task_quant(x, k, e, &mut out_t),
-        }
+        );
         for r in 0..t {
             for o in 0..n {
                 out[r * n + o] = out_t[o * t + r];

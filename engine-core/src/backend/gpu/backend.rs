@@ -192,12 +192,9 @@ impl Backend for GpuBackend {
         self.name
     }
 
-    /// Q8_0 has kernels (weights.wgsl's `W = 3`); the k-quants do not yet.
+    /// Of the quantised types only Q8_0 has kernels yet (weights.wgsl's `W = 3`).
     fn reads(&self, dtype: DType) -> bool {
-        match dtype {
-            DType::F32 | DType::BF16 | DType::F16 | DType::Q8_0 => true,
-            DType::Q4K | DType::Q5K | DType::Q6K => false,
-        }
+        matches!(dtype, DType::F32 | DType::BF16 | DType::F16 | DType::Q8_0)
     }
 
     fn upload(&self, x: Vec<f32>) -> Act {
