@@ -315,7 +315,7 @@ impl QuantBlock for BlockQ3K {
 }
 
 /// Sub-block `j`'s 6-bit scale and min of a Q4_K/Q5_K block (ggml's `get_scale_min_k4`).
-fn scale_min_k4(j: usize, s: &[u8; 12]) -> (f32, f32) {
+pub(crate) fn scale_min_k4(j: usize, s: &[u8; 12]) -> (f32, f32) {
     let (sc, m) = if j < 4 {
         (s[j] & 63, s[j + 4] & 63)
     } else {

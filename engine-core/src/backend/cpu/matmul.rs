@@ -17,7 +17,7 @@ use rayon::prelude::*;
 use super::convert;
 #[cfg(target_arch = "x86_64")]
 use crate::tensor::DType;
-use crate::tensor::{match_quant, BlockQ8_0, Data, Matrix, QuantBlock, Q8_0_BLOCK, QK_K};
+use crate::tensor::{match_quant, Data, Matrix, QuantBlock, QK_K};
 
 /// Rows of `x` from which `gemm` beats the dot-product kernel. Measured on Zen 4 (2 threads) with
 /// bf16 weights, 1024x3584 and 3584x1024: the dot kernel is faster up to t = 12, the two are even
@@ -49,9 +49,17 @@ pub fn matmul(x: &[f32], w: &Matrix, out: &mut [f32]) {
         Data::F32(e) => matmul_dots(x, t, k, e, n, dots_task, out),
         Data::BF16(e) => matmul_dots(x, t, k, e, n, dots_task, out),
         Data::F16(e) => matmul_dots(x, t, k, e, n, dots_task, out),
-        Data::Q8_0(e) => matmul_dots(x, t, k, e, n, dots_task_q8_0, out),
+        // The types with an AVX2 kernel, which falls back to the portable one on other CPUs.
+        #[cfg(target_arch = "x86_64")]
+        Data::Q8_0(e) => matmul_dots(x, t, k, e, n, avx2::dots_task_w32, out),
+        #[cfg(target_arch = "x86_64")]
+        Data::Q4_0(e) => matmul_dots(x, t, k, e, n, avx2::dots_task_w32, out),
+        #[cfg(target_arch = "x86_64")]
+        Data::Q4K(e) => matmul_dots(x, t, k, e, n, avx2::dots_task_w32, out),
+        #[cfg(target_arch = "x86_64")]
+        Data::Q6K(e) => matmul_dots(x, t, k, e, n, avx2::dots_task_w32, out),
         quant => match_quant!(quant, e => matmul_dots(x, t, k, e, n, dots_task_quant, out),
-            Data::F32(_) | Data::BF16(_) | Data::F16(_) => unreachable!("matched above"),
+            _ => unreachable!("matched above"),
         ),
     }
 }
@@ -137,18 +145,6 @@ fn for_each_group<T>(
             group(wr, xg, dst);
         }
     }
-}
-
-/// Q8_0 weight rows (`k / 32` blocks each) into `out`: each block is dequantised in registers
-/// (`d * q`, as ggml defines it) and multiplied into the rows of `x`; no row is ever widened in
-/// memory.
-fn dots_task_q8_0(x: &[f32], k: usize, w: &[BlockQ8_0], out: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    if avx2::available() {
-        // SAFETY: the CPU has the features the kernel is compiled for.
-        return unsafe { avx2::dots_task_q8_0(x, k, w, out) };
-    }
-    dots_task_quant(x, k, w, out);
 }
 
 /// Quantised weight rows (`k / B::LEN` blocks each) into `out`, each block dequantised on the
@@ -297,7 +293,8 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
 mod avx2 {
     use std::arch::x86_64::*;
 
-    use super::{for_each_group, sum_lanes, BlockQ8_0, DType, Widen, Q8_0_BLOCK};
+    use super::{dots_task_quant, for_each_group, sum_lanes, DType, QuantBlock, Widen};
+    use crate::quant::{scale_min_k4, BlockQ4K, BlockQ4_0, BlockQ6K, BlockQ8_0, QK};
 
     pub fn available() -> bool {
         is_x86_feature_detected!("avx2")
@@ -324,63 +321,208 @@ mod avx2 {
         });
     }
 
+    /// A quantised type whose weights the AVX2 kernel widens to f32 in registers, 32 at a
+    /// time, by the same float operations as its dequantisation (one rounding where that has
+    /// two: `fmadd` for `d * q + m`).
+    pub trait Widen32: QuantBlock {
+        /// Weights `32 j .. 32 j + 32` of the block as four vectors of eight.
+        ///
+        /// # Safety
+        /// The CPU must support AVX2, FMA and F16C.
+        unsafe fn widen32(&self, j: usize) -> [__m256; 4];
+    }
+
+    /// The 32 bytes at `p` as four vectors of eight i32, from `cvt` (sign- or zero-extension).
+    ///
+    /// # Safety
+    /// The CPU must support AVX2.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn bytes_to_i32(v: __m256i, cvt: unsafe fn(__m128i) -> __m256i) -> [__m256i; 4] {
+        let (lo, hi) = (_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
+        // SAFETY: the caller checked the CPU.
+        unsafe {
+            [
+                cvt(lo),
+                cvt(_mm_srli_si128::<8>(lo)),
+                cvt(hi),
+                cvt(_mm_srli_si128::<8>(hi)),
+            ]
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn zext(v: __m128i) -> __m256i {
+        _mm256_cvtepu8_epi32(v)
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn sext(v: __m128i) -> __m256i {
+        _mm256_cvtepi8_epi32(v)
+    }
+
+    impl Widen32 for BlockQ8_0 {
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn widen32(&self, _: usize) -> [__m256; 4] {
+            let d = _mm256_set1_ps(self.d.to_f32());
+            // SAFETY: 32 bytes read from the block's 32-byte `qs`; the caller checked the CPU.
+            unsafe {
+                let q = _mm256_loadu_si256(self.qs.as_ptr().cast());
+                bytes_to_i32(q, sext).map(|v| _mm256_mul_ps(d, _mm256_cvtepi32_ps(v)))
+            }
+        }
+    }
+
+    impl Widen32 for BlockQ4_0 {
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn widen32(&self, _: usize) -> [__m256; 4] {
+            let d = self.d.to_f32();
+            let (d, m) = (_mm256_set1_ps(d), _mm256_set1_ps(-8.0 * d));
+            // SAFETY: 16 bytes read from the block's 16-byte `qs`; the caller checked the CPU.
+            unsafe {
+                let q = _mm_loadu_si128(self.qs.as_ptr().cast());
+                let nib = _mm_set1_epi8(0xF);
+                let lo = _mm_and_si128(q, nib);
+                let hi = _mm_and_si128(_mm_srli_epi16::<4>(q), nib);
+                // (q - 8) * d, rounded once as ggml's is: q * d - 8 d is exact before rounding.
+                bytes_to_i32(_mm256_set_m128i(hi, lo), zext)
+                    .map(|v| _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), d, m))
+            }
+        }
+    }
+
+    impl Widen32 for BlockQ4K {
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn widen32(&self, j: usize) -> [__m256; 4] {
+            let (sc, m) = scale_min_k4(j, &self.scales);
+            let d = _mm256_set1_ps(self.d.to_f32() * sc);
+            let m = _mm256_set1_ps(self.dmin.to_f32() * m);
+            let bytes: &[u8; 32] = self.qs[32 * (j / 2)..][..32].try_into().unwrap();
+            // SAFETY: 32 bytes read from `bytes`; the caller checked the CPU.
+            unsafe {
+                let q = _mm256_loadu_si256(bytes.as_ptr().cast());
+                let q = if j % 2 == 0 {
+                    q
+                } else {
+                    _mm256_srli_epi16::<4>(q)
+                };
+                let q = _mm256_and_si256(q, _mm256_set1_epi8(0xF));
+                bytes_to_i32(q, zext).map(|v| _mm256_fmsub_ps(d, _mm256_cvtepi32_ps(v), m))
+            }
+        }
+    }
+
+    impl Widen32 for BlockQ6K {
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn widen32(&self, j: usize) -> [__m256; 4] {
+            // Weights 32 j.. are `l + 32 k` of half `h` (l < 32): the low 4 bits from `ql`
+            // (byte l + 32 (k % 2), the high nibble for k >= 2), the high 2 from `qh` (byte l,
+            // bits 2k), scale `sc[8 h + l / 16 + 2 k]`.
+            let (h, k) = (j / 4, j % 4);
+            let d = self.d.to_f32();
+            let sc = &self.scales[8 * h + 2 * k..][..2];
+            let (s0, s1) = (d * f32::from(sc[0]), d * f32::from(sc[1]));
+            let ql: &[u8; 32] = self.ql[64 * h + 32 * (k % 2)..][..32].try_into().unwrap();
+            let qh: &[u8; 32] = self.qh[32 * h..][..32].try_into().unwrap();
+            // SAFETY: 32 bytes read from each of `ql` and `qh`; the caller checked the CPU.
+            unsafe {
+                let lo = _mm256_loadu_si256(ql.as_ptr().cast());
+                let lo = if k < 2 {
+                    lo
+                } else {
+                    _mm256_srli_epi16::<4>(lo)
+                };
+                let lo = _mm256_and_si256(lo, _mm256_set1_epi8(0xF));
+                let hi = _mm256_srl_epi16(
+                    _mm256_loadu_si256(qh.as_ptr().cast()),
+                    _mm_cvtsi32_si128(2 * k as i32),
+                );
+                let hi = _mm256_slli_epi16::<4>(_mm256_and_si256(hi, _mm256_set1_epi8(3)));
+                let q = _mm256_sub_epi8(_mm256_or_si256(lo, hi), _mm256_set1_epi8(32));
+                let v = bytes_to_i32(q, sext);
+                let (s0, s1) = (_mm256_set1_ps(s0), _mm256_set1_ps(s1));
+                [
+                    _mm256_mul_ps(s0, _mm256_cvtepi32_ps(v[0])),
+                    _mm256_mul_ps(s0, _mm256_cvtepi32_ps(v[1])),
+                    _mm256_mul_ps(s1, _mm256_cvtepi32_ps(v[2])),
+                    _mm256_mul_ps(s1, _mm256_cvtepi32_ps(v[3])),
+                ]
+            }
+        }
+    }
+
+    /// A task's dot products with the rows of a type that has [`Widen32`], or the portable
+    /// kernel on a CPU without AVX2.
+    pub fn dots_task_w32<B: Widen32>(x: &[f32], k: usize, w: &[B], out: &mut [f32]) {
+        if !available() {
+            return dots_task_quant(x, k, w, out);
+        }
+        // SAFETY: the CPU has the features the kernel is compiled for.
+        unsafe { dots_task_w32_avx2(x, k, w, out) }
+    }
+
     /// # Safety
     /// The CPU must support AVX2, FMA and F16C.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dots_task_q8_0(x: &[f32], k: usize, w: &[BlockQ8_0], out: &mut [f32]) {
-        for_each_group(x, k, w, k / Q8_0_BLOCK, out, |wr, xg, dst| {
-            // SAFETY: this closure runs only inside `dots_task_q8_0`, whose caller checked
+    unsafe fn dots_task_w32_avx2<B: Widen32>(x: &[f32], k: usize, w: &[B], out: &mut [f32]) {
+        for_each_group(x, k, w, k / B::LEN, out, |wr, xg, dst| {
+            // SAFETY: this closure runs only inside `dots_task_w32_avx2`, whose caller checked
             // the CPU.
             unsafe {
                 match dst.len() {
-                    4 => dst.copy_from_slice(&dots_q8_0::<4>(wr, xg)),
-                    3 => dst.copy_from_slice(&dots_q8_0::<3>(wr, xg)),
-                    2 => dst.copy_from_slice(&dots_q8_0::<2>(wr, xg)),
-                    _ => dst.copy_from_slice(&dots_q8_0::<1>(wr, xg)),
+                    4 => dst.copy_from_slice(&dots_w32::<B, 4, 2>(wr, xg)),
+                    3 => dst.copy_from_slice(&dots_w32::<B, 3, 2>(wr, xg)),
+                    2 => dst.copy_from_slice(&dots_w32::<B, 2, 2>(wr, xg)),
+                    _ => dst.copy_from_slice(&dots_w32::<B, 1, 4>(wr, xg)),
                 }
             }
         });
     }
 
-    /// Dot products of one Q8_0 weight row with the `R` rows of `xs`: per block, the 32
-    /// signed bytes widened to f32 in four registers and scaled by `d`, then two accumulator
-    /// registers per row.
+    /// Dot products of one quantised weight row with the `R` rows of `xs`, each 32 weights
+    /// widened once into registers and multiplied into every row; `V` accumulator registers
+    /// per row.
     ///
     /// # Safety
     /// The CPU must support AVX2, FMA and F16C.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn dots_q8_0<const R: usize>(w: &[BlockQ8_0], xs: &[f32]) -> [f32; R] {
-        let k = w.len() * Q8_0_BLOCK;
+    unsafe fn dots_w32<B: Widen32, const R: usize, const V: usize>(
+        w: &[B],
+        xs: &[f32],
+    ) -> [f32; R] {
+        let k = w.len() * B::LEN;
         assert_eq!(xs.len(), R * k);
-        // SAFETY: the caller guarantees the CPU features; each block's 32 bytes and each row's
-        // 32 floats are read through bounds-checked array references.
+        // SAFETY: the caller guarantees the CPU features; each row's 32 floats are read through
+        // a bounds-checked array reference.
         unsafe {
-            let mut acc = [[_mm256_setzero_ps(); 2]; R];
+            let mut acc = [[_mm256_setzero_ps(); V]; R];
             for (b, block) in w.iter().enumerate() {
-                let d = _mm256_set1_ps(block.d.to_f32());
-                let q = _mm256_loadu_si256(block.qs.as_ptr().cast());
-                let (lo, hi) = (_mm256_castsi256_si128(q), _mm256_extracti128_si256::<1>(q));
-                let wv = [
-                    _mm256_cvtepi8_epi32(lo),
-                    _mm256_cvtepi8_epi32(_mm_srli_si128::<8>(lo)),
-                    _mm256_cvtepi8_epi32(hi),
-                    _mm256_cvtepi8_epi32(_mm_srli_si128::<8>(hi)),
-                ]
-                .map(|v| _mm256_mul_ps(d, _mm256_cvtepi32_ps(v)));
-                for (r, acc_r) in acc.iter_mut().enumerate() {
-                    let xc: &[f32; Q8_0_BLOCK] = xs[r * k + b * Q8_0_BLOCK..][..Q8_0_BLOCK]
-                        .try_into()
-                        .unwrap();
-                    for (j, wv) in wv.iter().enumerate() {
-                        let xv = _mm256_loadu_ps(xc[j * 8..].as_ptr());
-                        acc_r[j % 2] = _mm256_fmadd_ps(*wv, xv, acc_r[j % 2]);
+                for j in 0..B::LEN / QK {
+                    let wv = block.widen32(j);
+                    let at = b * B::LEN + j * QK;
+                    for (r, acc_r) in acc.iter_mut().enumerate() {
+                        let xc: &[f32; QK] = xs[r * k + at..][..QK].try_into().unwrap();
+                        for (i, wv) in wv.iter().enumerate() {
+                            let xv = _mm256_loadu_ps(xc[i * 8..].as_ptr());
+                            acc_r[i % V] = _mm256_fmadd_ps(*wv, xv, acc_r[i % V]);
+                        }
                     }
                 }
             }
             std::array::from_fn(|r| {
+                let mut sum = acc[r][0];
+                for &a in &acc[r][1..] {
+                    sum = _mm256_add_ps(sum, a);
+                }
                 let mut lanes = [0.0f32; 8];
-                _mm256_storeu_ps(lanes.as_mut_ptr(), _mm256_add_ps(acc[r][0], acc[r][1]));
+                _mm256_storeu_ps(lanes.as_mut_ptr(), sum);
                 sum_lanes(&lanes)
             })
         }
