@@ -406,7 +406,7 @@ mod avx2 {
             // SAFETY: 32 bytes read from `bytes`; the caller checked the CPU.
             unsafe {
                 let q = _mm256_loadu_si256(bytes.as_ptr().cast());
-                let q = if j % 2 == 0 {
+                let q = if j.is_multiple_of(2) {
                     q
                 } else {
                     _mm256_srli_epi16::<4>(q)
