@@ -16,6 +16,8 @@ use rayon::prelude::*;
 
 use super::convert;
 #[cfg(target_arch = "x86_64")]
+use super::quant_dots;
+#[cfg(target_arch = "x86_64")]
 use crate::tensor::DType;
 use crate::tensor::{match_quant, Data, Matrix, QuantBlock, QK_K};
 
@@ -29,6 +31,25 @@ const GEMM_MIN_T: usize = 16;
 /// Rows of `x` whose dot products with one weight row are taken together, so that each weight
 /// element loaded feeds several FMAs.
 const X_GROUP: usize = 4;
+
+/// How far rounding the activations can move a product of quantised weights: the integer
+/// kernels (`quant_dots`, decode on AVX2) round a row of `x` to 16 bits per block of 32, each
+/// value by at most half a step, `max |x| / 32767 / 2` of its block, so the dot product of row
+/// `x` with weight row `w` (its values as f32) moves by at most this, beyond f32 rounding. Zero
+/// for the float types, whose activations stay f32.
+pub fn activation_rounding(x: &[f32], w: &[f32], dtype: crate::tensor::DType) -> f64 {
+    if !dtype.is_quantised() {
+        return 0.0;
+    }
+    x.chunks(32)
+        .zip(w.chunks(32))
+        .map(|(x, w)| {
+            let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs())) as f64;
+            let step = amax / 32767.0;
+            step / 2.0 * w.iter().map(|&v| (v as f64).abs()).sum::<f64>() * (1.0 + 1e-6)
+        })
+        .sum()
+}
 
 /// `x` is `[t, w.cols]`, `out` is `[t, w.rows]`, both row-major f32.
 pub fn matmul(x: &[f32], w: &Matrix, out: &mut [f32]) {
@@ -46,22 +67,44 @@ pub fn matmul(x: &[f32], w: &Matrix, out: &mut [f32]) {
         return blocked::matmul_gemm(x, t, w, out);
     }
     match &w.data {
-        Data::F32(e) => matmul_dots(x, t, k, e, n, dots_task, out),
-        Data::BF16(e) => matmul_dots(x, t, k, e, n, dots_task, out),
-        Data::F16(e) => matmul_dots(x, t, k, e, n, dots_task, out),
-        // The types with an AVX2 kernel, which falls back to the portable one on other CPUs.
+        Data::F32(e) => matmul_dots(t, e, n, |w, o| dots_task(x, k, w, o), out),
+        Data::BF16(e) => matmul_dots(t, e, n, |w, o| dots_task(x, k, w, o), out),
+        Data::F16(e) => matmul_dots(t, e, n, |w, o| dots_task(x, k, w, o), out),
+        // The types with an integer kernel (AVX2), which fall back to the portable one.
         #[cfg(target_arch = "x86_64")]
-        Data::Q8_0(e) => matmul_dots(x, t, k, e, n, avx2::dots_task_w32, out),
+        Data::Q8_0(e) => matmul_quant16(x, t, k, e, n, out),
         #[cfg(target_arch = "x86_64")]
-        Data::Q4_0(e) => matmul_dots(x, t, k, e, n, avx2::dots_task_w32, out),
+        Data::Q4_0(e) => matmul_quant16(x, t, k, e, n, out),
         #[cfg(target_arch = "x86_64")]
-        Data::Q4K(e) => matmul_dots(x, t, k, e, n, avx2::dots_task_w32, out),
+        Data::Q4K(e) => matmul_quant16(x, t, k, e, n, out),
         #[cfg(target_arch = "x86_64")]
-        Data::Q6K(e) => matmul_dots(x, t, k, e, n, avx2::dots_task_w32, out),
-        quant => match_quant!(quant, e => matmul_dots(x, t, k, e, n, dots_task_quant, out),
-            _ => unreachable!("matched above"),
-        ),
+        Data::Q6K(e) => matmul_quant16(x, t, k, e, n, out),
+        quant => {
+            match_quant!(quant, e => matmul_dots(t, e, n, |w, o| dots_task_quant(x, k, w, o), out),
+                _ => unreachable!("matched above"),
+            )
+        }
     }
+}
+
+/// Quantised weights on the integer kernel (`quant_dots`: `x` rounded to 16 bits per block of
+/// 32) where the CPU has AVX2, else on the portable kernel.
+#[cfg(target_arch = "x86_64")]
+fn matmul_quant16<B: quant_dots::Widen16>(
+    x: &[f32],
+    t: usize,
+    k: usize,
+    w: &[B],
+    n: usize,
+    out: &mut [f32],
+) {
+    if !avx2::available() {
+        return matmul_dots(t, w, n, |w, o| dots_task_quant(x, k, w, o), out);
+    }
+    let rows = quant_dots::Rows16::quantise(x, k);
+    // SAFETY: the CPU has the features the kernel is compiled for.
+    let task = |w: &[B], o: &mut [f32]| unsafe { quant_dots::dots_task(&rows, w, o) };
+    matmul_dots(t, w, n, task, out);
 }
 
 /// Output rows per rayon task: several tasks per thread so that a thread slowed by other work on
@@ -70,18 +113,14 @@ fn rows_per_task(n: usize) -> usize {
     n.div_ceil(rayon::current_num_threads() * 8).max(16)
 }
 
-/// A task's dot products: weight rows `w` into `out` (`[rows, t]`).
-type DotsTask<T> = fn(&[f32], usize, &[T], &mut [f32]);
-
 /// The dot-product path over the `n` weight rows in `w` (elements, or blocks of a quantised
-/// type), `task` computing one task's rows.
+/// type) for `t` rows of `x`: `task(rows of w, out)` computes one task's rows into its part of
+/// `out` (`[rows, t]`).
 fn matmul_dots<T: Sync>(
-    x: &[f32],
     t: usize,
-    k: usize,
     w: &[T],
     n: usize,
-    task: DotsTask<T>,
+    task: impl Fn(&[T], &mut [f32]) + Sync,
     out: &mut [f32],
 ) {
     let per_row = w.len() / n;
@@ -89,7 +128,7 @@ fn matmul_dots<T: Sync>(
     if t == 1 {
         out.par_chunks_mut(task_rows)
             .zip(w.par_chunks(task_rows * per_row))
-            .for_each(|(o, w)| task(x, k, w, o));
+            .for_each(|(o, w)| task(w, o));
         return;
     }
     // Tasks own disjoint output rows `o`, which are columns of `out`: fill `[n, t]` and transpose
@@ -98,7 +137,7 @@ fn matmul_dots<T: Sync>(
     out_t
         .par_chunks_mut(task_rows * t)
         .zip(w.par_chunks(task_rows * per_row))
-        .for_each(|(o, w)| task(x, k, w, o));
+        .for_each(|(o, w)| task(w, o));
     out.par_chunks_mut(n).enumerate().for_each(|(r, row)| {
         for (o, v) in row.iter_mut().enumerate() {
             *v = out_t[o * t + r];
@@ -233,7 +272,7 @@ fn fmadd(a: f32, b: f32, c: f32) -> f32 {
 
 /// Pairwise sum of the accumulator lanes (fewer rounding steps than a running sum).
 #[inline(always)]
-fn sum_lanes<const N: usize>(acc: &[f32; N]) -> f32 {
+pub(super) fn sum_lanes<const N: usize>(acc: &[f32; N]) -> f32 {
     let mut v = *acc;
     let mut width = N;
     while width > 1 {
@@ -293,8 +332,7 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
 mod avx2 {
     use std::arch::x86_64::*;
 
-    use super::{dots_task_quant, for_each_group, sum_lanes, DType, QuantBlock, Widen};
-    use crate::quant::{scale_min_k4, BlockQ4K, BlockQ4_0, BlockQ6K, BlockQ8_0, QK};
+    use super::{for_each_group, sum_lanes, DType, Widen};
 
     pub fn available() -> bool {
         is_x86_feature_detected!("avx2")
@@ -319,213 +357,6 @@ mod avx2 {
                 }
             }
         });
-    }
-
-    /// A quantised type whose weights the AVX2 kernel widens to f32 in registers, 32 at a
-    /// time, by the same float operations as its dequantisation (one rounding where that has
-    /// two: `fmadd` for `d * q + m`).
-    pub trait Widen32: QuantBlock {
-        /// Weights `32 j .. 32 j + 32` of the block as four vectors of eight.
-        ///
-        /// # Safety
-        /// The CPU must support AVX2, FMA and F16C.
-        unsafe fn widen32(&self, j: usize) -> [__m256; 4];
-    }
-
-    /// The 32 bytes at `p` as four vectors of eight i32, from `cvt` (sign- or zero-extension).
-    ///
-    /// # Safety
-    /// The CPU must support AVX2.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn bytes_to_i32(v: __m256i, cvt: unsafe fn(__m128i) -> __m256i) -> [__m256i; 4] {
-        let (lo, hi) = (_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
-        // SAFETY: the caller checked the CPU.
-        unsafe {
-            [
-                cvt(lo),
-                cvt(_mm_srli_si128::<8>(lo)),
-                cvt(hi),
-                cvt(_mm_srli_si128::<8>(hi)),
-            ]
-        }
-    }
-
-    #[inline]
-    #[target_feature(enable = "avx2")]
-    fn zext(v: __m128i) -> __m256i {
-        _mm256_cvtepu8_epi32(v)
-    }
-
-    #[inline]
-    #[target_feature(enable = "avx2")]
-    fn sext(v: __m128i) -> __m256i {
-        _mm256_cvtepi8_epi32(v)
-    }
-
-    impl Widen32 for BlockQ8_0 {
-        #[inline]
-        #[target_feature(enable = "avx2,fma,f16c")]
-        unsafe fn widen32(&self, _: usize) -> [__m256; 4] {
-            let d = _mm256_set1_ps(self.d.to_f32());
-            // SAFETY: 32 bytes read from the block's 32-byte `qs`; the caller checked the CPU.
-            unsafe {
-                let q = _mm256_loadu_si256(self.qs.as_ptr().cast());
-                bytes_to_i32(q, sext).map(|v| _mm256_mul_ps(d, _mm256_cvtepi32_ps(v)))
-            }
-        }
-    }
-
-    impl Widen32 for BlockQ4_0 {
-        #[inline]
-        #[target_feature(enable = "avx2,fma,f16c")]
-        unsafe fn widen32(&self, _: usize) -> [__m256; 4] {
-            let d = self.d.to_f32();
-            let (d, m) = (_mm256_set1_ps(d), _mm256_set1_ps(-8.0 * d));
-            // SAFETY: 16 bytes read from the block's 16-byte `qs`; the caller checked the CPU.
-            unsafe {
-                let q = _mm_loadu_si128(self.qs.as_ptr().cast());
-                let nib = _mm_set1_epi8(0xF);
-                let lo = _mm_and_si128(q, nib);
-                let hi = _mm_and_si128(_mm_srli_epi16::<4>(q), nib);
-                // (q - 8) * d, rounded once as ggml's is: q * d - 8 d is exact before rounding.
-                bytes_to_i32(_mm256_set_m128i(hi, lo), zext)
-                    .map(|v| _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), d, m))
-            }
-        }
-    }
-
-    impl Widen32 for BlockQ4K {
-        #[inline]
-        #[target_feature(enable = "avx2,fma,f16c")]
-        unsafe fn widen32(&self, j: usize) -> [__m256; 4] {
-            let (sc, m) = scale_min_k4(j, &self.scales);
-            let d = _mm256_set1_ps(self.d.to_f32() * sc);
-            let m = _mm256_set1_ps(self.dmin.to_f32() * m);
-            let bytes: &[u8; 32] = self.qs[32 * (j / 2)..][..32].try_into().unwrap();
-            // SAFETY: 32 bytes read from `bytes`; the caller checked the CPU.
-            unsafe {
-                let q = _mm256_loadu_si256(bytes.as_ptr().cast());
-                let q = if j.is_multiple_of(2) {
-                    q
-                } else {
-                    _mm256_srli_epi16::<4>(q)
-                };
-                let q = _mm256_and_si256(q, _mm256_set1_epi8(0xF));
-                bytes_to_i32(q, zext).map(|v| _mm256_fmsub_ps(d, _mm256_cvtepi32_ps(v), m))
-            }
-        }
-    }
-
-    impl Widen32 for BlockQ6K {
-        #[inline]
-        #[target_feature(enable = "avx2,fma,f16c")]
-        unsafe fn widen32(&self, j: usize) -> [__m256; 4] {
-            // Weights 32 j.. are `l + 32 k` of half `h` (l < 32): the low 4 bits from `ql`
-            // (byte l + 32 (k % 2), the high nibble for k >= 2), the high 2 from `qh` (byte l,
-            // bits 2k), scale `sc[8 h + l / 16 + 2 k]`.
-            let (h, k) = (j / 4, j % 4);
-            let d = self.d.to_f32();
-            let sc = &self.scales[8 * h + 2 * k..][..2];
-            let (s0, s1) = (d * f32::from(sc[0]), d * f32::from(sc[1]));
-            let ql: &[u8; 32] = self.ql[64 * h + 32 * (k % 2)..][..32].try_into().unwrap();
-            let qh: &[u8; 32] = self.qh[32 * h..][..32].try_into().unwrap();
-            // SAFETY: 32 bytes read from each of `ql` and `qh`; the caller checked the CPU.
-            unsafe {
-                let lo = _mm256_loadu_si256(ql.as_ptr().cast());
-                let lo = if k < 2 {
-                    lo
-                } else {
-                    _mm256_srli_epi16::<4>(lo)
-                };
-                let lo = _mm256_and_si256(lo, _mm256_set1_epi8(0xF));
-                let hi = _mm256_srl_epi16(
-                    _mm256_loadu_si256(qh.as_ptr().cast()),
-                    _mm_cvtsi32_si128(2 * k as i32),
-                );
-                let hi = _mm256_slli_epi16::<4>(_mm256_and_si256(hi, _mm256_set1_epi8(3)));
-                let q = _mm256_sub_epi8(_mm256_or_si256(lo, hi), _mm256_set1_epi8(32));
-                let v = bytes_to_i32(q, sext);
-                let (s0, s1) = (_mm256_set1_ps(s0), _mm256_set1_ps(s1));
-                [
-                    _mm256_mul_ps(s0, _mm256_cvtepi32_ps(v[0])),
-                    _mm256_mul_ps(s0, _mm256_cvtepi32_ps(v[1])),
-                    _mm256_mul_ps(s1, _mm256_cvtepi32_ps(v[2])),
-                    _mm256_mul_ps(s1, _mm256_cvtepi32_ps(v[3])),
-                ]
-            }
-        }
-    }
-
-    /// A task's dot products with the rows of a type that has [`Widen32`], or the portable
-    /// kernel on a CPU without AVX2.
-    pub fn dots_task_w32<B: Widen32>(x: &[f32], k: usize, w: &[B], out: &mut [f32]) {
-        if !available() {
-            return dots_task_quant(x, k, w, out);
-        }
-        // SAFETY: the CPU has the features the kernel is compiled for.
-        unsafe { dots_task_w32_avx2(x, k, w, out) }
-    }
-
-    /// # Safety
-    /// The CPU must support AVX2, FMA and F16C.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn dots_task_w32_avx2<B: Widen32>(x: &[f32], k: usize, w: &[B], out: &mut [f32]) {
-        for_each_group(x, k, w, k / B::LEN, out, |wr, xg, dst| {
-            // SAFETY: this closure runs only inside `dots_task_w32_avx2`, whose caller checked
-            // the CPU.
-            unsafe {
-                match dst.len() {
-                    4 => dst.copy_from_slice(&dots_w32::<B, 4, 2>(wr, xg)),
-                    3 => dst.copy_from_slice(&dots_w32::<B, 3, 2>(wr, xg)),
-                    2 => dst.copy_from_slice(&dots_w32::<B, 2, 2>(wr, xg)),
-                    _ => dst.copy_from_slice(&dots_w32::<B, 1, 4>(wr, xg)),
-                }
-            }
-        });
-    }
-
-    /// Dot products of one quantised weight row with the `R` rows of `xs`, each 32 weights
-    /// widened once into registers and multiplied into every row; `V` accumulator registers
-    /// per row.
-    ///
-    /// # Safety
-    /// The CPU must support AVX2, FMA and F16C.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn dots_w32<B: Widen32, const R: usize, const V: usize>(
-        w: &[B],
-        xs: &[f32],
-    ) -> [f32; R] {
-        let k = w.len() * B::LEN;
-        assert_eq!(xs.len(), R * k);
-        // SAFETY: the caller guarantees the CPU features; each row's 32 floats are read through
-        // a bounds-checked array reference.
-        unsafe {
-            let mut acc = [[_mm256_setzero_ps(); V]; R];
-            for (b, block) in w.iter().enumerate() {
-                for j in 0..B::LEN / QK {
-                    let wv = block.widen32(j);
-                    let at = b * B::LEN + j * QK;
-                    for (r, acc_r) in acc.iter_mut().enumerate() {
-                        let xc: &[f32; QK] = xs[r * k + at..][..QK].try_into().unwrap();
-                        for (i, wv) in wv.iter().enumerate() {
-                            let xv = _mm256_loadu_ps(xc[i * 8..].as_ptr());
-                            acc_r[i % V] = _mm256_fmadd_ps(*wv, xv, acc_r[i % V]);
-                        }
-                    }
-                }
-            }
-            std::array::from_fn(|r| {
-                let mut sum = acc[r][0];
-                for &a in &acc[r][1..] {
-                    sum = _mm256_add_ps(sum, a);
-                }
-                let mut lanes = [0.0f32; 8];
-                _mm256_storeu_ps(lanes.as_mut_ptr(), sum);
-                sum_lanes(&lanes)
-            })
-        }
     }
 
     /// # Safety
@@ -776,7 +607,9 @@ mod tests {
                 }
                 let got = out[r * n + o] as f64;
                 // f32 accumulation in any order: error grows with sqrt(k) * |terms|.
-                let tol = 4.0 * f32::EPSILON as f64 * (k as f64).sqrt() * mag + 1e-30;
+                let tol = 4.0 * f32::EPSILON as f64 * (k as f64).sqrt() * mag
+                    + activation_rounding(&x[r * k..][..k], &wf[o * k..][..k], dtype)
+                    + 1e-30;
                 assert!(
                     (got - want).abs() <= tol,
                     "{dtype:?} t={t} n={n} k={k} [{r},{o}]: {got} vs {want}"

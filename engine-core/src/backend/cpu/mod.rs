@@ -11,6 +11,8 @@ pub mod delta;
 #[cfg(not(target_arch = "wasm32"))]
 mod gemm;
 pub mod matmul;
+#[cfg(target_arch = "x86_64")]
+mod quant_dots;
 
 use std::ops::Range;
 
