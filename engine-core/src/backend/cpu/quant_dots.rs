@@ -72,11 +72,12 @@ pub trait Widen16: QuantBlock {
     /// Whether both halves of every sub-block share one scale (the kernel then adds their
     /// integer products before converting them).
     const ONE_SCALE: bool = true;
-    /// Weights `32 j .. 32 j + 32` of the block.
+    /// Calls `f(j, weights 32 j .. 32 j + 32)` for each sub-block of the block in turn, with
+    /// what the sub-blocks share (scales, loads) computed once.
     ///
     /// # Safety
     /// The CPU must support AVX2, FMA and F16C.
-    unsafe fn widen16(&self, j: usize) -> Sub32;
+    unsafe fn each_sub32(&self, f: impl FnMut(usize, Sub32));
 }
 
 /// 32 bytes as two vectors of 16 i16, by sign extension or (`unsigned`) zero extension.
@@ -91,37 +92,59 @@ fn to_i16(v: __m256i, unsigned: bool) -> [__m256i; 2] {
     }
 }
 
+/// 32 bytes at `p`.
+///
+/// # Safety
+/// The CPU must support AVX2.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn load32(p: &[u8; 32]) -> __m256i {
+    // SAFETY: 32 bytes read from a 32-byte array.
+    unsafe { _mm256_loadu_si256(p.as_ptr().cast()) }
+}
+
+/// The 32-byte chunk `i` of `bytes`.
+#[inline(always)]
+fn chunk32(bytes: &[u8], i: usize) -> &[u8; 32] {
+    bytes[32 * i..][..32].try_into().expect("32 bytes")
+}
+
 impl Widen16 for BlockQ8_0 {
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn widen16(&self, _: usize) -> Sub32 {
+    unsafe fn each_sub32(&self, mut f: impl FnMut(usize, Sub32)) {
+        let q = load32(bytemuck::cast_ref(&self.qs));
         let d = self.d.to_f32();
-        // SAFETY: 32 bytes read from the block's 32-byte `qs`.
-        let q = unsafe { _mm256_loadu_si256(self.qs.as_ptr().cast()) };
-        Sub32 {
-            w: to_i16(q, false),
-            scale: [d; 2],
-            min: 0.0,
-        }
+        f(
+            0,
+            Sub32 {
+                w: to_i16(q, false),
+                scale: [d; 2],
+                min: 0.0,
+            },
+        );
     }
 }
 
 impl Widen16 for BlockQ4_0 {
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn widen16(&self, _: usize) -> Sub32 {
-        let d = self.d.to_f32();
+    unsafe fn each_sub32(&self, mut f: impl FnMut(usize, Sub32)) {
         // SAFETY: 16 bytes read from the block's 16-byte `qs`.
         let q = unsafe { _mm_loadu_si128(self.qs.as_ptr().cast()) };
         let nib = _mm_set1_epi8(0xF);
         let lo = _mm_and_si128(q, nib);
         let hi = _mm_and_si128(_mm_srli_epi16::<4>(q), nib);
         let eight = _mm256_set1_epi16(8);
-        Sub32 {
-            w: [lo, hi].map(|v| _mm256_sub_epi16(_mm256_cvtepu8_epi16(v), eight)),
-            scale: [d; 2],
-            min: 0.0,
-        }
+        let d = self.d.to_f32();
+        f(
+            0,
+            Sub32 {
+                w: [lo, hi].map(|v| _mm256_sub_epi16(_mm256_cvtepu8_epi16(v), eight)),
+                scale: [d; 2],
+                min: 0.0,
+            },
+        );
     }
 }
 
@@ -129,21 +152,28 @@ impl Widen16 for BlockQ4K {
     const HAS_MIN: bool = true;
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn widen16(&self, j: usize) -> Sub32 {
-        let (sc, m) = scale_min_k4(j, &self.scales);
-        let bytes: &[u8; 32] = self.qs[32 * (j / 2)..][..32].try_into().unwrap();
-        // SAFETY: 32 bytes read from `bytes`.
-        let q = unsafe { _mm256_loadu_si256(bytes.as_ptr().cast()) };
-        let q = if j.is_multiple_of(2) {
-            q
-        } else {
-            _mm256_srli_epi16::<4>(q)
-        };
-        let q = _mm256_and_si256(q, _mm256_set1_epi8(0xF));
-        Sub32 {
-            w: to_i16(q, true),
-            scale: [self.d.to_f32() * sc; 2],
-            min: self.dmin.to_f32() * m,
+    unsafe fn each_sub32(&self, mut f: impl FnMut(usize, Sub32)) {
+        let (d, dmin) = (self.d.to_f32(), self.dmin.to_f32());
+        let nib = _mm256_set1_epi8(0xF);
+        // Sub-blocks 2i and 2i + 1: the low and high nibbles of 32 bytes.
+        for i in 0..4 {
+            let q = load32(chunk32(&self.qs, i));
+            let halves = [
+                _mm256_and_si256(q, nib),
+                _mm256_and_si256(_mm256_srli_epi16::<4>(q), nib),
+            ];
+            for (h, q) in halves.into_iter().enumerate() {
+                let j = 2 * i + h;
+                let (sc, m) = scale_min_k4(j, &self.scales);
+                f(
+                    j,
+                    Sub32 {
+                        w: to_i16(q, true),
+                        scale: [d * sc; 2],
+                        min: dmin * m,
+                    },
+                );
+            }
         }
     }
 }
@@ -152,35 +182,47 @@ impl Widen16 for BlockQ6K {
     const ONE_SCALE: bool = false;
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn widen16(&self, j: usize) -> Sub32 {
-        // Weights 32 j.. are `l + 32 k` of half `h` (l < 32): the low 4 bits from `ql` (byte
-        // l + 32 (k % 2), the high nibble for k >= 2), the high 2 from `qh` (byte l, bits 2k),
-        // scale `sc[8 h + l / 16 + 2 k]`.
-        let (h, k) = (j / 4, j % 4);
+    unsafe fn each_sub32(&self, mut f: impl FnMut(usize, Sub32)) {
+        // Weights 32 j.. are `l + 32 k` of half `h` (j = 4 h + k, l < 32): the low 4 bits from
+        // `ql` (byte l + 32 (k % 2) of the half's 64, the high nibble for k >= 2), the high 2
+        // from `qh` (byte l of the half's 32, bits 2k), scale `sc[8 h + l / 16 + 2 k]`.
         let d = self.d.to_f32();
-        let sc = &self.scales[8 * h + 2 * k..][..2];
-        let ql: &[u8; 32] = self.ql[64 * h + 32 * (k % 2)..][..32].try_into().unwrap();
-        let qh: &[u8; 32] = self.qh[32 * h..][..32].try_into().unwrap();
-        // SAFETY: 32 bytes read from each of `ql` and `qh`.
-        let (lo, hi) = unsafe {
-            (
-                _mm256_loadu_si256(ql.as_ptr().cast()),
-                _mm256_loadu_si256(qh.as_ptr().cast()),
-            )
-        };
-        let lo = if k < 2 {
-            lo
-        } else {
-            _mm256_srli_epi16::<4>(lo)
-        };
-        let lo = _mm256_and_si256(lo, _mm256_set1_epi8(0xF));
-        let hi = _mm256_srl_epi16(hi, _mm_cvtsi32_si128(2 * k as i32));
-        let hi = _mm256_slli_epi16::<4>(_mm256_and_si256(hi, _mm256_set1_epi8(3)));
-        let q = _mm256_sub_epi8(_mm256_or_si256(lo, hi), _mm256_set1_epi8(32));
-        Sub32 {
-            w: to_i16(q, false),
-            scale: [d * f32::from(sc[0]), d * f32::from(sc[1])],
-            min: 0.0,
+        let (nib, three, bias) = (
+            _mm256_set1_epi8(0xF),
+            _mm256_set1_epi8(3),
+            _mm256_set1_epi8(32),
+        );
+        for h in 0..2 {
+            let ql = [
+                load32(chunk32(&self.ql, 2 * h)),
+                load32(chunk32(&self.ql, 2 * h + 1)),
+            ];
+            let qh = load32(chunk32(&self.qh, h));
+            let his = [
+                qh,
+                _mm256_srli_epi16::<2>(qh),
+                _mm256_srli_epi16::<4>(qh),
+                _mm256_srli_epi16::<6>(qh),
+            ];
+            for (k, hi) in his.into_iter().enumerate() {
+                let lo = if k < 2 {
+                    ql[k]
+                } else {
+                    _mm256_srli_epi16::<4>(ql[k - 2])
+                };
+                let lo = _mm256_and_si256(lo, nib);
+                let hi = _mm256_slli_epi16::<4>(_mm256_and_si256(hi, three));
+                let q = _mm256_sub_epi8(_mm256_or_si256(lo, hi), bias);
+                let sc = &self.scales[8 * h + 2 * k..][..2];
+                f(
+                    4 * h + k,
+                    Sub32 {
+                        w: to_i16(q, false),
+                        scale: [d * f32::from(sc[0]), d * f32::from(sc[1])],
+                        min: 0.0,
+                    },
+                );
+            }
         }
     }
 }
@@ -222,42 +264,51 @@ unsafe fn dots<B: Widen16, const R: usize>(w: &[B], x: &Rows16, r0: usize) -> [f
     let k = x.k;
     assert!(x.q.len() >= (r0 + R) * k);
     let mut acc = [[_mm256_setzero_ps(); 4]; R];
-    let mut pair = 0;
     let mut mins = [0.0f32; R];
     for (b, block) in w.iter().enumerate() {
-        for j in 0..B::LEN / QK {
-            // SAFETY: the caller checked the CPU.
-            let s = unsafe { block.widen16(j) };
-            let at = b * B::LEN + j * QK;
-            for (r, (acc_r, min_r)) in acc.iter_mut().zip(&mut mins).enumerate() {
-                let row = (r0 + r) * k + at;
-                let xq: &[i16; QK] = x.q[row..][..QK].try_into().unwrap();
-                let xb = row / QK;
-                // SAFETY: 16 i16 (32 bytes) read from each half of `xq`.
-                let (x0, x1) = unsafe {
-                    (
+        // Each sub-block's minimum term, summed once per block: a running sum would make
+        // every sub-block wait on the previous one's add.
+        let mut block_mins = [[0.0f32; 8]; R];
+        // SAFETY: the caller checked the CPU.
+        unsafe {
+            block.each_sub32(|j, s| {
+                let at = b * B::LEN + j * QK;
+                for (r, (acc_r, min_r)) in acc.iter_mut().zip(&mut block_mins).enumerate() {
+                    let row = (r0 + r) * k + at;
+                    let xq: &[i16; QK] = x.q[row..][..QK].try_into().unwrap();
+                    let xb = row / QK;
+                    // 16 i16 (32 bytes) read from each half of `xq`.
+                    let (x0, x1) = (
                         _mm256_loadu_si256(xq.as_ptr().cast()),
                         _mm256_loadu_si256(xq[16..].as_ptr().cast()),
-                    )
-                };
-                let (p0, p1) = (_mm256_madd_epi16(s.w[0], x0), _mm256_madd_epi16(s.w[1], x1));
-                let d = x.d[xb];
-                let (a0, a1) = (pair, pair + 1);
-                if B::ONE_SCALE {
-                    // At most 4 * 128 * 32767 per lane: exact in i32 and in f32.
-                    let p = _mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1));
-                    acc_r[a0] = _mm256_fmadd_ps(p, _mm256_set1_ps(s.scale[0] * d), acc_r[a0]);
-                } else {
-                    let (p0, p1) = (_mm256_cvtepi32_ps(p0), _mm256_cvtepi32_ps(p1));
-                    acc_r[a0] = _mm256_fmadd_ps(p0, _mm256_set1_ps(s.scale[0] * d), acc_r[a0]);
-                    acc_r[a1] = _mm256_fmadd_ps(p1, _mm256_set1_ps(s.scale[1] * d), acc_r[a1]);
+                    );
+                    let (p0, p1) = (_mm256_madd_epi16(s.w[0], x0), _mm256_madd_epi16(s.w[1], x1));
+                    let d = x.d[xb];
+                    if B::ONE_SCALE {
+                        // At most 4 * 128 * 32767 per lane: exact in i32 and in f32.
+                        let p = _mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1));
+                        acc_r[0] = _mm256_fmadd_ps(p, _mm256_set1_ps(s.scale[0] * d), acc_r[0]);
+                    } else {
+                        let (p0, p1) = (_mm256_cvtepi32_ps(p0), _mm256_cvtepi32_ps(p1));
+                        acc_r[0] = _mm256_fmadd_ps(p0, _mm256_set1_ps(s.scale[0] * d), acc_r[0]);
+                        acc_r[1] = _mm256_fmadd_ps(p1, _mm256_set1_ps(s.scale[1] * d), acc_r[1]);
+                    }
+                    if B::HAS_MIN {
+                        min_r[j % 8] = s.min * x.sums[xb];
+                    }
                 }
-                if B::HAS_MIN {
-                    *min_r += s.min * x.sums[xb];
+                if R <= 2 {
+                    // The other pair of accumulators next time (constant indices: the
+                    // accumulators stay in registers).
+                    for a in &mut acc {
+                        *a = [a[2], a[3], a[0], a[1]];
+                    }
                 }
-            }
-            if R <= 2 {
-                pair = 2 - pair;
+            });
+        }
+        if B::HAS_MIN {
+            for (m, block) in mins.iter_mut().zip(&block_mins) {
+                *m += sum_lanes(block);
             }
         }
     }
