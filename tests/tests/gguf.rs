@@ -378,7 +378,7 @@ fn quantised_types_dequantise_as_llama_cpp_does_and_multiply() {
         );
         let [rows, cols] = q.shape[..] else { panic!() };
         let w = Matrix { rows, cols, data };
-        for t in [1, 3, 4, 20] {
+        for t in [1, 2, 3, 4, 6, 20] {
             let x: Vec<f32> = (0..t * cols)
                 .map(|i| ((i * 7919 % 1000) as f32 - 500.0) / 500.0)
                 .collect();

@@ -33,16 +33,17 @@ const GEMM_MIN_T: usize = 16;
 const X_GROUP: usize = 4;
 
 /// How far rounding the activations can move a product of quantised weights: the integer
-/// kernels (`quant_dots`, decode on AVX2) round a row of `x` to 16 bits per block of 32, each
-/// value by at most half a step, `max |x| / 32767 / 2` of its block, so the dot product of row
-/// `x` with weight row `w` (its values as f32) moves by at most this, beyond f32 rounding. Zero
-/// for the float types, whose activations stay f32.
+/// kernels (`quant_dots`, decode on AVX2) round a row of `x` to 16 bits per block of the weight
+/// type (32 or 256 values), each value by at most half a step, `max |x| / 32767 / 2` of its
+/// block, so the dot product of row `x` with weight row `w` (its values as f32) moves by at
+/// most this, beyond f32 rounding. Zero for the float types, whose activations stay f32.
 pub fn activation_rounding(x: &[f32], w: &[f32], dtype: crate::tensor::DType) -> f64 {
-    if !dtype.is_quantised() {
+    let block = dtype.block().0;
+    if block == 1 {
         return 0.0;
     }
-    x.chunks(32)
-        .zip(w.chunks(32))
+    x.chunks(block)
+        .zip(w.chunks(block))
         .map(|(x, w)| {
             let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs())) as f64;
             let step = amax / 32767.0;
@@ -90,7 +91,7 @@ pub fn matmul(x: &[f32], w: &Matrix, out: &mut [f32]) {
 /// Quantised weights on the integer kernel (`quant_dots`: `x` rounded to 16 bits per block of
 /// 32) where the CPU has AVX2, else on the portable kernel.
 #[cfg(target_arch = "x86_64")]
-fn matmul_quant16<B: quant_dots::Widen16>(
+fn matmul_quant16<B: quant_dots::Dot16>(
     x: &[f32],
     t: usize,
     k: usize,
@@ -101,7 +102,7 @@ fn matmul_quant16<B: quant_dots::Widen16>(
     if !avx2::available() {
         return matmul_dots(t, w, n, |w, o| dots_task_quant(x, k, w, o), out);
     }
-    let rows = quant_dots::Rows16::quantise(x, k);
+    let rows = quant_dots::Rows16::quantise(x, k, B::LEN);
     // SAFETY: the CPU has the features the kernel is compiled for.
     let task = |w: &[B], o: &mut [f32]| unsafe { quant_dots::dots_task(&rows, w, o) };
     matmul_dots(t, w, n, task, out);
