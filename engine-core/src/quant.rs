@@ -315,7 +315,7 @@ impl QuantBlock for BlockQ3K {
 }
 
 /// Sub-block `j`'s 6-bit scale and min of a Q4_K/Q5_K block (ggml's `get_scale_min_k4`).
-pub(crate) fn scale_min_k4(j: usize, s: &[u8; 12]) -> (f32, f32) {
+pub(crate) fn scale_min_k4(j: usize, s: &[u8; 12]) -> (u8, u8) {
     let (sc, m) = if j < 4 {
         (s[j] & 63, s[j + 4] & 63)
     } else {
@@ -324,7 +324,7 @@ pub(crate) fn scale_min_k4(j: usize, s: &[u8; 12]) -> (f32, f32) {
             (s[j + 4] >> 4) | ((s[j] >> 6) << 4),
         )
     };
-    (f32::from(sc), f32::from(m))
+    (sc, m)
 }
 
 /// Q4_K's and Q5_K's weights: sub-block `j` (32 weights from 32 bytes of `qs`, low nibbles
@@ -344,7 +344,8 @@ fn dequantise_k4(
     {
         let (s1, m1) = scale_min_k4(2 * j, scales);
         let (s2, m2) = scale_min_k4(2 * j + 1, scales);
-        let (d1, m1, d2, m2) = (d * s1, dmin * m1, d * s2, dmin * m2);
+        let (d1, m1) = (d * f32::from(s1), dmin * f32::from(m1));
+        let (d2, m2) = (d * f32::from(s2), dmin * f32::from(m2));
         for (l, &q) in q.iter().enumerate() {
             let high = |bit: usize| qh.map_or(0, |h| ((h[l] >> bit) & 1) << 4);
             out[l] = d1 * f32::from((q & 0xF) | high(2 * j)) - m1;

@@ -13,7 +13,7 @@
 use std::arch::x86_64::*;
 
 use super::matmul::sum_lanes;
-use crate::quant::{BlockQ4K, BlockQ4_0, BlockQ6K, BlockQ8_0, QuantBlock, QK, QK_K};
+use crate::quant::{scale_min_k4, BlockQ4K, BlockQ4_0, BlockQ6K, BlockQ8_0, QuantBlock, QK, QK_K};
 
 /// Rows of `x` (`k` values each) as `d[b] * q[i]`, `b` the block of `block` values holding
 /// value `i`; `sums[c]` is the sum of `q` over the 32 values of chunk `c` (for Q4_K's minima).
@@ -191,25 +191,6 @@ impl Dot16 for BlockQ4_0 {
     }
 }
 
-/// Q4_K's and Q5_K's eight 6-bit scales and minima (ggml's `get_scale_min_k4` for each).
-fn scales_mins_k4(s: &[u8; 12]) -> ([i16; 8], [i32; 8]) {
-    let mut sc = [0; 8];
-    let mut m = [0; 8];
-    for j in 0..8 {
-        let (a, b) = if j < 4 {
-            (s[j] & 63, s[j + 4] & 63)
-        } else {
-            (
-                (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4),
-                (s[j + 4] >> 4) | ((s[j] >> 6) << 4),
-            )
-        };
-        sc[j] = i16::from(a);
-        m[j] = i32::from(b);
-    }
-    (sc, m)
-}
-
 impl Dot16 for BlockQ4K {
     /// `d * dx * sum_j sc_j (q . x)_j - dmin * dx * sum_j m_j sum(x)_j`: each lane sums 32
     /// products of at most 15 * 63 * 32767, under 2^30.
@@ -222,7 +203,7 @@ impl Dot16 for BlockQ4K {
         acc: &mut [__m256; R],
         mins: &mut [f32; R],
     ) {
-        let (sc, m) = scales_mins_k4(&self.scales);
+        let sm: [(u8, u8); 8] = std::array::from_fn(|j| scale_min_k4(j, &self.scales));
         let nib = _mm256_set1_epi8(0xF);
         let mut iacc = [_mm256_setzero_si256(); R];
         // Sub-blocks 2i and 2i + 1: the low and high nibbles of 32 bytes.
@@ -234,7 +215,7 @@ impl Dot16 for BlockQ4K {
             ];
             for (h, q) in halves.into_iter().enumerate() {
                 let j = 2 * i + h;
-                let s = _mm256_set1_epi16(sc[j]);
+                let s = _mm256_set1_epi16(i16::from(sm[j].0));
                 let w = to_i16(q, true).map(|w| _mm256_mullo_epi16(w, s));
                 for (r, iacc) in iacc.iter_mut().enumerate() {
                     *iacc = _mm256_add_epi32(*iacc, madd32(w, x, r, QK_K * b + QK * j));
@@ -248,7 +229,7 @@ impl Dot16 for BlockQ4K {
             acc[r] = _mm256_fmadd_ps(p, _mm256_set1_ps(d * dx), acc[r]);
             // At most 8 * 63 * 32 * 32767.
             let sums = &x.sums[r][8 * b..][..8];
-            let msum: i32 = m.iter().zip(sums).map(|(m, s)| m * s).sum();
+            let msum: i32 = sm.iter().zip(sums).map(|(sm, s)| i32::from(sm.1) * s).sum();
             mins[r] += dmin * dx * msum as f32;
         }
     }
