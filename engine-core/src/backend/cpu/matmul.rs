@@ -99,7 +99,9 @@ fn matmul_quant16<B: quant_dots::Dot16>(
     n: usize,
     out: &mut [f32],
 ) {
-    if !avx2::available() {
+    // Infinite or NaN activations cannot be scaled to integers; the f32 kernel carries them
+    // into the products as the dequantised weights' product would.
+    if !avx2::available() || !x.iter().all(|v| v.is_finite()) {
         return matmul_dots(t, w, n, |w, o| dots_task_quant(x, k, w, o), out);
     }
     let rows = quant_dots::Rows16::quantise(x, k, B::LEN);
@@ -672,6 +674,24 @@ mod tests {
             (-127, 50, 0, -2, 0)
         );
         assert_eq!(crate::tensor::BlockQ8_0::quantise(&[0.0; 32]).qs, [0; 32]);
+    }
+
+    /// A NaN or infinite activation reaches the output as it would through f32 products (the
+    /// integer kernel cannot scale it), not as a finite number.
+    #[test]
+    fn non_finite_activations_propagate_through_quantised_weights() {
+        let w = Matrix {
+            rows: 3,
+            cols: 64,
+            data: Data::from_f32(&values(3 * 64, 5), DType::Q8_0),
+        };
+        for bad in [f32::INFINITY, f32::NAN] {
+            let mut x = values(64, 9);
+            x[10] = bad;
+            let mut out = [0.0; 3];
+            matmul(&x, &w, &mut out);
+            assert!(out.iter().all(|v| !v.is_finite()), "{bad}: {out:?}");
+        }
     }
 
     #[test]
