@@ -206,6 +206,11 @@ fn quant_dtype<B: QuantBlock>(_: &[B]) -> DType {
     B::DTYPE
 }
 
+/// The weights in quantised `blocks`.
+fn quant_len<B: QuantBlock>(blocks: &[B]) -> usize {
+    blocks.len() * B::LEN
+}
+
 impl Data {
     /// `range` of `bytes` as `dtype` (borrowed where aligned, see [`Elems::from_bytes`]); the
     /// range must hold whole elements or blocks.
@@ -240,7 +245,7 @@ impl Data {
 
     /// Elements (weights), not blocks.
     pub fn len(&self) -> usize {
-        match_quant!(self, e => e.len() * quant_dtype(e).block().0,
+        match_quant!(self, e => quant_len(e),
             Data::F32(e) => e.len(),
             Data::BF16(e) => e.len(),
             Data::F16(e) => e.len(),

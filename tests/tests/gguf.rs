@@ -127,6 +127,32 @@ fn rel_diff(a: &[f32], b: &[f32]) -> f32 {
     max_abs_diff(a, b) / b.iter().fold(1e-6f32, |m, v| m.max(v.abs()))
 }
 
+/// Runs GGUF `file` and its weights dequantised on `prompt` for `n` greedy steps and checks
+/// decode: logits within [`ACTIVATION_ROUNDING_REL`], the same ids. Returns the quantised
+/// types, both runs' prefill logits (quantised first; each caller holds them to its own
+/// tolerance) and the quantised run's ids.
+fn decode_matches_dequantised(
+    file: &str,
+    prompt: &[u32],
+    n: usize,
+) -> (
+    std::collections::BTreeSet<&'static str>,
+    [Vec<f32>; 2],
+    Vec<u32>,
+) {
+    let (types, dequantised) = dequantised(file);
+    let (a, ids_a, gen_a) = run(&load(file), prompt, n);
+    let (b, ids_b, gen_b) = run(&dequantised, prompt, n);
+    let d = rel_diff(&gen_a, &gen_b);
+    eprintln!("{file} decode against its dequantised weights: {d:e} of the largest logit");
+    assert!(
+        d < ACTIVATION_ROUNDING_REL,
+        "{file} ({types:?}) decode against its dequantised weights: {d}"
+    );
+    assert_eq!(ids_a, ids_b, "{file}");
+    (types, [a, b], ids_a)
+}
+
 /// The converter's config is the checkpoint's, read back from its metadata.
 #[test]
 fn the_config_is_read_from_the_metadata() {
@@ -285,26 +311,17 @@ fn the_tokenizer_in_a_gguf_encodes_as_its_tokenizer_json() {
 #[test]
 fn the_converters_q8_0_gguf_computes_its_dequantised_weights() {
     use engine_core::tensor::Data;
-    let quantised = load("tiny_fp32.q8_0.gguf");
-    let (types, dequantised) = dequantised("tiny_fp32.q8_0.gguf");
-    assert_eq!(types.into_iter().collect::<Vec<_>>(), ["q8_0"]);
     let r = Reference::load("tiny_fp32");
     let prompt = r.ids("prompt_ids");
     let want = r.ids("gen_ids");
-    let (a, ids_a, gen_a) = run(&quantised, &prompt, want.len());
-    let (b, ids_b, gen_b) = run(&dequantised, &prompt, want.len());
+    let (types, [a, b], ids_a) =
+        decode_matches_dequantised("tiny_fp32.q8_0.gguf", &prompt, want.len());
+    assert_eq!(types.into_iter().collect::<Vec<_>>(), ["q8_0"]);
     let d = max_abs_diff(&a, &b);
     assert!(
         d < 1e-4,
         "Q8_0 prefill against its dequantised weights: {d}"
     );
-    let d = rel_diff(&gen_a, &gen_b);
-    eprintln!("Q8_0 decode against its dequantised weights: {d:e} of the largest logit");
-    assert!(
-        d < ACTIVATION_ROUNDING_REL,
-        "Q8_0 decode against its dequantised weights: {d}"
-    );
-    assert_eq!(ids_a, ids_b);
     // tether's Q8_0 quantiser gives the converter's blocks, byte for byte (a matrix the
     // converter does not permute).
     let hf = engine_core::weights::load_dir(&fixtures_dir().join("tiny_fp32")).unwrap();
@@ -485,22 +502,12 @@ fn llama_quantize_outputs_compute_their_dequantised_weights() {
     ];
     let prompt = Reference::load("tiny_fp32").ids("prompt_ids");
     for file in files {
-        let quantised = load(file);
-        let (types, dequantised) = dequantised(file);
+        let (types, [a, b], _) = decode_matches_dequantised(file, &prompt, 4);
         assert!(types.len() >= 2, "{file}: {types:?}");
-        let (a, ids_a, gen_a) = run(&quantised, &prompt, 4);
-        let (b, ids_b, gen_b) = run(&dequantised, &prompt, 4);
         let d = rel_diff(&a, &b);
         assert!(
             d < 1e-5,
             "{file} ({types:?}) prefill against its dequantised weights: {d}"
         );
-        let d = rel_diff(&gen_a, &gen_b);
-        eprintln!("{file} decode against its dequantised weights: {d:e} of the largest logit");
-        assert!(
-            d < ACTIVATION_ROUNDING_REL,
-            "{file} ({types:?}) decode against its dequantised weights: {d}"
-        );
-        assert_eq!(ids_a, ids_b, "{file}");
     }
 }

@@ -89,7 +89,9 @@ pub fn matmul(x: &[f32], w: &Matrix, out: &mut [f32]) {
 }
 
 /// Quantised weights on the integer kernel (`quant_dots`: `x` rounded to 16 bits per block of
-/// 32) where the CPU has AVX2, else on the portable kernel.
+/// the type) where the CPU has AVX2 and `x` is finite, else on the portable kernel (infinite or
+/// NaN activations cannot be scaled to integers; f32 products carry them to the output as the
+/// dequantised weights' product would).
 #[cfg(target_arch = "x86_64")]
 fn matmul_quant16<B: quant_dots::Dot16>(
     x: &[f32],
@@ -99,12 +101,12 @@ fn matmul_quant16<B: quant_dots::Dot16>(
     n: usize,
     out: &mut [f32],
 ) {
-    // Infinite or NaN activations cannot be scaled to integers; the f32 kernel carries them
-    // into the products as the dequantised weights' product would.
-    if !avx2::available() || !x.iter().all(|v| v.is_finite()) {
+    let rows = avx2::available()
+        .then(|| quant_dots::Rows16::quantise(x, k, B::LEN))
+        .flatten();
+    let Some(rows) = rows else {
         return matmul_dots(t, w, n, |w, o| dots_task_quant(x, k, w, o), out);
-    }
-    let rows = quant_dots::Rows16::quantise(x, k, B::LEN);
+    };
     // SAFETY: the CPU has the features the kernel is compiled for.
     let task = |w: &[B], o: &mut [f32]| unsafe { quant_dots::dots_task(&rows, w, o) };
     matmul_dots(t, w, n, task, out);

@@ -19,7 +19,6 @@ use crate::quant::{scale_min_k4, BlockQ4K, BlockQ4_0, BlockQ6K, BlockQ8_0, Quant
 /// value `i`; `sums[c]` is the sum of `q` over the 32 values of chunk `c` (for Q4_K's minima).
 pub struct Rows16 {
     k: usize,
-    block: usize,
     q: Vec<i16>,
     d: Vec<f32>,
     sums: Vec<i32>,
@@ -30,19 +29,21 @@ const Q16_MAX: f32 = 32767.0;
 
 impl Rows16 {
     /// `x` (`[t, k]`) rounded to nearest per block of `block` values (which divides `k`): the
-    /// largest magnitude of each becomes 32767.
-    pub fn quantise(x: &[f32], k: usize, block: usize) -> Rows16 {
+    /// largest magnitude of each becomes 32767. None if a value is infinite or NaN.
+    pub fn quantise(x: &[f32], k: usize, block: usize) -> Option<Rows16> {
         assert!(block.is_multiple_of(QK) && k.is_multiple_of(block));
         assert!(x.len().is_multiple_of(k));
         let mut r = Rows16 {
             k,
-            block,
             q: Vec::with_capacity(x.len()),
             d: Vec::with_capacity(x.len() / block),
             sums: Vec::with_capacity(x.len() / QK),
         };
         for values in x.chunks_exact(block) {
-            let amax = values.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            // NaN is not below infinity either, so one comparison per value finds both.
+            let amax = values.iter().try_fold(0.0f32, |m, v| {
+                (v.abs() < f32::INFINITY).then(|| m.max(v.abs()))
+            })?;
             let d = amax / Q16_MAX;
             let id = if d > 0.0 { 1.0 / d } else { 0.0 };
             for chunk in values.chunks_exact(QK) {
@@ -56,7 +57,7 @@ impl Rows16 {
             }
             r.d.push(d);
         }
-        r
+        Some(r)
     }
 
     fn rows(&self) -> usize {
@@ -301,7 +302,11 @@ impl Dot16 for BlockQ6K {
 /// The CPU must support AVX2, FMA and F16C.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn dots_task<B: Dot16>(x: &Rows16, w: &[B], out: &mut [f32]) {
-    assert_eq!(x.block, B::LEN);
+    assert_eq!(
+        x.q.len(),
+        x.d.len() * B::LEN,
+        "rows quantised per block of B::LEN"
+    );
     let (t, per_row) = (x.rows(), x.k / B::LEN);
     for (wr, out_r) in w.chunks_exact(per_row).zip(out.chunks_exact_mut(t)) {
         for (g, dst) in out_r.chunks_mut(4).enumerate() {
