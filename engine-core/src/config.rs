@@ -196,6 +196,19 @@ impl ModelConfig {
         Ok(cfg)
     }
 
+    /// How many of `layers` are of `kind`: the one place layers are counted by kind.
+    pub fn count_layers(&self, layers: std::ops::Range<usize>, kind: LayerKind) -> usize {
+        self.layer_types[layers]
+            .iter()
+            .filter(|&&k| k == kind)
+            .count()
+    }
+
+    /// Bytes of one position's K and V rows (f32) in one full-attention layer.
+    pub fn kv_row_bytes(&self) -> usize {
+        2 * self.num_key_value_heads * self.head_dim * std::mem::size_of::<f32>()
+    }
+
     /// Layer i is full attention iff (i + 1) % interval == 0: L L L F, repeated.
     pub fn interval_layer_types(layers: usize, interval: usize) -> Vec<LayerKind> {
         (0..layers)

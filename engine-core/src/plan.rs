@@ -3,46 +3,148 @@
 //! `tether plan` prints it; the same numbers drive `split::prefill` and `State::offload`.
 
 use std::fmt::Write;
+use std::mem::size_of;
+use std::ops::Range;
 
 use crate::config::{LayerKind, ModelConfig};
-use crate::split::minimum;
+use crate::model::State;
+use crate::split::{default_split_layer, minimum};
+use crate::Model;
 
-/// What the plan is made from.
-#[derive(Clone, Debug)]
-pub struct PlanInput {
-    pub context: usize,
-    pub prompt: usize,
-    pub page_size: usize,
-    /// KV positions per layer the host keeps (`None`: all of them).
-    pub host_kv_tokens: Option<usize>,
-    /// Bytes each tethered helper offers, in the order they attached (the first runs the
-    /// split prefill); empty without helpers.
-    pub helpers: Vec<u64>,
-    pub split_layer: usize,
-    pub split_min: usize,
-    pub split_ubatch: usize,
-    pub interleave_from: usize,
-    /// Link bandwidth in bits/s and one-way latency in seconds, if known.
-    pub link: Option<(f64, f64)>,
+/// DESIGN.md's page of KV storage: what the plan takes unless a small host budget needs finer
+/// moves.
+pub const STORAGE_PAGE: usize = 4096;
+
+/// The smallest page the plan chooses: below it, a decode step's per-page partials and
+/// messages grow faster than the host budget's slack shrinks.
+const MIN_PAGE: usize = 256;
+
+/// Tokens per prefill ubatch: DESIGN.md's 256 where a helper runs a pipeline stage (small
+/// enough that the two stages overlap over most of a prompt), 512 on the host alone (each
+/// weight read serves more tokens; larger ones gain little more on the CPU).
+pub const SPLIT_UBATCH: usize = 256;
+pub const HOST_UBATCH: usize = 512;
+
+/// The share of the host's free memory the plan leaves to the rest of the machine (an eighth).
+const RESERVE_SHARE: u64 = 8;
+
+/// What one sequence costs in memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Footprint {
+    /// Bytes per position of context: the K and V rows (f32) of every full-attention layer.
+    pub per_token: u64,
+    /// Bytes however long the context: the DeltaNet states of the live sequence, of the empty
+    /// origin and of each conversation checkpoint, and each checkpoint's saved logits.
+    pub fixed: u64,
 }
 
-pub struct Plan {
-    pub text: String,
-}
+impl Footprint {
+    pub fn of(c: &ModelConfig, checkpoints: usize) -> Footprint {
+        let full = c.count_layers(0..c.num_hidden_layers, LayerKind::FullAttention);
+        let per_token = full * c.kv_row_bytes();
+        let states = (2 + checkpoints) * State::delta_bytes_for(c, 0..c.num_hidden_layers);
+        let logits = checkpoints * c.vocab_size * size_of::<f32>();
+        Footprint {
+            per_token: per_token as u64,
+            fixed: (states + logits) as u64,
+        }
+    }
 
-fn count(c: &ModelConfig, layers: std::ops::Range<usize>, kind: LayerKind) -> usize {
-    c.layer_types[layers].iter().filter(|&&k| k == kind).count()
+    /// Bytes a context of `ctx` positions takes: KV is allocated a page of `page_size`
+    /// positions at a time.
+    pub fn bytes(&self, ctx: usize, page_size: usize) -> u64 {
+        self.fixed + self.per_token * (ctx.div_ceil(page_size) * page_size) as u64
+    }
+
+    /// The most positions, in whole pages, whose KV fits in `budget` beside the fixed part.
+    pub fn fitting(&self, budget: u64, page_size: usize) -> usize {
+        let page = self.per_token * page_size as u64;
+        let pages = budget.saturating_sub(self.fixed) / page.max(1);
+        usize::try_from(pages)
+            .unwrap_or(usize::MAX)
+            .saturating_mul(page_size)
+    }
 }
 
 fn mib(b: f64) -> String {
     format!("{:.1} MiB", b / (1u64 << 20) as f64)
 }
 
+/// Bytes of a model's weights as stored: each layer's, and the embedding and head's.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct WeightBytes {
+    pub layers: Vec<u64>,
+    pub ends: u64,
+}
+
+impl WeightBytes {
+    pub fn of(model: &Model) -> WeightBytes {
+        let (layers, ends) = model.weight_bytes_by_layer();
+        WeightBytes {
+            layers: layers.into_iter().map(|b| b as u64).collect(),
+            ends: ends as u64,
+        }
+    }
+
+    fn of_layers(&self, r: Range<usize>) -> u64 {
+        self.layers.get(r).map_or(0, |l| l.iter().sum())
+    }
+}
+
+/// Bytes a forward pass of `u` tokens holds at once, about: the residual, its normed copy and
+/// the layer's output, the widest of the MLP's (gate, up and their product) and the mixers'
+/// projections, and the last position's logits.
+pub fn activation_bytes(c: &ModelConfig, u: usize) -> u64 {
+    let (q, kv) = (
+        c.num_attention_heads * c.head_dim,
+        c.num_key_value_heads * c.head_dim,
+    );
+    let attention = 3 * q + 2 * kv;
+    let deltanet = 2 * c.linear_key_dim() + 2 * c.linear_value_dim() + 2 * c.linear_num_value_heads;
+    let widest = (3 * c.intermediate_size).max(attention).max(deltanet);
+    ((u * (3 * c.hidden_size + widest) + c.vocab_size) * size_of::<f32>()) as u64
+}
+
+/// What the plan is made from. The four choices it makes (page size, host KV budget, split
+/// layer, ubatch) are `None` to be decided, or a flag's value, which it takes as is.
+#[derive(Clone, Debug)]
+pub struct PlanInput {
+    pub context: usize,
+    pub prompt: usize,
+    /// The model's weights (empty: not counted, as in a simulation).
+    pub weights: WeightBytes,
+    /// Memory the host can give now (`None`: unknown).
+    pub host_memory: Option<u64>,
+    /// Bytes each tethered helper offers for KV and state, in the order they attached (the
+    /// first runs the split prefill); 0 for one expected but not attached yet (its offer is
+    /// not known); empty without helpers.
+    pub helpers: Vec<u64>,
+    pub page_size: Option<usize>,
+    /// KV positions per layer the host keeps.
+    pub host_kv_tokens: Option<usize>,
+    pub split_layer: Option<usize>,
+    pub ubatch: Option<usize>,
+    pub split_min: usize,
+    pub interleave_from: usize,
+    /// Link bandwidth in bits/s and one-way latency in seconds, if known.
+    pub link: Option<(f64, f64)>,
+}
+
+/// The plan: its choices, and the text that explains them.
+pub struct Plan {
+    pub page_size: usize,
+    /// KV positions per layer the host keeps (`None`: all of them).
+    pub host_kv_tokens: Option<usize>,
+    pub split_layer: usize,
+    pub ubatch: usize,
+    pub text: String,
+}
+
 impl Plan {
     pub fn new(c: &ModelConfig, p: &PlanInput) -> Plan {
         let n = c.num_hidden_layers;
-        let full = count(c, 0..n, LayerKind::FullAttention);
-        let row = (2 * c.num_key_value_heads * c.head_dim * 4) as f64;
+        let full = c.count_layers(0..n, LayerKind::FullAttention);
+        let row = c.kv_row_bytes() as f64;
         let kv_per_token = full as f64 * row;
         let mut t = String::new();
         let _ = writeln!(
@@ -51,9 +153,18 @@ impl Plan {
             n - full,
             kv_per_token / 1024.0
         );
+        let choices = Choices::new(c, p);
+        choices.explain(&mut t, c, p);
+        let Choices {
+            page_size,
+            host_kv_tokens,
+            split_layer,
+            ubatch,
+            ..
+        } = choices;
         let helper = !p.helpers.is_empty();
         // Prefill.
-        let tail = p.split_layer.min(n)..n;
+        let tail = split_layer.min(n)..n;
         if !helper {
             let _ = writeln!(t, "prefill: host alone (no helper tethered)");
         } else if tail.is_empty() {
@@ -68,15 +179,15 @@ impl Plan {
                 p.prompt, p.split_min
             );
         } else {
-            let ubatches = p.prompt.div_ceil(p.split_ubatch.max(1));
-            let sent = (ubatches - 1) * p.split_ubatch;
+            let ubatches = p.prompt.div_ceil(ubatch.max(1));
+            let sent = (ubatches - 1) * ubatch;
             let bytes = minimum::prefill(c, tail.clone(), sent, 0, false) as f64;
             let _ = writeln!(
                 t,
                 "prefill: {ubatches} ubatches of {} stream through host layers 0..{} then helper layers {}..{n} \
                  (on a 4-layer cycle boundary: DeltaNet state never splits); the last ubatch runs on the host, \
                  so logits never cross",
-                p.split_ubatch, tail.start, tail.start
+                ubatch, tail.start, tail.start
             );
             let _ = writeln!(
                 t,
@@ -84,8 +195,9 @@ impl Plan {
                 bytes / p.prompt as f64,
                 link_time(p.link, bytes, ubatches)
             );
-            let mirror =
-                count(c, tail.clone(), LayerKind::FullAttention) as f64 * row * p.context as f64;
+            let mirror = c.count_layers(tail.clone(), LayerKind::FullAttention) as f64
+                * row
+                * p.context as f64;
             let _ = writeln!(
                 t,
                 "  the helper mirrors its layers' KV ({} at {} tokens) and state across turns; later turns push only what is new",
@@ -94,21 +206,21 @@ impl Plan {
             );
         }
         // Decode and KV placement.
-        let budget = p.host_kv_tokens.unwrap_or(usize::MAX);
+        let budget = host_kv_tokens.unwrap_or(usize::MAX);
         if p.context <= budget {
             let _ = writeln!(
                 t,
-                "decode: host alone; the KV of {} tokens ({}) fits the host's budget",
+                "decode: host alone; the KV of {} tokens ({}) stays on the host",
                 p.context,
                 mib(kv_per_token * p.context as f64)
             );
         } else if helper {
-            let remote = (p.context - budget) / p.page_size * p.page_size;
-            let pages = remote / p.page_size;
+            let remote = (p.context - budget) / page_size * page_size;
+            let pages = remote / page_size;
             let _ = writeln!(
                 t,
                 "KV: positions 0..{remote} ({pages} pages of {}, {}) live on the {}, the newest {} on the host",
-                p.page_size,
+                page_size,
                 mib(kv_per_token * remote as f64),
                 match p.helpers.len() {
                     1 => "helper".to_string(),
@@ -116,7 +228,7 @@ impl Plan {
                 },
                 p.context - remote
             );
-            placement(&mut t, c, p, pages);
+            placement(&mut t, c, p, split_layer, page_size, pages);
             let step = minimum::attend(c, 0..n, 1, pages) as f64;
             let _ = writeln!(
                 t,
@@ -134,16 +246,16 @@ impl Plan {
         if helper && p.context > p.interleave_from {
             let pages = p
                 .host_kv_tokens
-                .map_or(0, |b| p.context.saturating_sub(b) / p.page_size);
+                .map_or(0, |b| p.context.saturating_sub(b) / page_size);
             if pages > 0 {
-                let bytes = minimum::attend(c, 0..n, 2 * p.split_ubatch, pages) as f64;
+                let bytes = minimum::attend(c, 0..n, 2 * ubatch, pages) as f64;
                 let _ = writeln!(
                     t,
                     "prefill past position {}: ubatches of {} in staggered pairs; while the host runs one, the helper \
                      attends the other's queries over the up to {pages} pages it holds: about {:.0} bytes per prompt token{}",
                     p.interleave_from,
-                    p.split_ubatch,
-                    bytes / (2 * p.split_ubatch) as f64,
+                    ubatch,
+                    bytes / (2 * ubatch) as f64,
                     link_time(p.link, bytes, 2 * full)
                 );
             } else {
@@ -154,20 +266,319 @@ impl Plan {
                 );
             }
         }
-        Plan { text: t }
+        Plan {
+            page_size,
+            host_kv_tokens,
+            split_layer,
+            ubatch,
+            text: t,
+        }
     }
+}
+
+/// The plan's four choices and the reason for each.
+struct Choices {
+    page_size: usize,
+    host_kv_tokens: Option<usize>,
+    split_layer: usize,
+    ubatch: usize,
+    why: [String; 4],
+}
+
+impl Choices {
+    /// Ubatch first (the activations it needs come off the host's room), then the host's KV
+    /// budget, the page that budget is counted in, and the split its helper can hold.
+    fn new(c: &ModelConfig, p: &PlanInput) -> Choices {
+        let (ubatch, why_ubatch) = choose_ubatch(c, p);
+        let (budget, why_budget) = choose_host_kv(c, p, ubatch);
+        let (page_size, why_page) = choose_page(p, budget);
+        let host_kv_tokens = match p.host_kv_tokens {
+            Some(t) => Some(t),
+            None => budget.map(|b| b / page_size * page_size),
+        };
+        let (split_layer, why_split) = choose_split(
+            c,
+            p.split_layer,
+            p.helpers.first().copied(),
+            p.context,
+            ubatch,
+        );
+        Choices {
+            page_size,
+            host_kv_tokens,
+            split_layer,
+            ubatch,
+            why: [why_page, why_budget, why_split, why_ubatch],
+        }
+    }
+
+    /// The choices, then what each device holds with them.
+    fn explain(&self, t: &mut String, c: &ModelConfig, p: &PlanInput) {
+        let [page, budget, split, ubatch] = &self.why;
+        let budget_value = self
+            .host_kv_tokens
+            .map_or("all".to_string(), |b| b.to_string());
+        let _ = writeln!(t, "chosen (a flag overrides each):");
+        let _ = writeln!(t, "  page size {}: {page}", self.page_size);
+        let _ = writeln!(t, "  host KV tokens {budget_value}: {budget}");
+        let _ = writeln!(t, "  split layer {}: {split}", self.split_layer);
+        let _ = writeln!(t, "  ubatch {}: {ubatch}", self.ubatch);
+        if p.weights.layers.is_empty() {
+            return;
+        }
+        let n = c.num_hidden_layers;
+        let host_kv = self.host_kv_tokens.unwrap_or(p.context).min(p.context);
+        let host = Held {
+            weights: p.weights.of_layers(0..n) + p.weights.ends,
+            kv: (host_kv * c.count_layers(0..n, LayerKind::FullAttention) * c.kv_row_bytes())
+                as u64,
+            state: State::delta_bytes_for(c, 0..n) as u64,
+            activations: activation_bytes(c, self.ubatch),
+        };
+        let _ = writeln!(t, "memory at {} tokens of context:", p.context);
+        let _ = writeln!(
+            t,
+            "  host: {} (weights: all {n} layers, the embedding and head; KV: {host_kv} tokens); {}",
+            host.line(self.ubatch),
+            match p.host_memory {
+                Some(m) if host.total() > m => format!("MORE than the {} free", gib(m)),
+                Some(m) => format!("of {} free", gib(m)),
+                None => "free memory unknown".into(),
+            }
+        );
+        let tail = self.split_layer.min(n)..n;
+        if let (Some(&offer), false) = (p.helpers.first(), tail.is_empty()) {
+            let helper = Held {
+                weights: p.weights.of_layers(tail.clone()),
+                ..helper_needs(c, p.context, tail.clone(), self.ubatch)
+            };
+            let _ = writeln!(
+                t,
+                "  helper 0: {} (weights: layers {}..{n}, outside its offer; KV: its layers' mirror); {} of its {} offer",
+                helper.line(self.ubatch),
+                tail.start,
+                gib(helper.total() - helper.weights),
+                gib(offer)
+            );
+        }
+    }
+}
+
+/// What a device holds, by kind.
+struct Held {
+    weights: u64,
+    kv: u64,
+    state: u64,
+    activations: u64,
+}
+
+impl Held {
+    fn total(&self) -> u64 {
+        self.weights + self.kv + self.state + self.activations
+    }
+
+    /// "X in all: weights, KV, state, activations (ubatch U)".
+    fn line(&self, ubatch: usize) -> String {
+        format!(
+            "{} in all: weights {}, KV {}, DeltaNet state {}, activations about {} (ubatch {ubatch})",
+            gib(self.total()),
+            gib(self.weights),
+            gib(self.kv),
+            gib(self.state),
+            gib(self.activations)
+        )
+    }
+}
+
+fn gib(b: u64) -> String {
+    if b >= 1 << 30 {
+        format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64)
+    } else {
+        mib(b as f64)
+    }
+}
+
+/// What the prefill helper holds from its offer when it runs layers `tail`: their KV mirrored
+/// over the whole context, their DeltaNet states and a ubatch's activations (its weights are
+/// its own, outside the offer).
+fn helper_needs(c: &ModelConfig, context: usize, tail: Range<usize>, ubatch: usize) -> Held {
+    Held {
+        weights: 0,
+        kv: (c.count_layers(tail.clone(), LayerKind::FullAttention) * c.kv_row_bytes() * context)
+            as u64,
+        state: State::delta_bytes_for(c, tail) as u64,
+        activations: activation_bytes(c, ubatch),
+    }
+}
+
+fn choose_ubatch(c: &ModelConfig, p: &PlanInput) -> (usize, String) {
+    if let Some(u) = p.ubatch {
+        return (u.max(1), "as given".into());
+    }
+    let (mut u, mut why) = if p.helpers.is_empty() {
+        (
+            HOST_UBATCH,
+            "host alone: each weight read serves 512 prompt tokens".to_string(),
+        )
+    } else {
+        (
+            SPLIT_UBATCH,
+            "DESIGN.md's ubatch for the two-stage pipeline (host and helper overlap on most of a prompt)".to_string(),
+        )
+    };
+    if let Some(m) = p.host_memory {
+        let first = u;
+        while u > 16 && activation_bytes(c, u) > m / RESERVE_SHARE {
+            u /= 2;
+        }
+        if u < first {
+            why = format!(
+                "{first} would need {} of activations, more than an eighth of the {} free",
+                gib(activation_bytes(c, first)),
+                gib(m)
+            );
+        }
+    }
+    (u, why)
+}
+
+/// The host's KV budget in positions, before it is rounded to whole pages.
+fn choose_host_kv(c: &ModelConfig, p: &PlanInput, ubatch: usize) -> (Option<usize>, String) {
+    if let Some(b) = p.host_kv_tokens {
+        return (Some(b), "as given".into());
+    }
+    let Some(m) = p.host_memory else {
+        return (
+            None,
+            "the host's free memory is unknown: all KV stays on the host".into(),
+        );
+    };
+    let n = c.num_hidden_layers;
+    let others = p.weights.of_layers(0..n)
+        + p.weights.ends
+        + State::delta_bytes_for(c, 0..n) as u64
+        + activation_bytes(c, ubatch)
+        + m / RESERVE_SHARE;
+    let per_token = Footprint::of(c, 0).per_token.max(1);
+    let fits = usize::try_from(m.saturating_sub(others) / per_token).unwrap_or(usize::MAX);
+    let room = format!(
+        "{} free less the weights, DeltaNet state, activations and an eighth for the rest of the machine leaves room for {fits} tokens",
+        gib(m)
+    );
+    if fits >= p.context {
+        (None, format!("{room}: all {} fit", p.context))
+    } else if p.helpers.is_empty() {
+        (
+            None,
+            format!(
+                "WARNING: {room}, fewer than {}; with no helper to take the older pages the host \
+                 keeps them all and may swap (tether a helper, or plan a shorter context)",
+                p.context
+            ),
+        )
+    } else {
+        (
+            Some(fits),
+            format!("{room}; the older pages go to the helpers"),
+        )
+    }
+}
+
+/// The page: DESIGN.md's 4096 positions, halved while a page is more than an eighth of the
+/// host's budget, so whole-page moves keep the host within an eighth of it.
+fn choose_page(p: &PlanInput, budget: Option<usize>) -> (usize, String) {
+    if let Some(page) = p.page_size {
+        return (page, "as given".into());
+    }
+    let Some(b) = budget else {
+        return (STORAGE_PAGE, "DESIGN.md's storage page".into());
+    };
+    let mut page = STORAGE_PAGE;
+    while page > MIN_PAGE && page * 8 > b {
+        page /= 2;
+    }
+    let why = if page < STORAGE_PAGE {
+        format!("at most an eighth of the host's budget of {b} tokens, so whole-page moves keep it near that budget")
+    } else {
+        "DESIGN.md's storage page (an eighth of the host's budget or less)".into()
+    };
+    (page, why)
+}
+
+/// The first layer the prefill helper runs, for a helper that offers `offer` bytes, unless
+/// `--split-layer` gave it: see [`choose_split`].
+pub fn split_layer(
+    c: &ModelConfig,
+    given: Option<usize>,
+    offer: u64,
+    context: usize,
+    ubatch: usize,
+) -> usize {
+    choose_split(c, given, Some(offer), context, ubatch).0
+}
+
+/// The first layer of the prefill helper: DESIGN.md's share (the host runs the first 5/8 of
+/// the layers, on a 4-layer cycle boundary), moved back a cycle at a time while the helper's
+/// offer cannot hold its layers' mirrored KV, state and activations.
+fn choose_split(
+    c: &ModelConfig,
+    given: Option<usize>,
+    offer: Option<u64>,
+    context: usize,
+    ubatch: usize,
+) -> (usize, String) {
+    let n = c.num_hidden_layers;
+    if let Some(s) = given {
+        return (s, "as given".into());
+    }
+    let first = default_split_layer(n);
+    let offer = match offer {
+        None => return (n, "no helper: the host prefills alone".into()),
+        Some(0) => {
+            return (
+                first,
+                "DESIGN.md's share, the host runs the first 5/8 of the layers (the helper's offer is not known yet)".into(),
+            )
+        }
+        Some(o) => o,
+    };
+    let mut s = first;
+    while s < n && helper_needs(c, context, s..n, ubatch).total() > offer {
+        s = (s + 4).min(n);
+    }
+    let why = if s == first {
+        format!("DESIGN.md's share, the host runs the first 5/8 of the layers; the helper's {} offer holds its layers' KV and state", gib(offer))
+    } else if s < n {
+        format!(
+            "the helper's {} offer holds the mirrored KV and state of layers {s}..{n} at {context} tokens, not of {first}..{n} (DESIGN.md's share)",
+            gib(offer)
+        )
+    } else {
+        format!(
+            "the helper's {} offer cannot hold even the last cycle's mirrored KV at {context} tokens: the host prefills alone",
+            gib(offer)
+        )
+    };
+    (s, why)
 }
 
 /// Where the `pages` pages of each full-attention layer that leave the host go: the first
 /// helper takes its prefill layers' pages, the others spread over all helpers in proportion to
 /// their offers (`State::place`; by measured speed once every helper has answered a query).
-fn placement(t: &mut String, c: &ModelConfig, p: &PlanInput, pages: usize) {
+fn placement(
+    t: &mut String,
+    c: &ModelConfig,
+    p: &PlanInput,
+    split_layer: usize,
+    page_size: usize,
+    pages: usize,
+) {
     let n = c.num_hidden_layers;
-    let tail = p.split_layer.min(n)..n;
-    let page = (p.page_size * 2 * c.num_key_value_heads * c.head_dim * 4) as f64;
+    let tail = split_layer.min(n)..n;
+    let page = (page_size * c.kv_row_bytes()) as f64;
     let (tail_full, head_full) = (
-        count(c, tail.clone(), LayerKind::FullAttention),
-        count(c, 0..tail.start, LayerKind::FullAttention),
+        c.count_layers(tail.clone(), LayerKind::FullAttention),
+        c.count_layers(0..tail.start, LayerKind::FullAttention),
     );
     let total: f64 = p.helpers.iter().map(|&m| m as f64).sum::<f64>().max(1.0);
     for (i, &mem) in p.helpers.iter().enumerate() {
@@ -188,7 +599,7 @@ fn placement(t: &mut String, c: &ModelConfig, p: &PlanInput, pages: usize) {
                 String::new()
             }
         );
-        if held * page > mem as f64 {
+        if mem > 0 && held * page > mem as f64 {
             let _ = writeln!(
                 t,
                 "  WARNING: helper {i} offers only {}; it will refuse pages past that, and they go to the others or the page file",
@@ -217,15 +628,109 @@ mod tests {
         PlanInput {
             context: 100_000,
             prompt: 2048,
-            page_size: 4096,
-            host_kv_tokens: Some(32_768),
+            weights: WeightBytes::default(),
+            host_memory: None,
             helpers: vec![8 << 30],
-            split_layer: 16,
+            page_size: Some(4096),
+            host_kv_tokens: Some(32_768),
+            split_layer: Some(16),
+            ubatch: Some(256),
             split_min: 512,
-            split_ubatch: 256,
             interleave_from: 65536,
             link: Some((10e9, 50e-6)),
         }
+    }
+
+    /// The 0.8B shape deciding for itself: 50 MiB a layer, 500 MiB of embedding.
+    fn deciding(host_memory: u64, helpers: Vec<u64>) -> PlanInput {
+        PlanInput {
+            context: 262_144,
+            weights: WeightBytes {
+                layers: vec![50 << 20; 24],
+                ends: 500 << 20,
+            },
+            host_memory: Some(host_memory),
+            helpers,
+            page_size: None,
+            host_kv_tokens: None,
+            split_layer: None,
+            ubatch: None,
+            ..input()
+        }
+    }
+
+    #[test]
+    fn the_host_keeps_the_kv_its_memory_leaves_room_for_in_whole_pages() {
+        let c = crate::synth::preset("qwen35-0.8b").unwrap();
+        let m = 4u64 << 30;
+        let plan = Plan::new(&c, &deciding(m, vec![8 << 30]));
+        assert_eq!(plan.ubatch, SPLIT_UBATCH);
+        // 6 full-attention layers x K and V x 2 heads x 256 x 4 bytes = 24 KiB a position.
+        let per_token = 6 * 2 * 2 * 256 * 4;
+        let others = 24 * (50 << 20)
+            + (500 << 20)
+            + State::delta_bytes_for(&c, 0..24) as u64
+            + activation_bytes(&c, SPLIT_UBATCH)
+            + m / 8;
+        let fits = ((m - others) / per_token) as usize;
+        assert!(fits > 32_768 && fits < 262_144, "{fits}");
+        assert_eq!(plan.page_size, STORAGE_PAGE);
+        assert_eq!(plan.host_kv_tokens, Some(fits / 4096 * 4096));
+        // The same host alone keeps everything, and says it will not fit.
+        let alone = Plan::new(&c, &deciding(m, vec![]));
+        assert_eq!((alone.host_kv_tokens, alone.ubatch), (None, HOST_UBATCH));
+        assert!(alone.text.contains("WARNING"), "{}", alone.text);
+        // Enough memory: all of it on the host.
+        let big = Plan::new(&c, &deciding(64 << 30, vec![8 << 30]));
+        assert_eq!(big.host_kv_tokens, None);
+    }
+
+    #[test]
+    fn a_small_budget_takes_smaller_pages() {
+        let c = crate::synth::preset("qwen35-0.8b").unwrap();
+        // 2.5 GiB leaves room for a few thousand positions beside 1.7 GiB of weights and the
+        // eighth kept back.
+        let plan = Plan::new(&c, &deciding(5 << 29, vec![8 << 30]));
+        let b = plan.host_kv_tokens.unwrap();
+        assert!(plan.page_size < STORAGE_PAGE, "{}", plan.text);
+        assert!(plan.page_size * 8 <= b + plan.page_size, "{}", plan.text);
+        assert_eq!(b % plan.page_size, 0);
+    }
+
+    #[test]
+    fn the_split_moves_back_until_the_helpers_offer_holds_its_mirror() {
+        let c = crate::synth::preset("qwen35-0.8b").unwrap();
+        let m = 64 << 30;
+        // At 262144 positions a full-attention layer's KV is 262144 x 4 KiB = 1 GiB; layers
+        // 16..24 hold 2 of them, 20..24 one.
+        let fits_one = (1u64 << 30) + (300 << 20);
+        let plan = Plan::new(&c, &deciding(m, vec![fits_one]));
+        assert_eq!(plan.split_layer, 20, "{}", plan.text);
+        let roomy = Plan::new(&c, &deciding(m, vec![4 << 30]));
+        assert_eq!(roomy.split_layer, default_split_layer(24));
+        assert_eq!(roomy.split_layer, 16);
+        let tiny = Plan::new(&c, &deciding(m, vec![100 << 20]));
+        assert_eq!(tiny.split_layer, 24, "{}", tiny.text);
+        assert!(
+            tiny.text.contains("the host prefills alone"),
+            "{}",
+            tiny.text
+        );
+        // A flag is taken as it is.
+        let given = Plan::new(
+            &c,
+            &PlanInput {
+                split_layer: Some(12),
+                page_size: Some(512),
+                ..deciding(m, vec![100 << 20])
+            },
+        );
+        assert_eq!((given.split_layer, given.page_size), (12, 512));
+        assert!(
+            given.text.contains("split layer 12: as given"),
+            "{}",
+            given.text
+        );
     }
 
     #[test]

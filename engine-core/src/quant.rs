@@ -1,8 +1,10 @@
 //! llama.cpp's quantised weight formats: each block byte for byte as ggml stores it, and its
 //! weights by ggml's definition (`dequantize_row_*` in ggml-quants.c: the same float operations
 //! in the same order, so the values are the reference's bit for bit). The kernels
-//! (`backend::cpu::matmul`, the WGSL ones) compute with these values; only Q8_0 is also written
-//! (`BlockQ8_0::quantise`), the rest are read from GGUF files that llama.cpp wrote.
+//! (`backend::cpu::matmul`, the WGSL ones) compute with these values. Q4_0, Q4_1, Q5_0, Q5_1,
+//! Q8_0, Q4_K, Q5_K and Q6_K are also written ([`Quantise`]: ggml's reference quantisers, so the
+//! blocks are `llama-quantize`'s without an importance matrix, byte for byte); the rest are read
+//! from GGUF files that llama.cpp wrote.
 
 use half::f16;
 
@@ -25,6 +27,34 @@ pub trait QuantBlock: bytemuck::Pod + Send + Sync {
     /// Writes the block's `LEN` weights to `out`.
     fn dequantise_into(&self, out: &mut [f32]);
 }
+
+/// A block type tether writes, by ggml's reference quantiser for it (`quantize_row_*_ref` in
+/// ggml-quants.c, which `llama-quantize` runs when it has no importance matrix): the same f32
+/// operations in the same order, so the blocks are llama.cpp's byte for byte.
+pub trait Quantise: QuantBlock {
+    /// The block of `x`.
+    ///
+    /// # Panics
+    /// Unless `x` holds exactly `Self::LEN` weights.
+    fn quantise(x: &[f32]) -> Self;
+}
+
+/// `x` as the `N` weights of one block.
+fn block_of<const N: usize>(x: &[f32]) -> &[f32; N] {
+    x.try_into()
+        .unwrap_or_else(|_| panic!("a block takes {N} weights, not {}", x.len()))
+}
+
+/// ggml's `nearest_int`: `x` rounded to the nearest integer, halves to even, read from the low
+/// mantissa bits of `x + 1.5 * 2^23` (for |x| < 2^22, as ggml asserts).
+fn nearest_int(x: f32) -> i32 {
+    let bits = (x + 12_582_912.0).to_bits();
+    (bits & 0x007f_ffff) as i32 - 0x0040_0000
+}
+
+/// Below this largest magnitude ggml quantises a group of weights as all zeros
+/// (`GROUP_MAX_EPS`).
+const GROUP_MAX_EPS: f32 = 1e-15;
 
 /// Q4_0: weight = `d * (q - 8)`, 4-bit `q`; byte `j` holds weights `j` (low nibble) and `j + 16`.
 #[derive(Clone, Copy, Debug, bytemuck::Pod, bytemuck::Zeroable)]
@@ -173,12 +203,73 @@ fn fives(qh: [u8; 4], qs: &[u8; QK / 2], out: &mut [f32], level: impl Fn(u8) -> 
     }
 }
 
+/// Q4_0's and Q5_0's `d` and levels of `x` (`quantize_row_q{4,5}_0_ref`): `d` maps the weight
+/// of largest magnitude to level 0, `-2^(BITS-1) * d` (so `d` has its opposite sign); the others
+/// round half up, clamped to the top level.
+fn symmetric_levels<const BITS: u32>(x: &[f32; QK]) -> (f16, [u8; QK]) {
+    let (_, max) = x.iter().fold((0.0f32, 0.0f32), |(amax, max), &v| {
+        if amax < v.abs() {
+            (v.abs(), v)
+        } else {
+            (amax, max)
+        }
+    });
+    let zero = (1 << (BITS - 1)) as f32;
+    let d = max / -zero;
+    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    let top = (1u8 << BITS) - 1;
+    // The sum is in [0, 2^BITS + 1): `as` truncates it as C's (int8_t) cast does.
+    let levels = x.map(|v| ((v * id + (zero + 0.5)) as u8).min(top));
+    (f16::from_f32(d), levels)
+}
+
+/// Q4_1's and Q5_1's `d`, `m` and levels of `x` (`quantize_row_q{4,5}_1_ref`): `m` is the
+/// smallest weight, `d` spreads the range over the levels, each weight rounds half up (ggml
+/// clamps only Q4_1's to the top level, but the sum never passes it: the same for both).
+fn asymmetric_levels<const BITS: u32>(x: &[f32; QK]) -> (f16, f16, [u8; QK]) {
+    let (mut min, mut max) = (f32::MAX, -f32::MAX);
+    for &v in x {
+        if v < min {
+            min = v;
+        }
+        if v > max {
+            max = v;
+        }
+    }
+    let top = (1u8 << BITS) - 1;
+    let d = (max - min) / f32::from(top);
+    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    let levels = x.map(|v| (((v - min) * id + 0.5) as u8).min(top));
+    (f16::from_f32(d), f16::from_f32(min), levels)
+}
+
+/// The low four bits of levels `j` and `j + 16` in byte `j`, as [`nibbles`] reads them.
+fn pack_nibbles(levels: &[u8; QK]) -> [u8; QK / 2] {
+    std::array::from_fn(|j| (levels[j] & 0xF) | ((levels[j + QK / 2] & 0xF) << 4))
+}
+
+/// The fifth bit of level `i` in bit `i` of a little-endian u32, as [`fives`] reads them.
+fn pack_fifth_bits(levels: &[u8; QK]) -> [u8; 4] {
+    let qh = (levels.iter().enumerate()).fold(0u32, |qh, (i, &q)| qh | (u32::from(q >> 4) << i));
+    qh.to_le_bytes()
+}
+
 impl QuantBlock for BlockQ4_0 {
     const LEN: usize = QK;
     const DTYPE: DType = DType::Q4_0;
     fn dequantise_into(&self, out: &mut [f32]) {
         let d = self.d.to_f32();
         nibbles(&self.qs, out, |q| (i32::from(q) - 8) as f32 * d);
+    }
+}
+
+impl Quantise for BlockQ4_0 {
+    fn quantise(x: &[f32]) -> Self {
+        let (d, levels) = symmetric_levels::<4>(block_of(x));
+        BlockQ4_0 {
+            d,
+            qs: pack_nibbles(&levels),
+        }
     }
 }
 
@@ -191,12 +282,34 @@ impl QuantBlock for BlockQ4_1 {
     }
 }
 
+impl Quantise for BlockQ4_1 {
+    fn quantise(x: &[f32]) -> Self {
+        let (d, m, levels) = asymmetric_levels::<4>(block_of(x));
+        BlockQ4_1 {
+            d,
+            m,
+            qs: pack_nibbles(&levels),
+        }
+    }
+}
+
 impl QuantBlock for BlockQ5_0 {
     const LEN: usize = QK;
     const DTYPE: DType = DType::Q5_0;
     fn dequantise_into(&self, out: &mut [f32]) {
         let d = self.d.to_f32();
         fives(self.qh, &self.qs, out, |q| (i32::from(q) - 16) as f32 * d);
+    }
+}
+
+impl Quantise for BlockQ5_0 {
+    fn quantise(x: &[f32]) -> Self {
+        let (d, levels) = symmetric_levels::<5>(block_of(x));
+        BlockQ5_0 {
+            d,
+            qh: pack_fifth_bits(&levels),
+            qs: pack_nibbles(&levels),
+        }
     }
 }
 
@@ -209,6 +322,18 @@ impl QuantBlock for BlockQ5_1 {
     }
 }
 
+impl Quantise for BlockQ5_1 {
+    fn quantise(x: &[f32]) -> Self {
+        let (d, m, levels) = asymmetric_levels::<5>(block_of(x));
+        BlockQ5_1 {
+            d,
+            m,
+            qh: pack_fifth_bits(&levels),
+            qs: pack_nibbles(&levels),
+        }
+    }
+}
+
 impl QuantBlock for BlockQ8_0 {
     const LEN: usize = QK;
     const DTYPE: DType = DType::Q8_0;
@@ -217,10 +342,11 @@ impl QuantBlock for BlockQ8_0 {
     }
 }
 
-impl BlockQ8_0 {
-    /// ggml's reference quantisation (`quantize_row_q8_0_ref`): the scale maps the largest
-    /// magnitude to 127, each weight rounds to nearest (halves away from zero).
-    pub fn quantise(x: &[f32; QK]) -> BlockQ8_0 {
+/// `quantize_row_q8_0_ref`: the scale maps the largest magnitude to 127, each weight rounds to
+/// nearest (halves away from zero).
+impl Quantise for BlockQ8_0 {
+    fn quantise(x: &[f32]) -> Self {
+        let x: &[f32; QK] = block_of(x);
         let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
         let d = amax / 127.0;
         let id = if d != 0.0 { 1.0 / d } else { 0.0 };
@@ -229,7 +355,9 @@ impl BlockQ8_0 {
             qs: x.map(|v| (v * id).round() as i8),
         }
     }
+}
 
+impl BlockQ8_0 {
     /// The 32 weights as f32.
     #[inline(always)]
     pub fn dequantise(&self) -> [f32; QK] {
@@ -354,11 +482,202 @@ fn dequantise_k4(
     }
 }
 
+/// The inverse of [`scale_min_k4`]: eight 6-bit (scale, min) pairs in 12 bytes, pairs 0-3 in
+/// the low 6 bits of bytes 0-3 (scales) and 4-7 (mins), pairs 4-7 in the nibbles of bytes 8-11
+/// with their top two bits in the top two of bytes 0-7.
+fn pack_scale_min_k4(pairs: [(u8, u8); 8]) -> [u8; 12] {
+    let mut s = [0u8; 12];
+    for (j, (sc, m)) in pairs.into_iter().enumerate() {
+        if j < 4 {
+            s[j] = sc;
+            s[j + 4] = m;
+        } else {
+            s[j + 4] = (sc & 0xF) | ((m & 0xF) << 4);
+            s[j - 4] |= (sc >> 4) << 6;
+            s[j] |= (m >> 4) << 6;
+        }
+    }
+    s
+}
+
+/// ggml's `make_qkx2_quants` as the Q4_K and Q5_K refs call it (`rdelta` 0.1, no `use_mad`):
+/// levels `0..=nmax` of 32 weights as `scale * l - min`. From the levels of the weights' range
+/// it tries `nstep + 1` more scales, `(nmax + rmin + 0.1 * step) / range`, fits the scale and
+/// min to each try's levels by weighted least squares and keeps the least weighted squared
+/// error. Returns the scale, the min (as a positive offset) and the levels.
+fn make_qkx2_quants(
+    nmax: u8,
+    x: &[f32; 32],
+    w: &[f32; 32],
+    rmin: f32,
+    nstep: u8,
+) -> (f32, f32, [u8; 32]) {
+    let (mut min, mut max) = (x[0], x[0]);
+    let (mut sum_w, mut sum_x) = (w[0], w[0] * x[0]);
+    for (&x, &w) in x.iter().zip(w).skip(1) {
+        if x < min {
+            min = x;
+        }
+        if x > max {
+            max = x;
+        }
+        sum_w += w;
+        sum_x += w * x;
+    }
+    if min > 0.0 {
+        min = 0.0;
+    }
+    if max == min {
+        return (0.0, -min, [0; 32]);
+    }
+    let levels = |iscale: f32, min: f32| {
+        x.map(|x| nearest_int(iscale * (x - min)).clamp(0, nmax.into()) as u8)
+    };
+    let error = |scale: f32, min: f32, levels: &[u8; 32]| {
+        let terms = x.iter().zip(w).zip(levels);
+        terms.fold(0.0f32, |e, ((&x, &w), &l)| {
+            let diff = scale * f32::from(l) + min - x;
+            e + w * (diff * diff)
+        })
+    };
+    let iscale = f32::from(nmax) / (max - min);
+    let mut scale = 1.0 / iscale;
+    let mut best = levels(iscale, min);
+    let mut best_error = error(scale, min, &best);
+    for step in 0..=nstep {
+        // ggml's `min` moves with each better fit, and so does the range of the next try.
+        let iscale = (rmin + 0.1 * f32::from(step) + f32::from(nmax)) / (max - min);
+        let l = levels(iscale, min);
+        let (mut sum_l, mut sum_l2, mut sum_xl) = (0.0f32, 0.0f32, 0.0f32);
+        for ((&x, &w), &l) in x.iter().zip(w).zip(&l) {
+            let l = f32::from(l);
+            sum_l += w * l;
+            sum_l2 += w * l * l;
+            sum_xl += w * l * x;
+        }
+        let det = sum_w * sum_l2 - sum_l * sum_l;
+        if det > 0.0 {
+            let mut this_scale = (sum_w * sum_xl - sum_x * sum_l) / det;
+            let mut this_min = (sum_l2 * sum_x - sum_l * sum_xl) / det;
+            if this_min > 0.0 {
+                this_min = 0.0;
+                this_scale = sum_xl / sum_l2;
+            }
+            let this_error = error(this_scale, this_min, &l);
+            if this_error < best_error {
+                (best, best_error, scale, min) = (l, this_error, this_scale, this_min);
+            }
+        }
+    }
+    (scale, -min, best)
+}
+
+/// A Q4_K/Q5_K super-block (`quantize_row_q{4,5}_K_ref`): its `d`, `dmin`, packed scales and
+/// levels `0..=nmax` of its 256 weights.
+struct SuperBlockK4 {
+    d: f16,
+    dmin: f16,
+    scales: [u8; 12],
+    levels: [u8; QK_K],
+}
+
+impl SuperBlockK4 {
+    /// Each sub-block of 32 gets [`make_qkx2_quants`]' scale and min (each weight weighted by
+    /// the sub-block's rms plus its magnitude), stored in 6 bits against the largest scale
+    /// (`d`) and min (`dmin`); then each weight takes the nearest level of the stored ones
+    /// (those of a sub-block whose stored scale is 0 keep their fitted level).
+    fn quantise(x: &[f32; QK_K], nmax: u8, rmin: f32, nstep: u8) -> SuperBlockK4 {
+        let mut levels = [0u8; QK_K];
+        let mut fits = [(0.0f32, 0.0f32); QK_K / 32];
+        for ((x, l), fit) in x
+            .chunks_exact(32)
+            .zip(levels.chunks_exact_mut(32))
+            .zip(&mut fits)
+        {
+            let x: &[f32; 32] = block_of(x);
+            let sum_x2 = x.iter().fold(0.0f32, |s, &v| s + v * v);
+            let av_x = (sum_x2 / 32.0).sqrt();
+            let weights = x.map(|v| av_x + v.abs());
+            let (scale, min, q) = make_qkx2_quants(nmax, x, &weights, rmin, nstep);
+            l.copy_from_slice(&q);
+            *fit = (scale, min);
+        }
+        // Comparisons as ggml's (f32::max could take a -0.0 min, and store d = -0).
+        let largest = |of: fn(&(f32, f32)) -> f32| {
+            fits.iter()
+                .map(of)
+                .fold(0.0f32, |m, v| if v > m { v } else { m })
+        };
+        let (max_scale, max_min) = (largest(|f| f.0), largest(|f| f.1));
+        let inverse = |max: f32| if max > 0.0 { 63.0 / max } else { 0.0 };
+        let (inv_scale, inv_min) = (inverse(max_scale), inverse(max_min));
+        // As C's (uint8_t) cast: modulo 256, then at most 63.
+        let six_bits = |inv: f32, v: f32| (nearest_int(inv * v) as u8).min(63);
+        let pairs = fits.map(|(sc, m)| (six_bits(inv_scale, sc), six_bits(inv_min, m)));
+        let scales = pack_scale_min_k4(pairs);
+        let (d, dmin) = (
+            f16::from_f32(max_scale / 63.0),
+            f16::from_f32(max_min / 63.0),
+        );
+        for (j, (x, l)) in x
+            .chunks_exact(32)
+            .zip(levels.chunks_exact_mut(32))
+            .enumerate()
+        {
+            let (sc, m) = scale_min_k4(j, &scales);
+            let d = d.to_f32() * f32::from(sc);
+            if d == 0.0 {
+                continue;
+            }
+            let dm = dmin.to_f32() * f32::from(m);
+            for (l, &x) in l.iter_mut().zip(x) {
+                *l = nearest_int((x + dm) / d).clamp(0, nmax.into()) as u8;
+            }
+        }
+        SuperBlockK4 {
+            d,
+            dmin,
+            scales,
+            levels,
+        }
+    }
+
+    /// The low four bits of the levels as [`dequantise_k4`] reads `qs`: byte `l` of each 32
+    /// holds weight `l` of an even sub-block (low nibble) and of the odd one after it.
+    fn nibbles(&self) -> [u8; QK_K / 2] {
+        let q = &self.levels;
+        std::array::from_fn(|i| {
+            let at = 64 * (i / 32) + i % 32;
+            (q[at] & 0xF) | ((q[at + 32] & 0xF) << 4)
+        })
+    }
+
+    /// The fifth bits of Q5_K's levels as [`dequantise_k4`] reads `qh`: bit `j` of byte `l` is
+    /// that of weight `l` of sub-block `j`.
+    fn fifth_bits(&self) -> [u8; QK_K / 8] {
+        let q = &self.levels;
+        std::array::from_fn(|l| (0..8).fold(0, |h, j| h | ((q[32 * j + l] >> 4) << j)))
+    }
+}
+
 impl QuantBlock for BlockQ4K {
     const LEN: usize = QK_K;
     const DTYPE: DType = DType::Q4K;
     fn dequantise_into(&self, out: &mut [f32]) {
         dequantise_k4((self.d, self.dmin), &self.scales, &self.qs, None, out);
+    }
+}
+
+/// `quantize_row_q4_K_ref`.
+impl Quantise for BlockQ4K {
+    fn quantise(x: &[f32]) -> Self {
+        let b = SuperBlockK4::quantise(block_of(x), 15, -1.0, 20);
+        BlockQ4K {
+            d: b.d,
+            dmin: b.dmin,
+            scales: b.scales,
+            qs: b.nibbles(),
+        }
     }
 }
 
@@ -373,6 +692,20 @@ impl QuantBlock for BlockQ5K {
             Some(&self.qh),
             out,
         );
+    }
+}
+
+/// `quantize_row_q5_K_ref`.
+impl Quantise for BlockQ5K {
+    fn quantise(x: &[f32]) -> Self {
+        let b = SuperBlockK4::quantise(block_of(x), 31, -0.5, 15);
+        BlockQ5K {
+            d: b.d,
+            dmin: b.dmin,
+            scales: b.scales,
+            qh: b.fifth_bits(),
+            qs: b.nibbles(),
+        }
     }
 }
 
@@ -402,6 +735,110 @@ impl QuantBlock for BlockQ6K {
     }
 }
 
+/// ggml's `make_qx_quants` as the Q6_K ref calls it (`rmse_type` 1: weights `x²`, no
+/// importance): signed levels `-nmax..nmax` of 16 weights (stored offset by `nmax`), the scale
+/// from the weight of largest magnitude at level `-nmax`, then the best weighted least-squares
+/// fit of 19 scales `(nmax + 0.1 * step) / max`, `step` in -9..=9. Returns the scale and the
+/// levels; all zeros for a sub-block of zeros (levels 0, not `nmax`, as ggml's).
+fn make_qx_quants(nmax: i32, x: &[f32; 16]) -> (f32, [u8; 16]) {
+    let (mut amax, mut max) = (0.0f32, 0.0f32);
+    for &v in x {
+        if v.abs() > amax {
+            (amax, max) = (v.abs(), v);
+        }
+    }
+    if amax < GROUP_MAX_EPS {
+        return (0.0, [0; 16]);
+    }
+    let level = |iscale: f32, x: f32| nearest_int(iscale * x).clamp(-nmax, nmax - 1);
+    let levels = |iscale: f32| x.map(|x| (level(iscale, x) + nmax) as u8);
+    // Σ w·x·l and Σ w·l² over the weights, w = x².
+    let sums = |iscale: f32| {
+        x.iter().fold((0.0f32, 0.0f32), |(sumlx, suml2), &x| {
+            let (l, w) = (level(iscale, x) as f32, x * x);
+            (sumlx + w * x * l, suml2 + w * l * l)
+        })
+    };
+    let iscale = -(nmax as f32) / max;
+    let (sumlx, suml2) = sums(iscale);
+    let mut scale = if suml2 != 0.0 { sumlx / suml2 } else { 0.0 };
+    let mut best = scale * sumlx;
+    let mut best_levels = levels(iscale);
+    for step in (-9..=9).filter(|&s| s != 0) {
+        let iscale = -(nmax as f32 + 0.1 * step as f32) / max;
+        let (sumlx, suml2) = sums(iscale);
+        if suml2 > 0.0 && sumlx * sumlx > best * suml2 {
+            best_levels = levels(iscale);
+            scale = sumlx / suml2;
+            best = scale * sumlx;
+        }
+    }
+    (scale, best_levels)
+}
+
+/// Q6_K's levels `0..64` in `ql` (low four bits) and `qh` (top two), as
+/// [`BlockQ6K::dequantise_into`] reads them: per half of 128 weights, byte `l` of its 64 in
+/// `ql` holds weights `l` and `l + 64`, its byte `l` in `qh` the top bits of `l + 32 * k`.
+fn pack_q6k(levels: &[u8; QK_K]) -> ([u8; QK_K / 2], [u8; QK_K / 4]) {
+    let ql = std::array::from_fn(|i| {
+        let at = 128 * (i / 64) + i % 64;
+        (levels[at] & 0xF) | ((levels[at + 64] & 0xF) << 4)
+    });
+    let qh = std::array::from_fn(|i| {
+        let at = 128 * (i / 32) + i % 32;
+        (0..4).fold(0, |h, k| h | ((levels[at + 32 * k] >> 4) << (2 * k)))
+    });
+    (ql, qh)
+}
+
+/// `quantize_row_q6_K_ref`: each sub-block of 16 gets [`make_qx_quants`]' scale, stored as a
+/// signed 8-bit multiple of `d` (the largest-magnitude scale at -128); then each weight takes
+/// the nearest level of the stored scale (those of a sub-block whose stored scale is 0 keep
+/// their fitted level). A super-block of zeros is all zero bytes.
+impl Quantise for BlockQ6K {
+    fn quantise(x: &[f32]) -> Self {
+        let x: &[f32; QK_K] = block_of(x);
+        let mut levels = [0u8; QK_K];
+        let mut fits = [0.0f32; QK_K / 16];
+        for ((x, l), fit) in x
+            .chunks_exact(16)
+            .zip(levels.chunks_exact_mut(16))
+            .zip(&mut fits)
+        {
+            let (scale, q) = make_qx_quants(32, block_of(x));
+            l.copy_from_slice(&q);
+            *fit = scale;
+        }
+        let (mut max_abs, mut max_scale) = (0.0f32, 0.0f32);
+        for &s in &fits {
+            if s.abs() > max_abs {
+                (max_abs, max_scale) = (s.abs(), s);
+            }
+        }
+        if max_abs < GROUP_MAX_EPS {
+            return bytemuck::Zeroable::zeroed();
+        }
+        let iscale = -128.0 / max_scale;
+        let d = f16::from_f32(1.0 / iscale);
+        let scales = fits.map(|s| nearest_int(iscale * s).min(127) as i8);
+        for ((x, l), &sc) in x
+            .chunks_exact(16)
+            .zip(levels.chunks_exact_mut(16))
+            .zip(&scales)
+        {
+            let d = d.to_f32() * f32::from(sc);
+            if d == 0.0 {
+                continue;
+            }
+            for (l, &x) in l.iter_mut().zip(x) {
+                *l = (nearest_int(x / d).clamp(-32, 31) + 32) as u8;
+            }
+        }
+        let (ql, qh) = pack_q6k(&levels);
+        BlockQ6K { ql, qh, scales, d }
+    }
+}
+
 impl QuantBlock for BlockIq4Xs {
     const LEN: usize = QK_K;
     const DTYPE: DType = DType::Iq4Xs;
@@ -419,5 +856,220 @@ impl QuantBlock for BlockIq4Xs {
             let qs: &[u8; QK / 2] = qs.try_into().expect("16 bytes");
             nibbles(qs, out, |q| dl * f32::from(IQ4_VALUES[q as usize]));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The levels weight `i` of a block can take, `d * q + m` for `q` in `q`. `k_quant`: ggml
+    /// chose them against the stored scales, fitted by weighted least squares (so they may clamp
+    /// a sub-block's extremes by more than a step); else against `d` and `m` before their f16
+    /// rounding, from the block's range.
+    struct Levels {
+        d: f32,
+        m: f32,
+        q: (i32, i32),
+        k_quant: bool,
+    }
+
+    trait LevelsOf: Quantise {
+        fn levels(&self, i: usize) -> Levels;
+    }
+
+    /// A 32-weight block's levels, `d * q + m`.
+    fn block_levels(d: f16, m: f16, q: (i32, i32)) -> Levels {
+        let (d, m) = (d.to_f32(), m.to_f32());
+        Levels {
+            d,
+            m,
+            q,
+            k_quant: false,
+        }
+    }
+
+    impl LevelsOf for BlockQ4_0 {
+        fn levels(&self, _: usize) -> Levels {
+            block_levels(self.d, f16::ZERO, (-8, 7))
+        }
+    }
+
+    impl LevelsOf for BlockQ5_0 {
+        fn levels(&self, _: usize) -> Levels {
+            block_levels(self.d, f16::ZERO, (-16, 15))
+        }
+    }
+
+    impl LevelsOf for BlockQ4_1 {
+        fn levels(&self, _: usize) -> Levels {
+            block_levels(self.d, self.m, (0, 15))
+        }
+    }
+
+    impl LevelsOf for BlockQ5_1 {
+        fn levels(&self, _: usize) -> Levels {
+            block_levels(self.d, self.m, (0, 31))
+        }
+    }
+
+    impl LevelsOf for BlockQ8_0 {
+        fn levels(&self, _: usize) -> Levels {
+            block_levels(self.d, f16::ZERO, (-127, 127))
+        }
+    }
+
+    fn k4_levels(d: f16, dmin: f16, scales: &[u8; 12], i: usize, top: i32) -> Levels {
+        let (sc, m) = scale_min_k4(i / 32, scales);
+        Levels {
+            d: d.to_f32() * f32::from(sc),
+            m: -(dmin.to_f32() * f32::from(m)),
+            q: (0, top),
+            k_quant: true,
+        }
+    }
+
+    impl LevelsOf for BlockQ4K {
+        fn levels(&self, i: usize) -> Levels {
+            k4_levels(self.d, self.dmin, &self.scales, i, 15)
+        }
+    }
+
+    impl LevelsOf for BlockQ5K {
+        fn levels(&self, i: usize) -> Levels {
+            k4_levels(self.d, self.dmin, &self.scales, i, 31)
+        }
+    }
+
+    impl LevelsOf for BlockQ6K {
+        fn levels(&self, i: usize) -> Levels {
+            Levels {
+                d: self.d.to_f32() * f32::from(self.scales[i / 16]),
+                m: 0.0,
+                q: (-32, 31),
+                k_quant: true,
+            }
+        }
+    }
+
+    /// Half an f16 ulp of `v` (normal or subnormal).
+    fn f16_half_ulp(v: f32) -> f32 {
+        (v.abs() / 2048.0).max(2f32.powi(-25))
+    }
+
+    /// Quantises and dequantises the whole blocks of `x` and checks each weight: within half a
+    /// step of the nearest level of its block (plus its distance from the levels' range, where
+    /// the format clamps it, and the f16 rounding of `d` and `m` where the quantiser levelled
+    /// before it). With `reach`, the levels of the 32-weight types must also reach each weight
+    /// within a step (Q4_0's and Q5_0's top level is a step short of the largest magnitude's
+    /// opposite).
+    fn round_trip<B: LevelsOf>(x: &[f32], case: &str, reach: bool) {
+        let mut y = vec![0.0; B::LEN];
+        for (n, x) in x.chunks_exact(B::LEN).enumerate() {
+            let b = B::quantise(x);
+            b.dequantise_into(&mut y);
+            for (i, (&x, &y)) in x.iter().zip(&y).enumerate() {
+                let Levels { d, m, q, k_quant } = b.levels(i);
+                let ends = [d * q.0 as f32 + m, d * q.1 as f32 + m];
+                let (lo, hi) = (ends[0].min(ends[1]), ends[0].max(ends[1]));
+                let outside = (lo - x).max(x - hi).max(0.0);
+                let top = q.0.abs().max(q.1.abs()) as f32;
+                let f16_rounding = match k_quant {
+                    false => 2.0 * (f16_half_ulp(d) * top + f16_half_ulp(m)),
+                    true => 0.0,
+                };
+                let f32_rounding = 4.0 * f32::EPSILON * (x.abs().max(y.abs()) + m.abs());
+                let slack = f16_rounding + f32_rounding;
+                let what = format!("{} {case}, block {n}, weight {i}", B::DTYPE.name());
+                assert!(
+                    (x - y).abs() <= d.abs() / 2.0 + outside + slack,
+                    "{what}: {x} dequantises to {y} (levels {lo}..={hi} by {d})"
+                );
+                assert!(
+                    !reach || k_quant || outside <= d.abs() + slack,
+                    "{what}: {x} is {outside} from the levels {lo}..={hi} (by {d})"
+                );
+            }
+        }
+    }
+
+    /// `n` values uniform in `[lo, hi)` (xorshift).
+    fn uniform(seed: u64, n: usize, (lo, hi): (f32, f32)) -> Vec<f32> {
+        let mut s = seed;
+        let mut next = || {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s >> 40) as f32 / (1u64 << 24) as f32
+        };
+        (0..n).map(|_| lo + (hi - lo) * next()).collect()
+    }
+
+    fn round_trips<B: LevelsOf>() {
+        let n = 8 * B::LEN;
+        round_trip::<B>(&uniform(1, n, (-1.0, 1.0)), "uniform", true);
+        round_trip::<B>(&uniform(2, n, (0.5, 1.5)), "positive", true);
+        round_trip::<B>(&uniform(3, n, (-3e-3, 1e-3)), "small", true);
+        round_trip::<B>(&vec![0.0; n], "zeros", false);
+        round_trip::<B>(&vec![0.37; n], "constant", false);
+        round_trip::<B>(&vec![-2.5; n], "negative constant", false);
+        for outlier in [100.0, -100.0] {
+            let mut x = uniform(4, n, (-0.01, 0.01));
+            x.iter_mut().step_by(B::LEN).for_each(|v| *v = outlier);
+            round_trip::<B>(&x, &format!("outlier {outlier}"), false);
+        }
+    }
+
+    #[test]
+    fn every_quantiser_gives_the_nearest_levels() {
+        round_trips::<BlockQ4_0>();
+        round_trips::<BlockQ4_1>();
+        round_trips::<BlockQ5_0>();
+        round_trips::<BlockQ5_1>();
+        round_trips::<BlockQ8_0>();
+        round_trips::<BlockQ4K>();
+        round_trips::<BlockQ5K>();
+        round_trips::<BlockQ6K>();
+    }
+
+    /// Zeros quantise to zeros; Q6_K's super-block of zeros is all zero bytes, as ggml's.
+    #[test]
+    fn zeros_give_zeros() {
+        let zeros = [0.0; QK_K];
+        assert_eq!(bytemuck::bytes_of(&BlockQ6K::quantise(&zeros)), [0; 210]);
+        let b = BlockQ4K::quantise(&zeros);
+        assert_eq!((b.d.to_bits(), b.dmin.to_bits(), b.qs), (0, 0, [0; 128]));
+    }
+
+    #[test]
+    fn nearest_int_rounds_halves_to_even() {
+        let cases = [
+            (0.5, 0),
+            (1.5, 2),
+            (2.5, 2),
+            (-0.5, 0),
+            (-1.5, -2),
+            (2.4999, 2),
+            (-7.6, -8),
+        ];
+        for (x, want) in cases {
+            assert_eq!(nearest_int(x), want, "{x}");
+        }
+    }
+
+    #[test]
+    fn packed_k4_scales_unpack_as_ggml_reads_them() {
+        let pairs: [(u8, u8); 8] =
+            std::array::from_fn(|j| ((j * 9 + 5) as u8 % 64, (63 - j * 7) as u8));
+        let packed = pack_scale_min_k4(pairs);
+        for (j, &pair) in pairs.iter().enumerate() {
+            assert_eq!(scale_min_k4(j, &packed), pair, "pair {j}");
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "a block takes 32 weights, not 31")]
+    fn a_short_block_is_refused() {
+        BlockQ4_0::quantise(&[0.0; 31]);
     }
 }

@@ -70,6 +70,17 @@ impl HelperClient {
         configure: Configure,
         max_frame: usize,
     ) -> Result<Self> {
+        Self::connect_with(link, model, |_| configure, max_frame)
+    }
+
+    /// [`Self::connect`], with its part chosen from what the helper says of itself (its
+    /// memory offer decides how many layers it can mirror).
+    pub fn connect_with(
+        link: Box<dyn Link>,
+        model: &Model,
+        configure: impl FnOnce(&Intro) -> Configure,
+        max_frame: usize,
+    ) -> Result<Self> {
         let mut c = HelperClient {
             id: 0,
             full: false,
@@ -79,7 +90,7 @@ impl HelperClient {
             next_req: 0,
             seq: 0,
             max_frame,
-            prefill_layers: configure.first_layer as usize..configure.end_layer as usize,
+            prefill_layers: 0..0,
             mirror_pos: 0,
             mirror_stale: false,
             early: Default::default(),
@@ -107,6 +118,8 @@ impl HelperClient {
             other => return Err(unexpected("Welcome", &other)),
         }
         c.max_frame = c.max_frame.min(c.helper.max_frame as usize);
+        let configure = configure(&c.helper);
+        c.prefill_layers = configure.first_layer as usize..configure.end_layer as usize;
         match c.request(Message::Configure(configure))? {
             Message::Ack => Ok(c),
             other => Err(unexpected("Ack", &other)),

@@ -671,14 +671,6 @@ impl Replies {
 pub mod minimum {
     use crate::config::{LayerKind, ModelConfig};
 
-    fn count(c: &ModelConfig, layers: std::ops::Range<usize>, kind: LayerKind) -> usize {
-        c.layer_types[layers].iter().filter(|&&k| k == kind).count()
-    }
-
-    fn kv_row(c: &ModelConfig) -> usize {
-        2 * c.num_key_value_heads * c.head_dim * 4
-    }
-
     fn delta_state(c: &ModelConfig) -> usize {
         let (s, conv) = c.delta_state_len();
         (s + conv) * 4
@@ -694,11 +686,11 @@ pub mod minimum {
         synced_rows: usize,
         synced: bool,
     ) -> u64 {
-        let full = count(c, tail.clone(), LayerKind::FullAttention);
-        let delta = count(c, tail, LayerKind::LinearAttention);
+        let full = c.count_layers(tail.clone(), LayerKind::FullAttention);
+        let delta = c.count_layers(tail, LayerKind::LinearAttention);
         let states = if sent_rows > 0 { 1 } else { 0 } + usize::from(synced);
         (sent_rows * c.hidden_size * 4
-            + (sent_rows + synced_rows) * full * kv_row(c)
+            + (sent_rows + synced_rows) * full * c.kv_row_bytes()
             + states * delta * delta_state(c)) as u64
     }
 
@@ -713,14 +705,15 @@ pub mod minimum {
         if remote_pages == 0 {
             return 0;
         }
-        let full = count(c, layers, LayerKind::FullAttention);
+        let full = c.count_layers(layers, LayerKind::FullAttention);
         let rows = tokens * c.num_attention_heads;
         (full * (rows * c.head_dim * 4 + remote_pages * rows * (c.head_dim + 2) * 4)) as u64
     }
 
     /// Moving `rows` positions of every full-attention layer to the helper.
     pub fn offload(c: &ModelConfig, rows: usize) -> u64 {
-        (rows * count(c, 0..c.num_hidden_layers, LayerKind::FullAttention) * kv_row(c)) as u64
+        (rows * c.count_layers(0..c.num_hidden_layers, LayerKind::FullAttention) * c.kv_row_bytes())
+            as u64
     }
 }
 

@@ -175,6 +175,14 @@ pub fn random_weights_where(
     Ok(out)
 }
 
+/// Name (Hugging Face's) and shape of every tensor of a model with `c`'s shapes.
+pub fn tensor_shapes(c: &ModelConfig) -> Result<Vec<(String, Vec<usize>)>> {
+    Ok(tensor_specs(c)?
+        .into_iter()
+        .map(|(name, shape, _)| (name, shape))
+        .collect())
+}
+
 /// Name, shape and initialisation of every tensor of a model with `c`'s shapes.
 fn tensor_specs(c: &ModelConfig) -> Result<Vec<(String, Vec<usize>, Init)>> {
     c.validate()?;

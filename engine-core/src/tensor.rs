@@ -13,7 +13,8 @@ pub use crate::quant::{
 };
 
 /// Storage dtypes the engine reads. Compute is always f32. The quantised ones are llama.cpp's
-/// (`crate::quant`), read from GGUF files; tether writes only Q8_0 of them.
+/// (`crate::quant`), read from GGUF files; tether writes the 32-weight ones but IQ4_NL, and
+/// Q4_K, Q5_K and Q6_K (`crate::quant::Quantise`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DType {
     F32,
@@ -282,12 +283,23 @@ impl Data {
         )
     }
 
-    /// Owned data from f32 values, stored as `dtype` (round to nearest even; Q8_0 as ggml
-    /// quantises, `values` a whole number of blocks).
+    /// Owned data from f32 values, stored as `dtype` (round to nearest even; the quantised
+    /// types as ggml's reference quantisers write them, [`crate::quant::Quantise`]).
     ///
     /// # Panics
-    /// For the quantised types other than Q8_0, which tether reads but does not write.
+    /// For a quantised type without a quantiser in tether (Q2_K, Q3_K, IQ4_NL, IQ4_XS: read,
+    /// not written), or `values` not a whole number of its blocks.
     pub fn from_f32(values: &[f32], dtype: DType) -> Data {
+        fn quantised<B: crate::quant::Quantise>(values: &[f32]) -> Elems<B> {
+            assert!(
+                values.len().is_multiple_of(B::LEN),
+                "{} takes whole blocks of {} weights, not {}",
+                B::DTYPE.name(),
+                B::LEN,
+                values.len()
+            );
+            Elems::Owned(values.chunks_exact(B::LEN).map(B::quantise).collect())
+        }
         match dtype {
             DType::F32 => Data::F32(Elems::Owned(values.into())),
             DType::BF16 => Data::BF16(Elems::Owned(
@@ -296,18 +308,17 @@ impl Data {
             DType::F16 => Data::F16(Elems::Owned(
                 values.iter().map(|&v| f16::from_f32(v)).collect(),
             )),
-            DType::Q8_0 => {
-                assert_eq!(values.len() % Q8_0_BLOCK, 0, "Q8_0 takes whole blocks");
-                Data::Q8_0(Elems::Owned(
-                    values
-                        .chunks_exact(Q8_0_BLOCK)
-                        .map(|c| BlockQ8_0::quantise(c.try_into().expect("a block")))
-                        .collect(),
-                ))
-            }
-            other => panic!(
-                "tether reads {} weights; it does not quantise to them",
-                other.name()
+            DType::Q4_0 => Data::Q4_0(quantised(values)),
+            DType::Q4_1 => Data::Q4_1(quantised(values)),
+            DType::Q5_0 => Data::Q5_0(quantised(values)),
+            DType::Q5_1 => Data::Q5_1(quantised(values)),
+            DType::Q8_0 => Data::Q8_0(quantised(values)),
+            DType::Q4K => Data::Q4K(quantised(values)),
+            DType::Q5K => Data::Q5K(quantised(values)),
+            DType::Q6K => Data::Q6K(quantised(values)),
+            DType::Q2K | DType::Q3K | DType::Iq4Nl | DType::Iq4Xs => panic!(
+                "tether reads {} weights; it has no quantiser for them",
+                dtype.name()
             ),
         }
     }

@@ -7,6 +7,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Result};
 use engine_core::generate::argmax;
+use engine_core::plan;
 use engine_core::split::{minimum, prefill};
 use engine_core::telemetry::Telemetry;
 use engine_core::{Logits, State};
@@ -25,8 +26,9 @@ pub struct Args {
     /// Context already in the cache before the timed prompt (not timed).
     #[arg(long, default_value_t = 0)]
     depth: usize,
-    #[arg(long, default_value_t = 512)]
-    ubatch: usize,
+    /// Prompt tokens per forward pass on the host alone (default: the plan's, 512).
+    #[arg(long)]
+    ubatch: Option<usize>,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
@@ -86,14 +88,13 @@ pub fn run(a: Args) -> Result<()> {
     };
     let depth: Vec<u32> = (0..a.depth).map(|_| next_id()).collect();
     let prompt: Vec<u32> = (0..a.prompt_tokens).map(|_| next_id()).collect();
-    let mut state = model.new_state(a.engine.page_size);
+    let context = a.depth + a.prompt_tokens + a.gen;
+    let session = a.engine.plan(&model, context, a.prompt_tokens, a.ubatch)?;
+    let page_size = session.page_size;
+    let (mut state, helpers) = a.engine.state(&model, &session, context)?;
     // The link figures are the first helper's (the one that runs the split prefill).
-    let helpers = a
-        .engine
-        .helper
-        .attach(&model, &mut state, a.engine.page_size)?;
     let link = helpers.first().map(|h| &h.stats);
-    for chunk in depth.chunks(a.ubatch.max(1)) {
+    for chunk in depth.chunks(a.ubatch.unwrap_or(plan::HOST_UBATCH)) {
         model.forward(be, &mut state, chunk, Logits::None, None)?;
     }
     for h in &helpers {
@@ -102,7 +103,7 @@ pub fn run(a: Args) -> Result<()> {
     let watched = a.telemetry.then(|| watch(&mut state));
     let c = &model.config;
     let (moved_before, pos_before) = (state.remote_kv_len(), state.pos);
-    let plan = a.engine.helper.plan(a.ubatch);
+    let plan = a.engine.helper.split_plan(&session);
     let split_ubatch = plan.ubatch.max(1);
     let t0 = Instant::now();
     let (mut logits, split) = prefill(&model, be, &mut state, &prompt, &plan)?;
@@ -123,7 +124,7 @@ pub fn run(a: Args) -> Result<()> {
             split.synced_rows,
             split.mirror_synced,
         ) + minimum::offload(c, state.remote_kv_len() - moved_before);
-        let pages = moved_before / a.engine.page_size;
+        let pages = moved_before / page_size;
         if split.on_helper > 0 {
             // A split prefill moves pages only at its end: every ubatch sees the pages moved
             // before it, the host's layers for every row, the tail's for the rows it ran.
@@ -138,17 +139,17 @@ pub fn run(a: Args) -> Result<()> {
         } else {
             // Ubatch by ubatch on the host (in pairs past interleave_from), pages moving after
             // each step as the budget demands.
-            let budget = a.engine.helper.host_kv_tokens().unwrap_or(usize::MAX);
+            let budget = state.host_kv_tokens.unwrap_or(usize::MAX);
             let (mut remote, mut pos, mut attend) = (moved_before, pos_before, 0);
             let chunks: Vec<usize> = prompt.chunks(split_ubatch).map(|c| c.len()).collect();
             let mut i = 0;
             while i < chunks.len() {
                 let step = if pos >= plan.interleave_from { 2 } else { 1 };
                 let rows: usize = chunks[i..(i + step).min(chunks.len())].iter().sum();
-                attend += minimum::attend(c, 0..n, rows, remote / a.engine.page_size);
+                attend += minimum::attend(c, 0..n, rows, remote / page_size);
                 pos += rows;
-                while pos - remote > budget && remote + a.engine.page_size <= pos {
-                    remote += a.engine.page_size;
+                while pos - remote > budget && remote + page_size <= pos {
+                    remote += page_size;
                 }
                 i += step;
             }
@@ -160,7 +161,7 @@ pub fn run(a: Args) -> Result<()> {
     for _ in 0..a.gen {
         let before = state.remote_kv_len();
         logits = model.forward(be, &mut state, &[argmax(&logits)], Logits::Last, None)?;
-        decode_min += minimum::attend(c, 0..n, 1, before / a.engine.page_size)
+        decode_min += minimum::attend(c, 0..n, 1, before / page_size)
             + minimum::offload(c, state.remote_kv_len() - before);
     }
     let decode_s = t1.elapsed().as_secs_f64();

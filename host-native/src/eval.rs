@@ -48,10 +48,9 @@ pub fn run(a: Args) -> Result<()> {
     let be = &*be;
     eprintln!("backend: {what}");
     let v = model.config.vocab_size;
-    let mut state = model.new_state(a.engine.page_size);
-    a.engine
-        .helper
-        .attach(&model, &mut state, a.engine.page_size)?;
+    let context = ids.len() + a.gen;
+    let plan = a.engine.plan(&model, context, ids.len(), None)?;
+    let (mut state, _) = a.engine.state(&model, &plan, context)?;
     let prefill = model.forward(be, &mut state, &ids, Logits::All, None)?;
     let mut gen_ids: Vec<i64> = Vec::with_capacity(a.gen);
     let mut gen_logits: Vec<f32> = Vec::with_capacity(a.gen * v);

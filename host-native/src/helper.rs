@@ -11,11 +11,11 @@ use engine_core::link::secure::{wire_limit, SecureLink};
 use engine_core::link::ws::{self, WsLink};
 use engine_core::link::{Link, LinkProfile, LinkStats, ShapedLink, StatsHandle};
 use engine_core::page_file::PageFile;
-use engine_core::plan::{Plan, PlanInput};
-use engine_core::protocol::Configure;
+use engine_core::plan::{self, Plan, PlanInput, WeightBytes};
+use engine_core::protocol::{Configure, Intro};
 use engine_core::remote::{HelperClient, DEFAULT_MAX_FRAME};
 use engine_core::source::SynthOptions;
-use engine_core::split::{default_split_layer, SplitPlan};
+use engine_core::split::SplitPlan;
 use engine_core::{Model, State};
 
 use crate::accept::Acceptor;
@@ -57,9 +57,17 @@ pub struct HelperArgs {
     #[arg(skip)]
     lent: LentSlot,
     /// KV positions per full-attention layer kept on this host; older whole pages move to the
-    /// helper.
+    /// helper (default: what fits in this host's free memory beside the weights, state and
+    /// activations, by the plan).
     #[arg(long)]
     host_kv_tokens: Option<usize>,
+    /// The memory the plan may use on this host, e.g. 24G (default: what the system says is
+    /// available now); `tether plan` with it plans for another machine.
+    #[arg(long, value_name = "SIZE", value_parser = crate::serve::memory::parse_size)]
+    host_memory: Option<u64>,
+    /// The available memory, read once so that every plan of the session sees the same.
+    #[arg(skip)]
+    measured_memory: Arc<OnceLock<Option<u64>>>,
     /// Shape the link to the helper like a real one (usb-c-10g, usb2, wifi) or leave it
     /// (unlimited); bytes are counted by message type either way.
     #[arg(long, default_value = "unlimited")]
@@ -67,16 +75,17 @@ pub struct HelperArgs {
     /// Largest frame, in bytes.
     #[arg(long, default_value_t = DEFAULT_MAX_FRAME)]
     max_frame: usize,
-    /// First layer the helper runs in a split prefill (a multiple of 4); the default gives it
-    /// the last ~3/8 of the layers; the model's layer count disables the split.
+    /// First layer the helper runs in a split prefill (a multiple of 4); by default the plan
+    /// gives it the last ~3/8 of the layers, fewer if its memory offer cannot mirror their KV;
+    /// the model's layer count disables the split.
     #[arg(long)]
     split_layer: Option<usize>,
     /// Prompts of at most this many tokens prefill on the host alone.
     #[arg(long, default_value_t = 512)]
     split_min: usize,
-    /// Tokens per ubatch of a split prefill.
-    #[arg(long, default_value_t = 256)]
-    split_ubatch: usize,
+    /// Tokens per ubatch of a split prefill (default: the plan's, 256).
+    #[arg(long)]
+    split_ubatch: Option<usize>,
     /// From this position on, prefill ubatches run in staggered pairs: the host runs one while
     /// the helper attends the other's queries over the old KV pages it holds.
     #[arg(long, default_value_t = 65536)]
@@ -94,6 +103,15 @@ pub struct HelperArgs {
     /// ($TETHER_CACHE_DIR, else the platform's).
     #[arg(long, value_name = "DIR")]
     spill_dir: Option<std::path::PathBuf>,
+}
+
+/// What a command fixed before planning: its flags (`--page-size`, and `--ubatch` for a
+/// prefill on the host alone) or a server's own choices; `None`: the plan decides.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Fixed {
+    pub page_size: Option<usize>,
+    pub ubatch: Option<usize>,
+    pub host_kv_tokens: Option<usize>,
 }
 
 /// Where a helper comes from.
@@ -124,12 +142,13 @@ pub struct Attached {
 
 impl HelperArgs {
     /// Connect every helper named (and wait for --wait-helpers to join) and attach them to
-    /// `state`, the first as the prefill helper.
+    /// `state`, the first as the prefill helper, for a `context`-token context.
     pub fn attach(
         &self,
         model: &Model,
         state: &mut State,
         page_size: usize,
+        context: usize,
     ) -> Result<Vec<Attached>> {
         if !self.has_helper() {
             if self.host_kv_tokens.is_some() {
@@ -149,7 +168,7 @@ impl HelperArgs {
         let joining = std::iter::repeat_n(Source::Joined, self.joining());
         let sources = self.helper.iter().cloned().map(Source::Dial).chain(joining);
         sources
-            .map(|source| self.attach_from(model, state, page_size, source))
+            .map(|source| self.attach_from(model, state, (page_size, context), source))
             .collect()
     }
 
@@ -189,18 +208,18 @@ impl HelperArgs {
     }
 
     /// Connect the helper from `source` (a joining one within --helper-wait) and attach it to
-    /// `state`.
+    /// `state` with its `(page_size, context)`.
     pub fn attach_from(
         &self,
         model: &Model,
         state: &mut State,
-        page_size: usize,
+        shape: (usize, usize),
         source: Source,
     ) -> Result<Attached> {
         let stats = StatsHandle::default();
         let wait = Duration::from_secs(self.helper_wait);
         let link = self.connect(&source, &stats, wait)?;
-        let id = self.attach_link(model, state, page_size, link, &source)?;
+        let id = self.attach_link(model, state, shape, link, &source)?;
         Ok(Attached { id, source, stats })
     }
 
@@ -305,32 +324,44 @@ impl HelperArgs {
         Ok(doors::dial(url, &opts)?)
     }
 
-    /// Configure the helper at the other end of `link` and attach it to `state`: it runs the
-    /// tail layers of a split prefill if no helper of `state` does yet, else it holds pages
-    /// only. Returns its id in `state`.
+    /// Configure the helper at the other end of `link` and attach it to `state` (pages of
+    /// `page_size`, a `context`-token context): it runs the tail layers of a split prefill if
+    /// no helper of `state` does yet (as many as the plan gives it for its offer), else it
+    /// holds pages only. Returns its id in `state`.
     pub fn attach_link(
         &self,
         model: &Model,
         state: &mut State,
-        page_size: usize,
+        (page_size, context): (usize, usize),
         link: Box<dyn Link>,
         source: &Source,
     ) -> Result<u32> {
         let n = model.config.num_hidden_layers;
-        let split = self.split_layer.unwrap_or_else(|| default_split_layer(n));
-        if split > n || (!split.is_multiple_of(4) && split != n) {
-            bail!("--split-layer {split}: must be a multiple of 4 (a whole L L L F cycle) and at most {n}");
+        if let Some(split) = self.split_layer {
+            if split > n || (!split.is_multiple_of(4) && split != n) {
+                bail!("--split-layer {split}: must be a multiple of 4 (a whole L L L F cycle) and at most {n}");
+            }
         }
-        let first = match state.prefill_helper() {
-            None => split,
-            Some(_) => n,
+        let prefills = state.prefill_helper().is_none();
+        let page = u32::try_from(page_size).context("--page-size")?;
+        let configure = |helper: &Intro| {
+            let first = match prefills {
+                true => plan::split_layer(
+                    &model.config,
+                    self.split_layer,
+                    helper.mem_offer,
+                    context,
+                    self.split_ubatch.unwrap_or(plan::SPLIT_UBATCH),
+                ),
+                false => n,
+            };
+            Configure {
+                first_layer: first as u32,
+                end_layer: n as u32,
+                page_size: page,
+            }
         };
-        let configure = Configure {
-            first_layer: first as u32,
-            end_layer: n as u32,
-            page_size: u32::try_from(page_size).context("--page-size")?,
-        };
-        let client = HelperClient::connect(link, model, configure, self.max_frame)
+        let client = HelperClient::connect_with(link, model, configure, self.max_frame)
             .with_context(|| format!("handshake with {source}"))?;
         if state.spill.is_none() {
             state.spill = Some(self.page_file()?);
@@ -356,39 +387,41 @@ impl HelperArgs {
 }
 
 impl HelperArgs {
-    /// The session plan for this host and, if one is named, the helper (asked for its offer).
-    pub fn session_plan(
-        &self,
-        model: &Model,
-        page_size: usize,
-        context: usize,
-        prompt: usize,
-    ) -> Result<Plan> {
-        let mut state = model.new_state(page_size);
-        self.attach(model, &mut state, page_size)?;
-        Ok(self.plan_for(model, &state, page_size, context, prompt))
+    /// The memory the plan may use on this host: --host-memory, else what the system says is
+    /// available, read once.
+    pub fn host_memory(&self) -> Option<u64> {
+        self.host_memory.or_else(|| {
+            *self
+                .measured_memory
+                .get_or_init(crate::serve::memory::available)
+        })
     }
 
-    /// The session plan for `state`, already attached to the helper if one is named (a
-    /// server plans for the link it keeps instead of opening another).
+    /// The session plan for `model` with the helpers' `offers` (bytes each; before they
+    /// attach, [`Self::expected_offers`]) and what the command `fixed`.
     pub fn plan_for(
         &self,
         model: &Model,
-        state: &State,
-        page_size: usize,
+        offers: Vec<u64>,
+        fixed: Fixed,
         context: usize,
         prompt: usize,
     ) -> Plan {
-        let n = model.config.num_hidden_layers;
+        let ubatch = match offers.is_empty() {
+            true => fixed.ubatch,
+            false => self.split_ubatch,
+        };
         let input = PlanInput {
             context,
             prompt,
-            page_size,
-            host_kv_tokens: self.host_kv_tokens,
-            helpers: state.helpers.iter().map(|h| h.helper.mem_offer).collect(),
-            split_layer: self.split_layer.unwrap_or_else(|| default_split_layer(n)),
+            weights: WeightBytes::of(model),
+            host_memory: self.host_memory(),
+            helpers: offers,
+            page_size: fixed.page_size,
+            host_kv_tokens: fixed.host_kv_tokens.or(self.host_kv_tokens),
+            split_layer: self.split_layer,
+            ubatch,
             split_min: self.split_min,
-            split_ubatch: self.split_ubatch,
             interleave_from: self.interleave_from,
             link: Some(&self.link)
                 .filter(|_| self.has_helper())
@@ -399,22 +432,38 @@ impl HelperArgs {
         Plan::new(&model.config, &input)
     }
 
+    /// The offers to plan with before any helper attaches: one unknown (0 bytes) if a helper
+    /// will, none otherwise. The page size, host budget and ubatch depend only on whether
+    /// one does; the split waits for the real offer ([`Self::attach_link`]).
+    pub fn expected_offers(&self) -> Vec<u64> {
+        match self.has_helper() {
+            true => vec![0],
+            false => Vec::new(),
+        }
+    }
+
+    /// The offers of the helpers attached to `state`.
+    pub fn offers(state: &State) -> Vec<u64> {
+        state.helpers.iter().map(|h| h.helper.mem_offer).collect()
+    }
+
     pub fn host_kv_tokens(&self) -> Option<usize> {
         self.host_kv_tokens
     }
 
-    /// How `run` and `bench` prefill: split when a helper is attached, else in `ubatch` chunks.
-    pub fn plan(&self, ubatch: usize) -> SplitPlan {
+    /// How `run` and `bench` prefill by `plan`: split when a helper is attached, else on the
+    /// host in the plan's ubatches.
+    pub fn split_plan(&self, plan: &Plan) -> SplitPlan {
         if self.has_helper() {
             SplitPlan {
                 min_tokens: self.split_min,
-                ubatch: self.split_ubatch,
+                ubatch: plan.ubatch,
                 interleave_from: self.interleave_from,
             }
         } else {
             SplitPlan {
                 min_tokens: usize::MAX,
-                ubatch,
+                ubatch: plan.ubatch,
                 interleave_from: usize::MAX,
             }
         }

@@ -4,12 +4,13 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
+use engine_core::plan::Plan;
 use engine_core::source::load_model;
 pub use engine_core::source::{BackendOptions, SynthOptions};
 use engine_core::tokenizer::Tokenizer;
-use engine_core::{Backend, Model};
+use engine_core::{Backend, Model, State};
 
-use crate::helper::HelperArgs;
+use crate::helper::{Attached, Fixed, HelperArgs};
 
 /// What `run`, `eval`, `bench` and `serve` all take: the model, how its cache is paged, where
 /// its math runs, and its helper.
@@ -18,9 +19,10 @@ pub struct EngineArgs {
     /// A Qwen3.5 checkpoint directory, or a preset (tiny, qwen35-0.8b).
     #[arg(long)]
     pub model: String,
-    /// KV cache page size in positions.
-    #[arg(long, default_value_t = 4096)]
-    pub page_size: usize,
+    /// KV cache page size in positions (default: the plan's, 4096 unless this host's KV
+    /// budget is small).
+    #[arg(long)]
+    pub page_size: Option<usize>,
     /// Threads for the model's math (default: one per core).
     #[arg(long)]
     pub threads: Option<usize>,
@@ -43,6 +45,46 @@ impl EngineArgs {
 }
 
 impl EngineArgs {
+    /// The session's plan before helpers attach, for a `context`-token context and a
+    /// `prompt`-token prompt (`ubatch`: the command's --ubatch): its page size, host KV budget
+    /// and ubatch are the session's.
+    pub fn plan(
+        &self,
+        model: &Model,
+        context: usize,
+        prompt: usize,
+        ubatch: Option<usize>,
+    ) -> Result<Plan> {
+        if self.page_size == Some(0) || ubatch == Some(0) {
+            bail!("--page-size and --ubatch must be at least 1");
+        }
+        let offers = self.helper.expected_offers();
+        let fixed = Fixed {
+            page_size: self.page_size,
+            ubatch,
+            host_kv_tokens: None,
+        };
+        Ok(self.helper.plan_for(model, offers, fixed, context, prompt))
+    }
+
+    /// A fresh state for `model` by `plan`, its helpers attached (the first runs `plan`'s
+    /// split, or what its offer allows) and the host's KV budget set.
+    pub fn state(
+        &self,
+        model: &Model,
+        plan: &Plan,
+        context: usize,
+    ) -> Result<(State, Vec<Attached>)> {
+        let mut state = model.new_state(plan.page_size);
+        let attached = self
+            .helper
+            .attach(model, &mut state, plan.page_size, context)?;
+        if !attached.is_empty() {
+            state.host_kv_tokens = plan.host_kv_tokens;
+        }
+        Ok((state, attached))
+    }
+
     /// The `--backend`, and a line saying what it runs on, once it is known to compute with
     /// `model`'s weights.
     pub fn backend_for(&self, model: &Model) -> Result<(Box<dyn Backend>, String)> {

@@ -41,10 +41,12 @@ enum Command {
     Bench(bench::Args),
     /// Write a synthetic model (seeded random weights) as a HF-style directory.
     Synth(SynthArgs),
-    /// Explain what would run where for a context, and what it costs on the link.
+    /// Choose the page size, host KV budget, split layer and ubatch for a context from this
+    /// host's memory (or --host-memory) and the helpers' offers, and explain what each device
+    /// holds, what runs where, and what it costs on the link.
     Plan(PlanArgs),
-    /// Write a model (checkpoint directory, GGUF or preset) as a GGUF llama.cpp reads, its
-    /// matrices as f32, f16, bf16 or q8_0.
+    /// Write a model (checkpoint directory, GGUF or preset) as a GGUF llama.cpp reads, in one
+    /// of llama.cpp's file types (f16, q8_0, q4_0, q4_k_m, ...) with its per-tensor choices.
     Quantize(quantize::Args),
     /// Pair with a tether-helper by the code it shows; later commands need no --pair.
     Pair(PairArgs),
@@ -68,8 +70,12 @@ struct PlanArgs {
     /// Prompt length of the request to plan for.
     #[arg(long, default_value_t = 2048)]
     prompt_tokens: usize,
-    #[arg(long, default_value_t = 4096)]
-    page_size: usize,
+    /// KV cache page size in positions (default: the plan's).
+    #[arg(long)]
+    page_size: Option<usize>,
+    /// Prompt tokens per forward pass on the host alone (default: the plan's).
+    #[arg(long)]
+    ubatch: Option<usize>,
     #[command(flatten)]
     synth: load::SynthOptions,
     #[command(flatten)]
@@ -142,13 +148,24 @@ fn synth(a: SynthArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `tether plan`: the plan before helpers attach gives the page size they are configured
+/// with; the one printed has their offers (the same choices, and the split their offers allow).
 fn plan(a: PlanArgs) -> anyhow::Result<()> {
     let model = engine_core::source::load_model(&a.model, &a.synth)?;
+    let h = &a.helper;
+    let fixed = helper::Fixed {
+        page_size: a.page_size,
+        ubatch: a.ubatch,
+        host_kv_tokens: None,
+    };
+    let (context, prompt) = (a.context, a.prompt_tokens);
+    let first = h.plan_for(&model, h.expected_offers(), fixed, context, prompt);
+    let mut state = model.new_state(first.page_size);
+    h.attach(&model, &mut state, first.page_size, context)?;
+    let offers = helper::HelperArgs::offers(&state);
     print!(
         "{}",
-        a.helper
-            .session_plan(&model, a.page_size, a.context, a.prompt_tokens)?
-            .text
+        h.plan_for(&model, offers, fixed, context, prompt).text
     );
     Ok(())
 }

@@ -8,7 +8,6 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use engine_core::gguf::{self, quantize};
 use engine_core::source::{load_tensors, SynthOptions};
-use engine_core::tensor::DType;
 use indicatif::{ProgressBar, ProgressStyle};
 
 #[derive(clap::Args)]
@@ -17,8 +16,10 @@ pub struct Args {
     input: String,
     /// The GGUF to write.
     output: PathBuf,
-    /// The matrices' type: f32, f16, bf16 or q8_0 (norms, gates and the conv kernel stay f32,
-    /// as llama.cpp's converter keeps them).
+    /// The file type, as llama.cpp names it: f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1,
+    /// q4_k_s, q4_k_m (or q4_k), q5_k_s, q5_k_m (or q5_k), q6_k. The matrices take the types
+    /// `llama-quantize` gives them (the output in Q6_K, some value and down projections
+    /// higher in the k-quant mixes); norms, gates and the conv kernel stay f32.
     #[arg(long = "type", default_value = "q8_0")]
     dtype: String,
     #[command(flatten)]
@@ -26,9 +27,13 @@ pub struct Args {
 }
 
 pub fn run(a: Args) -> Result<()> {
-    let target = DType::parse(&a.dtype)
-        .filter(|d| quantize::TARGETS.contains(d))
-        .with_context(|| format!("--type {}: expected f32, f16, bf16 or q8_0", a.dtype))?;
+    let target = quantize::FileType::parse(&a.dtype).with_context(|| {
+        format!(
+            "--type {}: expected one of {}",
+            a.dtype,
+            quantize::FileType::names()
+        )
+    })?;
     if a.output.exists() {
         bail!(
             "{} exists; tether does not overwrite it",
@@ -76,11 +81,7 @@ pub fn run(a: Args) -> Result<()> {
             .expect("a valid template")
             .progress_chars("=> "),
     );
-    bar.set_message(format!(
-        "writing {} ({})",
-        a.output.display(),
-        target.name()
-    ));
+    bar.set_message(format!("writing {} ({})", a.output.display(), target.name));
     let written = quantize::write(
         &config,
         &tensors,
@@ -107,7 +108,7 @@ pub fn run(a: Args) -> Result<()> {
         "wrote {} ({} layers, {}, {:.1} MiB)",
         a.output.display(),
         config.num_hidden_layers,
-        target.name(),
+        target.name,
         bytes as f64 / (1u64 << 20) as f64
     );
     Ok(())

@@ -32,9 +32,9 @@ pub struct Args {
     /// Send the prompt as is, without the chat template.
     #[arg(long)]
     raw: bool,
-    /// Prompt tokens per forward pass.
-    #[arg(long, default_value_t = 512)]
-    ubatch: usize,
+    /// Prompt tokens per forward pass on the host alone (default: the plan's, 512).
+    #[arg(long)]
+    ubatch: Option<usize>,
     /// A tokenizer.json to use instead of the model's.
     #[arg(long)]
     tokenizer: Option<PathBuf>,
@@ -71,14 +71,12 @@ pub fn run(a: Args) -> Result<()> {
     let (be, what) = a.engine.backend_for(&l.model)?;
     let be = &*be;
     eprintln!("backend: {what}");
-    let mut state = l.model.new_state(a.engine.page_size);
-    let link_stats = a
-        .engine
-        .helper
-        .attach(&l.model, &mut state, a.engine.page_size)?;
+    let context = prompt.len() + a.max_tokens;
+    let plan = a.engine.plan(&l.model, context, prompt.len(), a.ubatch)?;
+    let (state, link_stats) = a.engine.state(&l.model, &plan, context)?;
     let mut generation = Generation::new(&l.model, be, state, sampler, stop);
     let t0 = Instant::now();
-    let split = generation.prefill(&prompt, &a.engine.helper.plan(a.ubatch))?;
+    let split = generation.prefill(&prompt, &a.engine.helper.split_plan(&plan))?;
     let prefill_s = t0.elapsed().as_secs_f64();
     let mut decoder = StreamDecoder::new(&l.tokenizer);
     let mut out = std::io::stdout().lock();

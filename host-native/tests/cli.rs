@@ -272,86 +272,89 @@ fn demo_splits_offloads_and_checks_against_the_host_alone() {
     );
 }
 
-/// `tether quantize` writes the file llama.cpp's converter writes from the same checkpoint
-/// (tests/fixtures/gguf, made by `scripts/gguf-from-fixture.py`): every tensor's name, type,
-/// shape and bytes, in f32, f16 and q8_0, and the same metadata values.
-#[test]
-fn quantize_writes_the_converters_file() {
+/// Asserts that GGUF `ours` holds every tensor of `theirs` with the same name, type, shape and
+/// bytes, and the same metadata values but for the name, the size label, the rope sections and
+/// the vocabulary (`what` names the case in messages).
+fn assert_same_gguf(ours: &std::path::Path, theirs: &std::path::Path, what: &str) {
     use engine_core::gguf::Gguf;
-    let dir = scratch("quantize");
-    let fixtures = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/fixtures/gguf");
-    let checkpoint = fixtures_dir().join("tiny_fp32");
-    for t in ["f32", "f16", "q8_0"] {
-        let out = dir.join(format!("tiny.{t}.gguf"));
-        let _ = std::fs::remove_file(&out);
-        tether(&[
-            "quantize",
-            checkpoint.to_str().unwrap(),
-            out.to_str().unwrap(),
-            "--type",
-            t,
-        ]);
-        let ours = std::fs::read(&out).unwrap();
-        let theirs = std::fs::read(format!("{fixtures}/tiny_fp32.{t}.gguf")).unwrap();
-        let (a, b) = (Gguf::parse(&ours).unwrap(), Gguf::parse(&theirs).unwrap());
-        assert_eq!(a.tensors.len(), b.tensors.len(), "{t}");
-        for tb in &b.tensors {
-            let ta = a
-                .tensors
-                .iter()
-                .find(|x| x.name == tb.name)
-                .unwrap_or_else(|| {
-                    panic!("{t}: no {}", tb.name);
-                });
-            assert_eq!(
-                (ta.dtype, &ta.shape),
-                (tb.dtype, &tb.shape),
-                "{t}: {}",
-                tb.name
-            );
-            assert!(
-                ours[ta.range.clone()] == theirs[tb.range.clone()],
-                "{t}: {} differs",
-                tb.name
-            );
-        }
-        // The converter's name is title-cased; its rope sections come from the checkpoint's
-        // mrope_section, which tether's config does not keep (they change nothing for text);
-        // the vocabulary is the fixture script's, as the checkpoint has none.
-        let skip = [
-            "general.name",
-            "general.size_label",
-            "qwen35.rope.dimension_sections",
-        ];
-        for (k, v) in &b.metadata {
-            if skip.contains(&k.as_str()) || k.starts_with("tokenizer.") {
-                continue;
-            }
-            assert_eq!(a.get(k), Some(v), "{t}: metadata {k}");
-        }
-    }
-    // A GGUF re-typed: the converter's f32 file as q8_0 is the converter's q8_0 file.
-    let out = dir.join("re.q8_0.gguf");
-    let _ = std::fs::remove_file(&out);
-    let f32_file = format!("{fixtures}/tiny_fp32.f32.gguf");
-    tether(&[
-        "quantize",
-        &f32_file,
-        out.to_str().unwrap(),
-        "--type",
-        "q8_0",
-    ]);
-    let ours = std::fs::read(&out).unwrap();
-    let theirs = std::fs::read(format!("{fixtures}/tiny_fp32.q8_0.gguf")).unwrap();
+    let (ours, theirs) = (std::fs::read(ours).unwrap(), std::fs::read(theirs).unwrap());
     let (a, b) = (Gguf::parse(&ours).unwrap(), Gguf::parse(&theirs).unwrap());
+    assert_eq!(a.tensors.len(), b.tensors.len(), "{what}");
     for tb in &b.tensors {
-        let ta = a.tensors.iter().find(|x| x.name == tb.name).unwrap();
-        assert!(
-            ours[ta.range.clone()] == theirs[tb.range.clone()],
-            "{}",
+        let ta = a
+            .tensors
+            .iter()
+            .find(|x| x.name == tb.name)
+            .unwrap_or_else(|| panic!("{what}: no {}", tb.name));
+        assert_eq!(
+            (ta.dtype, &ta.shape),
+            (tb.dtype, &tb.shape),
+            "{what}: {}",
             tb.name
         );
+        assert!(
+            ours[ta.range.clone()] == theirs[tb.range.clone()],
+            "{what}: {} ({}) differs",
+            tb.name,
+            tb.dtype.name()
+        );
     }
+    // The converter's name is title-cased; its rope sections come from the checkpoint's
+    // mrope_section, which tether's config does not keep (they change nothing for text); the
+    // vocabulary is the fixture script's, as the checkpoint has none.
+    let skip = [
+        "general.name",
+        "general.size_label",
+        "qwen35.rope.dimension_sections",
+    ];
+    for (k, v) in &b.metadata {
+        if skip.contains(&k.as_str()) || k.starts_with("tokenizer.") {
+            continue;
+        }
+        assert_eq!(a.get(k), Some(v), "{what}: metadata {k}");
+    }
+}
+
+/// `tether quantize` writes the file llama.cpp's converter writes from the same checkpoint
+/// (tests/fixtures/gguf, made by `scripts/gguf-from-fixture.py`) in f32, f16 and q8_0, and the
+/// file `llama-quantize` writes from the same f32 GGUF in q4_0, q5_1 and q4_k_m
+/// (`scripts/llama-quantize-fixtures.sh`): every tensor's type by llama.cpp's per-tensor rules,
+/// and its bytes by ggml's reference quantisers.
+#[test]
+fn quantize_writes_llama_cpps_files() {
+    let dir = scratch("quantize");
+    let fixtures = PathBuf::from(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../tests/fixtures/gguf"
+    ));
+    let checkpoint = fixtures_dir().join("tiny_fp32");
+    let quantize = |input: &str, out: &PathBuf, t: &str, extra: &[&str]| {
+        let _ = std::fs::remove_file(out);
+        let mut args = vec!["quantize", input, out.to_str().unwrap(), "--type", t];
+        args.extend_from_slice(extra);
+        tether(&args);
+    };
+    for t in ["f32", "f16", "q8_0"] {
+        let out = dir.join(format!("tiny.{t}.gguf"));
+        quantize(checkpoint.to_str().unwrap(), &out, t, &[]);
+        assert_same_gguf(&out, &fixtures.join(format!("tiny_fp32.{t}.gguf")), t);
+    }
+    // A GGUF re-typed: the converter's f32 file as llama-quantize would type it.
+    let f32_file = fixtures.join("tiny_fp32.f32.gguf");
+    for t in ["q8_0", "q4_0", "q5_1", "q4_k_m"] {
+        let out = dir.join(format!("re.{t}.gguf"));
+        quantize(f32_file.to_str().unwrap(), &out, t, &[]);
+        assert_same_gguf(&out, &fixtures.join(format!("tiny_fp32.{t}.gguf")), t);
+    }
+    // Rows of 256: Q4_K, with Q6_K for the output and the mix's value and down projections.
+    let out = dir.join("tiny256.q4_k_m.gguf");
+    let synth = ["--dtype", "f32", "--weight-seed", "3"];
+    quantize("tiny256", &out, "q4_k", &synth);
+    assert_same_gguf(
+        &out,
+        &fixtures.join("tiny256.q4_k_m.gguf"),
+        "tiny256 q4_k_m",
+    );
     // It refuses to overwrite a file, and types it does not write.
     let out = dir.join("tiny.q8_0.gguf");
     let again = Command::new(env!("CARGO_BIN_EXE_tether"))
@@ -363,15 +366,168 @@ fn quantize_writes_the_converters_file() {
         .output()
         .unwrap();
     assert!(!again.status.success());
-    let q4 = Command::new(env!("CARGO_BIN_EXE_tether"))
+    let q3 = Command::new(env!("CARGO_BIN_EXE_tether"))
         .args([
             "quantize",
             "tiny",
             dir.join("x.gguf").to_str().unwrap(),
             "--type",
-            "q4_k",
+            "q3_k_m",
         ])
         .output()
         .unwrap();
-    assert!(String::from_utf8_lossy(&q4.stderr).contains("expected f32, f16, bf16 or q8_0"));
+    let err = String::from_utf8_lossy(&q3.stderr);
+    assert!(
+        err.contains("--type q3_k_m: expected one of f32, f16, bf16, q8_0"),
+        "{err}"
+    );
+}
+
+/// A file that skips runs of zeros instead of writing them, so a GGUF of gigabytes of zero
+/// weights takes no disk: the file system reads the holes back as zeros.
+struct Sparse(std::fs::File);
+
+impl std::io::Write for Sparse {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        use std::io::Seek;
+        if buf.iter().all(|&b| b == 0) {
+            self.0.seek(std::io::SeekFrom::Current(buf.len() as i64))?;
+            Ok(buf.len())
+        } else {
+            self.0.write(buf)
+        }
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        use std::io::Seek;
+        let end = self.0.stream_position()?;
+        self.0.set_len(end)
+    }
+}
+
+/// `tether plan` on a GGUF of Qwen3.5-27B's shape (MODEL.md) with 16 of its 64 layers, in
+/// llama.cpp's Q4_K_M mix, its weights zeros: what it chooses for a 131072-token context on
+/// a host with 8 GiB, alone and with a helper, against figures worked out here from the shape.
+#[test]
+fn plan_decides_for_a_27b_shaped_gguf() {
+    use engine_core::config::ModelConfig;
+    use engine_core::gguf::quantize::{self, FileType};
+    use std::io::Write;
+    let c = ModelConfig {
+        hidden_size: 5120,
+        intermediate_size: 17408,
+        num_hidden_layers: 16,
+        num_attention_heads: 24,
+        num_key_value_heads: 4,
+        head_dim: 256,
+        linear_num_key_heads: 16,
+        linear_num_value_heads: 48,
+        tie_word_embeddings: false,
+        layer_types: ModelConfig::interval_layer_types(16, 4),
+        ..engine_core::synth::preset("qwen35-0.8b").unwrap()
+    };
+    let f = FileType::parse("q4_k_m").unwrap();
+    let mut w = engine_core::gguf::Writer::new();
+    quantize::metadata(&mut w, &c, "qwen35-27b-shaped", f);
+    let layout = quantize::layout(&c, f).unwrap();
+    let mut sizes = Vec::new();
+    for (name, shape, dtype) in &layout {
+        w.describe(name, shape, *dtype);
+        sizes.push(dtype.bytes_for(shape.iter().product()).unwrap());
+    }
+    let dir = scratch("plan27b");
+    let path = dir.join("27b-16.q4_k_m.gguf");
+    let mut out = Sparse(std::fs::File::create(&path).unwrap());
+    w.write(&mut out, |i| Ok(vec![0; sizes[i]])).unwrap();
+    out.flush().unwrap();
+    // The weights this host holds: every tensor of the file (the norms' few KiB included).
+    let weights: usize = sizes.iter().sum();
+    assert!(weights > 4 << 30, "{weights}");
+    let model = path.to_str().unwrap();
+    let plan = |extra: &[&str]| {
+        let mut args = vec![
+            "plan",
+            "--model",
+            model,
+            "--context",
+            "131072",
+            "--host-memory",
+            "8G",
+        ];
+        args.extend_from_slice(extra);
+        String::from_utf8(tether(&args).stdout).unwrap()
+    };
+    // 4 full-attention layers x K and V x 4 heads x 256 x 4 bytes = 32 KiB a position: 4 GiB
+    // at 131072, which does not fit beside the weights in 8 GiB.
+    let alone = plan(&[]);
+    assert!(
+        alone.contains("16 layers (4 full attention, 12 Gated DeltaNet); KV 32.0 KiB per token"),
+        "{alone}"
+    );
+    let gib = |b: usize| format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64);
+    assert!(
+        alone.contains(&format!("weights {}", gib(weights))),
+        "{alone}"
+    );
+    assert!(alone.contains("KV 4.00 GiB"), "{alone}");
+    assert!(alone.contains("host KV tokens all: WARNING"), "{alone}");
+    assert!(alone.contains("MORE than the 8.00 GiB free"), "{alone}");
+    // A helper offering 2 GiB: the host keeps what fits in whole pages, the helper runs
+    // layers 12..16 (DESIGN.md's share of 16), whose one full-attention layer mirrors 1 GiB.
+    let helper = HelperProcess::start(model, &["--mem-budget", "2G"]);
+    let url = helper.url.clone();
+    let with = plan(&["--helper", &url, "--insecure"]);
+    let room = (8u64 << 30) - (1 << 30) - weights as u64;
+    let budget_line = with
+        .lines()
+        .find(|l| l.contains("host KV tokens "))
+        .unwrap();
+    let budget: u64 = budget_line
+        .split_whitespace()
+        .nth(3)
+        .and_then(|t| t.trim_end_matches(':').parse().ok())
+        .unwrap_or_else(|| panic!("{with}"));
+    // Room less the DeltaNet state and the activations (tens of MiB), in pages of 4096.
+    assert!(
+        budget.is_multiple_of(4096) && budget * 32768 <= room,
+        "{with}"
+    );
+    assert!((room - budget * 32768) < (256 << 20), "{with}");
+    assert!(with.contains("split layer 12: DESIGN.md's share"), "{with}");
+    // Offering 512 MiB, it cannot mirror even the last cycle's 1 GiB: no split.
+    drop(helper);
+    let small = HelperProcess::start(model, &["--mem-budget", "512M"]);
+    let url = small.url.clone();
+    let with_small = plan(&["--helper", &url, "--insecure"]);
+    assert!(
+        with_small.contains("split layer 16: the helper's 512.0 MiB offer cannot hold"),
+        "{with_small}"
+    );
+}
+
+/// A `tether-helper --insecure` on loopback for `model`.
+struct HelperProcess {
+    child: std::process::Child,
+    url: String,
+}
+
+impl HelperProcess {
+    fn start(model: &str, extra: &[&str]) -> HelperProcess {
+        let (child, lines) = tests::spawn_announcing_lines(
+            Command::new(env!("CARGO_BIN_EXE_tether-helper"))
+                .args(["--listen", "127.0.0.1:0", "--insecure", "--model", model])
+                .args(extra)
+                .env("TETHER_CONFIG_DIR", scratch("helper-keys")),
+            1,
+        );
+        let url = lines[0].split_whitespace().last().unwrap().to_string();
+        HelperProcess { child, url }
+    }
+}
+
+impl Drop for HelperProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
 }

@@ -1,9 +1,11 @@
 //! Writing a `qwen35` GGUF as llama.cpp's converter writes it (`tether quantize`): its names,
 //! its metadata, its forms of the norms (`1 + w`), of `A_log` (`ssm_a = -exp(A_log)`), of the
 //! conv kernel (squeezed), and its tiled value-head order when there are fewer key heads than
-//! value heads; matrices in the chosen type (F32, F16, BF16 or Q8_0, as the converter's
-//! `--outtype`), other tensors in F32 as the converter keeps them. A GGUF may be the input
-//! too: its tensors are already in those forms and are only re-typed.
+//! value heads; matrices in the types `llama-quantize` gives them for the chosen file type
+//! ([`FILE_TYPES`]: F32, F16, BF16 and Q8_0 as the converter's `--outtype`, the 32-weight
+//! types, and the k-quant mixes with their per-tensor rules), other tensors in F32 as the
+//! converter keeps them. A GGUF may be the input too: its tensors are already in those forms
+//! and are only re-typed.
 //!
 //! Tensors are produced one at a time while the file is written, a row at a time where a
 //! permutation applies, so the file never has to fit in memory.
@@ -16,26 +18,154 @@ use super::qwen35::gguf_name;
 use super::{Value, Writer};
 use crate::config::{LayerKind, ModelConfig, WeightLayout};
 use crate::error::{Error, Result};
-use crate::tensor::{DType, Data, Q8_0_BLOCK};
+use crate::tensor::{DType, Data};
 use crate::weights::TensorMap;
 
-/// The types `tether quantize` writes matrices in.
-pub const TARGETS: [DType; 4] = [DType::F32, DType::F16, DType::BF16, DType::Q8_0];
+/// A file type `tether quantize --type` writes: llama.cpp's `llama_ftype` of that name (its id
+/// is the file's `general.file_type`) and its matrices' default type, which [`tensor_type`]
+/// raises for the tensors that lose most to quantisation, as `llama-quantize` does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FileType {
+    pub name: &'static str,
+    id: u32,
+    pub default: DType,
+    mix: Mix,
+}
 
-/// llama.cpp's `general.file_type` (`llama_ftype`) of a file whose matrices are `dtype`, one of
-/// the [`TARGETS`].
-fn file_type(dtype: DType) -> u32 {
-    match dtype {
-        DType::F32 => 0,
-        DType::F16 => 1,
-        DType::Q8_0 => 7,
-        DType::BF16 => 32,
-        other => unreachable!("quantize does not write {}", other.name()),
+/// The per-tensor rules of a file type (llama.cpp's `llama_tensor_get_type_impl`, for the
+/// types tether writes).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Mix {
+    /// Every matrix in the default type but the output (Q6_K when quantised).
+    Uniform,
+    /// Q4_K_S: the first four value projections and the first eighth of `ffn_down` in Q5_K.
+    Q4KSmall,
+    /// Q4_K_M and Q5_K_M: value projections and `ffn_down` of the first and last eighth of the
+    /// layers and of every third between them in Q6_K.
+    KMedium,
+}
+
+const fn ft(name: &'static str, id: u32, default: DType, mix: Mix) -> FileType {
+    FileType {
+        name,
+        id,
+        default,
+        mix,
+    }
+}
+
+/// The file types tether writes; `q4_k` and `q5_k` name the `_m` mixes, as in `llama-quantize`.
+pub const FILE_TYPES: [FileType; 13] = [
+    ft("f32", 0, DType::F32, Mix::Uniform),
+    ft("f16", 1, DType::F16, Mix::Uniform),
+    ft("bf16", 32, DType::BF16, Mix::Uniform),
+    ft("q8_0", 7, DType::Q8_0, Mix::Uniform),
+    ft("q4_0", 2, DType::Q4_0, Mix::Uniform),
+    ft("q4_1", 3, DType::Q4_1, Mix::Uniform),
+    ft("q5_0", 8, DType::Q5_0, Mix::Uniform),
+    ft("q5_1", 9, DType::Q5_1, Mix::Uniform),
+    ft("q4_k_s", 14, DType::Q4K, Mix::Q4KSmall),
+    ft("q4_k_m", 15, DType::Q4K, Mix::KMedium),
+    ft("q5_k_s", 16, DType::Q5K, Mix::Uniform),
+    ft("q5_k_m", 17, DType::Q5K, Mix::KMedium),
+    ft("q6_k", 18, DType::Q6K, Mix::Uniform),
+];
+
+impl FileType {
+    /// The file type named `s` (any case; `q4_k`, `q5_k` are the `_m` mixes).
+    pub fn parse(s: &str) -> Option<FileType> {
+        let s = s.to_ascii_lowercase();
+        let s = match s.as_str() {
+            "q4_k" => "q4_k_m",
+            "q5_k" => "q5_k_m",
+            other => other,
+        };
+        FILE_TYPES.iter().copied().find(|f| f.name == s)
+    }
+
+    /// The names, for messages.
+    pub fn names() -> String {
+        FILE_TYPES.map(|f| f.name).join(", ")
+    }
+}
+
+/// What a tensor is to llama.cpp's rules (`tensor_get_category`, the categories they use).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Role {
+    /// The output matrix, or the token embedding when it is tied to it.
+    Output,
+    /// A value projection: `attn_v`, or the fused `attn_qkv` of a DeltaNet layer.
+    Value,
+    FfnDown,
+    Other,
+}
+
+fn role(name: &str, tied: bool) -> Role {
+    if name == "output.weight" || (tied && name == "token_embd.weight") {
+        Role::Output
+    } else if name.contains("attn_qkv.weight") || name.contains("attn_v.weight") {
+        Role::Value
+    } else if name.contains("ffn_down") {
+        Role::FfnDown
+    } else {
+        Role::Other
+    }
+}
+
+/// llama.cpp's `use_more_bits`: the first and last eighth of `n`, and every third between.
+fn use_more_bits(i: usize, n: usize) -> bool {
+    i < n / 8 || i >= 7 * n / 8 || (i - n / 8) % 3 == 2
+}
+
+/// Whether `llama-quantize` quantises tensor `name` of `dims` dimensions
+/// (`tensor_allows_quantization`, the rules that apply to `qwen35`): matrices named `*weight`,
+/// not norms, not the conv kernel.
+fn quantisable(name: &str, dims: usize) -> bool {
+    dims >= 2
+        && name.ends_with("weight")
+        && !name.contains("_norm.weight")
+        && !name.contains("ssm_conv1d")
+}
+
+/// The type `llama-quantize` (no imatrix, no overrides) gives matrix `role` with rows of `cols`,
+/// the `i`-th of `n` of its role in the file's order (layer order).
+fn tensor_type(f: FileType, role: Role, cols: usize, i: usize, n: usize) -> DType {
+    let d = f.default;
+    if !d.is_quantised() {
+        return d;
+    }
+    let t = match (role, f.mix) {
+        (Role::Output, _) if !cols.is_multiple_of(d.block().0) => DType::Q8_0,
+        (Role::Output, _) if d != DType::Q8_0 => DType::Q6K,
+        (Role::Value | Role::FfnDown, Mix::KMedium) if use_more_bits(i, n) => DType::Q6K,
+        (Role::Value, Mix::Q4KSmall) if i < 4 => DType::Q5K,
+        (Role::FfnDown, Mix::Q4KSmall) if i < n / 8 => DType::Q5K,
+        _ => d,
+    };
+    fallback(t, cols)
+}
+
+/// llama.cpp's `tensor_type_fallback`: a k-quant on rows that are not whole super-blocks
+/// becomes the 32-weight type of about its size; rows not whole 32-blocks stay F16.
+fn fallback(t: DType, cols: usize) -> DType {
+    if cols.is_multiple_of(t.block().0) {
+        return t;
+    }
+    let r = match t {
+        DType::Q4K => DType::Q5_0,
+        DType::Q5K => DType::Q5_1,
+        DType::Q6K => DType::Q8_0,
+        other => other,
+    };
+    if cols.is_multiple_of(r.block().0) {
+        r
+    } else {
+        DType::F16
     }
 }
 
 /// The converter's metadata for `c` (the keys `gguf::qwen35::config` reads, and llama.cpp).
-fn metadata(w: &mut Writer, c: &ModelConfig, name: &str, dtype: DType) {
+pub fn metadata(w: &mut Writer, c: &ModelConfig, name: &str, file_type: FileType) {
     let u = |n: usize| Value::U32(n as u32);
     let a = |key: &str| format!("qwen35.{key}");
     w.meta("general.architecture", Value::Str("qwen35".into()))
@@ -54,7 +184,7 @@ fn metadata(w: &mut Writer, c: &ModelConfig, name: &str, dtype: DType) {
         )
         .meta(&a("attention.key_length"), u(c.head_dim))
         .meta(&a("attention.value_length"), u(c.head_dim))
-        .meta("general.file_type", Value::U32(file_type(dtype)))
+        .meta("general.file_type", Value::U32(file_type.id))
         .meta(&a("ssm.conv_kernel"), u(c.linear_conv_kernel_dim))
         .meta(&a("ssm.state_size"), u(c.linear_key_head_dim))
         .meta(&a("ssm.group_count"), u(c.linear_num_key_heads))
@@ -260,13 +390,17 @@ fn form_of(suffix: &str, convert: bool, tile: bool, c: &ModelConfig) -> Form {
     }
 }
 
-fn plans(c: &ModelConfig, tensors: &TensorMap, target: DType) -> Result<Vec<Plan>> {
+/// Each tensor's plan, in llama.cpp's order (tensors outside the layers, then layer by layer,
+/// by name within each), which its per-tensor rules count in.
+fn plans<'a>(
+    c: &ModelConfig,
+    shapes: impl Iterator<Item = (&'a String, &'a Vec<usize>)>,
+    f: FileType,
+) -> Result<Vec<Plan>> {
     let convert = c.layout == WeightLayout::HuggingFace;
     let tile = convert && c.linear_num_key_heads != c.linear_num_value_heads;
-    let mut names: Vec<&String> = tensors.keys().collect();
-    names.sort();
     let mut out = Vec::new();
-    for source in names {
+    for (source, shape) in shapes {
         if c.tie_word_embeddings && source == "lm_head.weight" {
             continue;
         }
@@ -275,8 +409,7 @@ fn plans(c: &ModelConfig, tensors: &TensorMap, target: DType) -> Result<Vec<Plan
                 "{source}: not a tensor of the qwen35 layout"
             )));
         };
-        let t = &tensors[source];
-        let mut shape = t.shape.clone();
+        let mut shape = shape.clone();
         let suffix = source
             .rsplit_once("layers.")
             .map_or(source.as_str(), |(_, s)| s);
@@ -284,24 +417,59 @@ fn plans(c: &ModelConfig, tensors: &TensorMap, target: DType) -> Result<Vec<Plan
         if name.ends_with("ssm_conv1d.weight") {
             shape = vec![shape[0], *shape.last().expect("a conv kernel shape")];
         }
-        // Matrices in the target type, the conv kernel and everything 1-D in f32.
-        let matrix = shape.len() == 2 && !name.ends_with("ssm_conv1d.weight");
-        let dtype = if matrix { target } else { DType::F32 };
-        if dtype == DType::Q8_0 && !shape[1].is_multiple_of(Q8_0_BLOCK) {
-            return Err(Error::Weights(format!(
-                "{source}: rows of {} are not whole Q8_0 blocks of {Q8_0_BLOCK}",
-                shape[1]
-            )));
-        }
         out.push(Plan {
             source: source.clone(),
             name,
             shape,
-            dtype,
+            dtype: DType::F32,
             form,
         });
     }
+    out.sort_by_cached_key(|p| (layer_of(&p.name), p.name.clone()));
+    choose_types(&mut out, f, c.num_hidden_layers);
     Ok(out)
+}
+
+/// The layer of a GGUF tensor name (`blk.N.`), `None` (first) outside the layers.
+fn layer_of(name: &str) -> Option<usize> {
+    name.strip_prefix("blk.")?.split('.').next()?.parse().ok()
+}
+
+/// Each plan's type by llama.cpp's rules; what is not quantised stays f32, as the converter
+/// writes norms, gates and the conv kernel.
+fn choose_types(plans: &mut [Plan], f: FileType, layers: usize) {
+    let tied = !plans.iter().any(|p| p.name == "output.weight");
+    let values = plans
+        .iter()
+        .filter(|p| role(&p.name, tied) == Role::Value)
+        .count();
+    let (mut value, mut down) = (0, 0);
+    for p in plans.iter_mut() {
+        if !quantisable(&p.name, p.shape.len()) {
+            continue;
+        }
+        let r = role(&p.name, tied);
+        let (i, n) = match r {
+            Role::Value => (value, values),
+            Role::FfnDown => (down, layers),
+            Role::Output | Role::Other => (0, 0),
+        };
+        value += usize::from(r == Role::Value);
+        down += usize::from(r == Role::FfnDown);
+        p.dtype = tensor_type(f, r, p.shape[p.shape.len() - 1], i, n);
+    }
+}
+
+/// The GGUF name, shape and type of each tensor of a Hugging Face checkpoint of `c`'s shapes
+/// written as file type `f`, in the file's order: what [`write`] would write, without the
+/// weights.
+pub fn layout(c: &ModelConfig, f: FileType) -> Result<Vec<(String, Vec<usize>, DType)>> {
+    let shapes = crate::synth::tensor_shapes(c)?;
+    let plans = plans(c, shapes.iter().map(|(n, s)| (n, s)), f)?;
+    Ok(plans
+        .into_iter()
+        .map(|p| (p.name, p.shape, p.dtype))
+        .collect())
 }
 
 /// The f32 values of a tensor in its GGUF form.
@@ -348,26 +516,20 @@ fn values(p: &Plan, c: &ModelConfig, tensors: &TensorMap) -> Vec<f32> {
     }
 }
 
-/// Writes `tensors` of model `c` (named `name`) as a GGUF to `out`, matrices as `target`,
-/// with the metadata `add_tokenizer` adds; `progress(done, total)` after each tensor.
+/// Writes `tensors` of model `c` (named `name`) as a GGUF of file type `f` to `out`, with the
+/// metadata `add_tokenizer` adds; `progress(done, total)` after each tensor.
 pub fn write(
     c: &ModelConfig,
     tensors: &TensorMap,
     name: &str,
-    target: DType,
+    f: FileType,
     add_tokenizer: impl FnOnce(&mut Writer) -> Result<()>,
     out: &mut impl Write,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<()> {
-    if !TARGETS.contains(&target) {
-        return Err(Error::Invalid(format!(
-            "--type {}: tether writes f32, f16, bf16 or q8_0",
-            target.name()
-        )));
-    }
-    let plans = plans(c, tensors, target)?;
+    let plans = plans(c, tensors.iter().map(|(n, t)| (n, &t.shape)), f)?;
     let mut w = Writer::new();
-    metadata(&mut w, c, name, target);
+    metadata(&mut w, c, name, f);
     add_tokenizer(&mut w)?;
     for p in &plans {
         w.describe(&p.name, &p.shape, p.dtype);

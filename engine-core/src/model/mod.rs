@@ -314,21 +314,20 @@ impl Model {
         State::new(&self.config, page_size)
     }
 
-    /// Every matrix of the layers this model holds.
-    fn layer_matrices(&self) -> impl Iterator<Item = &Matrix> {
-        self.layers.iter().flatten().flat_map(|l| {
-            let mixer: Vec<&Matrix> = match &l.mixer {
-                Mixer::Attention(a) => a.matrices().to_vec(),
-                Mixer::DeltaNet(d) => d.matrices().to_vec(),
-            };
-            [&l.mlp.gate, &l.mlp.up, &l.mlp.down]
-                .into_iter()
-                .chain(mixer)
-        })
+    /// Every matrix of layer `l`.
+    fn matrices(l: &Layer) -> impl Iterator<Item = &Matrix> {
+        let mixer: Vec<&Matrix> = match &l.mixer {
+            Mixer::Attention(a) => a.matrices().to_vec(),
+            Mixer::DeltaNet(d) => d.matrices().to_vec(),
+        };
+        [&l.mlp.gate, &l.mlp.up, &l.mlp.down]
+            .into_iter()
+            .chain(mixer)
     }
 
-    /// Bytes of weights as stored (tied embeddings counted once).
-    pub fn weight_bytes(&self) -> usize {
+    /// Bytes of weights as stored, per layer (0 for a layer not held here) and of the
+    /// embedding and head (tied embeddings counted once): what a plan divides among devices.
+    pub fn weight_bytes_by_layer(&self) -> (Vec<usize>, usize) {
         let ends = self.ends.as_ref().map_or(0, |e| {
             let head = if self.config.tie_word_embeddings {
                 0
@@ -337,7 +336,21 @@ impl Model {
             };
             e.embed.nbytes() + head
         });
-        ends + self.layer_matrices().map(Matrix::nbytes).sum::<usize>()
+        let layers = self
+            .layers
+            .iter()
+            .map(|l| {
+                l.as_ref()
+                    .map_or(0, |l| Self::matrices(l).map(Matrix::nbytes).sum())
+            })
+            .collect();
+        (layers, ends)
+    }
+
+    /// Bytes of weights as stored (tied embeddings counted once).
+    pub fn weight_bytes(&self) -> usize {
+        let (layers, ends) = self.weight_bytes_by_layer();
+        ends + layers.iter().sum::<usize>()
     }
 
     /// An error if `be` cannot use the weights as they are stored (k-quant matrices on the GPU
@@ -345,7 +358,7 @@ impl Model {
     pub fn check_backend(&self, be: &dyn Backend) -> Result<()> {
         let ends = self.ends.iter().flat_map(|e| [&e.embed, &e.lm_head]);
         match ends
-            .chain(self.layer_matrices())
+            .chain(self.layers.iter().flatten().flat_map(Self::matrices))
             .find(|m| !be.reads(m.dtype()))
         {
             Some(m) => Err(Error::Invalid(format!(

@@ -546,10 +546,7 @@ impl State {
     /// it (a helper checks its budget first).
     pub fn delta_bytes_for(c: &ModelConfig, runs: Range<usize>) -> usize {
         let (s, conv) = c.delta_state_len();
-        let layers = c.layer_types[runs]
-            .iter()
-            .filter(|&&k| k == LayerKind::LinearAttention)
-            .count();
+        let layers = c.count_layers(runs, LayerKind::LinearAttention);
         layers * (s + conv) * std::mem::size_of::<f32>()
     }
 

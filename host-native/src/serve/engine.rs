@@ -190,7 +190,8 @@ impl Engine {
         let Some(h) = &mut self.helpers else {
             return;
         };
-        let (joined, back) = h.refresh(&self.model, &mut self.state, self.page_size);
+        let shape = (self.page_size, self.plan_for.0);
+        let (joined, back) = h.refresh(&self.model, &mut self.state, shape);
         if back {
             info!("a lost helper is back; it is re-filled from the page file as requests run");
             self.metrics.helper_reconnected();
@@ -218,10 +219,10 @@ impl Engine {
                 })
             })
             .collect();
-        let plan = self
-            .helpers
-            .as_ref()
-            .map(|h| h.plan(&self.model, &self.state, self.page_size, self.plan_for));
+        let plan = self.helpers.as_ref().map(|h| {
+            let shape = (self.page_size, self.plan.ubatch);
+            h.plan(&self.model, &self.state, shape, self.plan_for)
+        });
         self.hub.devices(devices.into(), plan);
     }
 

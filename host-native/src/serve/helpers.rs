@@ -55,17 +55,19 @@ impl Helpers {
         }
     }
 
-    /// `tether plan`'s text for `state` as it is now, for a `context`-token context and a
-    /// `prompt`-token prompt.
+    /// `tether plan`'s text for `state` as it is now (pages of `page_size`, prefill in
+    /// `ubatch`es), for a `context`-token context and a `prompt`-token prompt.
     pub fn plan(
         &self,
         model: &Model,
         state: &State,
-        page_size: usize,
+        (page_size, ubatch): (usize, usize),
         (context, prompt): (usize, usize),
     ) -> String {
+        let offers = super::serving_offers(&self.args, state);
+        let fixed = super::fixed(state, page_size, ubatch);
         self.args
-            .plan_for(model, state, page_size, context, prompt)
+            .plan_for(model, offers, fixed, context, prompt)
             .text
     }
 
@@ -78,9 +80,15 @@ impl Helpers {
         self.attached.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Attach what came since the last request: helpers that joined, and a lost dialed helper
-    /// that answers again. Returns (helpers that joined, whether a lost one came back).
-    pub fn refresh(&mut self, model: &Model, state: &mut State, page_size: usize) -> (usize, bool) {
+    /// Attach what came since the last request, with `state`'s `(page_size, context)`:
+    /// helpers that joined, and a lost dialed helper that answers again. Returns (helpers
+    /// that joined, whether a lost one came back).
+    pub fn refresh(
+        &mut self,
+        model: &Model,
+        state: &mut State,
+        shape: (usize, usize),
+    ) -> (usize, bool) {
         let live: Vec<u32> = state.helpers.iter().map(|h| h.id).collect();
         self.list()
             .retain(|a| a.source != Source::Joined || live.contains(&a.id));
@@ -98,29 +106,26 @@ impl Helpers {
             let Ok(link) = self.args.connect(&Source::Joined, &stats, wait) else {
                 break;
             };
-            added += usize::from(self.attach(model, state, page_size, link, Source::Joined, stats));
+            added += usize::from(self.attach(model, state, shape, link, Source::Joined, stats));
         }
         let back = self.returning(&live).is_some_and(|(source, stats, link)| {
-            self.attach(model, state, page_size, link, source, stats)
+            self.attach(model, state, shape, link, source, stats)
         });
         (added, back)
     }
 
-    /// Attach `link` from `source` (counting into `stats`) and list it; false if it could
-    /// not be configured.
+    /// Attach `link` from `source` (counting into `stats`) with `state`'s `(page_size,
+    /// context)` and list it; false if it could not be configured.
     fn attach(
         &mut self,
         model: &Model,
         state: &mut State,
-        page_size: usize,
+        shape: (usize, usize),
         link: Box<dyn Link>,
         source: Source,
         stats: StatsHandle,
     ) -> bool {
-        match self
-            .args
-            .attach_link(model, state, page_size, link, &source)
-        {
+        match self.args.attach_link(model, state, shape, link, &source) {
             Ok(id) => {
                 info!("{source} is attached (helper {id})");
                 let mut list = self.list();

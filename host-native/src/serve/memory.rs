@@ -6,8 +6,7 @@
 use std::mem::size_of;
 
 use anyhow::{bail, Context, Result};
-use engine_core::config::{LayerKind, ModelConfig};
-use engine_core::State;
+pub use engine_core::plan::Footprint;
 
 /// The share of the available memory the context may take (one half): the rest is for the
 /// weights a checkpoint maps (page cache, which the OS counts as available but which must stay
@@ -19,48 +18,6 @@ const QUEUE_SHARE: u64 = 16;
 
 /// The queue's budget where the available memory is unknown.
 const QUEUE_FALLBACK: u64 = 256 << 20;
-
-/// What one sequence costs in memory.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Footprint {
-    /// Bytes per position of context: the K and V rows (f32) of every full-attention layer.
-    pub per_token: u64,
-    /// Bytes however long the context: the DeltaNet states of the live sequence, of the empty
-    /// origin and of each conversation checkpoint, and each checkpoint's saved logits.
-    pub fixed: u64,
-}
-
-impl Footprint {
-    pub fn of(c: &ModelConfig, checkpoints: usize) -> Footprint {
-        let full = c
-            .layer_types
-            .iter()
-            .filter(|&&k| k == LayerKind::FullAttention)
-            .count();
-        let per_token = full * 2 * c.num_key_value_heads * c.head_dim * size_of::<f32>();
-        let states = (2 + checkpoints) * State::delta_bytes_for(c, 0..c.num_hidden_layers);
-        let logits = checkpoints * c.vocab_size * size_of::<f32>();
-        Footprint {
-            per_token: per_token as u64,
-            fixed: (states + logits) as u64,
-        }
-    }
-
-    /// Bytes a context of `ctx` positions takes: KV is allocated a page of `page_size`
-    /// positions at a time.
-    pub fn bytes(&self, ctx: usize, page_size: usize) -> u64 {
-        self.fixed + self.per_token * (ctx.div_ceil(page_size) * page_size) as u64
-    }
-
-    /// The most positions, in whole pages, whose KV fits in `budget` beside the fixed part.
-    pub fn fitting(&self, budget: u64, page_size: usize) -> usize {
-        let page = self.per_token * page_size as u64;
-        let pages = budget.saturating_sub(self.fixed) / page.max(1);
-        usize::try_from(pages)
-            .unwrap_or(usize::MAX)
-            .saturating_mul(page_size)
-    }
-}
 
 /// Memory the system can give now without swapping: `MemAvailable` on Linux (which counts
 /// reclaimable cache); `None` where that is not known.

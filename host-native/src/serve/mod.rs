@@ -18,7 +18,7 @@ mod engine;
 mod fuzz_bodies;
 mod helper_socket;
 mod helpers;
-mod memory;
+pub mod memory;
 mod metrics;
 mod page;
 mod queue;
@@ -35,10 +35,12 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use tracing::{info, warn};
 
+use crate::helper::{Fixed, HelperArgs};
 use crate::load::EngineArgs;
 use conversation::Conversation;
 use cross_site::Cors;
 use engine::Engine;
+use engine_core::plan;
 use engine_core::remote::HelperClient;
 use engine_core::{Model, State};
 use helpers::Helpers;
@@ -124,7 +126,10 @@ fn model_id(spec: &str) -> String {
 pub fn run(a: Args) -> Result<()> {
     terminal::init_logging(&a.log)?;
     a.engine.start(true)?;
-    if a.engine.page_size == 0 || a.ubatch == 0 {
+    // The server pages its KV in DESIGN.md's pages and sizes its context by its own rule
+    // (memory::choose_context), which counts conversation checkpoints the plan does not.
+    let page_size = a.engine.page_size.unwrap_or(plan::STORAGE_PAGE);
+    if page_size == 0 || a.ubatch == 0 {
         bail!("--page-size and --ubatch must be at least 1");
     }
     let l = terminal::spinner(format!("loading {}", a.engine.model), || {
@@ -139,11 +144,13 @@ pub fn run(a: Args) -> Result<()> {
     );
     let (backend, what) = a.engine.backend_for(&l.model)?;
     info!("backend: {what}");
-    let mut state = l.model.new_state(a.engine.page_size);
+    let mut state = l.model.new_state(page_size);
+    // The helper's layers are chosen for the largest context the server may choose.
+    let most = a.ctx_size.unwrap_or(config.max_position_embeddings);
     let attached = a
         .engine
         .helper
-        .attach(&l.model, &mut state, a.engine.page_size)?;
+        .attach(&l.model, &mut state, page_size, most)?;
     let has_helpers = a.engine.helper.has_helper();
     let available = memory::available();
     let footprint = Footprint::of(config, a.checkpoints);
@@ -151,9 +158,9 @@ pub fn run(a: Args) -> Result<()> {
         a.ctx_size,
         footprint,
         available,
-        a.engine.page_size,
+        page_size,
         config.max_position_embeddings,
-        helper_positions(&l.model, &state, footprint, a.engine.page_size),
+        helper_positions(&l.model, &state, footprint, page_size),
     )?;
     let ctx = context.tokens;
     info!(
@@ -171,21 +178,24 @@ pub fn run(a: Args) -> Result<()> {
         state.host_kv_tokens = context.on_host;
     }
     let prompt = ctx.min(2048);
-    let plan = a
-        .engine
-        .helper
-        .plan_for(&l.model, &state, a.engine.page_size, ctx, prompt);
+    let plan = a.engine.helper.plan_for(
+        &l.model,
+        serving_offers(&a.engine.helper, &state),
+        fixed(&state, page_size, a.ubatch),
+        ctx,
+        prompt,
+    );
     eprint!(
         "plan for a {ctx}-token context and a {prompt}-token prompt:\n{}",
         plan.text
     );
-    let split = a.engine.helper.plan(a.ubatch);
+    let split = a.engine.helper.split_plan(&plan);
     let name = a.name.clone().unwrap_or_else(|| model_id(&a.engine.model));
     let hub = Hub::new(serde_json::json!({
         "version": 1,
         "model": name,
         "layers": config.layer_types,
-        "page_size": a.engine.page_size,
+        "page_size": page_size,
         "ubatch": split.ubatch,
         "host_kv_tokens": a.engine.helper.host_kv_tokens().or(state.host_kv_tokens),
         "context_tokens": ctx,
@@ -249,7 +259,7 @@ pub fn run(a: Args) -> Result<()> {
         tokenizer: l.tokenizer,
         model: l.model,
         state,
-        page_size: a.engine.page_size,
+        page_size,
         plan: split,
         segment,
         stop_ids,
@@ -338,6 +348,25 @@ struct CloseOnDrop(Arc<Queue>);
 impl Drop for CloseOnDrop {
     fn drop(&mut self) {
         self.0.close();
+    }
+}
+
+/// The helpers' offers a server plans with: the attached ones', else one not known yet if
+/// helpers may come.
+pub fn serving_offers(h: &HelperArgs, state: &State) -> Vec<u64> {
+    match state.helpers.is_empty() {
+        true => h.expected_offers(),
+        false => HelperArgs::offers(state),
+    }
+}
+
+/// What a server fixed before planning: its page size, its ubatch on the host alone, and the
+/// host's KV budget its context rule chose.
+pub fn fixed(state: &State, page_size: usize, ubatch: usize) -> Fixed {
+    Fixed {
+        page_size: Some(page_size),
+        ubatch: Some(ubatch),
+        host_kv_tokens: state.host_kv_tokens,
     }
 }
 

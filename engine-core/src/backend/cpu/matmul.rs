@@ -664,6 +664,7 @@ mod tests {
     /// ggml's rounding: the largest magnitude becomes +-127, the rest round to nearest.
     #[test]
     fn q8_0_quantises_as_ggml_does() {
+        use crate::quant::Quantise;
         let mut x = [0.0f32; 32];
         x[3] = -2.54;
         x[7] = 1.0;
