@@ -79,6 +79,8 @@ pub fn matmul(x: &[f32], w: &Matrix, out: &mut [f32]) {
         #[cfg(target_arch = "x86_64")]
         Data::Q4K(e) => matmul_quant16(x, t, k, e, n, out),
         #[cfg(target_arch = "x86_64")]
+        Data::Q5K(e) => matmul_quant16(x, t, k, e, n, out),
+        #[cfg(target_arch = "x86_64")]
         Data::Q6K(e) => matmul_quant16(x, t, k, e, n, out),
         quant => {
             match_quant!(quant, e => matmul_dots(t, e, n, |w, o| dots_task_quant(x, k, w, o), out),
@@ -657,6 +659,22 @@ mod tests {
             for (n, k) in Q8_SHAPES {
                 check(t, n, k, DType::Q8_0, matmul);
                 check(t, n, k, DType::Q8_0, portable);
+            }
+        }
+    }
+
+    /// The other types of the integer kernel (k-quant rows are whole super-blocks of 256),
+    /// with weights from ggml's reference quantisers, against the f64 product of their
+    /// dequantised values (bit-exact with ggml's: `quant`'s tests).
+    #[test]
+    fn integer_kernel_types_match_f64_reference_on_both_kernels() {
+        for dtype in [DType::Q4_0, DType::Q4K, DType::Q5K, DType::Q6K] {
+            let k = if dtype == DType::Q4_0 { 96 } else { 512 };
+            for t in [1, 2, 3, 4, 5, 9] {
+                for n in [1, 7, 37] {
+                    check(t, n, k, dtype, matmul);
+                    check(t, n, k, dtype, portable);
+                }
             }
         }
     }

@@ -13,7 +13,9 @@
 use std::arch::x86_64::*;
 
 use super::matmul::sum_lanes;
-use crate::quant::{scale_min_k4, BlockQ4K, BlockQ4_0, BlockQ6K, BlockQ8_0, QuantBlock, QK, QK_K};
+use crate::quant::{
+    scale_min_k4, BlockQ4K, BlockQ4_0, BlockQ5K, BlockQ6K, BlockQ8_0, QuantBlock, QK, QK_K,
+};
 
 /// Rows of `x` (`k` values each) as `d[b] * q[i]`, `b` the block of `block` values holding
 /// value `i`; `sums[c]` is the sum of `q` over the 32 values of chunk `c` (for Q4_K's minima).
@@ -192,9 +194,67 @@ impl Dot16 for BlockQ4_0 {
     }
 }
 
+/// Q4_K's and Q5_K's super-block: `d * dx * sum_j sc_j (q . x)_j - dmin * dx * sum_j m_j
+/// sum(x)_j` over eight sub-blocks of 32, `q` the 4-bit nibbles of `qs` and, for Q5_K, a fifth
+/// bit from `qh` (bit `j` of byte `l` for weight `l` of sub-block `j`). Each lane sums 32
+/// products of at most 31 * 63 * 32767, under 2^31.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn accumulate_k4<const R: usize>(
+    (d, dmin): (f32, f32),
+    scales: &[u8; 12],
+    qs: &[u8; QK_K / 2],
+    qh: Option<&[u8; QK_K / 8]>,
+    x: &Rows<'_, R>,
+    b: usize,
+    acc: &mut [__m256; R],
+    mins: &mut [f32; R],
+) {
+    let sm: [(u8, u8); 8] = std::array::from_fn(|j| scale_min_k4(j, scales));
+    let nib = _mm256_set1_epi8(0xF);
+    let high = qh.map(|h| load_chunk(h, 0));
+    let mut iacc = [_mm256_setzero_si256(); R];
+    // Sub-blocks 2i and 2i + 1: the low and high nibbles of 32 bytes.
+    for i in 0..4 {
+        let q = load_chunk(qs, i);
+        let halves = [
+            _mm256_and_si256(q, nib),
+            _mm256_and_si256(_mm256_srli_epi16::<4>(q), nib),
+        ];
+        for (h, q) in halves.into_iter().enumerate() {
+            let j = 2 * i + h;
+            let q = match high {
+                // 16 where bit j of the byte is set.
+                Some(bits) => {
+                    let bit = _mm256_set1_epi8(1 << j);
+                    let set = _mm256_cmpeq_epi8(_mm256_and_si256(bits, bit), bit);
+                    _mm256_or_si256(q, _mm256_and_si256(set, _mm256_set1_epi8(16)))
+                }
+                None => q,
+            };
+            let s = _mm256_set1_epi16(i16::from(sm[j].0));
+            let w = to_i16(q, true).map(|w| _mm256_mullo_epi16(w, s));
+            for (r, iacc) in iacc.iter_mut().enumerate() {
+                *iacc = _mm256_add_epi32(*iacc, madd32(w, x, r, QK_K * b + QK * j));
+            }
+        }
+    }
+    for r in 0..R {
+        let dx = x.d[r][b];
+        let p = _mm256_cvtepi32_ps(iacc[r]);
+        acc[r] = _mm256_fmadd_ps(p, _mm256_set1_ps(d * dx), acc[r]);
+        // At most 8 * 63 * 32 * 32767.
+        let sums = &x.sums[r][8 * b..][..8];
+        let msum: i32 = sm.iter().zip(sums).map(|(sm, s)| i32::from(sm.1) * s).sum();
+        mins[r] += dmin * dx * msum as f32;
+    }
+}
+
 impl Dot16 for BlockQ4K {
-    /// `d * dx * sum_j sc_j (q . x)_j - dmin * dx * sum_j m_j sum(x)_j`: each lane sums 32
-    /// products of at most 15 * 63 * 32767, under 2^30.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn accumulate<const R: usize>(
@@ -204,35 +264,26 @@ impl Dot16 for BlockQ4K {
         acc: &mut [__m256; R],
         mins: &mut [f32; R],
     ) {
-        let sm: [(u8, u8); 8] = std::array::from_fn(|j| scale_min_k4(j, &self.scales));
-        let nib = _mm256_set1_epi8(0xF);
-        let mut iacc = [_mm256_setzero_si256(); R];
-        // Sub-blocks 2i and 2i + 1: the low and high nibbles of 32 bytes.
-        for i in 0..4 {
-            let q = load_chunk(&self.qs, i);
-            let halves = [
-                _mm256_and_si256(q, nib),
-                _mm256_and_si256(_mm256_srli_epi16::<4>(q), nib),
-            ];
-            for (h, q) in halves.into_iter().enumerate() {
-                let j = 2 * i + h;
-                let s = _mm256_set1_epi16(i16::from(sm[j].0));
-                let w = to_i16(q, true).map(|w| _mm256_mullo_epi16(w, s));
-                for (r, iacc) in iacc.iter_mut().enumerate() {
-                    *iacc = _mm256_add_epi32(*iacc, madd32(w, x, r, QK_K * b + QK * j));
-                }
-            }
-        }
-        let (d, dmin) = (self.d.to_f32(), self.dmin.to_f32());
-        for r in 0..R {
-            let dx = x.d[r][b];
-            let p = _mm256_cvtepi32_ps(iacc[r]);
-            acc[r] = _mm256_fmadd_ps(p, _mm256_set1_ps(d * dx), acc[r]);
-            // At most 8 * 63 * 32 * 32767.
-            let sums = &x.sums[r][8 * b..][..8];
-            let msum: i32 = sm.iter().zip(sums).map(|(sm, s)| i32::from(sm.1) * s).sum();
-            mins[r] += dmin * dx * msum as f32;
-        }
+        let d = (self.d.to_f32(), self.dmin.to_f32());
+        // SAFETY: the caller checked the CPU.
+        unsafe { accumulate_k4(d, &self.scales, &self.qs, None, x, b, acc, mins) }
+    }
+}
+
+impl Dot16 for BlockQ5K {
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn accumulate<const R: usize>(
+        &self,
+        x: &Rows<'_, R>,
+        b: usize,
+        acc: &mut [__m256; R],
+        mins: &mut [f32; R],
+    ) {
+        let d = (self.d.to_f32(), self.dmin.to_f32());
+        let qh = Some(&self.qh);
+        // SAFETY: the caller checked the CPU.
+        unsafe { accumulate_k4(d, &self.scales, &self.qs, qh, x, b, acc, mins) }
     }
 }
 
