@@ -64,6 +64,18 @@ pub enum WeightFormat {
     F16,
     /// llama.cpp's Q8_0 blocks, each 32 signed bytes and an f32 scale in 9 words.
     Q8_0,
+    /// llama.cpp's Q4_0 blocks of 32: an f32 scale and 4 words of nibbles (5 words).
+    Q4_0,
+    /// llama.cpp's Q5_0 blocks of 32: as Q4_0 plus a word of fifth bits (6 words).
+    Q5_0,
+    /// llama.cpp's Q4_K super-blocks of 256: `d`, `dmin`, the 8 sub-blocks' 6-bit scales and
+    /// mins unpacked to bytes, 32 words of nibbles (38 words).
+    Q4K,
+    /// llama.cpp's Q5_K super-blocks of 256: as Q4_K plus 8 words of fifth bits (46 words).
+    Q5K,
+    /// llama.cpp's Q6_K super-blocks of 256: `d`, the 16 signed 8-bit scales, 32 words of low
+    /// nibbles and 16 of high bit pairs (53 words).
+    Q6K,
 }
 
 impl WeightFormat {
@@ -73,6 +85,11 @@ impl WeightFormat {
             WeightFormat::F16Packed => 1,
             WeightFormat::F16 => 2,
             WeightFormat::Q8_0 => 3,
+            WeightFormat::Q4_0 => 4,
+            WeightFormat::Q5_0 => 5,
+            WeightFormat::Q4K => 6,
+            WeightFormat::Q5K => 7,
+            WeightFormat::Q6K => 8,
         }
     }
 
@@ -82,26 +99,45 @@ impl WeightFormat {
             WeightFormat::F16Packed => "f16-packed",
             WeightFormat::F16 => "f16",
             WeightFormat::Q8_0 => "q8_0",
+            WeightFormat::Q4_0 => "q4_0",
+            WeightFormat::Q5_0 => "q5_0",
+            WeightFormat::Q4K => "q4_k",
+            WeightFormat::Q5K => "q5_k",
+            WeightFormat::Q6K => "q6_k",
+        }
+    }
+
+    /// For a quantised format, the weights per block and the 4-byte words a block takes on the
+    /// device (weights.wgsl's layouts); `None` for the float formats.
+    pub fn block(self) -> Option<(usize, usize)> {
+        match self {
+            WeightFormat::F32 | WeightFormat::F16Packed | WeightFormat::F16 => None,
+            WeightFormat::Q8_0 => Some((32, 9)),
+            WeightFormat::Q4_0 => Some((32, 5)),
+            WeightFormat::Q5_0 => Some((32, 6)),
+            WeightFormat::Q4K => Some((256, 38)),
+            WeightFormat::Q5K => Some((256, 46)),
+            WeightFormat::Q6K => Some((256, 53)),
         }
     }
 
     /// Bytes a row of `cols` values takes on the device, padding included.
     pub fn row_bytes(self, cols: usize) -> usize {
         let stride = self.row_stride(cols);
-        match self {
-            WeightFormat::F32 => stride * 4,
-            WeightFormat::F16Packed | WeightFormat::F16 => stride * 2,
-            WeightFormat::Q8_0 => stride / 32 * 36,
+        match (self, self.block()) {
+            (_, Some((weights, words))) => stride / weights * words * 4,
+            (WeightFormat::F32, None) => stride * 4,
+            (_, None) => stride * 2,
         }
     }
 
     /// Stored elements per row of `cols` values: rows are padded to a multiple of 8, so that
     /// every row starts on 16 bytes and `matvec` reads 8 elements in one or two vector loads
-    /// (Q8_0 rows to whole blocks of 32).
+    /// (quantised rows to whole blocks: 32 or 256, multiples of 8).
     pub fn row_stride(self, cols: usize) -> usize {
-        match self {
-            WeightFormat::Q8_0 => cols.next_multiple_of(32),
-            _ => cols.next_multiple_of(8),
+        match self.block() {
+            Some((weights, _)) => cols.next_multiple_of(weights),
+            None => cols.next_multiple_of(8),
         }
     }
 }
@@ -193,8 +229,9 @@ const WG: Param = Param {
 
 const W: Param = Param {
     name: "W",
-    doc: "weight storage: 0 f32, 1 f16 pairs packed in u32, 2 native f16, 3 Q8_0 blocks",
-    values: &[0, 1, 2, 3],
+    doc: "weight storage: 0 f32, 1 f16 pairs packed in u32, 2 native f16, quantised blocks \
+          3 Q8_0, 4 Q4_0, 5 Q5_0, 6 Q4_K, 7 Q5_K, 8 Q6_K",
+    values: &[0, 1, 2, 3, 4, 5, 6, 7, 8],
 };
 
 const WEIGHTS: &str = include_str!("wgsl/weights.wgsl");

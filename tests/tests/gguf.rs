@@ -424,34 +424,100 @@ fn quantised_types_dequantise_as_llama_cpp_does_and_multiply() {
     }
 }
 
-/// A model with a k-quant matrix runs on the CPU, and the GPU backend, which has no k-quant
-/// kernels, refuses it before anything runs (what `tether run --backend gpu` and a GPU helper
-/// report).
+/// A model with a Q3_K matrix runs on the CPU, and the GPU backend, which has no Q3_K kernel
+/// (its k-quants are Q4_K, Q5_K and Q6_K), refuses it before anything runs (what
+/// `tether run --backend gpu` and a GPU helper report).
 #[test]
 fn the_gpu_backend_refuses_k_quant_weights_up_front() {
-    use engine_core::tensor::{BlockQ4K, DType, Data, Elems};
+    use engine_core::tensor::{BlockQ3K, DType, Data, Elems};
     let mut config = engine_core::synth::preset("tiny").unwrap();
     config.hidden_size = 256;
     let mut tensors = engine_core::synth::random_weights(&config, DType::F32, 1).unwrap();
     let name = "model.layers.0.mlp.gate_proj.weight";
     let shape = tensors[name].shape.clone();
     let mut rng = tests::Rng(5);
-    let blocks: Vec<BlockQ4K> = (0..shape[0] * shape[1] / 256)
-        .map(|_| BlockQ4K {
-            d: half::f16::from_f32(rng.uniform() * 0.01),
-            dmin: half::f16::from_f32(rng.uniform() * 0.01),
-            scales: std::array::from_fn(|_| (rng.uniform() * 255.0) as u8),
-            qs: std::array::from_fn(|_| (rng.uniform() * 255.0) as u8),
+    let mut byte = || (rng.uniform() * 255.0) as u8;
+    let blocks: Vec<BlockQ3K> = (0..shape[0] * shape[1] / 256)
+        .map(|_| BlockQ3K {
+            hmask: std::array::from_fn(|_| byte()),
+            qs: std::array::from_fn(|_| byte()),
+            scales: std::array::from_fn(|_| byte()),
+            d: half::f16::from_f32(f32::from(byte()) / 255.0 * 0.01),
         })
         .collect();
-    tensors.get_mut(name).unwrap().data = Data::Q4K(Elems::Owned(blocks.into()));
+    tensors.get_mut(name).unwrap().data = Data::Q3K(Elems::Owned(blocks.into()));
     let model = Model::from_tensors(config, &tensors).unwrap();
     model.check_backend(&CpuBackend).unwrap();
     let (prefill, _, _) = run(&model, &[1, 2, 3], 2);
     assert!(prefill.iter().all(|v| v.is_finite()));
     let gpu = GpuBackend::new(&GpuOptions::default()).expect("a GPU adapter (lavapipe)");
     let e = model.check_backend(&gpu).unwrap_err().to_string();
-    assert!(e.contains("cannot compute with q4_k weights"), "{e}");
+    assert!(e.contains("cannot compute with q3_k weights"), "{e}");
+}
+
+/// `llama-quantize`'s Q4_0 and Q4_K_M files on the GPU backend (weights.wgsl's Q4_0, Q5_0,
+/// Q8_0, Q4_K and Q6_K blocks, dequantised as read, f32 activations), and Q5_K (which no
+/// fixture holds: tiny256.q4_k_m's Q4_K matrices requantised), give the CPU's logits of the
+/// same weights dequantised to f32 within 1e-4, and the CPU's own prefill of the quantised
+/// weights (gemm's f32 path); files with a type that has no GPU kernel (Q2_K, Q3_K, IQ4_XS) are
+/// refused with a message before anything runs.
+#[test]
+fn llama_quantize_outputs_run_on_the_gpu() {
+    use engine_core::tensor::{DType, Data, Elems};
+    let gpu = GpuBackend::new(&GpuOptions::default()).expect("a GPU adapter (lavapipe)");
+    let prompt = Reference::load("tiny_fp32").ids("prompt_ids");
+    let cases = [
+        ("tiny_fp32.q4_0.gguf", None, &["q4_0", "q8_0"][..]),
+        ("tiny_fp32.q4_k_m.gguf", None, &["q5_0", "q8_0"][..]),
+        ("tiny256.q4_k_m.gguf", None, &["q4_k", "q6_k"][..]),
+        (
+            "tiny256.q4_k_m.gguf",
+            Some(DType::Q5K),
+            &["q5_k", "q6_k"][..],
+        ),
+    ];
+    for (file, q4k_as, want_types) in cases {
+        let (config, mut tensors) = engine_core::gguf::qwen35::load(&gguf(file)).unwrap();
+        let mut plain = tensors.clone();
+        let mut types = std::collections::BTreeSet::new();
+        for (name, t) in &mut tensors {
+            if let Some(to) = q4k_as.filter(|_| t.dtype() == DType::Q4K) {
+                t.data = Data::from_f32(&t.data.to_f32_vec(), to);
+            }
+            if t.dtype().is_quantised() {
+                types.insert(t.dtype().name());
+                plain.get_mut(name).unwrap().data =
+                    Data::F32(Elems::Owned(t.data.to_f32_vec().into()));
+            }
+        }
+        assert_eq!(types.iter().copied().collect::<Vec<_>>(), want_types);
+        let model = Model::from_tensors(config.clone(), &tensors).unwrap();
+        let dequantised = Model::from_tensors(config, &plain).unwrap();
+        model.check_backend(&gpu).unwrap();
+        let (cpu_prefill, cpu_ids, cpu_gen) = run(&dequantised, &prompt, 4);
+        let (quant_prefill, _, _) = run(&model, &prompt, 0);
+        let (prefill, ids, gen) = run_on(&gpu, &model, &prompt, 4);
+        let d = max_abs_diff(&prefill, &cpu_prefill).max(max_abs_diff(&gen, &cpu_gen));
+        let dq = max_abs_diff(&prefill, &quant_prefill);
+        eprintln!("{file} {types:?} on the GPU: {d:.2e} from the CPU's, prefill {dq:.2e}");
+        assert!(
+            d < 1e-4,
+            "{file} {types:?} on the GPU differs from the CPU by {d}"
+        );
+        assert!(dq < 1e-4, "{file} {types:?}: GPU prefill differs by {dq}");
+        assert_eq!(ids, cpu_ids, "{file} {types:?}: greedy ids");
+    }
+    for (file, refused) in [
+        ("tiny256.q2_k.gguf", "q2_k"),
+        ("tiny256.q3_k_m.gguf", "q3_k"),
+        ("tiny256.iq4_xs.gguf", "iq4_xs"),
+    ] {
+        let e = load(file).check_backend(&gpu).unwrap_err().to_string();
+        assert!(
+            e.contains(&format!("cannot compute with {refused} weights")),
+            "{file}: {e}"
+        );
+    }
 }
 
 /// The end token comes from tokenizer_config.json, else from the model's config (as the

@@ -139,55 +139,84 @@ fn matmul_matches_cpu_for_every_weight_format_and_kernel() {
     }
 }
 
-/// Q8_0 blocks on the device (weights.wgsl's `W == 3`) give the CPU's product of the blocks'
-/// values: the same blocks dequantised as read, in both kernels, whole and in row blocks; and the embedding
-/// gather gives the CPU's dequantised rows exactly.
+/// Quantised blocks on the device (weights.wgsl's `W == 3 ..= 8`: Q8_0, Q4_0, Q5_0, Q4_K, Q5_K,
+/// Q6_K) give the CPU's product of the blocks' values: the same blocks dequantised as read, in
+/// both kernels, whole and in row blocks; and the embedding gather gives the CPU's dequantised
+/// rows exactly. The k-quants' rows are super-blocks of 256, so matvec's threads read 8 weights
+/// of a super-block at a time (768 columns: more than one pass of its 64 threads).
 #[test]
-fn q8_0_weights_match_the_cpu_in_both_kernels_and_the_gather() {
+fn quantised_weights_match_the_cpu_in_both_kernels_and_the_gather() {
     let g = gpu();
     let mut rng = Rng(21);
-    for (t, rows, cols) in [(1, 7, 32), (3, 33, 64), (20, 37, 96), (6, 3, 1120)] {
-        let x = rng.vec(t * cols);
-        let w = matrix(rows, cols, &rng.vec(rows * cols), DType::Q8_0);
-        // The CPU's product of the blocks' values as f32 (its own Q8_0 kernel rounds the
-        // activations in decode; the GPU's keep them f32).
-        let want = cpu_matmul(&x, &matrix(rows, cols, &w.data.to_f32_vec(), DType::F32));
-        let xg = g.upload_f32(&x);
-        let whole = g.upload_matrix(&w, WeightFormat::Q8_0).unwrap();
-        let blocked = g
-            .upload_matrix_blocked(
-                &w,
-                WeightFormat::Q8_0,
-                2 * WeightFormat::Q8_0.row_bytes(cols) as u64,
-            )
-            .unwrap();
-        assert_eq!(blocked.blocks(), rows.div_ceil(2));
-        for wg in [&whole, &blocked] {
-            for which in [MatmulKernel::Vector, MatmulKernel::Tiled] {
-                check(
-                    &format!(
-                        "q8_0 {which:?} t={t} {rows}x{cols} in {} blocks",
-                        wg.blocks()
-                    ),
-                    &down(&ops::matmul_with(g, &xg, wg, which)),
-                    &want,
-                    TOL_F32,
-                );
+    let small = [(1, 7, 32), (3, 33, 64), (20, 37, 96), (6, 3, 1120)];
+    let k = [(1, 7, 256), (3, 5, 512), (20, 9, 256), (6, 3, 768)];
+    for (dtype, format, shapes) in [
+        (DType::Q8_0, WeightFormat::Q8_0, small),
+        (DType::Q4_0, WeightFormat::Q4_0, small),
+        (DType::Q5_0, WeightFormat::Q5_0, small),
+        (DType::Q4K, WeightFormat::Q4K, k),
+        (DType::Q5K, WeightFormat::Q5K, k),
+        (DType::Q6K, WeightFormat::Q6K, k),
+    ] {
+        let name = format.name();
+        for (t, rows, cols) in shapes {
+            let x = rng.vec(t * cols);
+            let w = matrix(rows, cols, &rng.vec(rows * cols), dtype);
+            // The CPU's product of the blocks' values as f32 (its own integer kernels round
+            // the activations in decode; the GPU's keep them f32).
+            let want = cpu_matmul(&x, &matrix(rows, cols, &w.data.to_f32_vec(), DType::F32));
+            let xg = g.upload_f32(&x);
+            let whole = g.upload_matrix(&w, format).unwrap();
+            let blocked = g
+                .upload_matrix_blocked(&w, format, 2 * format.row_bytes(cols) as u64)
+                .unwrap();
+            assert_eq!(blocked.blocks(), rows.div_ceil(2));
+            for wg in [&whole, &blocked] {
+                for which in [MatmulKernel::Vector, MatmulKernel::Tiled] {
+                    check(
+                        &format!(
+                            "{name} {which:?} t={t} {rows}x{cols} in {} blocks",
+                            wg.blocks()
+                        ),
+                        &down(&ops::matmul_with(g, &xg, wg, which)),
+                        &want,
+                        TOL_F32,
+                    );
+                }
             }
+            let ids: Vec<u32> = (0..rows as u32).rev().collect();
+            let mut rows_want = vec![0.0; rows * cols];
+            for (i, &id) in ids.iter().enumerate() {
+                w.row_f32(id as usize, &mut rows_want[i * cols..(i + 1) * cols]);
+            }
+            let got = down(&ops::embed(g, &blocked, &g.upload_u32(&ids)));
+            assert!(
+                got.iter()
+                    .zip(&rows_want)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{name} embed {rows}x{cols}: the gathered rows differ from the CPU's"
+            );
         }
-        let ids: Vec<u32> = (0..rows as u32).rev().collect();
-        let mut rows_want = vec![0.0; rows * cols];
-        for (i, &id) in ids.iter().enumerate() {
-            w.row_f32(id as usize, &mut rows_want[i * cols..(i + 1) * cols]);
-        }
-        let got = down(&ops::embed(g, &blocked, &g.upload_u32(&ids)));
-        check("q8_0 embed", &got, &rows_want, 0.0);
+        // A quantised matrix is never re-rounded into another device format, nor floats (or
+        // another quantised type) into a quantised one.
+        let (len, _) = format.block().unwrap();
+        let q = matrix(2, len, &rng.vec(2 * len), dtype);
+        assert!(g.upload_matrix(&q, WeightFormat::F32).is_err());
+        let f = matrix(2, len, &rng.vec(2 * len), DType::F32);
+        assert!(g.upload_matrix(&f, format).is_err());
+        let other = if dtype == DType::Q8_0 {
+            DType::Q4_0
+        } else {
+            DType::Q8_0
+        };
+        let o = matrix(2, 256, &rng.vec(512), other);
+        assert!(g.upload_matrix(&o, format).is_err());
     }
-    // A Q8_0 matrix is never re-rounded into another device format, nor floats into Q8_0.
-    let q = matrix(2, 32, &rng.vec(64), DType::Q8_0);
-    assert!(g.upload_matrix(&q, WeightFormat::F32).is_err());
-    let f = matrix(2, 32, &rng.vec(64), DType::F32);
-    assert!(g.upload_matrix(&f, WeightFormat::Q8_0).is_err());
+    // Q4_1 (written by tether, no kernel yet) goes to the device in no format.
+    let q41 = matrix(2, 32, &rng.vec(64), DType::Q4_1);
+    for format in [WeightFormat::F32, WeightFormat::Q4_0, WeightFormat::Q8_0] {
+        assert!(g.upload_matrix(&q41, format).is_err());
+    }
 }
 
 /// Rows of x in groups (what a product wider than one binding takes, such as every prompt

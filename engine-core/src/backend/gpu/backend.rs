@@ -10,6 +10,7 @@ use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
 use super::ops::{self, GpuDeltaInputs, GpuKvPage, GpuPartials};
+use super::packing::quant_format;
 use super::{Gpu, GpuError, GpuMatrix, GpuOptions, GpuTensor, WeightFormat};
 use crate::backend::{
     Act, ActPartials, AttnShape, Backend, DeltaInputs, DeltaShape, Param, Readback,
@@ -76,7 +77,8 @@ impl GpuBackend {
     }
 
     /// `w` on the device: f32 weights as f32; bf16 and f16 weights as f16 (bf16 to f16 is
-    /// exact in f16's normal range), natively where the adapter has `shader-f16`.
+    /// exact in f16's normal range), natively where the adapter has `shader-f16`; quantised
+    /// blocks in their own type's device layout (packing.rs; only the types [`Self::reads`]).
     fn matrix(&self, w: &Matrix) -> Arc<GpuMatrix> {
         let bytes = w.data.as_bytes();
         let key = (bytes.as_ptr() as usize, bytes.len());
@@ -86,7 +88,8 @@ impl GpuBackend {
         }
         let format = match (w.data.dtype(), self.gpu.has_f16()) {
             (DType::F32, _) => WeightFormat::F32,
-            (DType::Q8_0, _) => WeightFormat::Q8_0,
+            (dtype, _) if dtype.is_quantised() => quant_format(dtype)
+                .unwrap_or_else(|| panic!("no GPU kernels for {} weights", dtype.name())),
             (_, true) => WeightFormat::F16,
             (_, false) => WeightFormat::F16Packed,
         };
@@ -192,9 +195,10 @@ impl Backend for GpuBackend {
         self.name
     }
 
-    /// Of the quantised types only Q8_0 has kernels yet (weights.wgsl's `W = 3`).
+    /// The float types, and the quantised types weights.wgsl dequantises as it reads: Q8_0,
+    /// Q4_0, Q5_0, Q4_K, Q5_K and Q6_K (not Q4_1, Q5_1, IQ4_NL, Q2_K, Q3_K or IQ4_XS yet).
     fn reads(&self, dtype: DType) -> bool {
-        matches!(dtype, DType::F32 | DType::BF16 | DType::F16 | DType::Q8_0)
+        matches!(dtype, DType::F32 | DType::BF16 | DType::F16) || quant_format(dtype).is_some()
     }
 
     fn upload(&self, x: Vec<f32>) -> Act {

@@ -10,8 +10,9 @@ use shaders::WeightFormat;
 
 use super::context::{Gpu, GpuError};
 use super::device::Buffer;
+use super::packing::{quant_format, quant_rows};
 use super::pool::Pooled;
-use crate::tensor::{DType, Data, Matrix, Q8_0_BLOCK};
+use crate::tensor::{Data, Matrix};
 
 /// `len` 4-byte elements (f32, or u32 for ids, positions and argmax results) on the device.
 /// Cloning shares the buffer; the buffer returns to the pool when the last clone (and every
@@ -66,21 +67,6 @@ impl GpuMatrix {
     pub fn blocks(&self) -> usize {
         self.blocks.len()
     }
-}
-
-/// Rows `rows` of Q8_0 `data` (`cols` wide, whole blocks) in the device layout of weights.wgsl's
-/// `W == 3`: per block 8 words of the signed bytes, then the scale widened to f32 (exactly).
-fn q8_0_rows(data: &Data, cols: usize, rows: Range<usize>) -> Vec<u8> {
-    let Data::Q8_0(blocks) = data else {
-        unreachable!("upload_matrix_blocked checked the dtype")
-    };
-    let per_row = cols / Q8_0_BLOCK;
-    let mut out = Vec::with_capacity(rows.len() * per_row * 36);
-    for b in &blocks[rows.start * per_row..rows.end * per_row] {
-        out.extend(b.qs.map(|q| q as u8));
-        out.extend_from_slice(&b.d.to_f32().to_le_bytes());
-    }
-    out
 }
 
 /// Row `r` of `data` (`cols` wide) as f32 into `out`.
@@ -179,17 +165,31 @@ impl Gpu {
         format: WeightFormat,
         block_bytes: u64,
     ) -> Result<GpuMatrix, GpuError> {
-        // Quantised blocks are moved, never re-rounded: Q8_0 matrices go to the device as Q8_0,
-        // and the k-quants (no kernels yet) not at all.
+        // Quantised blocks are moved, never re-rounded: a matrix of a quantised type with
+        // kernels goes to the device in that type's format (packing.rs), and nothing else does;
+        // the quantised types without kernels (Q4_1, Q5_1, IQ4_NL, Q2_K, Q3_K, IQ4_XS) not at
+        // all.
         let dtype = m.data.dtype();
-        if (dtype == DType::Q8_0) != (format == WeightFormat::Q8_0)
-            || (dtype.is_quantised() && dtype != DType::Q8_0)
-        {
+        let allowed = if dtype.is_quantised() {
+            quant_format(dtype) == Some(format)
+        } else {
+            format.block().is_none()
+        };
+        if !allowed {
             return Err(GpuError::Unsupported(format!(
                 "a {} matrix as {} device weights",
-                m.data.dtype().name(),
+                dtype.name(),
                 format.name()
             )));
+        }
+        if let Some((block, _)) = format.block() {
+            if !m.cols.is_multiple_of(block) {
+                return Err(GpuError::Unsupported(format!(
+                    "{} rows of {} weights are not whole blocks of {block}",
+                    dtype.name(),
+                    m.cols
+                )));
+            }
         }
         if format == WeightFormat::F16 && !self.has_f16() {
             return Err(GpuError::Unsupported(format!(
@@ -216,7 +216,7 @@ impl Gpu {
         for row0 in (0..m.rows).step_by(rows_per_block) {
             let rows = rows_per_block.min(m.rows - row0);
             let bytes: Vec<u8> = match format {
-                WeightFormat::Q8_0 => q8_0_rows(&m.data, m.cols, row0..row0 + rows),
+                _ if format.block().is_some() => quant_rows(&m.data, m.cols, row0..row0 + rows),
                 WeightFormat::F32 => {
                     let mut v = vec![0.0f32; rows * stride];
                     for r in 0..rows {
@@ -242,6 +242,7 @@ impl Gpu {
                     }
                     bytemuck::cast_slice(&v).to_vec()
                 }
+                _ => unreachable!("the quantised formats are packed above"),
             };
             blocks.push(WeightBlock {
                 buffer: self.weights(&bytes),
