@@ -1,10 +1,9 @@
 //! llama.cpp's quantised weight formats: each block byte for byte as ggml stores it, and its
 //! weights by ggml's definition (`dequantize_row_*` in ggml-quants.c: the same float operations
 //! in the same order, so the values are the reference's bit for bit). The kernels
-//! (`backend::cpu::matmul`, the WGSL ones) compute with these values. Q4_0, Q4_1, Q5_0, Q5_1,
-//! Q8_0, Q4_K, Q5_K and Q6_K are also written ([`Quantise`]: ggml's reference quantisers, so the
-//! blocks are `llama-quantize`'s without an importance matrix, byte for byte); the rest are read
-//! from GGUF files that llama.cpp wrote.
+//! (`backend::cpu::matmul`, the WGSL ones) compute with these values. Each is also written
+//! ([`Quantise`]: the quantisers `llama-quantize` runs without an importance matrix, so the
+//! blocks are its own byte for byte).
 
 use half::f16;
 
@@ -28,9 +27,10 @@ pub trait QuantBlock: bytemuck::Pod + Send + Sync {
     fn dequantise_into(&self, out: &mut [f32]);
 }
 
-/// A block type tether writes, by ggml's reference quantiser for it (`quantize_row_*_ref` in
-/// ggml-quants.c, which `llama-quantize` runs when it has no importance matrix): the same f32
-/// operations in the same order, so the blocks are llama.cpp's byte for byte.
+/// A block type tether writes, by the ggml quantiser `llama-quantize` runs for it when it has
+/// no importance matrix (`quantize_row_*_ref` in ggml-quants.c, but for IQ4_NL
+/// `quantize_iq4_nl`): the same f32 operations in the same order, so the blocks are llama.cpp's
+/// byte for byte.
 pub trait Quantise: QuantBlock {
     /// The block of `x`.
     ///
@@ -52,9 +52,31 @@ fn nearest_int(x: f32) -> i32 {
     (bits & 0x007f_ffff) as i32 - 0x0040_0000
 }
 
+/// `1 / d`, or 0 for a zero `d` (ggml's `d ? 1/d : 0`).
+fn inverse(d: f32) -> f32 {
+    if d != 0.0 {
+        1.0 / d
+    } else {
+        0.0
+    }
+}
+
 /// Below this largest magnitude ggml quantises a group of weights as all zeros
 /// (`GROUP_MAX_EPS`).
 const GROUP_MAX_EPS: f32 = 1e-15;
+
+/// The first of the values of largest magnitude, as ggml finds it (`if (ax > amax)`): 0 when
+/// all are zeros.
+fn max_magnitude(x: &[f32]) -> f32 {
+    let (_, max) = x.iter().fold((0.0f32, 0.0f32), |(amax, max), &v| {
+        if v.abs() > amax {
+            (v.abs(), v)
+        } else {
+            (amax, max)
+        }
+    });
+    max
+}
 
 /// Q4_0: weight = `d * (q - 8)`, 4-bit `q`; byte `j` holds weights `j` (low nibble) and `j + 16`.
 #[derive(Clone, Copy, Debug, bytemuck::Pod, bytemuck::Zeroable)]
@@ -207,16 +229,10 @@ fn fives(qh: [u8; 4], qs: &[u8; QK / 2], out: &mut [f32], level: impl Fn(u8) -> 
 /// of largest magnitude to level 0, `-2^(BITS-1) * d` (so `d` has its opposite sign); the others
 /// round half up, clamped to the top level.
 fn symmetric_levels<const BITS: u32>(x: &[f32; QK]) -> (f16, [u8; QK]) {
-    let (_, max) = x.iter().fold((0.0f32, 0.0f32), |(amax, max), &v| {
-        if amax < v.abs() {
-            (v.abs(), v)
-        } else {
-            (amax, max)
-        }
-    });
+    let max = max_magnitude(x);
     let zero = (1 << (BITS - 1)) as f32;
     let d = max / -zero;
-    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    let id = inverse(d);
     let top = (1u8 << BITS) - 1;
     // The sum is in [0, 2^BITS + 1): `as` truncates it as C's (int8_t) cast does.
     let levels = x.map(|v| ((v * id + (zero + 0.5)) as u8).min(top));
@@ -238,7 +254,7 @@ fn asymmetric_levels<const BITS: u32>(x: &[f32; QK]) -> (f16, f16, [u8; QK]) {
     }
     let top = (1u8 << BITS) - 1;
     let d = (max - min) / f32::from(top);
-    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    let id = inverse(d);
     let levels = x.map(|v| (((v - min) * id + 0.5) as u8).min(top));
     (f16::from_f32(d), f16::from_f32(min), levels)
 }
@@ -349,7 +365,7 @@ impl Quantise for BlockQ8_0 {
         let x: &[f32; QK] = block_of(x);
         let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
         let d = amax / 127.0;
-        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        let id = inverse(d);
         BlockQ8_0 {
             d: f16::from_f32(d),
             qs: x.map(|v| (v * id).round() as i8),
@@ -394,6 +410,15 @@ fn twos(qs: &[u8; QK_K / 4], out: &mut [f32], level: impl Fn(usize, usize, usize
     }
 }
 
+/// The low two bits of Q2_K's/Q3_K's levels as [`twos`] reads them: byte `l` of each half's
+/// 32 holds its weights `l + 32 * j` at shift `2 * j`.
+fn pack_twos(levels: &[u8; QK_K]) -> [u8; QK_K / 4] {
+    std::array::from_fn(|i| {
+        let at = 128 * (i / 32) + i % 32;
+        (0..4).fold(0, |b, j| b | ((levels[at + 32 * j] & 3) << (2 * j)))
+    })
+}
+
 impl QuantBlock for BlockQ2K {
     const LEN: usize = QK_K;
     const DTYPE: DType = DType::Q2K;
@@ -404,6 +429,36 @@ impl QuantBlock for BlockQ2K {
             let (dl, ml) = (d * f32::from(sc & 0xF), dmin * f32::from(sc >> 4));
             dl * f32::from(q) - ml
         });
+    }
+}
+
+/// `quantize_row_q2_K_ref`: each sub-block of 16 gets [`make_qkx2_quants`]' scale and min
+/// (weights `|x|`, absolute error), stored in 4 bits against the largest scale (`d`) and min
+/// (`dmin`); then each weight takes the nearest level of the stored ones (those of a sub-block
+/// whose stored scale is 0 keep their fitted level).
+impl Quantise for BlockQ2K {
+    fn quantise(x: &[f32]) -> Self {
+        let x: &[f32; QK_K] = block_of(x);
+        let mut levels = [0u8; QK_K];
+        let fits: [_; 16] = fit_sub_blocks(x, &mut levels, |x: &[f32; 16]| {
+            make_qkx2_quants(3, x, &x.map(f32::abs), -0.5, 15, true)
+        });
+        let (d, sc) = scale_steps(fits.map(|f| f.0), 15.0);
+        let (dmin, m) = scale_steps(fits.map(|f| f.1), 15.0);
+        let scales = std::array::from_fn(|j| sc[j] | (m[j] << 4));
+        relevel::<16>(x, &mut levels, (0, 3), |j| {
+            let sc = scales[j];
+            (
+                d.to_f32() * f32::from(sc & 0xF),
+                Some(dmin.to_f32() * f32::from(sc >> 4)),
+            )
+        });
+        BlockQ2K {
+            scales,
+            qs: pack_twos(&levels),
+            d,
+            dmin,
+        }
     }
 }
 
@@ -439,6 +494,95 @@ impl QuantBlock for BlockQ3K {
             };
             dl * f32::from(q as i8 - high)
         });
+    }
+}
+
+/// The inverse of [`BlockQ3K::unpacked_scales`] (as `quantize_row_q3_K_ref` packs them):
+/// scale `j`'s low four bits in byte `j % 8` (high nibble from `j` = 8 on), its top two in
+/// byte `8 + j % 4` at shift `2 * (j / 4)`.
+fn pack_q3k_scales(scales: [u8; 16]) -> [u8; 12] {
+    let mut s = [0u8; 12];
+    for (j, sc) in scales.into_iter().enumerate() {
+        s[j % 8] |= (sc & 0xF) << (4 * (j / 8));
+        s[8 + j % 4] |= (sc >> 4) << (2 * (j / 4));
+    }
+    s
+}
+
+/// ggml's `make_q3_quants` as the Q3_K ref calls it (`do_rmse`): signed levels `-nmax..nmax`
+/// of 16 weights (stored offset by `nmax`), first from the weight of largest magnitude at
+/// level `-nmax`, then up to five rounds that move single weights to the level their
+/// least-squares fit to the others asks for (weights `x²`) while that fits the whole better.
+/// Returns the fitted scale and the levels; all zeros for a sub-block of zeros.
+fn make_q3_quants(nmax: i32, x: &[f32; 16]) -> (f32, [u8; 16]) {
+    let max = max_magnitude(x);
+    if max.abs() < GROUP_MAX_EPS {
+        return (0.0, [0; 16]);
+    }
+    let iscale = -(nmax as f32) / max;
+    let mut l = x.map(|x| nearest_int(iscale * x).clamp(-nmax, nmax - 1));
+    let (mut sumlx, mut suml2) = (0.0f32, 0.0f32);
+    for (&x, &l) in x.iter().zip(&l) {
+        let (w, l) = (x * x, l as f32);
+        sumlx += w * x * l;
+        suml2 += w * l * l;
+    }
+    for _ in 0..5 {
+        let mut changed = false;
+        for (&x, l) in x.iter().zip(&mut l) {
+            let (w, old) = (x * x, *l as f32);
+            let slx = sumlx - w * x * old;
+            if slx > 0.0 {
+                let sl2 = suml2 - w * old * old;
+                let new = nearest_int(x * sl2 / slx).clamp(-nmax, nmax - 1);
+                if new != *l {
+                    let (slx, sl2) = (slx + w * x * new as f32, sl2 + w * new as f32 * new as f32);
+                    if sl2 > 0.0 && slx * slx * suml2 > sumlx * sumlx * sl2 {
+                        (*l, sumlx, suml2, changed) = (new, slx, sl2, true);
+                    }
+                }
+            }
+        }
+        if !changed {
+            break;
+        }
+    }
+    let scale = if suml2 > 0.0 { sumlx / suml2 } else { 0.0 };
+    (scale, l.map(|l| (l + nmax) as u8))
+}
+
+/// `quantize_row_q3_K_ref`: each sub-block of 16 gets [`make_q3_quants`]' scale, stored in 6
+/// bits against the scale of largest magnitude (at -32); then each weight takes the nearest
+/// level `-4..4` of the stored scale (those of a sub-block whose stored scale is 0 keep their
+/// fitted level), its high bit in `hmask` and low two in `qs`.
+impl Quantise for BlockQ3K {
+    fn quantise(x: &[f32]) -> Self {
+        let x: &[f32; QK_K] = block_of(x);
+        let mut levels = [0u8; QK_K];
+        let fits: [_; 16] = fit_sub_blocks(x, &mut levels, |x| make_q3_quants(4, x));
+        let max_scale = max_magnitude(&fits);
+        let mut b = BlockQ3K {
+            hmask: [0; QK_K / 8],
+            qs: [0; QK_K / 4],
+            scales: [0; 12],
+            d: f16::ZERO,
+        };
+        if max_scale != 0.0 {
+            let iscale = -32.0 / max_scale;
+            // As C's (int8_t) cast: modulo 256, then clamped.
+            let six_bits = |s: f32| ((nearest_int(iscale * s) as i8).clamp(-32, 31) + 32) as u8;
+            b.scales = pack_q3k_scales(fits.map(six_bits));
+            b.d = f16::from_f32(1.0 / iscale);
+        }
+        let scales = b.unpacked_scales();
+        relevel::<16>(x, &mut levels, (-4, 3), |j| {
+            (b.d.to_f32() * f32::from(scales[j] - 32), None)
+        });
+        b.hmask = std::array::from_fn(|l| {
+            (0..8).fold(0, |h, bit| h | ((levels[32 * bit + l] >> 2) << bit))
+        });
+        b.qs = pack_twos(&levels);
+        b
     }
 }
 
@@ -500,18 +644,20 @@ fn pack_scale_min_k4(pairs: [(u8, u8); 8]) -> [u8; 12] {
     s
 }
 
-/// ggml's `make_qkx2_quants` as the Q4_K and Q5_K refs call it (`rdelta` 0.1, no `use_mad`):
-/// levels `0..=nmax` of 32 weights as `scale * l - min`. From the levels of the weights' range
-/// it tries `nstep + 1` more scales, `(nmax + rmin + 0.1 * step) / range`, fits the scale and
-/// min to each try's levels by weighted least squares and keeps the least weighted squared
-/// error. Returns the scale, the min (as a positive offset) and the levels.
-fn make_qkx2_quants(
+/// ggml's `make_qkx2_quants` as the Q2_K, Q4_K and Q5_K refs call it (`rdelta` 0.1): levels
+/// `0..=nmax` of `N` weights as `scale * l - min`. From the levels of the weights' range it
+/// tries `nstep + 1` more scales, `(nmax + rmin + 0.1 * step) / range`, fits the scale and min
+/// to each try's levels by weighted least squares and keeps the least weighted error (absolute
+/// with `use_mad`, else squared). Returns the scale and the min (as a positive offset), and
+/// the levels.
+fn make_qkx2_quants<const N: usize>(
     nmax: u8,
-    x: &[f32; 32],
-    w: &[f32; 32],
+    x: &[f32; N],
+    w: &[f32; N],
     rmin: f32,
     nstep: u8,
-) -> (f32, f32, [u8; 32]) {
+    use_mad: bool,
+) -> ((f32, f32), [u8; N]) {
     let (mut min, mut max) = (x[0], x[0]);
     let (mut sum_w, mut sum_x) = (w[0], w[0] * x[0]);
     for (&x, &w) in x.iter().zip(w).skip(1) {
@@ -528,16 +674,17 @@ fn make_qkx2_quants(
         min = 0.0;
     }
     if max == min {
-        return (0.0, -min, [0; 32]);
+        return ((0.0, -min), [0; N]);
     }
     let levels = |iscale: f32, min: f32| {
         x.map(|x| nearest_int(iscale * (x - min)).clamp(0, nmax.into()) as u8)
     };
-    let error = |scale: f32, min: f32, levels: &[u8; 32]| {
+    let error = |scale: f32, min: f32, levels: &[u8; N]| {
         let terms = x.iter().zip(w).zip(levels);
         terms.fold(0.0f32, |e, ((&x, &w), &l)| {
             let diff = scale * f32::from(l) + min - x;
-            e + w * (diff * diff)
+            let loss = if use_mad { diff.abs() } else { diff * diff };
+            e + w * loss
         })
     };
     let iscale = f32::from(nmax) / (max - min);
@@ -569,7 +716,55 @@ fn make_qkx2_quants(
             }
         }
     }
-    (scale, -min, best)
+    ((scale, -min), best)
+}
+
+/// The k-quants' first pass: each sub-block of `N` weights of `x` fitted by `fit`, its levels
+/// into `levels`; returns the `S` fits (scale, or scale and min).
+fn fit_sub_blocks<const N: usize, const S: usize, F>(
+    x: &[f32; QK_K],
+    levels: &mut [u8; QK_K],
+    mut fit: impl FnMut(&[f32; N]) -> (F, [u8; N]),
+) -> [F; S] {
+    const { assert!(N * S == QK_K) };
+    std::array::from_fn(|j| {
+        let (f, q) = fit(block_of(&x[N * j..][..N]));
+        levels[N * j..][..N].copy_from_slice(&q);
+        f
+    })
+}
+
+/// The scales (or mins) of Q2_K's, Q4_K's and Q5_K's sub-blocks as their refs store them:
+/// steps of `max / top` in f16 (`max` the largest, by ggml's `>`: never -0 as f32::max could
+/// give), and each one's number of steps, modulo 256 as C's (uint8_t) stores them.
+fn scale_steps<const S: usize>(values: [f32; S], top: f32) -> (f16, [u8; S]) {
+    let max = (values.iter()).fold(0.0f32, |m, &v| if v > m { v } else { m });
+    let inv = if max > 0.0 { top / max } else { 0.0 };
+    let steps = values.map(|v| nearest_int(inv * v) as u8);
+    (f16::from_f32(max / top), steps)
+}
+
+/// The k-quants' last pass: each weight of sub-block `j` (of `N` weights) takes the level `q`
+/// in `lo..=hi` nearest `(x + dm) / d`, `(d, dm)` the sub-block's stored scale and min from
+/// `scale(j)` (plain `x / d` without a min), stored as `q - lo`. Where `d` is 0 ggml leaves
+/// the levels as first fitted.
+fn relevel<const N: usize>(
+    x: &[f32; QK_K],
+    levels: &mut [u8; QK_K],
+    (lo, hi): (i32, i32),
+    scale: impl Fn(usize) -> (f32, Option<f32>),
+) {
+    let sub_blocks = x.chunks_exact(N).zip(levels.chunks_exact_mut(N));
+    for (j, (x, levels)) in sub_blocks.enumerate() {
+        let (d, dm) = scale(j);
+        if d == 0.0 {
+            continue;
+        }
+        for (l, &x) in levels.iter_mut().zip(x) {
+            let x = dm.map_or(x, |dm| x + dm);
+            *l = (nearest_int(x / d).clamp(lo, hi) - lo) as u8;
+        }
+    }
 }
 
 /// A Q4_K/Q5_K super-block (`quantize_row_q{4,5}_K_ref`): its `d`, `dmin`, packed scales and
@@ -588,52 +783,22 @@ impl SuperBlockK4 {
     /// (those of a sub-block whose stored scale is 0 keep their fitted level).
     fn quantise(x: &[f32; QK_K], nmax: u8, rmin: f32, nstep: u8) -> SuperBlockK4 {
         let mut levels = [0u8; QK_K];
-        let mut fits = [(0.0f32, 0.0f32); QK_K / 32];
-        for ((x, l), fit) in x
-            .chunks_exact(32)
-            .zip(levels.chunks_exact_mut(32))
-            .zip(&mut fits)
-        {
-            let x: &[f32; 32] = block_of(x);
+        let fits: [_; 8] = fit_sub_blocks(x, &mut levels, |x: &[f32; 32]| {
             let sum_x2 = x.iter().fold(0.0f32, |s, &v| s + v * v);
             let av_x = (sum_x2 / 32.0).sqrt();
             let weights = x.map(|v| av_x + v.abs());
-            let (scale, min, q) = make_qkx2_quants(nmax, x, &weights, rmin, nstep);
-            l.copy_from_slice(&q);
-            *fit = (scale, min);
-        }
-        // Comparisons as ggml's (f32::max could take a -0.0 min, and store d = -0).
-        let largest = |of: fn(&(f32, f32)) -> f32| {
-            fits.iter()
-                .map(of)
-                .fold(0.0f32, |m, v| if v > m { v } else { m })
-        };
-        let (max_scale, max_min) = (largest(|f| f.0), largest(|f| f.1));
-        let inverse = |max: f32| if max > 0.0 { 63.0 / max } else { 0.0 };
-        let (inv_scale, inv_min) = (inverse(max_scale), inverse(max_min));
-        // As C's (uint8_t) cast: modulo 256, then at most 63.
-        let six_bits = |inv: f32, v: f32| (nearest_int(inv * v) as u8).min(63);
-        let pairs = fits.map(|(sc, m)| (six_bits(inv_scale, sc), six_bits(inv_min, m)));
-        let scales = pack_scale_min_k4(pairs);
-        let (d, dmin) = (
-            f16::from_f32(max_scale / 63.0),
-            f16::from_f32(max_min / 63.0),
-        );
-        for (j, (x, l)) in x
-            .chunks_exact(32)
-            .zip(levels.chunks_exact_mut(32))
-            .enumerate()
-        {
+            make_qkx2_quants(nmax, x, &weights, rmin, nstep, false)
+        });
+        let (d, sc) = scale_steps(fits.map(|f| f.0), 63.0);
+        let (dmin, m) = scale_steps(fits.map(|f| f.1), 63.0);
+        let scales = pack_scale_min_k4(std::array::from_fn(|j| (sc[j].min(63), m[j].min(63))));
+        relevel::<32>(x, &mut levels, (0, nmax.into()), |j| {
             let (sc, m) = scale_min_k4(j, &scales);
-            let d = d.to_f32() * f32::from(sc);
-            if d == 0.0 {
-                continue;
-            }
-            let dm = dmin.to_f32() * f32::from(m);
-            for (l, &x) in l.iter_mut().zip(x) {
-                *l = nearest_int((x + dm) / d).clamp(0, nmax.into()) as u8;
-            }
-        }
+            (
+                d.to_f32() * f32::from(sc),
+                Some(dmin.to_f32() * f32::from(m)),
+            )
+        });
         SuperBlockK4 {
             d,
             dmin,
@@ -741,13 +906,8 @@ impl QuantBlock for BlockQ6K {
 /// fit of 19 scales `(nmax + 0.1 * step) / max`, `step` in -9..=9. Returns the scale and the
 /// levels; all zeros for a sub-block of zeros (levels 0, not `nmax`, as ggml's).
 fn make_qx_quants(nmax: i32, x: &[f32; 16]) -> (f32, [u8; 16]) {
-    let (mut amax, mut max) = (0.0f32, 0.0f32);
-    for &v in x {
-        if v.abs() > amax {
-            (amax, max) = (v.abs(), v);
-        }
-    }
-    if amax < GROUP_MAX_EPS {
+    let max = max_magnitude(x);
+    if max.abs() < GROUP_MAX_EPS {
         return (0.0, [0; 16]);
     }
     let level = |iscale: f32, x: f32| nearest_int(iscale * x).clamp(-nmax, nmax - 1);
@@ -799,41 +959,17 @@ impl Quantise for BlockQ6K {
     fn quantise(x: &[f32]) -> Self {
         let x: &[f32; QK_K] = block_of(x);
         let mut levels = [0u8; QK_K];
-        let mut fits = [0.0f32; QK_K / 16];
-        for ((x, l), fit) in x
-            .chunks_exact(16)
-            .zip(levels.chunks_exact_mut(16))
-            .zip(&mut fits)
-        {
-            let (scale, q) = make_qx_quants(32, block_of(x));
-            l.copy_from_slice(&q);
-            *fit = scale;
-        }
-        let (mut max_abs, mut max_scale) = (0.0f32, 0.0f32);
-        for &s in &fits {
-            if s.abs() > max_abs {
-                (max_abs, max_scale) = (s.abs(), s);
-            }
-        }
-        if max_abs < GROUP_MAX_EPS {
+        let fits: [_; 16] = fit_sub_blocks(x, &mut levels, |x| make_qx_quants(32, x));
+        let max_scale = max_magnitude(&fits);
+        if max_scale.abs() < GROUP_MAX_EPS {
             return bytemuck::Zeroable::zeroed();
         }
         let iscale = -128.0 / max_scale;
         let d = f16::from_f32(1.0 / iscale);
         let scales = fits.map(|s| nearest_int(iscale * s).min(127) as i8);
-        for ((x, l), &sc) in x
-            .chunks_exact(16)
-            .zip(levels.chunks_exact_mut(16))
-            .zip(&scales)
-        {
-            let d = d.to_f32() * f32::from(sc);
-            if d == 0.0 {
-                continue;
-            }
-            for (l, &x) in l.iter_mut().zip(x) {
-                *l = (nearest_int(x / d).clamp(-32, 31) + 32) as u8;
-            }
-        }
+        relevel::<16>(x, &mut levels, (-32, 31), |j| {
+            (d.to_f32() * f32::from(scales[j]), None)
+        });
         let (ql, qh) = pack_q6k(&levels);
         BlockQ6K { ql, qh, scales, d }
     }
@@ -859,33 +995,171 @@ impl QuantBlock for BlockIq4Xs {
     }
 }
 
+/// ggml's `best_index_int8` on [`IQ4_VALUES`]: the index of the level nearest `x` (of two as
+/// near, the upper; the top one for NaN, by ggml's bisection).
+fn iq4_index(x: f32) -> u8 {
+    let value = |i: usize| f32::from(IQ4_VALUES[i]);
+    if x <= value(0) {
+        return 0;
+    }
+    if x >= value(15) {
+        return 15;
+    }
+    let (mut lo, mut hi) = (0, 15);
+    while hi - lo > 1 {
+        let mid = (lo + hi) / 2;
+        if x < value(mid) {
+            hi = mid;
+        } else {
+            lo = mid;
+        }
+    }
+    let nearest = if x - value(hi - 1) < value(hi) - x {
+        hi - 1
+    } else {
+        hi
+    };
+    nearest as u8
+}
+
+/// The IQ4 levels of the weights `x` against the inverse scale `id`.
+fn iq4_levels(x: &[f32; QK], id: f32) -> [u8; QK] {
+    x.map(|x| iq4_index(id * x))
+}
+
+/// A block's scale as `quantize_row_iq4_nl_impl` fits it with no importance matrix (weights
+/// `x²`, `ntry` 7): the weighted least-squares scale of the levels at `d = -max / IQ4_VALUES[0]`
+/// (`max` the weight of largest magnitude), or of those at any of 15 more inverse scales,
+/// `(IQ4_VALUES[0] + step) / max` for `step` in -7..=7, that fit better. 0 for a block of
+/// zeros.
+fn iq4_block_scale(x: &[f32; QK]) -> f32 {
+    let max = max_magnitude(x);
+    if max.abs() < GROUP_MAX_EPS {
+        return 0.0;
+    }
+    let v0 = IQ4_VALUES[0];
+    // Σ w·q·x and Σ w·q² over the weights, w = x².
+    let sums = |id: f32| {
+        x.iter().fold((0.0f32, 0.0f32), |(sumqx, sumq2), &x| {
+            let (q, w) = (f32::from(IQ4_VALUES[iq4_index(id * x) as usize]), x * x);
+            (sumqx + w * q * x, sumq2 + w * q * q)
+        })
+    };
+    let (sumqx, sumq2) = sums(1.0 / (-max / f32::from(v0)));
+    let mut d = if sumq2 > 0.0 { sumqx / sumq2 } else { 0.0 };
+    let mut best = d * sumqx;
+    for step in -7..=7 {
+        let (sumqx, sumq2) = sums((step + i32::from(v0)) as f32 / max);
+        if sumq2 > 0.0 && sumqx * sumqx > best * sumq2 {
+            d = sumqx / sumq2;
+            best = d * sumqx;
+        }
+    }
+    d
+}
+
+/// `quantize_iq4_nl` without an importance matrix, as `llama-quantize` runs it (not
+/// `quantize_row_iq4_nl_ref`, which searches no scales): [`iq4_block_scale`], and each weight
+/// at its nearest level.
+impl Quantise for BlockIq4Nl {
+    fn quantise(x: &[f32]) -> Self {
+        let x: &[f32; QK] = block_of(x);
+        let d = iq4_block_scale(x);
+        BlockIq4Nl {
+            d: f16::from_f32(d),
+            qs: pack_nibbles(&iq4_levels(x, inverse(d))),
+        }
+    }
+}
+
+/// `quantize_iq4_xs` without an importance matrix (= `quantize_row_iq4_xs_ref`): each block of
+/// 32 gets [`iq4_block_scale`], stored in 6 bits against the scale of largest magnitude (at
+/// -32); then each weight takes the nearest level of its block's stored scale (before the f16
+/// rounding of `d`).
+impl Quantise for BlockIq4Xs {
+    fn quantise(x: &[f32]) -> Self {
+        let x: &[f32; QK_K] = block_of(x);
+        let scales: [f32; QK_K / QK] =
+            std::array::from_fn(|ib| iq4_block_scale(block_of(&x[QK * ib..][..QK])));
+        let d = -max_magnitude(&scales) / 32.0;
+        let id = inverse(d);
+        let mut b = BlockIq4Xs {
+            d: f16::from_f32(d),
+            scales_h: 0,
+            scales_l: [0; QK_K / 64],
+            qs: [0; QK_K / 2],
+        };
+        for (ib, (&s, qs)) in scales.iter().zip(b.qs.chunks_exact_mut(QK / 2)).enumerate() {
+            let l = nearest_int(id * s).clamp(-32, 31);
+            let levels = iq4_levels(block_of(&x[QK * ib..][..QK]), inverse(d * l as f32));
+            qs.copy_from_slice(&pack_nibbles(&levels));
+            let l = (l + 32) as u8;
+            b.scales_l[ib / 2] |= (l & 0xF) << (4 * (ib % 2));
+            b.scales_h |= u16::from(l >> 4) << (2 * ib);
+        }
+        b
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    /// The levels weight `i` of a block can take, `d * q + m` for `q` in `q`. `k_quant`: ggml
-    /// chose them against the stored scales, fitted by weighted least squares (so they may clamp
-    /// a sub-block's extremes by more than a step); else against `d` and `m` before their f16
-    /// rounding, from the block's range.
+    /// The levels weight `i` of a block can take: `d * q + m` for `q` in `q` (of those, IQ4's
+    /// [`IQ4_VALUES`], at most `gap` steps apart; else 1). `rounding`: how far they can be from
+    /// the levels ggml chose against, where it chose them before the f16 rounding of `d` and
+    /// `m`. `reach`: whether the levels reach each weight within a step, as they do when chosen
+    /// from the block's range (a weighted least-squares fit, as the k-quants' and IQ4's, may
+    /// clamp a sub-block's extremes by more).
     struct Levels {
         d: f32,
         m: f32,
         q: (i32, i32),
-        k_quant: bool,
+        gap: f32,
+        rounding: f32,
+        reach: bool,
     }
 
     trait LevelsOf: Quantise {
         fn levels(&self, i: usize) -> Levels;
     }
 
-    /// A 32-weight block's levels, `d * q + m`.
+    /// Half an f16 ulp of `v` (normal or subnormal).
+    fn f16_half_ulp(v: f32) -> f32 {
+        (v.abs() / 2048.0).max(2f32.powi(-25))
+    }
+
+    /// A 32-weight block's levels, `d * q + m`, chosen from its range before the f16 rounding.
     fn block_levels(d: f16, m: f16, q: (i32, i32)) -> Levels {
         let (d, m) = (d.to_f32(), m.to_f32());
+        let top = q.0.abs().max(q.1.abs()) as f32;
+        Levels {
+            rounding: 2.0 * (f16_half_ulp(d) * top + f16_half_ulp(m)),
+            reach: true,
+            ..k_levels(d, m, q)
+        }
+    }
+
+    /// A k-quant sub-block's levels, `d * q + m`, chosen against the stored scales.
+    fn k_levels(d: f32, m: f32, q: (i32, i32)) -> Levels {
         Levels {
             d,
             m,
             q,
-            k_quant: false,
+            gap: 1.0,
+            rounding: 0.0,
+            reach: false,
+        }
+    }
+
+    /// An IQ4 block's levels, `d * IQ4_VALUES[q]` with `d = d16 * sc`, chosen against `d16`
+    /// before its f16 rounding.
+    fn iq4_table_levels(d16: f16, sc: i32) -> Levels {
+        let d = d16.to_f32() * sc as f32;
+        Levels {
+            gap: 24.0,
+            rounding: 2.0 * f16_half_ulp(d16.to_f32()) * (sc.abs() * 127) as f32,
+            ..k_levels(d, 0.0, (-127, 113))
         }
     }
 
@@ -921,11 +1195,23 @@ mod tests {
 
     fn k4_levels(d: f16, dmin: f16, scales: &[u8; 12], i: usize, top: i32) -> Levels {
         let (sc, m) = scale_min_k4(i / 32, scales);
-        Levels {
-            d: d.to_f32() * f32::from(sc),
-            m: -(dmin.to_f32() * f32::from(m)),
-            q: (0, top),
-            k_quant: true,
+        let (d, m) = (d.to_f32() * f32::from(sc), dmin.to_f32() * f32::from(m));
+        k_levels(d, -m, (0, top))
+    }
+
+    impl LevelsOf for BlockQ2K {
+        fn levels(&self, i: usize) -> Levels {
+            let sc = self.scales[i / 16];
+            let d = self.d.to_f32() * f32::from(sc & 0xF);
+            let m = self.dmin.to_f32() * f32::from(sc >> 4);
+            k_levels(d, -m, (0, 3))
+        }
+    }
+
+    impl LevelsOf for BlockQ3K {
+        fn levels(&self, i: usize) -> Levels {
+            let sc = self.unpacked_scales()[i / 16] - 32;
+            k_levels(self.d.to_f32() * f32::from(sc), 0.0, (-4, 3))
         }
     }
 
@@ -943,50 +1229,51 @@ mod tests {
 
     impl LevelsOf for BlockQ6K {
         fn levels(&self, i: usize) -> Levels {
-            Levels {
-                d: self.d.to_f32() * f32::from(self.scales[i / 16]),
-                m: 0.0,
-                q: (-32, 31),
-                k_quant: true,
-            }
+            let d = self.d.to_f32() * f32::from(self.scales[i / 16]);
+            k_levels(d, 0.0, (-32, 31))
         }
     }
 
-    /// Half an f16 ulp of `v` (normal or subnormal).
-    fn f16_half_ulp(v: f32) -> f32 {
-        (v.abs() / 2048.0).max(2f32.powi(-25))
+    impl LevelsOf for BlockIq4Nl {
+        fn levels(&self, _: usize) -> Levels {
+            iq4_table_levels(self.d, 1)
+        }
+    }
+
+    impl LevelsOf for BlockIq4Xs {
+        fn levels(&self, i: usize) -> Levels {
+            let ib = i / QK;
+            let low = (self.scales_l[ib / 2] >> (4 * (ib % 2))) & 0xF;
+            let high = ((self.scales_h >> (2 * ib)) & 3) as u8;
+            iq4_table_levels(self.d, i32::from(low | (high << 4)) - 32)
+        }
     }
 
     /// Quantises and dequantises the whole blocks of `x` and checks each weight: within half a
-    /// step of the nearest level of its block (plus its distance from the levels' range, where
-    /// the format clamps it, and the f16 rounding of `d` and `m` where the quantiser levelled
-    /// before it). With `reach`, the levels of the 32-weight types must also reach each weight
-    /// within a step (Q4_0's and Q5_0's top level is a step short of the largest magnitude's
-    /// opposite).
+    /// gap of the nearest level of its block (plus its distance from the levels' range, where
+    /// the format clamps it, and their f16 rounding where the quantiser levelled before it).
+    /// With `reach`, levels chosen from the block's range must also reach each weight within a
+    /// step (Q4_0's and Q5_0's top level is a step short of the largest magnitude's opposite).
     fn round_trip<B: LevelsOf>(x: &[f32], case: &str, reach: bool) {
         let mut y = vec![0.0; B::LEN];
         for (n, x) in x.chunks_exact(B::LEN).enumerate() {
             let b = B::quantise(x);
             b.dequantise_into(&mut y);
             for (i, (&x, &y)) in x.iter().zip(&y).enumerate() {
-                let Levels { d, m, q, k_quant } = b.levels(i);
-                let ends = [d * q.0 as f32 + m, d * q.1 as f32 + m];
+                let l = b.levels(i);
+                let (d, m) = (l.d, l.m);
+                let ends = [d * l.q.0 as f32 + m, d * l.q.1 as f32 + m];
                 let (lo, hi) = (ends[0].min(ends[1]), ends[0].max(ends[1]));
                 let outside = (lo - x).max(x - hi).max(0.0);
-                let top = q.0.abs().max(q.1.abs()) as f32;
-                let f16_rounding = match k_quant {
-                    false => 2.0 * (f16_half_ulp(d) * top + f16_half_ulp(m)),
-                    true => 0.0,
-                };
                 let f32_rounding = 4.0 * f32::EPSILON * (x.abs().max(y.abs()) + m.abs());
-                let slack = f16_rounding + f32_rounding;
+                let slack = l.rounding + f32_rounding;
                 let what = format!("{} {case}, block {n}, weight {i}", B::DTYPE.name());
                 assert!(
-                    (x - y).abs() <= d.abs() / 2.0 + outside + slack,
+                    (x - y).abs() <= l.gap * d.abs() / 2.0 + outside + slack,
                     "{what}: {x} dequantises to {y} (levels {lo}..={hi} by {d})"
                 );
                 assert!(
-                    !reach || k_quant || outside <= d.abs() + slack,
+                    !(reach && l.reach) || outside <= d.abs() + slack,
                     "{what}: {x} is {outside} from the levels {lo}..={hi} (by {d})"
                 );
             }
@@ -1027,16 +1314,54 @@ mod tests {
         round_trips::<BlockQ5_0>();
         round_trips::<BlockQ5_1>();
         round_trips::<BlockQ8_0>();
+        round_trips::<BlockIq4Nl>();
+        round_trips::<BlockQ2K>();
+        round_trips::<BlockQ3K>();
         round_trips::<BlockQ4K>();
         round_trips::<BlockQ5K>();
         round_trips::<BlockQ6K>();
+        round_trips::<BlockIq4Xs>();
     }
 
-    /// Zeros quantise to zeros; Q6_K's super-block of zeros is all zero bytes, as ggml's.
+    /// IQ4_NL has no `llama-quantize` fixture: these are the blocks ggml's `quantize_iq4_nl`
+    /// (ggml-quants.c built with gcc for x86-64) writes for the same weights, with a sub-block
+    /// of zeros and an outlier.
+    #[test]
+    fn iq4_nl_blocks_are_ggmls() {
+        let x: [f32; 3 * QK] = std::array::from_fn(|i| match i {
+            32..40 => 0.0,
+            70 => 40.0,
+            i => ((i * 7919) % 251) as f32 / 64.0 - 125.0 / 64.0,
+        });
+        let ggml: [[u8; 18]; 3] = [
+            [
+                0x24, 0x24, 0xd0, 0x59, 0xe1, 0x7b, 0xf3, 0x9c, 0x14, 0xbe, 0x36, 0xcf, 0x48, 0xe1,
+                0x6a, 0xf2, 0x8c, 0x13,
+            ],
+            [
+                0x96, 0xa3, 0xa8, 0x08, 0x88, 0xf8, 0x68, 0xe8, 0x48, 0xd8, 0x20, 0xb7, 0x1f, 0x95,
+                0x0e, 0x73, 0xfc, 0x52,
+            ],
+            [
+                0x0a, 0xb5, 0x78, 0x88, 0x88, 0x88, 0x88, 0x87, 0x80, 0x88, 0x88, 0x78, 0x88, 0x88,
+                0x88, 0x88, 0x87, 0x88,
+            ],
+        ];
+        for (n, (x, ggml)) in x.chunks_exact(QK).zip(&ggml).enumerate() {
+            let ours = BlockIq4Nl::quantise(x);
+            assert_eq!(bytemuck::bytes_of(&ours), ggml, "block {n}");
+        }
+    }
+
+    /// Zeros quantise to zeros; Q2_K's, Q3_K's and Q6_K's super-block of zeros is all zero
+    /// bytes, as ggml's, and IQ4_XS's `d` is -0 (ggml's `-max_scale / 32`).
     #[test]
     fn zeros_give_zeros() {
         let zeros = [0.0; QK_K];
+        assert_eq!(bytemuck::bytes_of(&BlockQ2K::quantise(&zeros)), [0; 84]);
+        assert_eq!(bytemuck::bytes_of(&BlockQ3K::quantise(&zeros)), [0; 110]);
         assert_eq!(bytemuck::bytes_of(&BlockQ6K::quantise(&zeros)), [0; 210]);
+        assert_eq!(BlockIq4Xs::quantise(&zeros).d.to_bits(), 0x8000);
         let b = BlockQ4K::quantise(&zeros);
         assert_eq!((b.d.to_bits(), b.dmin.to_bits(), b.qs), (0, 0, [0; 128]));
     }
@@ -1054,6 +1379,53 @@ mod tests {
         ];
         for (x, want) in cases {
             assert_eq!(nearest_int(x), want, "{x}");
+        }
+    }
+
+    /// More IQ4_NL blocks against ggml's `quantize_iq4_nl` (as above), by their FNV-1a hash:
+    /// 512 of [`uniform`] weights and 64 whose scales are f16 subnormals (the choice of levels
+    /// against the f32 scale, and the edges of the scale search, show in few blocks; the hash
+    /// pins `uniform`'s values too).
+    #[test]
+    fn iq4_nl_blocks_hash_as_ggmls() {
+        let x = [
+            uniform(5, 512 * QK, (-1.0, 1.0)),
+            uniform(6, 64 * QK, (-1e-6, 1e-6)),
+        ]
+        .concat();
+        let blocks: Vec<BlockIq4Nl> = x.chunks_exact(QK).map(BlockIq4Nl::quantise).collect();
+        let bytes: &[u8] = bytemuck::cast_slice(&blocks);
+        let fnv1a = (bytes.iter()).fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
+            (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+        });
+        assert_eq!(fnv1a, 0x6916_44c2_eb4c_c155);
+    }
+
+    #[test]
+    fn packed_q3k_scales_unpack_as_ggml_reads_them() {
+        let scales: [u8; 16] = std::array::from_fn(|j| (j * 13 + 7) as u8 % 64);
+        let b = BlockQ3K {
+            scales: pack_q3k_scales(scales),
+            ..bytemuck::Zeroable::zeroed()
+        };
+        assert_eq!(b.unpacked_scales(), scales.map(|s| s as i8));
+    }
+
+    #[test]
+    fn iq4_index_takes_the_nearest_level() {
+        let cases = [
+            (-200.0, 0),
+            (-115.6, 0),
+            (-115.5, 1),
+            (0.0, 8),
+            (-4.5, 8),
+            (-4.6, 7),
+            (101.0, 15),
+            (1e9, 15),
+            (f32::NAN, 15),
+        ];
+        for (x, want) in cases {
+            assert_eq!(iq4_index(x), want, "{x}");
         }
     }
 

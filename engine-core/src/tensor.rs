@@ -13,8 +13,8 @@ pub use crate::quant::{
 };
 
 /// Storage dtypes the engine reads. Compute is always f32. The quantised ones are llama.cpp's
-/// (`crate::quant`), read from GGUF files; tether writes the 32-weight ones but IQ4_NL, and
-/// Q4_K, Q5_K and Q6_K (`crate::quant::Quantise`).
+/// (`crate::quant`), read from GGUF files; tether writes each of them too, as `llama-quantize`
+/// does without an importance matrix (`crate::quant::Quantise`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DType {
     F32,
@@ -284,11 +284,11 @@ impl Data {
     }
 
     /// Owned data from f32 values, stored as `dtype` (round to nearest even; the quantised
-    /// types as ggml's reference quantisers write them, [`crate::quant::Quantise`]).
+    /// types as ggml's quantisers write them without an importance matrix,
+    /// [`crate::quant::Quantise`]).
     ///
     /// # Panics
-    /// For a quantised type without a quantiser in tether (Q2_K, Q3_K, IQ4_NL, IQ4_XS: read,
-    /// not written), or `values` not a whole number of its blocks.
+    /// For a quantised type, unless `values` are a whole number of its blocks.
     pub fn from_f32(values: &[f32], dtype: DType) -> Data {
         fn quantised<B: crate::quant::Quantise>(values: &[f32]) -> Elems<B> {
             assert!(
@@ -313,13 +313,13 @@ impl Data {
             DType::Q5_0 => Data::Q5_0(quantised(values)),
             DType::Q5_1 => Data::Q5_1(quantised(values)),
             DType::Q8_0 => Data::Q8_0(quantised(values)),
+            DType::Iq4Nl => Data::Iq4Nl(quantised(values)),
+            DType::Q2K => Data::Q2K(quantised(values)),
+            DType::Q3K => Data::Q3K(quantised(values)),
             DType::Q4K => Data::Q4K(quantised(values)),
             DType::Q5K => Data::Q5K(quantised(values)),
             DType::Q6K => Data::Q6K(quantised(values)),
-            DType::Q2K | DType::Q3K | DType::Iq4Nl | DType::Iq4Xs => panic!(
-                "tether reads {} weights; it has no quantiser for them",
-                dtype.name()
-            ),
+            DType::Iq4Xs => Data::Iq4Xs(quantised(values)),
         }
     }
 }

@@ -17,9 +17,10 @@ pub struct Args {
     /// The GGUF to write.
     output: PathBuf,
     /// The file type, as llama.cpp names it: f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1,
-    /// q4_k_s, q4_k_m (or q4_k), q5_k_s, q5_k_m (or q5_k), q6_k. The matrices take the types
-    /// `llama-quantize` gives them (the output in Q6_K, some value and down projections
-    /// higher in the k-quant mixes); norms, gates and the conv kernel stay f32.
+    /// q2_k, q3_k_s, q3_k_m (or q3_k), q3_k_l, q4_k_s, q4_k_m (or q4_k), q5_k_s, q5_k_m (or
+    /// q5_k), q6_k, iq4_nl, iq4_xs. The matrices take the types `llama-quantize` gives them
+    /// (the output in Q6_K, some value, down and output projections higher in the mixes);
+    /// norms, `ssm_a`, `ssm_dt` and the conv kernel stay f32.
     #[arg(long = "type", default_value = "q8_0")]
     dtype: String,
     #[command(flatten)]

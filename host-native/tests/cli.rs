@@ -317,9 +317,10 @@ fn assert_same_gguf(ours: &std::path::Path, theirs: &std::path::Path, what: &str
 
 /// `tether quantize` writes the file llama.cpp's converter writes from the same checkpoint
 /// (tests/fixtures/gguf, made by `scripts/gguf-from-fixture.py`) in f32, f16 and q8_0, and the
-/// file `llama-quantize` writes from the same f32 GGUF in q4_0, q5_1 and q4_k_m
-/// (`scripts/llama-quantize-fixtures.sh`): every tensor's type by llama.cpp's per-tensor rules,
-/// and its bytes by ggml's reference quantisers.
+/// file `llama-quantize` writes from the same f32 GGUF in q4_0, q5_1, q4_k_m, and from the
+/// tiny256 preset in q2_k, q3_k_m, q4_k_m and iq4_xs (`scripts/llama-quantize-fixtures.sh`):
+/// every tensor's type by llama.cpp's per-tensor rules, and its bytes by ggml's reference
+/// quantisers.
 #[test]
 fn quantize_writes_llama_cpps_files() {
     let dir = scratch("quantize");
@@ -346,15 +347,15 @@ fn quantize_writes_llama_cpps_files() {
         quantize(f32_file.to_str().unwrap(), &out, t, &[]);
         assert_same_gguf(&out, &fixtures.join(format!("tiny_fp32.{t}.gguf")), t);
     }
-    // Rows of 256: Q4_K, with Q6_K for the output and the mix's value and down projections.
-    let out = dir.join("tiny256.q4_k_m.gguf");
+    // Rows of 256: the k-quants and IQ4_XS, with each mix's higher types for the output and
+    // the value, down and attention output projections.
     let synth = ["--dtype", "f32", "--weight-seed", "3"];
-    quantize("tiny256", &out, "q4_k", &synth);
-    assert_same_gguf(
-        &out,
-        &fixtures.join("tiny256.q4_k_m.gguf"),
-        "tiny256 q4_k_m",
-    );
+    for t in ["q2_k", "q3_k_m", "q4_k_m", "iq4_xs"] {
+        let out = dir.join(format!("tiny256.{t}.gguf"));
+        quantize("tiny256", &out, t, &synth);
+        let theirs = fixtures.join(format!("tiny256.{t}.gguf"));
+        assert_same_gguf(&out, &theirs, &format!("tiny256 {t}"));
+    }
     // It refuses to overwrite a file, and types it does not write.
     let out = dir.join("tiny.q8_0.gguf");
     let again = Command::new(env!("CARGO_BIN_EXE_tether"))
@@ -372,13 +373,13 @@ fn quantize_writes_llama_cpps_files() {
             "tiny",
             dir.join("x.gguf").to_str().unwrap(),
             "--type",
-            "q3_k_m",
+            "iq2_xs",
         ])
         .output()
         .unwrap();
     let err = String::from_utf8_lossy(&q3.stderr);
     assert!(
-        err.contains("--type q3_k_m: expected one of f32, f16, bf16, q8_0"),
+        err.contains("--type iq2_xs: expected one of f32, f16, bf16, q8_0"),
         "{err}"
     );
 }

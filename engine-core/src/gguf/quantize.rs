@@ -43,6 +43,17 @@ enum Mix {
     /// Q4_K_M and Q5_K_M: value projections and `ffn_down` of the first and last eighth of the
     /// layers and of every third between them in Q6_K.
     KMedium,
+    /// Q2_K: value projections in Q4_K (Q3_K where fewer than 4 query heads share a KV head),
+    /// `ffn_down` and the attention output in Q3_K.
+    Q2K,
+    /// Q3_K_M: the first two value projections in Q5_K, the rest in Q4_K; `ffn_down` of the
+    /// first sixteenth of the layers in Q5_K, the rest in Q4_K; the attention output in Q4_K.
+    Q3KMedium,
+    /// Q3_K_L: value projections, `ffn_down` and the attention output in Q5_K.
+    Q3KLarge,
+    /// IQ4_NL and IQ4_XS: value projections in Q5_K where 4 or more query heads share a KV
+    /// head; `ffn_down` of the first eighth of the layers in Q5_K.
+    Iq4,
 }
 
 const fn ft(name: &'static str, id: u32, default: DType, mix: Mix) -> FileType {
@@ -54,8 +65,9 @@ const fn ft(name: &'static str, id: u32, default: DType, mix: Mix) -> FileType {
     }
 }
 
-/// The file types tether writes; `q4_k` and `q5_k` name the `_m` mixes, as in `llama-quantize`.
-pub const FILE_TYPES: [FileType; 13] = [
+/// The file types tether writes; `q3_k`, `q4_k` and `q5_k` name the `_m` mixes, as in
+/// `llama-quantize`.
+pub const FILE_TYPES: [FileType; 19] = [
     ft("f32", 0, DType::F32, Mix::Uniform),
     ft("f16", 1, DType::F16, Mix::Uniform),
     ft("bf16", 32, DType::BF16, Mix::Uniform),
@@ -69,13 +81,20 @@ pub const FILE_TYPES: [FileType; 13] = [
     ft("q5_k_s", 16, DType::Q5K, Mix::Uniform),
     ft("q5_k_m", 17, DType::Q5K, Mix::KMedium),
     ft("q6_k", 18, DType::Q6K, Mix::Uniform),
+    ft("q2_k", 10, DType::Q2K, Mix::Q2K),
+    ft("q3_k_s", 11, DType::Q3K, Mix::Uniform),
+    ft("q3_k_m", 12, DType::Q3K, Mix::Q3KMedium),
+    ft("q3_k_l", 13, DType::Q3K, Mix::Q3KLarge),
+    ft("iq4_nl", 25, DType::Iq4Nl, Mix::Iq4),
+    ft("iq4_xs", 30, DType::Iq4Xs, Mix::Iq4),
 ];
 
 impl FileType {
-    /// The file type named `s` (any case; `q4_k`, `q5_k` are the `_m` mixes).
+    /// The file type named `s` (any case; `q3_k`, `q4_k`, `q5_k` are the `_m` mixes).
     pub fn parse(s: &str) -> Option<FileType> {
         let s = s.to_ascii_lowercase();
         let s = match s.as_str() {
+            "q3_k" => "q3_k_m",
             "q4_k" => "q4_k_m",
             "q5_k" => "q5_k_m",
             other => other,
@@ -96,6 +115,7 @@ enum Role {
     Output,
     /// A value projection: `attn_v`, or the fused `attn_qkv` of a DeltaNet layer.
     Value,
+    AttnOutput,
     FfnDown,
     Other,
 }
@@ -105,6 +125,8 @@ fn role(name: &str, tied: bool) -> Role {
         Role::Output
     } else if name.contains("attn_qkv.weight") || name.contains("attn_v.weight") {
         Role::Value
+    } else if name.contains("attn_output.weight") {
+        Role::AttnOutput
     } else if name.contains("ffn_down") {
         Role::FfnDown
     } else {
@@ -128,18 +150,30 @@ fn quantisable(name: &str, dims: usize) -> bool {
 }
 
 /// The type `llama-quantize` (no imatrix, no overrides) gives matrix `role` with rows of `cols`,
-/// the `i`-th of `n` of its role in the file's order (layer order).
-fn tensor_type(f: FileType, role: Role, cols: usize, i: usize, n: usize) -> DType {
+/// the `i`-th of `n` of its role in the file's order (layer order), in a model whose KV heads
+/// each serve `gqa` query heads.
+fn tensor_type(f: FileType, role: Role, cols: usize, (i, n): (usize, usize), gqa: usize) -> DType {
+    use DType::{Q3K, Q4K, Q5K, Q6K};
     let d = f.default;
     if !d.is_quantised() {
         return d;
     }
     let t = match (role, f.mix) {
         (Role::Output, _) if !cols.is_multiple_of(d.block().0) => DType::Q8_0,
-        (Role::Output, _) if d != DType::Q8_0 => DType::Q6K,
-        (Role::Value | Role::FfnDown, Mix::KMedium) if use_more_bits(i, n) => DType::Q6K,
-        (Role::Value, Mix::Q4KSmall) if i < 4 => DType::Q5K,
-        (Role::FfnDown, Mix::Q4KSmall) if i < n / 8 => DType::Q5K,
+        (Role::Output, _) if d != DType::Q8_0 => Q6K,
+        (Role::Value | Role::FfnDown, Mix::KMedium) if use_more_bits(i, n) => Q6K,
+        (Role::Value, Mix::Q4KSmall) if i < 4 => Q5K,
+        (Role::FfnDown, Mix::Q4KSmall | Mix::Iq4) if i < n / 8 => Q5K,
+        (Role::Value, Mix::Q2K) => match gqa >= 4 {
+            true => Q4K,
+            false => Q3K,
+        },
+        (Role::FfnDown | Role::AttnOutput, Mix::Q2K) => Q3K,
+        (Role::Value, Mix::Q3KMedium) if i < 2 => Q5K,
+        (Role::FfnDown, Mix::Q3KMedium) if i < n / 16 => Q5K,
+        (Role::Value | Role::FfnDown | Role::AttnOutput, Mix::Q3KMedium) => Q4K,
+        (Role::Value | Role::FfnDown | Role::AttnOutput, Mix::Q3KLarge) => Q5K,
+        (Role::Value, Mix::Iq4) if gqa >= 4 => Q5K,
         _ => d,
     };
     fallback(t, cols)
@@ -152,6 +186,8 @@ fn fallback(t: DType, cols: usize) -> DType {
         return t;
     }
     let r = match t {
+        DType::Q2K | DType::Q3K => DType::Q4_0,
+        DType::Iq4Xs => DType::Iq4Nl,
         DType::Q4K => DType::Q5_0,
         DType::Q5K => DType::Q5_1,
         DType::Q6K => DType::Q8_0,
@@ -426,7 +462,7 @@ fn plans<'a>(
         });
     }
     out.sort_by_cached_key(|p| (layer_of(&p.name), p.name.clone()));
-    choose_types(&mut out, f, c.num_hidden_layers);
+    choose_types(&mut out, f, c);
     Ok(out)
 }
 
@@ -437,7 +473,8 @@ fn layer_of(name: &str) -> Option<usize> {
 
 /// Each plan's type by llama.cpp's rules; what is not quantised stays f32, as the converter
 /// writes norms, gates and the conv kernel.
-fn choose_types(plans: &mut [Plan], f: FileType, layers: usize) {
+fn choose_types(plans: &mut [Plan], f: FileType, c: &ModelConfig) {
+    let gqa = c.num_attention_heads / c.num_key_value_heads.max(1);
     let tied = !plans.iter().any(|p| p.name == "output.weight");
     let values = plans
         .iter()
@@ -451,12 +488,12 @@ fn choose_types(plans: &mut [Plan], f: FileType, layers: usize) {
         let r = role(&p.name, tied);
         let (i, n) = match r {
             Role::Value => (value, values),
-            Role::FfnDown => (down, layers),
-            Role::Output | Role::Other => (0, 0),
+            Role::FfnDown => (down, c.num_hidden_layers),
+            Role::Output | Role::AttnOutput | Role::Other => (0, 0),
         };
         value += usize::from(r == Role::Value);
         down += usize::from(r == Role::FfnDown);
-        p.dtype = tensor_type(f, r, p.shape[p.shape.len() - 1], i, n);
+        p.dtype = tensor_type(f, r, p.shape[p.shape.len() - 1], (i, n), gqa);
     }
 }
 
