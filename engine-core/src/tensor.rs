@@ -298,7 +298,9 @@ impl Data {
                 B::LEN,
                 values.len()
             );
-            Elems::Owned(values.chunks_exact(B::LEN).map(B::quantise).collect())
+            // Blocks are independent: quantised in parallel, in order (`tether quantize`'s time).
+            use rayon::prelude::*;
+            Elems::Owned(values.par_chunks_exact(B::LEN).map(B::quantise).collect())
         }
         match dtype {
             DType::F32 => Data::F32(Elems::Owned(values.into())),
