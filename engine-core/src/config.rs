@@ -209,6 +209,12 @@ impl ModelConfig {
         2 * self.num_key_value_heads * self.head_dim * std::mem::size_of::<f32>()
     }
 
+    /// Bytes of the K and V rows (f32) of `positions` positions in the full-attention layers
+    /// among `layers`.
+    pub fn kv_bytes(&self, layers: std::ops::Range<usize>, positions: usize) -> usize {
+        self.count_layers(layers, LayerKind::FullAttention) * self.kv_row_bytes() * positions
+    }
+
     /// Layer i is full attention iff (i + 1) % interval == 0: L L L F, repeated.
     pub fn interval_layer_types(layers: usize, interval: usize) -> Vec<LayerKind> {
         (0..layers)

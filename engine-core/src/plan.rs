@@ -40,8 +40,7 @@ pub struct Footprint {
 
 impl Footprint {
     pub fn of(c: &ModelConfig, checkpoints: usize) -> Footprint {
-        let full = c.count_layers(0..c.num_hidden_layers, LayerKind::FullAttention);
-        let per_token = full * c.kv_row_bytes();
+        let per_token = c.kv_bytes(0..c.num_hidden_layers, 1);
         let states = (2 + checkpoints) * State::delta_bytes_for(c, 0..c.num_hidden_layers);
         let logits = checkpoints * c.vocab_size * size_of::<f32>();
         Footprint {
@@ -144,8 +143,7 @@ impl Plan {
     pub fn new(c: &ModelConfig, p: &PlanInput) -> Plan {
         let n = c.num_hidden_layers;
         let full = c.count_layers(0..n, LayerKind::FullAttention);
-        let row = c.kv_row_bytes() as f64;
-        let kv_per_token = full as f64 * row;
+        let kv_per_token = c.kv_bytes(0..n, 1) as f64;
         let mut t = String::new();
         let _ = writeln!(
             t,
@@ -195,9 +193,7 @@ impl Plan {
                 bytes / p.prompt as f64,
                 link_time(p.link, bytes, ubatches)
             );
-            let mirror = c.count_layers(tail.clone(), LayerKind::FullAttention) as f64
-                * row
-                * p.context as f64;
+            let mirror = c.kv_bytes(tail.clone(), p.context) as f64;
             let _ = writeln!(
                 t,
                 "  the helper mirrors its layers' KV ({} at {} tokens) and state across turns; later turns push only what is new",
@@ -244,9 +240,7 @@ impl Plan {
             );
         }
         if helper && p.context > p.interleave_from {
-            let pages = p
-                .host_kv_tokens
-                .map_or(0, |b| p.context.saturating_sub(b) / page_size);
+            let pages = host_kv_tokens.map_or(0, |b| p.context.saturating_sub(b) / page_size);
             if pages > 0 {
                 let bytes = minimum::attend(c, 0..n, 2 * ubatch, pages) as f64;
                 let _ = writeln!(
@@ -328,13 +322,7 @@ impl Choices {
         }
         let n = c.num_hidden_layers;
         let host_kv = self.host_kv_tokens.unwrap_or(p.context).min(p.context);
-        let host = Held {
-            weights: p.weights.of_layers(0..n) + p.weights.ends,
-            kv: (host_kv * c.count_layers(0..n, LayerKind::FullAttention) * c.kv_row_bytes())
-                as u64,
-            state: State::delta_bytes_for(c, 0..n) as u64,
-            activations: activation_bytes(c, self.ubatch),
-        };
+        let host = host_needs(c, p, host_kv, self.ubatch);
         let _ = writeln!(t, "memory at {} tokens of context:", p.context);
         let _ = writeln!(
             t,
@@ -398,14 +386,25 @@ fn gib(b: u64) -> String {
     }
 }
 
+/// What the host holds: every weight, the KV of `host_kv` positions, every DeltaNet state and a
+/// ubatch's activations.
+fn host_needs(c: &ModelConfig, p: &PlanInput, host_kv: usize, ubatch: usize) -> Held {
+    let n = c.num_hidden_layers;
+    Held {
+        weights: p.weights.of_layers(0..n) + p.weights.ends,
+        kv: c.kv_bytes(0..n, host_kv) as u64,
+        state: State::delta_bytes_for(c, 0..n) as u64,
+        activations: activation_bytes(c, ubatch),
+    }
+}
+
 /// What the prefill helper holds from its offer when it runs layers `tail`: their KV mirrored
 /// over the whole context, their DeltaNet states and a ubatch's activations (its weights are
 /// its own, outside the offer).
 fn helper_needs(c: &ModelConfig, context: usize, tail: Range<usize>, ubatch: usize) -> Held {
     Held {
         weights: 0,
-        kv: (c.count_layers(tail.clone(), LayerKind::FullAttention) * c.kv_row_bytes() * context)
-            as u64,
+        kv: c.kv_bytes(tail.clone(), context) as u64,
         state: State::delta_bytes_for(c, tail) as u64,
         activations: activation_bytes(c, ubatch),
     }
@@ -453,13 +452,8 @@ fn choose_host_kv(c: &ModelConfig, p: &PlanInput, ubatch: usize) -> (Option<usiz
             "the host's free memory is unknown: all KV stays on the host".into(),
         );
     };
-    let n = c.num_hidden_layers;
-    let others = p.weights.of_layers(0..n)
-        + p.weights.ends
-        + State::delta_bytes_for(c, 0..n) as u64
-        + activation_bytes(c, ubatch)
-        + m / RESERVE_SHARE;
-    let per_token = Footprint::of(c, 0).per_token.max(1);
+    let others = host_needs(c, p, 0, ubatch).total() + m / RESERVE_SHARE;
+    let per_token = c.kv_bytes(0..c.num_hidden_layers, 1).max(1) as u64;
     let fits = usize::try_from(m.saturating_sub(others) / per_token).unwrap_or(usize::MAX);
     let room = format!(
         "{} free less the weights, DeltaNet state, activations and an eighth for the rest of the machine leaves room for {fits} tokens",
@@ -676,6 +670,8 @@ mod tests {
         assert!(fits > 32_768 && fits < 262_144, "{fits}");
         assert_eq!(plan.page_size, STORAGE_PAGE);
         assert_eq!(plan.host_kv_tokens, Some(fits / 4096 * 4096));
+        // Past position 65536 the helper attends the pages the chosen budget sent it.
+        assert!(plan.text.contains("in staggered pairs"), "{}", plan.text);
         // The same host alone keeps everything, and says it will not fit.
         let alone = Plan::new(&c, &deciding(m, vec![]));
         assert_eq!((alone.host_kv_tokens, alone.ubatch), (None, HOST_UBATCH));

@@ -712,8 +712,7 @@ pub mod minimum {
 
     /// Moving `rows` positions of every full-attention layer to the helper.
     pub fn offload(c: &ModelConfig, rows: usize) -> u64 {
-        (rows * c.count_layers(0..c.num_hidden_layers, LayerKind::FullAttention) * c.kv_row_bytes())
-            as u64
+        (c.kv_bytes(0..c.num_hidden_layers, rows)) as u64
     }
 }
 

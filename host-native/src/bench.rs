@@ -89,9 +89,10 @@ pub fn run(a: Args) -> Result<()> {
     let depth: Vec<u32> = (0..a.depth).map(|_| next_id()).collect();
     let prompt: Vec<u32> = (0..a.prompt_tokens).map(|_| next_id()).collect();
     let context = a.depth + a.prompt_tokens + a.gen;
-    let session = a.engine.plan(&model, context, a.prompt_tokens, a.ubatch)?;
+    let (session, mut state, helpers) =
+        a.engine
+            .session(&model, context, a.prompt_tokens, a.ubatch)?;
     let page_size = session.page_size;
-    let (mut state, helpers) = a.engine.state(&model, &session, context)?;
     // The link figures are the first helper's (the one that runs the split prefill).
     let link = helpers.first().map(|h| &h.stats);
     for chunk in depth.chunks(a.ubatch.unwrap_or(plan::HOST_UBATCH)) {

@@ -432,6 +432,28 @@ impl HelperArgs {
         Plan::new(&model.config, &input)
     }
 
+    /// A session for `model`: the plan before helpers attach (its page size, host KV budget
+    /// and ubatch are the session's), a fresh state with the helpers attached (the first runs
+    /// the split its offer allows) and the host's KV budget set.
+    pub fn session(
+        &self,
+        model: &Model,
+        fixed: Fixed,
+        context: usize,
+        prompt: usize,
+    ) -> Result<(Plan, State, Vec<Attached>)> {
+        if fixed.page_size == Some(0) || fixed.ubatch == Some(0) || self.split_ubatch == Some(0) {
+            bail!("--page-size, --ubatch and --split-ubatch must be at least 1");
+        }
+        let plan = self.plan_for(model, self.expected_offers(), fixed, context, prompt);
+        let mut state = model.new_state(plan.page_size);
+        let attached = self.attach(model, &mut state, plan.page_size, context)?;
+        if !attached.is_empty() {
+            state.host_kv_tokens = plan.host_kv_tokens;
+        }
+        Ok((plan, state, attached))
+    }
+
     /// The offers to plan with before any helper attaches: one unknown (0 bytes) if a helper
     /// will, none otherwise. The page size, host budget and ubatch depend only on whether
     /// one does; the split waits for the real offer ([`Self::attach_link`]).

@@ -45,44 +45,21 @@ impl EngineArgs {
 }
 
 impl EngineArgs {
-    /// The session's plan before helpers attach, for a `context`-token context and a
-    /// `prompt`-token prompt (`ubatch`: the command's --ubatch): its page size, host KV budget
-    /// and ubatch are the session's.
-    pub fn plan(
+    /// The session for a `context`-token context and a `prompt`-token prompt (`ubatch`: the
+    /// command's --ubatch): [`HelperArgs::session`] with this command's page size.
+    pub fn session(
         &self,
         model: &Model,
         context: usize,
         prompt: usize,
         ubatch: Option<usize>,
-    ) -> Result<Plan> {
-        if self.page_size == Some(0) || ubatch == Some(0) {
-            bail!("--page-size and --ubatch must be at least 1");
-        }
-        let offers = self.helper.expected_offers();
+    ) -> Result<(Plan, State, Vec<Attached>)> {
         let fixed = Fixed {
             page_size: self.page_size,
             ubatch,
             host_kv_tokens: None,
         };
-        Ok(self.helper.plan_for(model, offers, fixed, context, prompt))
-    }
-
-    /// A fresh state for `model` by `plan`, its helpers attached (the first runs `plan`'s
-    /// split, or what its offer allows) and the host's KV budget set.
-    pub fn state(
-        &self,
-        model: &Model,
-        plan: &Plan,
-        context: usize,
-    ) -> Result<(State, Vec<Attached>)> {
-        let mut state = model.new_state(plan.page_size);
-        let attached = self
-            .helper
-            .attach(model, &mut state, plan.page_size, context)?;
-        if !attached.is_empty() {
-            state.host_kv_tokens = plan.host_kv_tokens;
-        }
-        Ok((state, attached))
+        self.helper.session(model, fixed, context, prompt)
     }
 
     /// The `--backend`, and a line saying what it runs on, once it is known to compute with

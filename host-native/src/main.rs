@@ -148,8 +148,8 @@ fn synth(a: SynthArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `tether plan`: the plan before helpers attach gives the page size they are configured
-/// with; the one printed has their offers (the same choices, and the split their offers allow).
+/// `tether plan`: the session's plan gives the page size the helpers are configured with; the
+/// one printed has their offers (the same choices, and the split their offers allow).
 fn plan(a: PlanArgs) -> anyhow::Result<()> {
     let model = engine_core::source::load_model(&a.model, &a.synth)?;
     let h = &a.helper;
@@ -159,9 +159,7 @@ fn plan(a: PlanArgs) -> anyhow::Result<()> {
         host_kv_tokens: None,
     };
     let (context, prompt) = (a.context, a.prompt_tokens);
-    let first = h.plan_for(&model, h.expected_offers(), fixed, context, prompt);
-    let mut state = model.new_state(first.page_size);
-    h.attach(&model, &mut state, first.page_size, context)?;
+    let (_, state, _) = h.session(&model, fixed, context, prompt)?;
     let offers = helper::HelperArgs::offers(&state);
     print!(
         "{}",

@@ -441,8 +441,14 @@ fn plan_decides_for_a_27b_shaped_gguf() {
     let mut out = Sparse(std::fs::File::create(&path).unwrap());
     w.write(&mut out, |i| Ok(vec![0; sizes[i]])).unwrap();
     out.flush().unwrap();
-    // The weights this host holds: every tensor of the file (the norms' few KiB included).
-    let weights: usize = sizes.iter().sum();
+    // The weights the plan counts: the matrices, which are the quantised tensors of a Q4_K_M
+    // file (norms, `ssm_a`, `ssm_dt` and the conv kernels stay F32).
+    let weights: usize = layout
+        .iter()
+        .zip(&sizes)
+        .filter(|((_, _, dtype), _)| dtype.is_quantised())
+        .map(|(_, size)| size)
+        .sum();
     assert!(weights > 4 << 30, "{weights}");
     let model = path.to_str().unwrap();
     let plan = |extra: &[&str]| {

@@ -461,14 +461,9 @@ fn plans<'a>(
             form,
         });
     }
-    out.sort_by_cached_key(|p| (layer_of(&p.name), p.name.clone()));
+    out.sort_by_cached_key(|p| (crate::weights::layer_of(&p.source), p.name.clone()));
     choose_types(&mut out, f, c);
     Ok(out)
-}
-
-/// The layer of a GGUF tensor name (`blk.N.`), `None` (first) outside the layers.
-fn layer_of(name: &str) -> Option<usize> {
-    name.strip_prefix("blk.")?.split('.').next()?.parse().ok()
 }
 
 /// Each plan's type by llama.cpp's rules; what is not quantised stays f32, as the converter
