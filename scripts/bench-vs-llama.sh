@@ -55,8 +55,21 @@ if [ ! -x "$bin/llama-bench" ] || [ ! -x "$bin/llama-quantize" ]; then
     tar -xzf "$dir"/llama_cpp_python-0.3.36.tar.gz -C "$dir/src"
     rm -rf "$dir/llama.cpp"
     mv "$dir/src/llama_cpp_python-0.3.36/vendor/llama.cpp" "$dir/llama.cpp"
+    # On CPUs with AMX, ggml 0c1e57098's AMX matrix product crashes (SIGSEGV in
+    # ggml_backend_amx_mul_mat on this model, seen on a Xeon with amx_int8 whose kernel grants
+    # the tile state): build for the CPU's vector extensions by name, without AMX, instead of
+    # -march=native.
+    isa="-DGGML_NATIVE=ON"
+    if grep -qw amx_int8 /proc/cpuinfo; then
+        isa="-DGGML_NATIVE=OFF"
+        for f in avx:AVX avx2:AVX2 fma:FMA f16c:F16C bmi2:BMI2 avx512f:AVX512 \
+            avx512vbmi:AVX512_VBMI avx512_vnni:AVX512_VNNI avx512_bf16:AVX512_BF16 \
+            avx_vnni:AVX_VNNI; do
+            if grep -qw "${f%%:*}" /proc/cpuinfo; then isa="$isa -DGGML_${f##*:}=ON"; fi
+        done
+    fi
     PATH=$dir/venv/bin:$PATH cmake -S "$dir/llama.cpp" -B "$dir/llama.cpp/build" -G Ninja \
-        -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DGGML_OPENMP=ON -DLLAMA_CURL=OFF \
+        -DCMAKE_BUILD_TYPE=Release $isa -DGGML_OPENMP=ON -DLLAMA_CURL=OFF \
         -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF
     PATH=$dir/venv/bin:$PATH cmake --build "$dir/llama.cpp/build" -j 2 \
         --target llama-bench llama-quantize

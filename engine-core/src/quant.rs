@@ -464,7 +464,7 @@ impl Quantise for BlockQ2K {
 
 impl BlockQ3K {
     /// The 16 six-bit scales, unpacked as ggml's `dequantize_row_q3_K` does.
-    fn unpacked_scales(&self) -> [i8; 16] {
+    pub(crate) fn unpacked_scales(&self) -> [i8; 16] {
         let w = |i: usize| u32::from_le_bytes(self.scales[4 * i..4 * i + 4].try_into().unwrap());
         let (a0, a1, tmp) = (w(0), w(1), w(2));
         let (m1, m2) = (0x0303_0303u32, 0x0f0f_0f0fu32);

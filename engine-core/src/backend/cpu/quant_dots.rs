@@ -1,58 +1,67 @@
 //! Decode's dot products with quantised weights on AVX2, in integers, as llama.cpp computes
-//! them but with 16-bit activations: each row of `x` is rounded to 16-bit integers with an f32
-//! scale per block of the weight type (`Rows16`: 32 values for Q8_0 and Q4_0, a 256-value
-//! super-block for the k-quants), the weights are widened to 16-bit integers in registers, and
-//! `vpmaddwd` multiplies 16 pairs per instruction. The k-quants' 6- or 8-bit sub-block scales
-//! are integers too, so a super-block's products are summed in i32 and converted to f32 once.
+//! them: each row of `x` is rounded to 8-bit integers with an f32 scale per block of the
+//! weight type (`Rows8`: 32 values for Q8_0 and Q4_0, a 256-value super-block for the
+//! k-quants, as llama.cpp's `q8_0` and `q8_K` rows), the weights stay 8-bit (their nibbles or
+//! bit fields unpacked in registers), and `vpmaddubsw` multiplies 32 unsigned-by-signed pairs
+//! per instruction. The k-quants' 6- or 8-bit sub-block scales are integers too, applied by
+//! the `vpmaddwd` that widens the pair sums, so a super-block's products are summed in i32 and
+//! converted to f32 once.
 //!
-//! llama.cpp rounds activations to 8 bits; 16 bits keep each within half a step (2^-16 of its
-//! block's largest magnitude), so a product differs from the dequantised weights' f32 product
-//! by at most `matmul::activation_rounding` (the bound the tests check) beyond f32 rounding.
-//! Every integer sum below is bounded where it is formed so that it fits its i32 lane.
+//! Rounding to 8 bits moves each activation by at most half a step (1/254 of its block's
+//! largest magnitude), so a product differs from the dequantised weights' f32 product by at
+//! most `matmul::activation_rounding` (the bound the tests check) beyond f32 rounding. Every
+//! integer sum below is bounded where it is formed so that it fits its i16 or i32 lane.
 
 use std::arch::x86_64::*;
 
-use super::matmul::sum_lanes;
+use super::matmul::{sum_lanes, PREFETCH_BYTES};
 use crate::quant::{
-    scale_min_k4, BlockQ4K, BlockQ4_0, BlockQ5K, BlockQ6K, BlockQ8_0, QuantBlock, QK, QK_K,
+    BlockIq4Nl, BlockIq4Xs, BlockQ2K, BlockQ3K, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5K,
+    BlockQ5_0, BlockQ5_1, BlockQ6K, BlockQ8_0, QuantBlock, IQ4_VALUES, QK, QK_K,
 };
 
+/// Values per entry of [`Rows8`]'s `sums`: Q6_K's sub-block (Q4_0's and Q4_K's 32 are two).
+const SUM_LEN: usize = 16;
+
 /// Rows of `x` (`k` values each) as `d[b] * q[i]`, `b` the block of `block` values holding
-/// value `i`; `sums[c]` is the sum of `q` over the 32 values of chunk `c` (for Q4_K's minima).
-pub struct Rows16 {
+/// value `i`; `sums[c]` is the sum of `q` over the 16 values of chunk `c` (for the weight
+/// types' offsets and minima, which multiply the sum of the activations).
+pub struct Rows8 {
     k: usize,
-    q: Vec<i16>,
+    q: Vec<i8>,
     d: Vec<f32>,
-    sums: Vec<i32>,
+    sums: Vec<i16>,
 }
 
-/// The largest magnitude of a block maps to this.
-const Q16_MAX: f32 = 32767.0;
+/// The largest magnitude of a block maps to this (never -128, so that `vpsignb` can flip any
+/// value).
+const Q8_MAX: f32 = 127.0;
 
-impl Rows16 {
+impl Rows8 {
     /// `x` (`[t, k]`) rounded to nearest per block of `block` values (which divides `k`): the
-    /// largest magnitude of each becomes 32767. None if a value is infinite or NaN.
-    pub fn quantise(x: &[f32], k: usize, block: usize) -> Option<Rows16> {
+    /// largest magnitude of each becomes 127. None if a value is infinite or NaN.
+    pub fn quantise(x: &[f32], k: usize, block: usize) -> Option<Rows8> {
         assert!(block.is_multiple_of(QK) && k.is_multiple_of(block));
         assert!(x.len().is_multiple_of(k));
-        let mut r = Rows16 {
+        let mut r = Rows8 {
             k,
             q: Vec::with_capacity(x.len()),
             d: Vec::with_capacity(x.len() / block),
-            sums: Vec::with_capacity(x.len() / QK),
+            sums: Vec::with_capacity(x.len() / SUM_LEN),
         };
         for values in x.chunks_exact(block) {
             // NaN is not below infinity either, so one comparison per value finds both.
             let amax = values.iter().try_fold(0.0f32, |m, v| {
                 (v.abs() < f32::INFINITY).then(|| m.max(v.abs()))
             })?;
-            let d = amax / Q16_MAX;
+            let d = amax / Q8_MAX;
             let id = if d > 0.0 { 1.0 / d } else { 0.0 };
-            for chunk in values.chunks_exact(QK) {
-                let mut sum = 0i32;
+            for chunk in values.chunks_exact(SUM_LEN) {
+                // At most 16 * 127.
+                let mut sum = 0i16;
                 for &v in chunk {
-                    let q = (v * id).round().clamp(-Q16_MAX, Q16_MAX) as i16;
-                    sum += i32::from(q);
+                    let q = (v * id).round().clamp(-Q8_MAX, Q8_MAX) as i8;
+                    sum += i16::from(q);
                     r.q.push(q);
                 }
                 r.sums.push(sum);
@@ -65,38 +74,61 @@ impl Rows16 {
     fn rows(&self) -> usize {
         self.q.len() / self.k
     }
-}
 
-/// `R` rows of `x` as one weight row's blocks see them: block `b` of each row (the weight
-/// type's length) has values `q[r][b * LEN..]`, scale `d[r][b]` and per-32 sums
-/// `sums[r][b * LEN / 32..]`.
-pub struct Rows<'a, const R: usize> {
-    q: [&'a [i16]; R],
-    d: [&'a [f32]; R],
-    sums: [&'a [i32]; R],
-}
-
-impl<const R: usize> Rows<'_, R> {
-    /// Row `r`'s 32 values from `at` as two vectors of 16.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    fn load32(&self, r: usize, at: usize) -> [__m256i; 2] {
-        let q: &[i16; QK] = self.q[r][at..][..QK].try_into().expect("32 values");
-        // SAFETY: 16 i16 (32 bytes) read from each half of `q`.
-        unsafe {
-            [
-                _mm256_loadu_si256(q.as_ptr().cast()),
-                _mm256_loadu_si256(q[16..].as_ptr().cast()),
-            ]
-        }
+    /// The rows as the kernels see them, `d[b] * q[i]`.
+    #[cfg(test)]
+    pub fn values(&self) -> Vec<f32> {
+        let block = self.q.len() / self.d.len();
+        let q = self.q.chunks_exact(block).zip(&self.d);
+        q.flat_map(|(q, &d)| q.iter().map(move |&q| d * f32::from(q)))
+            .collect()
     }
 }
 
-/// A quantised type whose blocks the kernel multiplies into rows of 16-bit activations, which
-/// share one scale per block of the type's length ([`Rows16::quantise`]'s `block`).
-pub trait Dot16: QuantBlock {
+/// `R` rows of `x` as one weight row's blocks see them: block `b` of each row (the weight
+/// type's length) has values `q[r][b * LEN..]`, scale `d[r][b]` and per-16 sums
+/// `sums[r][b * LEN / 16..]`.
+pub struct Rows<'a, const R: usize> {
+    q: [&'a [i8]; R],
+    d: [&'a [f32]; R],
+    sums: [&'a [i16]; R],
+}
+
+impl<const R: usize> Rows<'_, R> {
+    /// Row `r`'s 32 values from `at`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn load32(&self, r: usize, at: usize) -> __m256i {
+        let q: &[i8; QK] = self.q[r][at..][..QK].try_into().expect("32 values");
+        // SAFETY: 32 bytes read from `q`.
+        unsafe { _mm256_loadu_si256(q.as_ptr().cast()) }
+    }
+
+    /// The sum of row `r`'s values in block `b` of 32.
+    #[inline]
+    fn sum32(&self, r: usize, b: usize) -> i32 {
+        let at = b * QK / SUM_LEN;
+        i32::from(self.sums[r][at]) + i32::from(self.sums[r][at + 1])
+    }
+
+    /// Row `r`'s 16 sums of super-block `b` (of 256 values).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn sums16(&self, r: usize, b: usize) -> __m256i {
+        let s: &[i16; QK_K / SUM_LEN] = self.sums[r][b * QK_K / SUM_LEN..][..QK_K / SUM_LEN]
+            .try_into()
+            .expect("16 sums");
+        // SAFETY: 32 bytes read from `s`.
+        unsafe { _mm256_loadu_si256(s.as_ptr().cast()) }
+    }
+}
+
+/// A quantised type whose blocks the kernel multiplies into rows of 8-bit activations, which
+/// share one scale per block of the type's length ([`Rows8::quantise`]'s `block`).
+pub trait Dot8: QuantBlock {
     /// Adds the products of this block, block `b` of its row, with the `R` rows into `acc`
-    /// (eight lanes per row to be summed), and its minimum terms into `mins` (subtracted).
+    /// (eight lanes per row to be summed), and its offset or minimum terms into `mins`
+    /// (subtracted).
     ///
     /// # Safety
     /// The CPU must support AVX2, FMA and F16C.
@@ -109,18 +141,6 @@ pub trait Dot16: QuantBlock {
     );
 }
 
-/// 32 bytes as two vectors of 16 i16, by sign extension or (`unsigned`) zero extension.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn to_i16(v: __m256i, unsigned: bool) -> [__m256i; 2] {
-    let (lo, hi) = (_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
-    if unsigned {
-        [_mm256_cvtepu8_epi16(lo), _mm256_cvtepu8_epi16(hi)]
-    } else {
-        [_mm256_cvtepi8_epi16(lo), _mm256_cvtepi8_epi16(hi)]
-    }
-}
-
 /// The 32-byte chunk `i` of `bytes`, loaded.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -130,33 +150,39 @@ fn load_chunk(bytes: &[u8], i: usize) -> __m256i {
     unsafe { _mm256_loadu_si256(c.as_ptr().cast()) }
 }
 
-/// `w . x` for 32 i16 weights and row `r`'s 32 values from `at`: eight i32 lanes, each the sum
-/// of four products.
+/// `u . s` for 32 unsigned bytes `u` and signed bytes `s`, as eight i32 lanes each summing
+/// four products, the pairs first summed in i16 (`vpmaddubsw` saturates: every caller keeps
+/// `2 * max u * 127` within i16) and then multiplied by `scale` (16 i16 lanes) and summed in
+/// pairs.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn madd32<const R: usize>(w: [__m256i; 2], x: &Rows<'_, R>, r: usize, at: usize) -> __m256i {
-    let [x0, x1] = x.load32(r, at);
-    _mm256_add_epi32(_mm256_madd_epi16(w[0], x0), _mm256_madd_epi16(w[1], x1))
+fn dot_us(u: __m256i, s: __m256i, scale: __m256i) -> __m256i {
+    _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), scale)
 }
 
-/// The 32-weight types with one f16 scale per block: `acc += d * dx * (w . x)`, the four
-/// products per lane at most 128 * 32767 each (exact in i32, and in f32 below 2^24).
+/// The 32-weight types with one f16 scale per block: `acc += d * dx * (u . x)`, `u` the
+/// unsigned weights (or, with `sign`, the magnitudes of signed ones, whose signs move onto
+/// `x`); four products per lane of at most 128 * 127 each.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 fn accumulate32<const R: usize>(
-    w: [__m256i; 2],
+    u: __m256i,
+    sign: Option<__m256i>,
     d: f32,
     x: &Rows<'_, R>,
     b: usize,
     acc: &mut [__m256; R],
 ) {
+    let ones = _mm256_set1_epi16(1);
     for (r, acc) in acc.iter_mut().enumerate() {
-        let p = _mm256_cvtepi32_ps(madd32(w, x, r, QK * b));
+        let xr = x.load32(r, QK * b);
+        let xr = sign.map_or(xr, |w| _mm256_sign_epi8(xr, w));
+        let p = _mm256_cvtepi32_ps(dot_us(u, xr, ones));
         *acc = _mm256_fmadd_ps(p, _mm256_set1_ps(d * x.d[r][b]), *acc);
     }
 }
 
-impl Dot16 for BlockQ8_0 {
+impl Dot8 for BlockQ8_0 {
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn accumulate<const R: usize>(
@@ -166,12 +192,133 @@ impl Dot16 for BlockQ8_0 {
         acc: &mut [__m256; R],
         _: &mut [f32; R],
     ) {
-        let w = to_i16(load_chunk(bytemuck::cast_slice(&self.qs), 0), false);
-        accumulate32(w, self.d.to_f32(), x, b, acc);
+        // |w| as unsigned (128 for -128), its sign moved onto x.
+        let w = load_chunk(bytemuck::cast_slice(&self.qs), 0);
+        accumulate32(_mm256_sign_epi8(w, w), Some(w), self.d.to_f32(), x, b, acc);
     }
 }
 
-impl Dot16 for BlockQ4_0 {
+/// Q4_0's, Q4_1's, IQ4_NL's and IQ4_XS's 32 weights from 16 bytes: the low nibbles are
+/// weights 0..16, the high ones 16..32.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn nibbles(qs: &[u8; QK / 2]) -> __m256i {
+    // SAFETY: 16 bytes read from `qs`.
+    let q = unsafe { _mm_loadu_si128(qs.as_ptr().cast()) };
+    let nib = _mm_set1_epi8(0xF);
+    _mm256_set_m128i(
+        _mm_and_si128(_mm_srli_epi16::<4>(q), nib),
+        _mm_and_si128(q, nib),
+    )
+}
+
+/// Q5_0's and Q5_1's 32 weights: the nibbles with bit `i` of `qh` as weight `i`'s fifth bit.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn fives(qh: [u8; 4], qs: &[u8; QK / 2]) -> __m256i {
+    // Byte i of the vector takes byte i / 8 of `qh` and keeps bit i % 8 of it.
+    let bytes = _mm256_shuffle_epi8(
+        _mm256_set1_epi32(i32::from_le_bytes(qh)),
+        _mm256_set_epi64x(
+            0x0303_0303_0303_0303,
+            0x0202_0202_0202_0202,
+            0x0101_0101_0101_0101,
+            0,
+        ),
+    );
+    let bit = _mm256_set1_epi64x(0x8040_2010_0804_0201_u64 as i64);
+    let set = _mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit);
+    _mm256_or_si256(nibbles(qs), _mm256_and_si256(set, _mm256_set1_epi8(16)))
+}
+
+/// IQ4_NL's and IQ4_XS's signed levels of 32 nibbles.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn iq4_levels(nibbles: __m256i) -> __m256i {
+    let table: [i8; 16] = IQ4_VALUES;
+    // SAFETY: 16 bytes read from `table`.
+    let table = unsafe { _mm_loadu_si128(table.as_ptr().cast()) };
+    _mm256_shuffle_epi8(_mm256_set_m128i(table, table), nibbles)
+}
+
+/// Adds `scale * dx * sum(x)` over the 32 values of each row's block `b` (of 32) to `mins`.
+#[inline]
+fn offsets<const R: usize>(scale: f32, x: &Rows<'_, R>, b: usize, mins: &mut [f32; R]) {
+    for (r, m) in mins.iter_mut().enumerate() {
+        *m += scale * x.d[r][b] * x.sum32(r, b) as f32;
+    }
+}
+
+impl Dot8 for BlockQ4_0 {
+    /// `d * dx * (q . x - 8 sum(x))`, `q` the unsigned nibbles.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn accumulate<const R: usize>(
+        &self,
+        x: &Rows<'_, R>,
+        b: usize,
+        acc: &mut [__m256; R],
+        mins: &mut [f32; R],
+    ) {
+        let d = self.d.to_f32();
+        accumulate32(nibbles(&self.qs), None, d, x, b, acc);
+        offsets(8.0 * d, x, b, mins);
+    }
+}
+
+impl Dot8 for BlockQ4_1 {
+    /// `d * dx * (q . x) + m * dx * sum(x)`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn accumulate<const R: usize>(
+        &self,
+        x: &Rows<'_, R>,
+        b: usize,
+        acc: &mut [__m256; R],
+        mins: &mut [f32; R],
+    ) {
+        accumulate32(nibbles(&self.qs), None, self.d.to_f32(), x, b, acc);
+        offsets(-self.m.to_f32(), x, b, mins);
+    }
+}
+
+impl Dot8 for BlockQ5_0 {
+    /// `d * dx * (q . x - 16 sum(x))`, `q` the unsigned 5-bit values.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn accumulate<const R: usize>(
+        &self,
+        x: &Rows<'_, R>,
+        b: usize,
+        acc: &mut [__m256; R],
+        mins: &mut [f32; R],
+    ) {
+        let d = self.d.to_f32();
+        accumulate32(fives(self.qh, &self.qs), None, d, x, b, acc);
+        offsets(16.0 * d, x, b, mins);
+    }
+}
+
+impl Dot8 for BlockQ5_1 {
+    /// `d * dx * (q . x) + m * dx * sum(x)`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn accumulate<const R: usize>(
+        &self,
+        x: &Rows<'_, R>,
+        b: usize,
+        acc: &mut [__m256; R],
+        mins: &mut [f32; R],
+    ) {
+        let q = fives(self.qh, &self.qs);
+        accumulate32(q, None, self.d.to_f32(), x, b, acc);
+        offsets(-self.m.to_f32(), x, b, mins);
+    }
+}
+
+impl Dot8 for BlockIq4Nl {
+    /// `d * dx * (v . x)`, `v` the signed levels: their magnitudes (at most 127) times `x`
+    /// with their signs.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn accumulate<const R: usize>(
@@ -181,115 +328,168 @@ impl Dot16 for BlockQ4_0 {
         acc: &mut [__m256; R],
         _: &mut [f32; R],
     ) {
-        // SAFETY: 16 bytes read from the block's 16-byte `qs`.
-        let q = unsafe { _mm_loadu_si128(self.qs.as_ptr().cast()) };
-        let nib = _mm_set1_epi8(0xF);
-        let (lo, hi) = (
-            _mm_and_si128(q, nib),
-            _mm_and_si128(_mm_srli_epi16::<4>(q), nib),
-        );
-        let eight = _mm256_set1_epi16(8);
-        let w = [lo, hi].map(|v| _mm256_sub_epi16(_mm256_cvtepu8_epi16(v), eight));
-        accumulate32(w, self.d.to_f32(), x, b, acc);
+        let v = iq4_levels(nibbles(&self.qs));
+        accumulate32(_mm256_sign_epi8(v, v), Some(v), self.d.to_f32(), x, b, acc);
     }
+}
+
+impl Dot8 for BlockIq4Xs {
+    /// `d * dx * sum_j (sc_j - 32) (v . x)_j` over eight sub-blocks of 32: a pair sums to at
+    /// most 2 * 127 * 127 in i16; each i32 lane sums 32 products of at most 127 * 127 * 32.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn accumulate<const R: usize>(
+        &self,
+        x: &Rows<'_, R>,
+        b: usize,
+        acc: &mut [__m256; R],
+        _: &mut [f32; R],
+    ) {
+        let mut iacc = [_mm256_setzero_si256(); R];
+        for (j, qs) in self.qs.chunks_exact(QK / 2).enumerate() {
+            let low = (self.scales_l[j / 2] >> (4 * (j % 2))) & 0xF;
+            let high = ((self.scales_h >> (2 * j)) & 3) as u8;
+            let s = _mm256_set1_epi16(i16::from(low | (high << 4)) - 32);
+            let v = iq4_levels(nibbles(qs.try_into().expect("16 bytes")));
+            let u = _mm256_sign_epi8(v, v);
+            for (r, iacc) in iacc.iter_mut().enumerate() {
+                let xr = _mm256_sign_epi8(x.load32(r, QK_K * b + QK * j), v);
+                *iacc = _mm256_add_epi32(*iacc, dot_us(u, xr, s));
+            }
+        }
+        let d = self.d.to_f32();
+        for r in 0..R {
+            let p = _mm256_cvtepi32_ps(iacc[r]);
+            acc[r] = _mm256_fmadd_ps(p, _mm256_set1_ps(d * x.d[r][b]), acc[r]);
+        }
+    }
+}
+
+/// The k-quants' super-block of 256 weights as 16 sub-blocks of 16 with integer scales `sc`
+/// (16 i16 lanes, one per sub-block; the 32-weight sub-blocks of Q4_K and Q5_K give each of
+/// their halves the same scale): `iacc += sum_g sc_g (u . x)_g` for each row, `u(c)` the 32
+/// unsigned weights of chunk `c` (sub-blocks `2 c` and `2 c + 1`).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn scaled_chunks<const R: usize>(
+    sc: __m256i,
+    u: impl Fn(usize) -> __m256i,
+    x: &Rows<'_, R>,
+    b: usize,
+) -> [__m256i; R] {
+    let halves = [
+        _mm256_permute2x128_si256::<0x00>(sc, sc),
+        _mm256_permute2x128_si256::<0x11>(sc, sc),
+    ];
+    let mut iacc = [_mm256_setzero_si256(); R];
+    for c in 0..QK_K / QK {
+        // Sub-block 2c's scale in the low eight lanes, 2c + 1's in the high eight: the pair
+        // sums of bytes 0..16 are the low 128 bits of `vpmaddubsw`'s result. Element `e` of a
+        // half is its bytes 2e and 2e + 1.
+        let e = (2 * c % 8) as i16 * 2;
+        let pick = _mm256_set_m128i(
+            _mm_set1_epi16(((e + 3) << 8) | (e + 2)),
+            _mm_set1_epi16(((e + 1) << 8) | e),
+        );
+        let s = _mm256_shuffle_epi8(halves[c / 4], pick);
+        let u = u(c);
+        for (r, iacc) in iacc.iter_mut().enumerate() {
+            let p = dot_us(u, x.load32(r, QK_K * b + QK * c), s);
+            *iacc = _mm256_add_epi32(*iacc, p);
+        }
+    }
+    iacc
+}
+
+/// `acc += d * dx * iacc - dm * dx * sum_g m_g sum(x)_g` for each row, `m` one i16 lane per
+/// sub-block of 16 of block `b`: the k-quants' minima or offsets (at most 128 * 2032 * 2 per
+/// lane of `vpmaddwd`).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn finish_k<const R: usize>(
+    iacc: [__m256i; R],
+    (d, dm): (f32, f32),
+    m: __m256i,
+    x: &Rows<'_, R>,
+    b: usize,
+    acc: &mut [__m256; R],
+) {
+    for r in 0..R {
+        let dx = x.d[r][b];
+        let p = _mm256_cvtepi32_ps(iacc[r]);
+        let offsets = _mm256_cvtepi32_ps(_mm256_madd_epi16(m, x.sums16(r, b)));
+        acc[r] = _mm256_fmadd_ps(p, _mm256_set1_ps(d * dx), acc[r]);
+        acc[r] = _mm256_fmadd_ps(offsets, _mm256_set1_ps(-dm * dx), acc[r]);
+    }
+}
+
+/// Eight bytes, each twice, as 16 i16 lanes: a 32-weight sub-block's scale or minimum for both
+/// of its halves of 16.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn twice(bytes: [u8; 8]) -> __m256i {
+    let v = _mm_cvtsi64_si128(i64::from_le_bytes(bytes));
+    _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(v, v))
+}
+
+/// Q4_K's and Q5_K's eight 6-bit scales and minima, unpacked from their 12 bytes as
+/// `quant::scale_min_k4` reads them, four at a time in 32-bit words: `a`, `b` and `c` are bytes
+/// 0..4, 4..8 and 8..12. Scales 0..4 and minima 0..4 are the low six bits of `a` and `b`;
+/// scales 4..8 take the low nibbles of `c` and the top two bits of `a`, minima 4..8 the high
+/// nibbles of `c` and the top two bits of `b`.
+fn k4_scales(s: &[u8; 12]) -> ([u8; 8], [u8; 8]) {
+    let word = |i: usize| u32::from_le_bytes(s[4 * i..][..4].try_into().expect("4 bytes"));
+    let (a, b, c) = (word(0), word(1), word(2));
+    let (low6, nibble, top2) = (0x3f3f_3f3f, 0x0f0f_0f0f, 0x0303_0303);
+    let sc_hi = (c & nibble) | (((a >> 6) & top2) << 4);
+    let m_hi = ((c >> 4) & nibble) | (((b >> 6) & top2) << 4);
+    let join = |lo: u32, hi: u32| (u64::from(lo) | (u64::from(hi) << 32)).to_le_bytes();
+    (join(a & low6, sc_hi), join(b & low6, m_hi))
 }
 
 /// Q4_K's and Q5_K's super-block: `d * dx * sum_j sc_j (q . x)_j - dmin * dx * sum_j m_j
 /// sum(x)_j` over eight sub-blocks of 32, `q` the 4-bit nibbles of `qs` and, for Q5_K, a fifth
-/// bit from `qh` (bit `j` of byte `l` for weight `l` of sub-block `j`). Each lane sums 32
-/// products of at most 31 * 63 * 32767, under 2^31.
-///
-/// # Safety
-/// The CPU must support AVX2, FMA and F16C.
+/// bit from `qh` (bit `j` of byte `l` for weight `l` of sub-block `j`). A pair sums to at most
+/// 2 * 31 * 127 in i16; each i32 lane sums 32 products of at most 31 * 127 * 63, under 2^24.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
-unsafe fn accumulate_k4<const R: usize>(
-    (d, dmin): (f32, f32),
+fn accumulate_k4<const R: usize>(
+    d: (f32, f32),
     scales: &[u8; 12],
     qs: &[u8; QK_K / 2],
     qh: Option<&[u8; QK_K / 8]>,
     x: &Rows<'_, R>,
     b: usize,
     acc: &mut [__m256; R],
-    mins: &mut [f32; R],
 ) {
-    let sm: [(u8, u8); 8] = std::array::from_fn(|j| scale_min_k4(j, scales));
+    let (sc, m) = k4_scales(scales);
     let nib = _mm256_set1_epi8(0xF);
     let high = qh.map(|h| load_chunk(h, 0));
-    let mut iacc = [_mm256_setzero_si256(); R];
-    // Sub-blocks 2i and 2i + 1: the low and high nibbles of 32 bytes.
-    for i in 0..4 {
-        let q = load_chunk(qs, i);
-        let halves = [
-            _mm256_and_si256(q, nib),
-            _mm256_and_si256(_mm256_srli_epi16::<4>(q), nib),
-        ];
-        for (h, q) in halves.into_iter().enumerate() {
-            let j = 2 * i + h;
-            let q = match high {
-                // 16 where bit j of the byte is set.
-                Some(bits) => {
-                    let bit = _mm256_set1_epi8(1 << j);
-                    let set = _mm256_cmpeq_epi8(_mm256_and_si256(bits, bit), bit);
-                    _mm256_or_si256(q, _mm256_and_si256(set, _mm256_set1_epi8(16)))
-                }
-                None => q,
-            };
-            let s = _mm256_set1_epi16(i16::from(sm[j].0));
-            let w = to_i16(q, true).map(|w| _mm256_mullo_epi16(w, s));
-            for (r, iacc) in iacc.iter_mut().enumerate() {
-                *iacc = _mm256_add_epi32(*iacc, madd32(w, x, r, QK_K * b + QK * j));
+    // Sub-blocks 2i and 2i + 1: the low and high nibbles of the 32 bytes `i`.
+    let u = |j: usize| {
+        let q = load_chunk(qs, j / 2);
+        let q = if j.is_multiple_of(2) {
+            q
+        } else {
+            _mm256_srli_epi16::<4>(q)
+        };
+        let q = _mm256_and_si256(q, nib);
+        match high {
+            // 16 where bit j of the byte is set.
+            Some(bits) => {
+                let bit = _mm256_set1_epi8(1 << j);
+                let set = _mm256_cmpeq_epi8(_mm256_and_si256(bits, bit), bit);
+                _mm256_or_si256(q, _mm256_and_si256(set, _mm256_set1_epi8(16)))
             }
+            None => q,
         }
-    }
-    for r in 0..R {
-        let dx = x.d[r][b];
-        let p = _mm256_cvtepi32_ps(iacc[r]);
-        acc[r] = _mm256_fmadd_ps(p, _mm256_set1_ps(d * dx), acc[r]);
-        // At most 8 * 63 * 32 * 32767.
-        let sums = &x.sums[r][8 * b..][..8];
-        let msum: i32 = sm.iter().zip(sums).map(|(sm, s)| i32::from(sm.1) * s).sum();
-        mins[r] += dmin * dx * msum as f32;
-    }
+    };
+    let iacc = scaled_chunks(twice(sc), u, x, b);
+    finish_k(iacc, d, twice(m), x, b, acc);
 }
 
-impl Dot16 for BlockQ4K {
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn accumulate<const R: usize>(
-        &self,
-        x: &Rows<'_, R>,
-        b: usize,
-        acc: &mut [__m256; R],
-        mins: &mut [f32; R],
-    ) {
-        let d = (self.d.to_f32(), self.dmin.to_f32());
-        // SAFETY: the caller checked the CPU.
-        unsafe { accumulate_k4(d, &self.scales, &self.qs, None, x, b, acc, mins) }
-    }
-}
-
-impl Dot16 for BlockQ5K {
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn accumulate<const R: usize>(
-        &self,
-        x: &Rows<'_, R>,
-        b: usize,
-        acc: &mut [__m256; R],
-        mins: &mut [f32; R],
-    ) {
-        let d = (self.d.to_f32(), self.dmin.to_f32());
-        let qh = Some(&self.qh);
-        // SAFETY: the caller checked the CPU.
-        unsafe { accumulate_k4(d, &self.scales, &self.qs, qh, x, b, acc, mins) }
-    }
-}
-
-impl Dot16 for BlockQ6K {
-    /// Per half of 128 weights, `d * dx * sum_j sc_j ((q - 32) . x)_j` over its eight
-    /// sub-blocks of 16: each lane sums 16 products of at most 32 * 128 * 32767, under 2^31.
+impl Dot8 for BlockQ4K {
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn accumulate<const R: usize>(
@@ -299,50 +499,130 @@ impl Dot16 for BlockQ6K {
         acc: &mut [__m256; R],
         _: &mut [f32; R],
     ) {
-        // Weights 32 j.. are `l + 32 k` of half `h` (j = 4 h + k, l < 32): the low 4 bits from
-        // `ql` (byte l + 32 (k % 2) of the half's 64, the high nibble for k >= 2), the high 2
-        // from `qh` (byte l of the half's 32, bits 2k), scale `sc[8 h + l / 16 + 2 k]`.
+        let d = (self.d.to_f32(), self.dmin.to_f32());
+        accumulate_k4(d, &self.scales, &self.qs, None, x, b, acc);
+    }
+}
+
+impl Dot8 for BlockQ5K {
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn accumulate<const R: usize>(
+        &self,
+        x: &Rows<'_, R>,
+        b: usize,
+        acc: &mut [__m256; R],
+        _: &mut [f32; R],
+    ) {
+        let d = (self.d.to_f32(), self.dmin.to_f32());
+        accumulate_k4(d, &self.scales, &self.qs, Some(&self.qh), x, b, acc);
+    }
+}
+
+/// 16 signed bytes as 16 i16 lanes.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn widen16(bytes: [i8; 16]) -> __m256i {
+    // SAFETY: 16 bytes read from `bytes`.
+    _mm256_cvtepi8_epi16(unsafe { _mm_loadu_si128(bytes.as_ptr().cast()) })
+}
+
+impl Dot8 for BlockQ6K {
+    /// `d * dx * (sum_g sc_g (q . x)_g - 32 sum_g sc_g sum(x)_g)` over the 16 sub-blocks `g`
+    /// of 16, `q` the unsigned 6-bit values: a pair sums to at most 2 * 63 * 127 in i16, and
+    /// each i32 lane sums 32 products of at most 63 * 127 * 128, under 2^26.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn accumulate<const R: usize>(
+        &self,
+        x: &Rows<'_, R>,
+        b: usize,
+        acc: &mut [__m256; R],
+        _: &mut [f32; R],
+    ) {
+        // Chunk c = 4 h + k of 32 weights is `l + 32 k` of half `h` (l < 32): the low 4 bits
+        // from `ql` (byte l + 32 (k % 2) of the half's 64, the high nibble for k >= 2), the
+        // high 2 from `qh` (byte l of the half's 32, bits 2k).
+        let (nib, three) = (_mm256_set1_epi8(0xF), _mm256_set1_epi8(3));
+        let u = |c: usize| {
+            let (h, k) = (c / 4, c % 4);
+            let lo = load_chunk(&self.ql, 2 * h + k % 2);
+            let lo = if k < 2 {
+                lo
+            } else {
+                _mm256_srli_epi16::<4>(lo)
+            };
+            let hi = _mm256_srl_epi16(load_chunk(&self.qh, h), _mm_cvtsi32_si128(2 * k as i32));
+            let hi = _mm256_slli_epi16::<4>(_mm256_and_si256(hi, three));
+            _mm256_or_si256(_mm256_and_si256(lo, nib), hi)
+        };
+        let sc = widen16(self.scales);
+        let iacc = scaled_chunks(sc, u, x, b);
         let d = self.d.to_f32();
-        let (nib, three, bias) = (
-            _mm256_set1_epi8(0xF),
-            _mm256_set1_epi8(3),
-            _mm256_set1_epi8(32),
-        );
-        for h in 0..2 {
-            let ql = [load_chunk(&self.ql, 2 * h), load_chunk(&self.ql, 2 * h + 1)];
-            let qh = load_chunk(&self.qh, h);
-            let his = [
-                qh,
-                _mm256_srli_epi16::<2>(qh),
-                _mm256_srli_epi16::<4>(qh),
-                _mm256_srli_epi16::<6>(qh),
-            ];
-            let mut iacc = [_mm256_setzero_si256(); R];
-            for (k, hi) in his.into_iter().enumerate() {
-                let lo = if k < 2 {
-                    ql[k]
-                } else {
-                    _mm256_srli_epi16::<4>(ql[k - 2])
-                };
-                let lo = _mm256_and_si256(lo, nib);
-                let hi = _mm256_slli_epi16::<4>(_mm256_and_si256(hi, three));
-                let q = _mm256_sub_epi8(_mm256_or_si256(lo, hi), bias);
-                let sc = &self.scales[8 * h + 2 * k..][..2];
-                let w = to_i16(q, false);
-                let w = [
-                    _mm256_mullo_epi16(w[0], _mm256_set1_epi16(i16::from(sc[0]))),
-                    _mm256_mullo_epi16(w[1], _mm256_set1_epi16(i16::from(sc[1]))),
-                ];
-                for (r, iacc) in iacc.iter_mut().enumerate() {
-                    let at = QK_K * b + QK * (4 * h + k);
-                    *iacc = _mm256_add_epi32(*iacc, madd32(w, x, r, at));
-                }
-            }
-            for r in 0..R {
-                let p = _mm256_cvtepi32_ps(iacc[r]);
-                acc[r] = _mm256_fmadd_ps(p, _mm256_set1_ps(d * x.d[r][b]), acc[r]);
-            }
+        finish_k(iacc, (d, 32.0 * d), sc, x, b, acc);
+    }
+}
+
+/// Q2_K's and Q3_K's 2-bit values of chunk `c` = 4 h + j of 32 weights (each 128-weight half
+/// takes 32 bytes of `qs`, shift `2 j` giving its `j`-th 32) plus, with `hmask`, 4 where Q3_K's
+/// high bit is set (bit `c` of byte `l` for weight `l` of the chunk): at most 7.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn twos(qs: &[u8; QK_K / 4], hmask: Option<&[u8; QK_K / 8]>, c: usize) -> __m256i {
+    let shift = _mm_cvtsi32_si128(2 * (c % 4) as i32);
+    let u = _mm256_and_si256(
+        _mm256_srl_epi16(load_chunk(qs, c / 4), shift),
+        _mm256_set1_epi8(3),
+    );
+    match hmask {
+        Some(h) => {
+            let bit = _mm256_set1_epi8(1 << c);
+            let set = _mm256_cmpeq_epi8(_mm256_and_si256(load_chunk(h, 0), bit), bit);
+            _mm256_or_si256(u, _mm256_and_si256(set, _mm256_set1_epi8(4)))
         }
+        None => u,
+    }
+}
+
+impl Dot8 for BlockQ2K {
+    /// `d * dx * sum_g sc_g (q . x)_g - dmin * dx * sum_g m_g sum(x)_g` over 16 sub-blocks of
+    /// 16, the 4-bit `sc` and `m` in `scales`: each lane sums 32 products of at most 3 * 127
+    /// * 15.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn accumulate<const R: usize>(
+        &self,
+        x: &Rows<'_, R>,
+        b: usize,
+        acc: &mut [__m256; R],
+        _: &mut [f32; R],
+    ) {
+        // SAFETY: 16 bytes read from `scales`.
+        let s = unsafe { _mm_loadu_si128(self.scales.as_ptr().cast()) };
+        let nib = _mm_set1_epi8(0xF);
+        let sc = _mm256_cvtepu8_epi16(_mm_and_si128(s, nib));
+        let m = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16::<4>(s), nib));
+        let iacc = scaled_chunks(sc, |c| twos(&self.qs, None, c), x, b);
+        finish_k(iacc, (self.d.to_f32(), self.dmin.to_f32()), m, x, b, acc);
+    }
+}
+
+impl Dot8 for BlockQ3K {
+    /// `d * dx * sum_g (sc_g - 32) ((u . x)_g - 4 sum(x)_g)`, `u` the 2-bit value plus 4 where
+    /// the high bit is set (weight `u - 4`): each lane sums 32 products of at most 7 * 127 * 32.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn accumulate<const R: usize>(
+        &self,
+        x: &Rows<'_, R>,
+        b: usize,
+        acc: &mut [__m256; R],
+        _: &mut [f32; R],
+    ) {
+        let sc = widen16(self.unpacked_scales().map(|s| s - 32));
+        let iacc = scaled_chunks(sc, |c| twos(&self.qs, Some(&self.hmask), c), x, b);
+        let d = self.d.to_f32();
+        finish_k(iacc, (d, 4.0 * d), sc, x, b, acc);
     }
 }
 
@@ -352,7 +632,7 @@ impl Dot16 for BlockQ6K {
 /// # Safety
 /// The CPU must support AVX2, FMA and F16C.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn dots_task<B: Dot16>(x: &Rows16, w: &[B], out: &mut [f32]) {
+pub unsafe fn dots_task<B: Dot8>(x: &Rows8, w: &[B], out: &mut [f32]) {
     assert_eq!(
         x.q.len(),
         x.d.len() * B::LEN,
@@ -383,17 +663,23 @@ pub unsafe fn dots_task<B: Dot16>(x: &Rows16, w: &[B], out: &mut [f32]) {
 /// The CPU must support AVX2, FMA and F16C.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dots<B: Dot16, const R: usize>(w: &[B], x: &Rows16, r0: usize) -> [f32; R] {
+unsafe fn dots<B: Dot8, const R: usize>(w: &[B], x: &Rows8, r0: usize) -> [f32; R] {
     let k = x.k;
     let row = |r: usize| r0 + r;
     let rows = Rows {
         q: std::array::from_fn(|r| &x.q[row(r) * k..][..k]),
         d: std::array::from_fn(|r| &x.d[row(r) * k / B::LEN..][..k / B::LEN]),
-        sums: std::array::from_fn(|r| &x.sums[row(r) * k / QK..][..k / QK]),
+        sums: std::array::from_fn(|r| &x.sums[row(r) * k / SUM_LEN..][..k / SUM_LEN]),
     };
     let mut acc = [[_mm256_setzero_ps(); R]; 2];
     let mut mins = [0.0f32; R];
     for (b, block) in w.iter().enumerate() {
+        let ahead = (block as *const B)
+            .cast::<i8>()
+            .wrapping_add(PREFETCH_BYTES);
+        for line in (0..size_of::<B>()).step_by(64) {
+            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line));
+        }
         // SAFETY: the caller checked the CPU.
         unsafe { block.accumulate(&rows, b, &mut acc[0], &mut mins) };
         acc.swap(0, 1);
@@ -405,4 +691,26 @@ unsafe fn dots<B: Dot16, const R: usize>(w: &[B], x: &Rows16, r0: usize) -> [f32
         unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), sum) };
         sum_lanes(&lanes) - mins[r]
     })
+}
+
+#[cfg(test)]
+mod tests {
+    /// The word-at-a-time unpacking gives `quant::scale_min_k4`'s scales and minima for every
+    /// value of each byte.
+    #[test]
+    fn k4_scales_unpack_as_scale_min_k4() {
+        for seed in 0..2000u32 {
+            let s: [u8; 12] = std::array::from_fn(|i| {
+                (seed.wrapping_mul(2_654_435_761).rotate_left(i as u32 * 5) >> (i % 3)) as u8
+            });
+            let (sc, m) = super::k4_scales(&s);
+            for j in 0..8 {
+                assert_eq!(
+                    (sc[j], m[j]),
+                    crate::quant::scale_min_k4(j, &s),
+                    "{s:?} {j}"
+                );
+            }
+        }
+    }
 }
