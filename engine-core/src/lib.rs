@@ -4,6 +4,7 @@
 //! (file access and memory mapping are native-only).
 
 pub mod backend;
+pub mod calibrate;
 pub mod config;
 pub mod error;
 pub mod generate;

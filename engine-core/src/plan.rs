@@ -127,6 +127,35 @@ pub struct PlanInput {
     pub interleave_from: usize,
     /// Link bandwidth in bits/s and one-way latency in seconds, if known.
     pub link: Option<(f64, f64)>,
+    /// The prefill helper's speed against the host's, measured when it connected.
+    pub speeds: Option<Speeds>,
+}
+
+/// Prefill speeds measured at connect (`calibrate`): the seconds the host and the prefill
+/// helper take for one 4-layer cycle (three DeltaNet layers and an attention layer) over the
+/// same `rows` rows, the helper's counting its link's round trip. The split that balances
+/// the two pipeline stages follows from their ratio.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Speeds {
+    pub rows: usize,
+    pub host_cycle_s: f64,
+    pub helper_cycle_s: f64,
+}
+
+impl Speeds {
+    /// The first helper layer, on a cycle boundary, that makes the slower of the two stages
+    /// fastest: the host's `s / 4` cycles against the helper's `(n - s) / 4`. Never `n`
+    /// (a helper that runs nothing is no pipeline) unless the model has no whole cycle.
+    pub fn balanced_split(&self, n: usize) -> usize {
+        let stage = |s: usize| {
+            let (host, helper) = ((s / 4) as f64, ((n - s) / 4) as f64);
+            (host * self.host_cycle_s).max(helper * self.helper_cycle_s)
+        };
+        (4..n)
+            .step_by(4)
+            .min_by(|&a, &b| stage(a).total_cmp(&stage(b)))
+            .unwrap_or(n)
+    }
 }
 
 /// The plan: its choices, and the text that explains them.
@@ -294,8 +323,8 @@ impl Choices {
             c,
             p.split_layer,
             p.helpers.first().copied(),
-            p.context,
-            ubatch,
+            p.speeds.as_ref(),
+            (p.context, ubatch),
         );
         Choices {
             page_size,
@@ -499,52 +528,76 @@ fn choose_page(p: &PlanInput, budget: Option<usize>) -> (usize, String) {
     (page, why)
 }
 
-/// The first layer the prefill helper runs, for a helper that offers `offer` bytes, unless
-/// `--split-layer` gave it: see [`choose_split`].
+/// The first layer the prefill helper runs, for a helper that offers `offer` bytes and (once
+/// measured) runs at `speeds`, unless `--split-layer` gave it: see [`choose_split`].
 pub fn split_layer(
     c: &ModelConfig,
     given: Option<usize>,
     offer: u64,
-    context: usize,
-    ubatch: usize,
+    speeds: Option<&Speeds>,
+    (context, ubatch): (usize, usize),
 ) -> usize {
-    choose_split(c, given, Some(offer), context, ubatch).0
+    choose_split(c, given, Some(offer), speeds, (context, ubatch)).0
 }
 
-/// The first layer of the prefill helper: DESIGN.md's share (the host runs the first 5/8 of
-/// the layers, on a 4-layer cycle boundary), moved back a cycle at a time while the helper's
-/// offer cannot hold its layers' mirrored KV, state and activations.
+/// The first layer of the prefill helper: where the measured speeds balance the two stages
+/// (before they are measured, DESIGN.md's share: the host runs the first 5/8 of the layers),
+/// on a 4-layer cycle boundary, moved back a cycle at a time while the helper's offer cannot
+/// hold its layers' mirrored KV, state and activations.
 fn choose_split(
     c: &ModelConfig,
     given: Option<usize>,
     offer: Option<u64>,
-    context: usize,
-    ubatch: usize,
+    speeds: Option<&Speeds>,
+    (context, ubatch): (usize, usize),
 ) -> (usize, String) {
     let n = c.num_hidden_layers;
     if let Some(s) = given {
         return (s, "as given".into());
     }
-    let first = default_split_layer(n);
+    let default = default_split_layer(n);
     let offer = match offer {
         None => return (n, "no helper: the host prefills alone".into()),
         Some(0) => {
             return (
-                first,
+                default,
                 "DESIGN.md's share, the host runs the first 5/8 of the layers (the helper's offer is not known yet)".into(),
             )
         }
         Some(o) => o,
+    };
+    let (first, share) = match speeds {
+        Some(m) => {
+            let s = m.balanced_split(n);
+            let why = format!(
+                "measured at connect on {} rows, a cycle of 4 layers takes the host {:.1} ms and the helper {:.1} ms \
+                 (with its link): layers {s}..{n} on the helper balance the two stages (host {:.0} ms, helper {:.0} ms per {} rows)",
+                m.rows,
+                m.host_cycle_s * 1e3,
+                m.helper_cycle_s * 1e3,
+                (s / 4) as f64 * m.host_cycle_s * 1e3,
+                ((n - s) / 4) as f64 * m.helper_cycle_s * 1e3,
+                m.rows
+            );
+            (s, why)
+        }
+        None => (
+            default,
+            "DESIGN.md's share, the host runs the first 5/8 of the layers".to_string(),
+        ),
     };
     let mut s = first;
     while s < n && helper_needs(c, context, s..n, ubatch).total() > offer {
         s = (s + 4).min(n);
     }
     let why = if s == first {
-        format!("DESIGN.md's share, the host runs the first 5/8 of the layers; the helper's {} offer holds its layers' KV and state", gib(offer))
+        format!(
+            "{share}; the helper's {} offer holds its layers' KV and state",
+            gib(offer)
+        )
     } else if s < n {
         format!(
-            "the helper's {} offer holds the mirrored KV and state of layers {s}..{n} at {context} tokens, not of {first}..{n} (DESIGN.md's share)",
+            "{share}, but the helper's {} offer holds the mirrored KV and state of layers {s}..{n} at {context} tokens, not of {first}..{n}",
             gib(offer)
         )
     } else {
@@ -632,6 +685,7 @@ mod tests {
             split_min: 512,
             interleave_from: 65536,
             link: Some((10e9, 50e-6)),
+            speeds: None,
         }
     }
 
@@ -786,5 +840,52 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("decode: host alone"), "{text}");
+    }
+
+    /// Measured speeds move the split to where the two stages take the same time, on a cycle
+    /// boundary; the helper's offer still bounds how many layers it takes.
+    #[test]
+    fn measured_speeds_balance_the_split_within_the_offer() {
+        let c = crate::synth::preset("qwen35-0.8b").unwrap();
+        let speeds = |host: f64, helper: f64| Speeds {
+            rows: 32,
+            host_cycle_s: host,
+            helper_cycle_s: helper,
+        };
+        // Equal speeds: half the 24 layers each; a helper three times slower takes a quarter.
+        assert_eq!(speeds(1.0, 1.0).balanced_split(24), 12);
+        assert_eq!(speeds(1.0, 3.0).balanced_split(24), 20);
+        // A helper twice as fast: 2 host cycles (2 s) against 4 helper cycles (2 s).
+        assert_eq!(speeds(1.0, 0.5).balanced_split(24), 8);
+        // Far slower or faster, it still takes one cycle, or leaves one to the host.
+        assert_eq!(speeds(1.0, 100.0).balanced_split(24), 20);
+        assert_eq!(speeds(100.0, 1.0).balanced_split(24), 4);
+        let plan = |helper: f64, offer: u64| {
+            let p = PlanInput {
+                speeds: Some(speeds(0.01, helper)),
+                ..deciding(64 << 30, vec![offer])
+            };
+            Plan::new(&c, &p)
+        };
+        let even = plan(0.01, 64 << 30);
+        assert_eq!(even.split_layer, 12);
+        assert!(
+            even.text
+                .contains("takes the host 10.0 ms and the helper 10.0 ms")
+                && even
+                    .text
+                    .contains("layers 12..24 on the helper balance the two stages"),
+            "{}",
+            even.text
+        );
+        // An offer too small for layers 12..24's mirrored KV at 262144 tokens moves the split
+        // back as it does without speeds.
+        let small = plan(0.01, 2 << 30);
+        assert!(small.split_layer > 12, "{}", small.text);
+        assert!(
+            small.text.contains("but the helper's 2.00 GiB offer holds"),
+            "{}",
+            small.text
+        );
     }
 }

@@ -47,6 +47,8 @@ pub struct HelperClient {
     pub helper: Intro,
     /// The layers the helper runs in a split prefill (empty: KV pages only).
     pub prefill_layers: std::ops::Range<usize>,
+    /// Its prefill speed against the host's, if `calibrate` measured it.
+    pub speeds: Option<crate::plan::Speeds>,
     /// The helper's mirror of its prefill layers holds rows and state for positions below this.
     pub mirror_pos: usize,
     /// A rewind left the mirror's DeltaNet states at a later position than its rows: the next
@@ -91,6 +93,7 @@ impl HelperClient {
             seq: 0,
             max_frame,
             prefill_layers: 0..0,
+            speeds: None,
             mirror_pos: 0,
             mirror_stale: false,
             early: Default::default(),
@@ -119,15 +122,26 @@ impl HelperClient {
         }
         c.max_frame = c.max_frame.min(c.helper.max_frame as usize);
         let configure = configure(&c.helper);
-        c.prefill_layers = configure.first_layer as usize..configure.end_layer as usize;
-        match c.request(Message::Configure(configure))? {
-            Message::Ack => Ok(c),
+        c.configure(configure)?;
+        Ok(c)
+    }
+
+    /// Assign the helper its part (again): it drops every sequence it held.
+    pub fn configure(&mut self, configure: Configure) -> Result<()> {
+        let layers = configure.first_layer as usize..configure.end_layer as usize;
+        match self.request(Message::Configure(configure))? {
+            Message::Ack => {
+                self.prefill_layers = layers;
+                self.mirror_pos = 0;
+                self.mirror_stale = false;
+                Ok(())
+            }
             other => Err(unexpected("Ack", &other)),
         }
     }
 
     /// Send `msg` and wait for its reply; an `Error` reply becomes `Error::Remote`.
-    fn request(&mut self, msg: Message) -> Result<Message> {
+    pub fn request(&mut self, msg: Message) -> Result<Message> {
         let req = self.send(&msg)?;
         self.reply(req)
     }

@@ -91,7 +91,7 @@ pub fn run(a: Args) -> Result<()> {
     let context = a.depth + a.prompt_tokens + a.gen;
     let (session, mut state, helpers) =
         a.engine
-            .session(&model, context, a.prompt_tokens, a.ubatch)?;
+            .session(&model, be, context, a.prompt_tokens, a.ubatch)?;
     let page_size = session.page_size;
     // The link figures are the first helper's (the one that runs the split prefill).
     let link = helpers.first().map(|h| &h.stats);

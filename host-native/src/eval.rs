@@ -49,7 +49,7 @@ pub fn run(a: Args) -> Result<()> {
     eprintln!("backend: {what}");
     let v = model.config.vocab_size;
     let context = ids.len() + a.gen;
-    let (_, mut state, _) = a.engine.session(&model, context, ids.len(), None)?;
+    let (_, mut state, _) = a.engine.session(&model, be, context, ids.len(), None)?;
     let prefill = model.forward(be, &mut state, &ids, Logits::All, None)?;
     let mut gen_ids: Vec<i64> = Vec::with_capacity(a.gen);
     let mut gen_logits: Vec<f32> = Vec::with_capacity(a.gen * v);

@@ -4,6 +4,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
+use engine_core::calibrate;
 use engine_core::identity::cache_dir;
 use engine_core::link::doors::{self, DialOptions};
 use engine_core::link::keys::{config_dir, KeyStore};
@@ -11,12 +12,12 @@ use engine_core::link::secure::{wire_limit, SecureLink};
 use engine_core::link::ws::{self, WsLink};
 use engine_core::link::{Link, LinkProfile, LinkStats, ShapedLink, StatsHandle};
 use engine_core::page_file::PageFile;
-use engine_core::plan::{self, Plan, PlanInput, WeightBytes};
+use engine_core::plan::{self, Plan, PlanInput, Speeds, WeightBytes};
 use engine_core::protocol::{Configure, Intro};
 use engine_core::remote::{HelperClient, DEFAULT_MAX_FRAME};
 use engine_core::source::SynthOptions;
 use engine_core::split::SplitPlan;
-use engine_core::{Model, State};
+use engine_core::{Backend, Model, State};
 
 use crate::accept::Acceptor;
 use crate::lend::{Lent, LentSlot};
@@ -76,10 +77,16 @@ pub struct HelperArgs {
     #[arg(long, default_value_t = DEFAULT_MAX_FRAME)]
     max_frame: usize,
     /// First layer the helper runs in a split prefill (a multiple of 4); by default the plan
-    /// gives it the last ~3/8 of the layers, fewer if its memory offer cannot mirror their KV;
-    /// the model's layer count disables the split.
+    /// measures the helper's speed against this host's when it connects and gives it the
+    /// layers that balance the two (without --no-calibrate), fewer if its memory offer cannot
+    /// mirror their KV; the model's layer count disables the split.
     #[arg(long)]
     split_layer: Option<usize>,
+    /// Do not measure the prefill helper's speed when it connects (a 32-row prefill on each
+    /// side, run twice): give it DESIGN.md's share of the layers, the last ~3/8, or fewer if
+    /// its offer cannot mirror them. The split then depends on nothing measured.
+    #[arg(long)]
+    no_calibrate: bool,
     /// Prompts of at most this many tokens prefill on the host alone.
     #[arg(long, default_value_t = 512)]
     split_min: usize,
@@ -142,10 +149,12 @@ pub struct Attached {
 
 impl HelperArgs {
     /// Connect every helper named (and wait for --wait-helpers to join) and attach them to
-    /// `state`, the first as the prefill helper, for a `context`-token context.
+    /// `state`, the first as the prefill helper (its speed measured against the host's on
+    /// `be`), for a `context`-token context.
     pub fn attach(
         &self,
         model: &Model,
+        be: &dyn Backend,
         state: &mut State,
         page_size: usize,
         context: usize,
@@ -168,7 +177,7 @@ impl HelperArgs {
         let joining = std::iter::repeat_n(Source::Joined, self.joining());
         let sources = self.helper.iter().cloned().map(Source::Dial).chain(joining);
         sources
-            .map(|source| self.attach_from(model, state, (page_size, context), source))
+            .map(|source| self.attach_from(model, be, state, (page_size, context), source))
             .collect()
     }
 
@@ -212,6 +221,7 @@ impl HelperArgs {
     pub fn attach_from(
         &self,
         model: &Model,
+        be: &dyn Backend,
         state: &mut State,
         shape: (usize, usize),
         source: Source,
@@ -219,7 +229,7 @@ impl HelperArgs {
         let stats = StatsHandle::default();
         let wait = Duration::from_secs(self.helper_wait);
         let link = self.connect(&source, &stats, wait)?;
-        let id = self.attach_link(model, state, shape, link, &source)?;
+        let id = self.attach_link(model, be, state, shape, link, &source)?;
         Ok(Attached { id, source, stats })
     }
 
@@ -326,11 +336,13 @@ impl HelperArgs {
 
     /// Configure the helper at the other end of `link` and attach it to `state` (pages of
     /// `page_size`, a `context`-token context): it runs the tail layers of a split prefill if
-    /// no helper of `state` does yet (as many as the plan gives it for its offer), else it
-    /// holds pages only. Returns its id in `state`.
+    /// no helper of `state` does yet (as many as its offer can hold, then, unless
+    /// --split-layer is given, as many as balance its measured speed against the host's on
+    /// `be`), else it holds pages only. Returns its id in `state`.
     pub fn attach_link(
         &self,
         model: &Model,
+        be: &dyn Backend,
         state: &mut State,
         (page_size, context): (usize, usize),
         link: Box<dyn Link>,
@@ -344,25 +356,38 @@ impl HelperArgs {
         }
         let prefills = state.prefill_helper().is_none();
         let page = u32::try_from(page_size).context("--page-size")?;
-        let configure = |helper: &Intro| {
-            let first = match prefills {
-                true => plan::split_layer(
-                    &model.config,
-                    self.split_layer,
-                    helper.mem_offer,
-                    context,
-                    self.split_ubatch.unwrap_or(plan::SPLIT_UBATCH),
-                ),
-                false => n,
-            };
-            Configure {
-                first_layer: first as u32,
-                end_layer: n as u32,
-                page_size: page,
-            }
+        let ubatch = self.split_ubatch.unwrap_or(plan::SPLIT_UBATCH);
+        let configure = |first: usize| Configure {
+            first_layer: first as u32,
+            end_layer: n as u32,
+            page_size: page,
         };
-        let client = HelperClient::connect_with(link, model, configure, self.max_frame)
-            .with_context(|| format!("handshake with {source}"))?;
+        let first = |helper: &Intro, speeds: Option<&Speeds>| match prefills {
+            true => plan::split_layer(
+                &model.config,
+                self.split_layer,
+                helper.mem_offer,
+                speeds,
+                (context, ubatch),
+            ),
+            false => n,
+        };
+        let mut client = HelperClient::connect_with(
+            link,
+            model,
+            |helper| configure(first(helper, None)),
+            self.max_frame,
+        )
+        .with_context(|| format!("handshake with {source}"))?;
+        if self.split_layer.is_none() && !self.no_calibrate && client.prefill_layers.len() >= 4 {
+            let speeds = calibrate::measure(model, be, &mut client)
+                .with_context(|| format!("measuring the speed of {source}"))?;
+            let balanced = first(&client.helper, Some(&speeds));
+            client
+                .configure(configure(balanced))
+                .with_context(|| format!("configuring {source} after measuring it"))?;
+            client.speeds = Some(speeds);
+        }
         if state.spill.is_none() {
             state.spill = Some(self.page_file()?);
         }
@@ -398,11 +423,12 @@ impl HelperArgs {
     }
 
     /// The session plan for `model` with the helpers' `offers` (bytes each; before they
-    /// attach, [`Self::expected_offers`]) and what the command `fixed`.
+    /// attach, [`Self::expected_offers`]), the prefill helper's measured `speeds` and what the
+    /// command `fixed`.
     pub fn plan_for(
         &self,
         model: &Model,
-        offers: Vec<u64>,
+        (offers, speeds): (Vec<u64>, Option<Speeds>),
         fixed: Fixed,
         context: usize,
         prompt: usize,
@@ -428,6 +454,7 @@ impl HelperArgs {
                 .and_then(|l| LinkProfile::preset(l))
                 .filter(|l| l.bandwidth_bps.is_finite())
                 .map(|l| (l.bandwidth_bps, l.latency.as_secs_f64())),
+            speeds,
         };
         Plan::new(&model.config, &input)
     }
@@ -438,6 +465,7 @@ impl HelperArgs {
     pub fn session(
         &self,
         model: &Model,
+        be: &dyn Backend,
         fixed: Fixed,
         context: usize,
         prompt: usize,
@@ -445,9 +473,10 @@ impl HelperArgs {
         if fixed.page_size == Some(0) || fixed.ubatch == Some(0) || self.split_ubatch == Some(0) {
             bail!("--page-size, --ubatch and --split-ubatch must be at least 1");
         }
-        let plan = self.plan_for(model, self.expected_offers(), fixed, context, prompt);
+        let expected = (self.expected_offers(), None);
+        let plan = self.plan_for(model, expected, fixed, context, prompt);
         let mut state = model.new_state(plan.page_size);
-        let attached = self.attach(model, &mut state, plan.page_size, context)?;
+        let attached = self.attach(model, be, &mut state, plan.page_size, context)?;
         if !attached.is_empty() {
             state.host_kv_tokens = plan.host_kv_tokens;
         }
@@ -464,9 +493,11 @@ impl HelperArgs {
         }
     }
 
-    /// The offers of the helpers attached to `state`.
-    pub fn offers(state: &State) -> Vec<u64> {
-        state.helpers.iter().map(|h| h.helper.mem_offer).collect()
+    /// The offers of the helpers attached to `state`, and the prefill helper's measured
+    /// speeds.
+    pub fn offers(state: &State) -> (Vec<u64>, Option<Speeds>) {
+        let offers = state.helpers.iter().map(|h| h.helper.mem_offer).collect();
+        (offers, state.prefill_helper().and_then(|h| h.speeds))
     }
 
     pub fn host_kv_tokens(&self) -> Option<usize> {

@@ -46,10 +46,11 @@ impl EngineArgs {
 
 impl EngineArgs {
     /// The session for a `context`-token context and a `prompt`-token prompt (`ubatch`: the
-    /// command's --ubatch): [`HelperArgs::session`] with this command's page size.
+    /// command's --ubatch) on `be`: [`HelperArgs::session`] with this command's page size.
     pub fn session(
         &self,
         model: &Model,
+        be: &dyn Backend,
         context: usize,
         prompt: usize,
         ubatch: Option<usize>,
@@ -59,7 +60,7 @@ impl EngineArgs {
             ubatch,
             host_kv_tokens: None,
         };
-        self.helper.session(model, fixed, context, prompt)
+        self.helper.session(model, be, fixed, context, prompt)
     }
 
     /// The `--backend`, and a line saying what it runs on, once it is known to compute with

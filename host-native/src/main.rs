@@ -78,6 +78,9 @@ struct PlanArgs {
     ubatch: Option<usize>,
     #[command(flatten)]
     synth: load::SynthOptions,
+    /// Where the host's layers run when the prefill helper's speed is measured against it.
+    #[command(flatten)]
+    backend: load::BackendOptions,
     #[command(flatten)]
     helper: helper::HelperArgs,
 }
@@ -159,7 +162,9 @@ fn plan(a: PlanArgs) -> anyhow::Result<()> {
         host_kv_tokens: None,
     };
     let (context, prompt) = (a.context, a.prompt_tokens);
-    let (_, state, _) = h.session(&model, fixed, context, prompt)?;
+    let (be, _) = a.backend.make()?;
+    model.check_backend(&*be)?;
+    let (_, state, _) = h.session(&model, &*be, fixed, context, prompt)?;
     let offers = helper::HelperArgs::offers(&state);
     print!(
         "{}",

@@ -72,9 +72,9 @@ pub fn run(a: Args) -> Result<()> {
     let be = &*be;
     eprintln!("backend: {what}");
     let context = prompt.len() + a.max_tokens;
-    let (plan, state, link_stats) = a
-        .engine
-        .session(&l.model, context, prompt.len(), a.ubatch)?;
+    let (plan, state, link_stats) =
+        a.engine
+            .session(&l.model, be, context, prompt.len(), a.ubatch)?;
     let mut generation = Generation::new(&l.model, be, state, sampler, stop);
     let t0 = Instant::now();
     let split = generation.prefill(&prompt, &a.engine.helper.split_plan(&plan))?;

@@ -322,6 +322,7 @@ fn opening(model: &Model, s: &Settings, device: &str) -> Vec<Value> {
             split_min: 0,
             interleave_from: usize::MAX,
             link: Some((s.bandwidth_mbps * 1e6, s.latency_ms / 1e3)),
+            speeds: None,
         },
     )
     .text;

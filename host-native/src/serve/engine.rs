@@ -191,7 +191,7 @@ impl Engine {
             return;
         };
         let shape = (self.page_size, self.plan_for.0);
-        let (joined, back) = h.refresh(&self.model, &mut self.state, shape);
+        let (joined, back) = h.refresh(&self.model, &*self.backend, &mut self.state, shape);
         if back {
             info!("a lost helper is back; it is re-filled from the page file as requests run");
             self.metrics.helper_reconnected();

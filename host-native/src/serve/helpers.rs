@@ -8,7 +8,7 @@ use std::sync::{mpsc, Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use engine_core::link::{Link, StatsHandle};
-use engine_core::{Model, State};
+use engine_core::{Backend, Model, State};
 use tracing::{debug, info};
 
 use crate::helper::{Attached, HelperArgs, Source};
@@ -86,6 +86,7 @@ impl Helpers {
     pub fn refresh(
         &mut self,
         model: &Model,
+        be: &dyn Backend,
         state: &mut State,
         shape: (usize, usize),
     ) -> (usize, bool) {
@@ -106,10 +107,11 @@ impl Helpers {
             let Ok(link) = self.args.connect(&Source::Joined, &stats, wait) else {
                 break;
             };
-            added += usize::from(self.attach(model, state, shape, link, Source::Joined, stats));
+            let joined = self.attach((model, be), state, shape, link, Source::Joined, stats);
+            added += usize::from(joined);
         }
         let back = self.returning(&live).is_some_and(|(source, stats, link)| {
-            self.attach(model, state, shape, link, source, stats)
+            self.attach((model, be), state, shape, link, source, stats)
         });
         (added, back)
     }
@@ -118,14 +120,17 @@ impl Helpers {
     /// context)` and list it; false if it could not be configured.
     fn attach(
         &mut self,
-        model: &Model,
+        (model, be): (&Model, &dyn Backend),
         state: &mut State,
         shape: (usize, usize),
         link: Box<dyn Link>,
         source: Source,
         stats: StatsHandle,
     ) -> bool {
-        match self.args.attach_link(model, state, shape, link, &source) {
+        match self
+            .args
+            .attach_link(model, be, state, shape, link, &source)
+        {
             Ok(id) => {
                 info!("{source} is attached (helper {id})");
                 let mut list = self.list();

@@ -40,7 +40,7 @@ use crate::load::EngineArgs;
 use conversation::Conversation;
 use cross_site::Cors;
 use engine::Engine;
-use engine_core::plan;
+use engine_core::plan::{self, Speeds};
 use engine_core::remote::HelperClient;
 use engine_core::{Model, State};
 use helpers::Helpers;
@@ -150,7 +150,7 @@ pub fn run(a: Args) -> Result<()> {
     let attached = a
         .engine
         .helper
-        .attach(&l.model, &mut state, page_size, most)?;
+        .attach(&l.model, &*backend, &mut state, page_size, most)?;
     let has_helpers = a.engine.helper.has_helper();
     let available = memory::available();
     let footprint = Footprint::of(config, a.checkpoints);
@@ -351,11 +351,11 @@ impl Drop for CloseOnDrop {
     }
 }
 
-/// The helpers' offers a server plans with: the attached ones', else one not known yet if
-/// helpers may come.
-pub fn serving_offers(h: &HelperArgs, state: &State) -> Vec<u64> {
+/// The helpers' offers a server plans with: the attached ones' (and the prefill helper's
+/// measured speeds), else one not known yet if helpers may come.
+pub fn serving_offers(h: &HelperArgs, state: &State) -> (Vec<u64>, Option<Speeds>) {
     match state.helpers.is_empty() {
-        true => h.expected_offers(),
+        true => (h.expected_offers(), None),
         false => HelperArgs::offers(state),
     }
 }
