@@ -126,19 +126,103 @@ impl<const R: usize> Rows<'_, R> {
 /// A quantised type whose blocks the kernel multiplies into rows of 8-bit activations, which
 /// share one scale per block of the type's length ([`Rows8::quantise`]'s `block`).
 pub trait Dot8: QuantBlock {
-    /// Adds the products of this block, block `b` of its row, with the `R` rows into `acc`
-    /// (eight lanes per row to be summed), and its offset or minimum terms into `mins`
-    /// (subtracted).
-    ///
-    /// # Safety
-    /// The CPU must support AVX2, FMA and F16C.
-    unsafe fn accumulate<const R: usize>(
-        &self,
-        x: &Rows<'_, R>,
-        b: usize,
-        acc: &mut [__m256; R],
-        mins: &mut [f32; R],
-    );
+    /// The block's weights as the kernel multiplies them. Inlined into the kernel, which has
+    /// the CPU features (AVX2, FMA, F16C) its intrinsics need.
+    fn unpack(&self) -> Unpacked;
+}
+
+/// A block as the kernel multiplies it. It lives in registers only, made and taken apart in
+/// one inlined `accumulate` (so the variants' sizes differ at no cost).
+#[allow(clippy::large_enum_variant)]
+pub enum Unpacked {
+    /// 32 weights, weight `i` being `d * q[i] + offset`: `q` unsigned bytes, or (`signed`)
+    /// signed levels whose magnitudes multiply `x` with their signs moved onto it.
+    Block32 {
+        q: __m256i,
+        signed: bool,
+        d: f32,
+        offset: f32,
+    },
+    /// A super-block of 256 weights in 8 chunks of 32 (16 sub-blocks of 16): weight `l` of
+    /// sub-block `g` is `d * sc[g] * q[l] - dm * m[g]`, `q` unsigned bytes or (`signed`)
+    /// signed levels, `sc` and `m` one i16 lane per sub-block.
+    Super {
+        chunks: [__m256i; QK_K / QK],
+        signed: bool,
+        sc: __m256i,
+        m: Option<__m256i>,
+        d: f32,
+        dm: f32,
+    },
+}
+
+impl Unpacked {
+    fn unsigned(q: __m256i, d: f32, offset: f32) -> Unpacked {
+        Unpacked::Block32 {
+            q,
+            signed: false,
+            d,
+            offset,
+        }
+    }
+
+    fn signed(q: __m256i, d: f32) -> Unpacked {
+        Unpacked::Block32 {
+            q,
+            signed: true,
+            d,
+            offset: 0.0,
+        }
+    }
+}
+
+/// `u` and `x` as `vpmaddubsw` takes them: for signed levels `v`, their magnitudes and `x`
+/// with their signs (a magnitude is at most 128, -128's, which is 128 as an unsigned byte).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn signs_moved(v: __m256i, x: __m256i, signed: bool) -> (__m256i, __m256i) {
+    match signed {
+        true => (_mm256_sign_epi8(v, v), _mm256_sign_epi8(x, v)),
+        false => (v, x),
+    }
+}
+
+/// Adds the products of `block`, block `b` of its row, with the `R` rows into `acc` (eight
+/// lanes per row to be summed), and a 32-weight block's offset terms into `mins`
+/// (subtracted).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn accumulate<B: Dot8, const R: usize>(
+    block: &B,
+    x: &Rows<'_, R>,
+    b: usize,
+    acc: &mut [__m256; R],
+    mins: &mut [f32; R],
+) {
+    match block.unpack() {
+        Unpacked::Block32 {
+            q,
+            signed,
+            d,
+            offset,
+        } => {
+            accumulate32(q, signed, d, x, b, acc);
+            if offset != 0.0 {
+                offsets(-offset, x, b, mins);
+            }
+        }
+        Unpacked::Super {
+            chunks,
+            signed,
+            sc,
+            m,
+            d,
+            dm,
+        } => {
+            let iacc = scaled_chunks(sc, &chunks, signed, x, b);
+            finish_k(iacc, (d, dm), m, x, b, acc);
+        }
+    }
 }
 
 /// The 32-byte chunk `i` of `bytes`, loaded.
@@ -160,14 +244,14 @@ fn dot_us(u: __m256i, s: __m256i, scale: __m256i) -> __m256i {
     _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), scale)
 }
 
-/// The 32-weight types with one f16 scale per block: `acc += d * dx * (u . x)`, `u` the
-/// unsigned weights (or, with `sign`, the magnitudes of signed ones, whose signs move onto
-/// `x`); four products per lane of at most 128 * 127 each.
+/// The 32-weight types with one f16 scale per block: `acc += d * dx * (q . x)` (with
+/// `signed`, their magnitudes and `x` with their signs); four products per lane of at most
+/// 128 * 127 each.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 fn accumulate32<const R: usize>(
-    u: __m256i,
-    sign: Option<__m256i>,
+    q: __m256i,
+    signed: bool,
     d: f32,
     x: &Rows<'_, R>,
     b: usize,
@@ -175,26 +259,9 @@ fn accumulate32<const R: usize>(
 ) {
     let ones = _mm256_set1_epi16(1);
     for (r, acc) in acc.iter_mut().enumerate() {
-        let xr = x.load32(r, QK * b);
-        let xr = sign.map_or(xr, |w| _mm256_sign_epi8(xr, w));
+        let (u, xr) = signs_moved(q, x.load32(r, QK * b), signed);
         let p = _mm256_cvtepi32_ps(dot_us(u, xr, ones));
         *acc = _mm256_fmadd_ps(p, _mm256_set1_ps(d * x.d[r][b]), *acc);
-    }
-}
-
-impl Dot8 for BlockQ8_0 {
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn accumulate<const R: usize>(
-        &self,
-        x: &Rows<'_, R>,
-        b: usize,
-        acc: &mut [__m256; R],
-        _: &mut [f32; R],
-    ) {
-        // |w| as unsigned (128 for -128), its sign moved onto x.
-        let w = load_chunk(bytemuck::cast_slice(&self.qs), 0);
-        accumulate32(_mm256_sign_epi8(w, w), Some(w), self.d.to_f32(), x, b, acc);
     }
 }
 
@@ -249,131 +316,97 @@ fn offsets<const R: usize>(scale: f32, x: &Rows<'_, R>, b: usize, mins: &mut [f3
     }
 }
 
+// SAFETY (every `unpack`): it runs inlined into `accumulate`, whose caller checked the CPU.
+
+impl Dot8 for BlockQ8_0 {
+    #[inline(always)]
+    fn unpack(&self) -> Unpacked {
+        let q = unsafe { load_chunk(bytemuck::cast_slice(&self.qs), 0) };
+        Unpacked::signed(q, self.d.to_f32())
+    }
+}
+
 impl Dot8 for BlockQ4_0 {
-    /// `d * dx * (q . x - 8 sum(x))`, `q` the unsigned nibbles.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn accumulate<const R: usize>(
-        &self,
-        x: &Rows<'_, R>,
-        b: usize,
-        acc: &mut [__m256; R],
-        mins: &mut [f32; R],
-    ) {
+    #[inline(always)]
+    fn unpack(&self) -> Unpacked {
         let d = self.d.to_f32();
-        accumulate32(nibbles(&self.qs), None, d, x, b, acc);
-        offsets(8.0 * d, x, b, mins);
+        Unpacked::unsigned(unsafe { nibbles(&self.qs) }, d, -8.0 * d)
     }
 }
 
 impl Dot8 for BlockQ4_1 {
-    /// `d * dx * (q . x) + m * dx * sum(x)`.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn accumulate<const R: usize>(
-        &self,
-        x: &Rows<'_, R>,
-        b: usize,
-        acc: &mut [__m256; R],
-        mins: &mut [f32; R],
-    ) {
-        accumulate32(nibbles(&self.qs), None, self.d.to_f32(), x, b, acc);
-        offsets(-self.m.to_f32(), x, b, mins);
+    #[inline(always)]
+    fn unpack(&self) -> Unpacked {
+        let q = unsafe { nibbles(&self.qs) };
+        Unpacked::unsigned(q, self.d.to_f32(), self.m.to_f32())
     }
 }
 
 impl Dot8 for BlockQ5_0 {
-    /// `d * dx * (q . x - 16 sum(x))`, `q` the unsigned 5-bit values.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn accumulate<const R: usize>(
-        &self,
-        x: &Rows<'_, R>,
-        b: usize,
-        acc: &mut [__m256; R],
-        mins: &mut [f32; R],
-    ) {
+    #[inline(always)]
+    fn unpack(&self) -> Unpacked {
         let d = self.d.to_f32();
-        accumulate32(fives(self.qh, &self.qs), None, d, x, b, acc);
-        offsets(16.0 * d, x, b, mins);
+        Unpacked::unsigned(unsafe { fives(self.qh, &self.qs) }, d, -16.0 * d)
     }
 }
 
 impl Dot8 for BlockQ5_1 {
-    /// `d * dx * (q . x) + m * dx * sum(x)`.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn accumulate<const R: usize>(
-        &self,
-        x: &Rows<'_, R>,
-        b: usize,
-        acc: &mut [__m256; R],
-        mins: &mut [f32; R],
-    ) {
-        let q = fives(self.qh, &self.qs);
-        accumulate32(q, None, self.d.to_f32(), x, b, acc);
-        offsets(-self.m.to_f32(), x, b, mins);
+    #[inline(always)]
+    fn unpack(&self) -> Unpacked {
+        let q = unsafe { fives(self.qh, &self.qs) };
+        Unpacked::unsigned(q, self.d.to_f32(), self.m.to_f32())
     }
 }
 
 impl Dot8 for BlockIq4Nl {
-    /// `d * dx * (v . x)`, `v` the signed levels: their magnitudes (at most 127) times `x`
-    /// with their signs.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn accumulate<const R: usize>(
-        &self,
-        x: &Rows<'_, R>,
-        b: usize,
-        acc: &mut [__m256; R],
-        _: &mut [f32; R],
-    ) {
-        let v = iq4_levels(nibbles(&self.qs));
-        accumulate32(_mm256_sign_epi8(v, v), Some(v), self.d.to_f32(), x, b, acc);
+    #[inline(always)]
+    fn unpack(&self) -> Unpacked {
+        let q = unsafe { iq4_levels(nibbles(&self.qs)) };
+        Unpacked::signed(q, self.d.to_f32())
     }
 }
 
 impl Dot8 for BlockIq4Xs {
-    /// `d * dx * sum_j (sc_j - 32) (v . x)_j` over eight sub-blocks of 32: a pair sums to at
-    /// most 2 * 127 * 127 in i16; each i32 lane sums 32 products of at most 127 * 127 * 32.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn accumulate<const R: usize>(
-        &self,
-        x: &Rows<'_, R>,
-        b: usize,
-        acc: &mut [__m256; R],
-        _: &mut [f32; R],
-    ) {
-        let mut iacc = [_mm256_setzero_si256(); R];
-        for (j, qs) in self.qs.chunks_exact(QK / 2).enumerate() {
+    /// Eight sub-blocks of 32 signed levels with scales `sc - 32` (each for both halves of
+    /// 16): a pair sums to at most 2 * 128 * 127 in i16; each i32 lane sums 32 products of at
+    /// most 128 * 127 * 32.
+    #[inline(always)]
+    fn unpack(&self) -> Unpacked {
+        let sc: [i16; 16] = std::array::from_fn(|g| {
+            let j = g / 2;
             let low = (self.scales_l[j / 2] >> (4 * (j % 2))) & 0xF;
             let high = ((self.scales_h >> (2 * j)) & 3) as u8;
-            let s = _mm256_set1_epi16(i16::from(low | (high << 4)) - 32);
-            let v = iq4_levels(nibbles(qs.try_into().expect("16 bytes")));
-            let u = _mm256_sign_epi8(v, v);
-            for (r, iacc) in iacc.iter_mut().enumerate() {
-                let xr = _mm256_sign_epi8(x.load32(r, QK_K * b + QK * j), v);
-                *iacc = _mm256_add_epi32(*iacc, dot_us(u, xr, s));
-            }
-        }
-        let d = self.d.to_f32();
-        for r in 0..R {
-            let p = _mm256_cvtepi32_ps(iacc[r]);
-            acc[r] = _mm256_fmadd_ps(p, _mm256_set1_ps(d * x.d[r][b]), acc[r]);
+            i16::from(low | (high << 4)) - 32
+        });
+        let chunks = std::array::from_fn(|j| {
+            let qs: &[u8; QK / 2] = self.qs[QK / 2 * j..][..QK / 2]
+                .try_into()
+                .expect("16 bytes");
+            unsafe { iq4_levels(nibbles(qs)) }
+        });
+        Unpacked::Super {
+            chunks,
+            signed: true,
+            // SAFETY: 32 bytes read from `sc`.
+            sc: unsafe { _mm256_loadu_si256(sc.as_ptr().cast()) },
+            m: None,
+            d: self.d.to_f32(),
+            dm: 0.0,
         }
     }
 }
 
 /// The k-quants' super-block of 256 weights as 16 sub-blocks of 16 with integer scales `sc`
-/// (16 i16 lanes, one per sub-block; the 32-weight sub-blocks of Q4_K and Q5_K give each of
-/// their halves the same scale): `iacc += sum_g sc_g (u . x)_g` for each row, `u(c)` the 32
-/// unsigned weights of chunk `c` (sub-blocks `2 c` and `2 c + 1`).
+/// (16 i16 lanes, one per sub-block; the 32-weight sub-blocks of Q4_K, Q5_K and IQ4_XS give
+/// each of their halves the same scale): `iacc += sum_g sc_g (q . x)_g` for each row, chunk
+/// `c` of `chunks` holding sub-blocks `2 c` and `2 c + 1` (with `signed`, as
+/// [`signs_moved`] takes them).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 fn scaled_chunks<const R: usize>(
     sc: __m256i,
-    u: impl Fn(usize) -> __m256i,
+    chunks: &[__m256i; QK_K / QK],
+    signed: bool,
     x: &Rows<'_, R>,
     b: usize,
 ) -> [__m256i; R] {
@@ -382,7 +415,7 @@ fn scaled_chunks<const R: usize>(
         _mm256_permute2x128_si256::<0x11>(sc, sc),
     ];
     let mut iacc = [_mm256_setzero_si256(); R];
-    for c in 0..QK_K / QK {
+    for (c, &q) in chunks.iter().enumerate() {
         // Sub-block 2c's scale in the low eight lanes, 2c + 1's in the high eight: the pair
         // sums of bytes 0..16 are the low 128 bits of `vpmaddubsw`'s result. Element `e` of a
         // half is its bytes 2e and 2e + 1.
@@ -392,10 +425,9 @@ fn scaled_chunks<const R: usize>(
             _mm_set1_epi16(((e + 1) << 8) | e),
         );
         let s = _mm256_shuffle_epi8(halves[c / 4], pick);
-        let u = u(c);
         for (r, iacc) in iacc.iter_mut().enumerate() {
-            let p = dot_us(u, x.load32(r, QK_K * b + QK * c), s);
-            *iacc = _mm256_add_epi32(*iacc, p);
+            let (u, xr) = signs_moved(q, x.load32(r, QK_K * b + QK * c), signed);
+            *iacc = _mm256_add_epi32(*iacc, dot_us(u, xr, s));
         }
     }
     iacc
@@ -409,7 +441,7 @@ fn scaled_chunks<const R: usize>(
 fn finish_k<const R: usize>(
     iacc: [__m256i; R],
     (d, dm): (f32, f32),
-    m: __m256i,
+    m: Option<__m256i>,
     x: &Rows<'_, R>,
     b: usize,
     acc: &mut [__m256; R],
@@ -417,9 +449,11 @@ fn finish_k<const R: usize>(
     for r in 0..R {
         let dx = x.d[r][b];
         let p = _mm256_cvtepi32_ps(iacc[r]);
-        let offsets = _mm256_cvtepi32_ps(_mm256_madd_epi16(m, x.sums16(r, b)));
         acc[r] = _mm256_fmadd_ps(p, _mm256_set1_ps(d * dx), acc[r]);
-        acc[r] = _mm256_fmadd_ps(offsets, _mm256_set1_ps(-dm * dx), acc[r]);
+        if let Some(m) = m {
+            let offsets = _mm256_cvtepi32_ps(_mm256_madd_epi16(m, x.sums16(r, b)));
+            acc[r] = _mm256_fmadd_ps(offsets, _mm256_set1_ps(-dm * dx), acc[r]);
+        }
     }
 }
 
@@ -447,75 +481,65 @@ fn k4_scales(s: &[u8; 12]) -> ([u8; 8], [u8; 8]) {
     (join(a & low6, sc_hi), join(b & low6, m_hi))
 }
 
-/// Q4_K's and Q5_K's super-block: `d * dx * sum_j sc_j (q . x)_j - dmin * dx * sum_j m_j
-/// sum(x)_j` over eight sub-blocks of 32, `q` the 4-bit nibbles of `qs` and, for Q5_K, a fifth
-/// bit from `qh` (bit `j` of byte `l` for weight `l` of sub-block `j`). A pair sums to at most
-/// 2 * 31 * 127 in i16; each i32 lane sums 32 products of at most 31 * 127 * 63, under 2^24.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-#[allow(clippy::too_many_arguments)]
-fn accumulate_k4<const R: usize>(
-    d: (f32, f32),
+/// Q4_K's and Q5_K's super-block: `d * sc_j * q - dmin * m_j` over eight sub-blocks of 32, `q`
+/// the 4-bit nibbles of `qs` (sub-blocks 2i and 2i + 1 the low and high nibbles of the 32
+/// bytes `i`) and, for Q5_K, a fifth bit from `qh` (bit `j` of byte `l` for weight `l` of
+/// sub-block `j`). A pair sums to at most 2 * 31 * 127 in i16; each i32 lane sums 32 products
+/// of at most 31 * 127 * 63, under 2^24.
+#[inline(always)]
+fn unpack_k4(
+    (d, dmin): (f32, f32),
     scales: &[u8; 12],
     qs: &[u8; QK_K / 2],
     qh: Option<&[u8; QK_K / 8]>,
-    x: &Rows<'_, R>,
-    b: usize,
-    acc: &mut [__m256; R],
-) {
-    let (sc, m) = k4_scales(scales);
-    let nib = _mm256_set1_epi8(0xF);
-    let high = qh.map(|h| load_chunk(h, 0));
-    // Sub-blocks 2i and 2i + 1: the low and high nibbles of the 32 bytes `i`.
-    let u = |j: usize| {
-        let q = load_chunk(qs, j / 2);
-        let q = if j.is_multiple_of(2) {
-            q
-        } else {
-            _mm256_srli_epi16::<4>(q)
-        };
-        let q = _mm256_and_si256(q, nib);
-        match high {
-            // 16 where bit j of the byte is set.
-            Some(bits) => {
-                let bit = _mm256_set1_epi8(1 << j);
-                let set = _mm256_cmpeq_epi8(_mm256_and_si256(bits, bit), bit);
-                _mm256_or_si256(q, _mm256_and_si256(set, _mm256_set1_epi8(16)))
+) -> Unpacked {
+    // SAFETY: inlined into `accumulate`, whose caller checked the CPU.
+    unsafe {
+        let (sc, m) = k4_scales(scales);
+        let nib = _mm256_set1_epi8(0xF);
+        let high = qh.map(|h| load_chunk(h, 0));
+        let chunks = std::array::from_fn(|j| {
+            let q = load_chunk(qs, j / 2);
+            let q = if j.is_multiple_of(2) {
+                q
+            } else {
+                _mm256_srli_epi16::<4>(q)
+            };
+            let q = _mm256_and_si256(q, nib);
+            match high {
+                // 16 where bit j of the byte is set.
+                Some(bits) => {
+                    let bit = _mm256_set1_epi8(1 << j);
+                    let set = _mm256_cmpeq_epi8(_mm256_and_si256(bits, bit), bit);
+                    _mm256_or_si256(q, _mm256_and_si256(set, _mm256_set1_epi8(16)))
+                }
+                None => q,
             }
-            None => q,
+        });
+        Unpacked::Super {
+            chunks,
+            signed: false,
+            sc: twice(sc),
+            m: Some(twice(m)),
+            d,
+            dm: dmin,
         }
-    };
-    let iacc = scaled_chunks(twice(sc), u, x, b);
-    finish_k(iacc, d, twice(m), x, b, acc);
+    }
 }
 
 impl Dot8 for BlockQ4K {
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn accumulate<const R: usize>(
-        &self,
-        x: &Rows<'_, R>,
-        b: usize,
-        acc: &mut [__m256; R],
-        _: &mut [f32; R],
-    ) {
+    #[inline(always)]
+    fn unpack(&self) -> Unpacked {
         let d = (self.d.to_f32(), self.dmin.to_f32());
-        accumulate_k4(d, &self.scales, &self.qs, None, x, b, acc);
+        unpack_k4(d, &self.scales, &self.qs, None)
     }
 }
 
 impl Dot8 for BlockQ5K {
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn accumulate<const R: usize>(
-        &self,
-        x: &Rows<'_, R>,
-        b: usize,
-        acc: &mut [__m256; R],
-        _: &mut [f32; R],
-    ) {
+    #[inline(always)]
+    fn unpack(&self) -> Unpacked {
         let d = (self.d.to_f32(), self.dmin.to_f32());
-        accumulate_k4(d, &self.scales, &self.qs, Some(&self.qh), x, b, acc);
+        unpack_k4(d, &self.scales, &self.qs, Some(&self.qh))
     }
 }
 
@@ -528,101 +552,110 @@ fn widen16(bytes: [i8; 16]) -> __m256i {
 }
 
 impl Dot8 for BlockQ6K {
-    /// `d * dx * (sum_g sc_g (q . x)_g - 32 sum_g sc_g sum(x)_g)` over the 16 sub-blocks `g`
-    /// of 16, `q` the unsigned 6-bit values: a pair sums to at most 2 * 63 * 127 in i16, and
+    /// `d * sc_g * (q - 32)` over the 16 sub-blocks `g` of 16, `q` the unsigned 6-bit values
+    /// (the offset: `32 d sc_g` per weight): a pair sums to at most 2 * 63 * 127 in i16, and
     /// each i32 lane sums 32 products of at most 63 * 127 * 128, under 2^26.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn accumulate<const R: usize>(
-        &self,
-        x: &Rows<'_, R>,
-        b: usize,
-        acc: &mut [__m256; R],
-        _: &mut [f32; R],
-    ) {
+    #[inline(always)]
+    fn unpack(&self) -> Unpacked {
         // Chunk c = 4 h + k of 32 weights is `l + 32 k` of half `h` (l < 32): the low 4 bits
         // from `ql` (byte l + 32 (k % 2) of the half's 64, the high nibble for k >= 2), the
         // high 2 from `qh` (byte l of the half's 32, bits 2k).
-        let (nib, three) = (_mm256_set1_epi8(0xF), _mm256_set1_epi8(3));
-        let u = |c: usize| {
-            let (h, k) = (c / 4, c % 4);
-            let lo = load_chunk(&self.ql, 2 * h + k % 2);
-            let lo = if k < 2 {
-                lo
-            } else {
-                _mm256_srli_epi16::<4>(lo)
-            };
-            let hi = _mm256_srl_epi16(load_chunk(&self.qh, h), _mm_cvtsi32_si128(2 * k as i32));
-            let hi = _mm256_slli_epi16::<4>(_mm256_and_si256(hi, three));
-            _mm256_or_si256(_mm256_and_si256(lo, nib), hi)
-        };
-        let sc = widen16(self.scales);
-        let iacc = scaled_chunks(sc, u, x, b);
-        let d = self.d.to_f32();
-        finish_k(iacc, (d, 32.0 * d), sc, x, b, acc);
+        // SAFETY: inlined into `accumulate`, whose caller checked the CPU.
+        unsafe {
+            let (nib, three) = (_mm256_set1_epi8(0xF), _mm256_set1_epi8(3));
+            let chunks = std::array::from_fn(|c| {
+                let (h, k) = (c / 4, c % 4);
+                let lo = load_chunk(&self.ql, 2 * h + k % 2);
+                let lo = if k < 2 {
+                    lo
+                } else {
+                    _mm256_srli_epi16::<4>(lo)
+                };
+                let shift = _mm_cvtsi32_si128(2 * k as i32);
+                let hi = _mm256_srl_epi16(load_chunk(&self.qh, h), shift);
+                let hi = _mm256_slli_epi16::<4>(_mm256_and_si256(hi, three));
+                _mm256_or_si256(_mm256_and_si256(lo, nib), hi)
+            });
+            let sc = widen16(self.scales);
+            let d = self.d.to_f32();
+            Unpacked::Super {
+                chunks,
+                signed: false,
+                sc,
+                m: Some(sc),
+                d,
+                dm: 32.0 * d,
+            }
+        }
     }
 }
 
 /// Q2_K's and Q3_K's 2-bit values of chunk `c` = 4 h + j of 32 weights (each 128-weight half
 /// takes 32 bytes of `qs`, shift `2 j` giving its `j`-th 32) plus, with `hmask`, 4 where Q3_K's
-/// high bit is set (bit `c` of byte `l` for weight `l` of the chunk): at most 7.
+/// high bit is set (bit `c` of byte `l` for weight `l` of the chunk): at most 7, so each i32
+/// lane sums 32 products of at most 7 * 127 * 32.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn twos(qs: &[u8; QK_K / 4], hmask: Option<&[u8; QK_K / 8]>, c: usize) -> __m256i {
-    let shift = _mm_cvtsi32_si128(2 * (c % 4) as i32);
-    let u = _mm256_and_si256(
-        _mm256_srl_epi16(load_chunk(qs, c / 4), shift),
-        _mm256_set1_epi8(3),
-    );
-    match hmask {
-        Some(h) => {
-            let bit = _mm256_set1_epi8(1 << c);
-            let set = _mm256_cmpeq_epi8(_mm256_and_si256(load_chunk(h, 0), bit), bit);
-            _mm256_or_si256(u, _mm256_and_si256(set, _mm256_set1_epi8(4)))
+fn twos(qs: &[u8; QK_K / 4], hmask: Option<&[u8; QK_K / 8]>) -> [__m256i; QK_K / QK] {
+    let high = hmask.map(|h| load_chunk(h, 0));
+    std::array::from_fn(|c| {
+        let shift = _mm_cvtsi32_si128(2 * (c % 4) as i32);
+        let u = _mm256_and_si256(
+            _mm256_srl_epi16(load_chunk(qs, c / 4), shift),
+            _mm256_set1_epi8(3),
+        );
+        match high {
+            Some(bits) => {
+                let bit = _mm256_set1_epi8(1 << c);
+                let set = _mm256_cmpeq_epi8(_mm256_and_si256(bits, bit), bit);
+                _mm256_or_si256(u, _mm256_and_si256(set, _mm256_set1_epi8(4)))
+            }
+            None => u,
         }
-        None => u,
-    }
+    })
 }
 
 impl Dot8 for BlockQ2K {
-    /// `d * dx * sum_g sc_g (q . x)_g - dmin * dx * sum_g m_g sum(x)_g` over 16 sub-blocks of
-    /// 16, the 4-bit `sc` and `m` in `scales`: each lane sums 32 products of at most 3 * 127
-    /// * 15.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn accumulate<const R: usize>(
-        &self,
-        x: &Rows<'_, R>,
-        b: usize,
-        acc: &mut [__m256; R],
-        _: &mut [f32; R],
-    ) {
-        // SAFETY: 16 bytes read from `scales`.
-        let s = unsafe { _mm_loadu_si128(self.scales.as_ptr().cast()) };
-        let nib = _mm_set1_epi8(0xF);
-        let sc = _mm256_cvtepu8_epi16(_mm_and_si128(s, nib));
-        let m = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16::<4>(s), nib));
-        let iacc = scaled_chunks(sc, |c| twos(&self.qs, None, c), x, b);
-        finish_k(iacc, (self.d.to_f32(), self.dmin.to_f32()), m, x, b, acc);
+    /// `d * sc_g * q - dmin * m_g` over 16 sub-blocks of 16, the 4-bit `sc` and `m` in
+    /// `scales`.
+    #[inline(always)]
+    fn unpack(&self) -> Unpacked {
+        // SAFETY: inlined into `accumulate`, whose caller checked the CPU.
+        unsafe {
+            let s = _mm_loadu_si128(self.scales.as_ptr().cast());
+            let nib = _mm_set1_epi8(0xF);
+            Unpacked::Super {
+                chunks: twos(&self.qs, None),
+                signed: false,
+                sc: _mm256_cvtepu8_epi16(_mm_and_si128(s, nib)),
+                m: Some(_mm256_cvtepu8_epi16(_mm_and_si128(
+                    _mm_srli_epi16::<4>(s),
+                    nib,
+                ))),
+                d: self.d.to_f32(),
+                dm: self.dmin.to_f32(),
+            }
+        }
     }
 }
 
 impl Dot8 for BlockQ3K {
-    /// `d * dx * sum_g (sc_g - 32) ((u . x)_g - 4 sum(x)_g)`, `u` the 2-bit value plus 4 where
-    /// the high bit is set (weight `u - 4`): each lane sums 32 products of at most 7 * 127 * 32.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn accumulate<const R: usize>(
-        &self,
-        x: &Rows<'_, R>,
-        b: usize,
-        acc: &mut [__m256; R],
-        _: &mut [f32; R],
-    ) {
-        let sc = widen16(self.unpacked_scales().map(|s| s - 32));
-        let iacc = scaled_chunks(sc, |c| twos(&self.qs, Some(&self.hmask), c), x, b);
-        let d = self.d.to_f32();
-        finish_k(iacc, (d, 4.0 * d), sc, x, b, acc);
+    /// `d * (sc_g - 32) * (u - 4)`, `u` the 2-bit value plus 4 where the high bit is set.
+    #[inline(always)]
+    fn unpack(&self) -> Unpacked {
+        // SAFETY: inlined into `accumulate`, whose caller checked the CPU.
+        unsafe {
+            let sc = widen16(self.unpacked_scales().map(|s| s - 32));
+            let d = self.d.to_f32();
+            Unpacked::Super {
+                chunks: twos(&self.qs, Some(&self.hmask)),
+                signed: false,
+                sc,
+                m: Some(sc),
+                d,
+                dm: 4.0 * d,
+            }
+        }
     }
 }
 
@@ -680,8 +713,7 @@ unsafe fn dots<B: Dot8, const R: usize>(w: &[B], x: &Rows8, r0: usize) -> [f32; 
         for line in (0..size_of::<B>()).step_by(64) {
             _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line));
         }
-        // SAFETY: the caller checked the CPU.
-        unsafe { block.accumulate(&rows, b, &mut acc[0], &mut mins) };
+        accumulate(block, &rows, b, &mut acc[0], &mut mins);
         acc.swap(0, 1);
     }
     std::array::from_fn(|r| {
