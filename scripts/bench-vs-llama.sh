@@ -117,7 +117,7 @@ EOF
 gcc -O3 -march=native -ffast-math -fopenmp "$dir/bw.c" -o "$dir/bw"
 bw=$(OMP_NUM_THREADS=$threads "$dir/bw")
 cpu=$(sed -n 's/^model name\s*: //p' /proc/cpuinfo | head -1)
-flags=$(grep -o -w 'avx2\|fma\|f16c\|avx512f\|avx512bw\|avx512vl\|avx512_vnni\|avx512_bf16\|avxvnni' /proc/cpuinfo | sort -u | tr '\n' ' ')
+flags=$(grep -o -w 'avx2\|fma\|f16c\|avx512f\|avx512bw\|avx512vl\|avx512_vnni\|avx512_bf16\|avx_vnni\|amx_int8' /proc/cpuinfo | sort -u | tr '\n' ' ')
 echo "machine: $cpu; $(nproc) cores; flags: $flags; read bandwidth $bw GB/s with $threads threads"
 echo "llama.cpp: $(cd "$dir/llama.cpp" && git describe --always 2>/dev/null || echo 0c1e57098 from llama-cpp-python 0.3.36); tether: $(git rev-parse --short HEAD)"
 
