@@ -28,15 +28,16 @@ const SCRATCH_SEQ: u64 = u64::MAX - 1;
 /// Runs at each side; the fastest counts.
 const RUNS: usize = 2;
 
-/// The host's and `helper`'s speeds on `model` (the host computing on `be`), with the helper
-/// configured with at least one whole cycle of prefill layers.
-pub fn measure(model: &Model, be: &dyn Backend, helper: &mut HelperClient) -> Result<Speeds> {
-    let layers = helper.prefill_layers.clone();
-    let cycles = layers.len() / 4;
+/// The host's and `helper`'s speeds on `model` (the host computing on `be`); None if the
+/// helper is configured with no whole cycle of prefill layers (nothing to balance).
+pub fn measure(
+    model: &Model,
+    be: &dyn Backend,
+    helper: &mut HelperClient,
+) -> Result<Option<Speeds>> {
+    let cycles = helper.prefill_layers.len() / 4;
     if cycles == 0 {
-        return Err(Error::Remote(format!(
-            "calibration needs whole cycles of prefill layers on the helper, not {layers:?}"
-        )));
+        return Ok(None);
     }
     let h = model.config.hidden_size;
     let rows = synthetic_rows(ROWS * h);
@@ -67,11 +68,11 @@ pub fn measure(model: &Model, be: &dyn Backend, helper: &mut HelperClient) -> Re
             ))),
         }
     })?;
-    Ok(Speeds {
+    Ok(Some(Speeds {
         rows: ROWS,
         host_cycle_s: host,
         helper_cycle_s: helper_s / cycles as f64,
-    })
+    }))
 }
 
 /// The least of [`RUNS`] timings.

@@ -147,14 +147,21 @@ impl Speeds {
     /// fastest: the host's `s / 4` cycles against the helper's `(n - s) / 4`. Never `n`
     /// (a helper that runs nothing is no pipeline) unless the model has no whole cycle.
     pub fn balanced_split(&self, n: usize) -> usize {
-        let stage = |s: usize| {
-            let (host, helper) = ((s / 4) as f64, ((n - s) / 4) as f64);
-            (host * self.host_cycle_s).max(helper * self.helper_cycle_s)
+        let slower = |s: usize| {
+            let (host, helper) = self.stage_seconds(n, s);
+            host.max(helper)
         };
         (4..n)
             .step_by(4)
-            .min_by(|&a, &b| stage(a).total_cmp(&stage(b)))
+            .min_by(|&a, &b| slower(a).total_cmp(&slower(b)))
             .unwrap_or(n)
+    }
+
+    /// Seconds the host and the helper each take for `rows` rows of an `n`-layer model split
+    /// at layer `s`.
+    pub fn stage_seconds(&self, n: usize, s: usize) -> (f64, f64) {
+        let (host, helper) = ((s / 4) as f64, ((n - s) / 4) as f64);
+        (host * self.host_cycle_s, helper * self.helper_cycle_s)
     }
 }
 
@@ -569,14 +576,15 @@ fn choose_split(
     let (first, share) = match speeds {
         Some(m) => {
             let s = m.balanced_split(n);
+            let (host, helper) = m.stage_seconds(n, s);
             let why = format!(
                 "measured at connect on {} rows, a cycle of 4 layers takes the host {:.1} ms and the helper {:.1} ms \
                  (with its link): layers {s}..{n} on the helper balance the two stages (host {:.0} ms, helper {:.0} ms per {} rows)",
                 m.rows,
                 m.host_cycle_s * 1e3,
                 m.helper_cycle_s * 1e3,
-                (s / 4) as f64 * m.host_cycle_s * 1e3,
-                ((n - s) / 4) as f64 * m.helper_cycle_s * 1e3,
+                host * 1e3,
+                helper * 1e3,
                 m.rows
             );
             (s, why)

@@ -379,9 +379,13 @@ impl HelperArgs {
             self.max_frame,
         )
         .with_context(|| format!("handshake with {source}"))?;
-        if self.split_layer.is_none() && !self.no_calibrate && client.prefill_layers.len() >= 4 {
-            let speeds = calibrate::measure(model, be, &mut client)
-                .with_context(|| format!("measuring the speed of {source}"))?;
+        let calibrates = self.split_layer.is_none() && !self.no_calibrate;
+        let speeds = match calibrates {
+            true => calibrate::measure(model, be, &mut client)
+                .with_context(|| format!("measuring the speed of {source}"))?,
+            false => None,
+        };
+        if let Some(speeds) = speeds {
             let balanced = first(&client.helper, Some(&speeds));
             client
                 .configure(configure(balanced))

@@ -506,15 +506,7 @@ fn unpack_k4(
                 _mm256_srli_epi16::<4>(q)
             };
             let q = _mm256_and_si256(q, nib);
-            match high {
-                // 16 where bit j of the byte is set.
-                Some(bits) => {
-                    let bit = _mm256_set1_epi8(1 << j);
-                    let set = _mm256_cmpeq_epi8(_mm256_and_si256(bits, bit), bit);
-                    _mm256_or_si256(q, _mm256_and_si256(set, _mm256_set1_epi8(16)))
-                }
-                None => q,
-            }
+            high.map_or(q, |bits| _mm256_or_si256(q, high_bit(bits, j, 16)))
         });
         Unpacked::Super {
             chunks,
@@ -604,15 +596,18 @@ fn twos(qs: &[u8; QK_K / 4], hmask: Option<&[u8; QK_K / 8]>) -> [__m256i; QK_K /
             _mm256_srl_epi16(load_chunk(qs, c / 4), shift),
             _mm256_set1_epi8(3),
         );
-        match high {
-            Some(bits) => {
-                let bit = _mm256_set1_epi8(1 << c);
-                let set = _mm256_cmpeq_epi8(_mm256_and_si256(bits, bit), bit);
-                _mm256_or_si256(u, _mm256_and_si256(set, _mm256_set1_epi8(4)))
-            }
-            None => u,
-        }
+        high.map_or(u, |bits| _mm256_or_si256(u, high_bit(bits, c, 4)))
     })
+}
+
+/// `value` in each byte whose byte of `bits` has bit `bit` set, else 0: a weight's high bit
+/// kept apart from its low ones (Q5_K's fifth, worth 16; Q3_K's third, worth 4).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn high_bit(bits: __m256i, bit: usize, value: i8) -> __m256i {
+    let mask = _mm256_set1_epi8(1 << bit);
+    let set = _mm256_cmpeq_epi8(_mm256_and_si256(bits, mask), mask);
+    _mm256_and_si256(set, _mm256_set1_epi8(value))
 }
 
 impl Dot8 for BlockQ2K {
