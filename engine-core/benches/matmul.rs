@@ -66,6 +66,10 @@ fn gemv(c: &mut Criterion) {
             (3584, 1024, DType::F16),
             (3584, 1024, DType::Q8_0),
             (1024, 3584, DType::Q8_0),
+            (248320, 1024, DType::Q6K),
+            (3584, 1024, DType::Q4K),
+            (1024, 3584, DType::Q6K),
+            (3584, 1024, DType::Q4_0),
         ],
     );
 }
@@ -81,6 +85,8 @@ fn gemm(c: &mut Criterion) {
             (3584, 1024, DType::F16),
             (1024, 3584, DType::F16),
             (3584, 1024, DType::Q8_0),
+            (3584, 1024, DType::Q4K),
+            (3584, 1024, DType::Q4_0),
         ],
     );
 }

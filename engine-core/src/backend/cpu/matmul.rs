@@ -96,13 +96,12 @@ use QuantBlock as QuantKernel;
 /// dequantised weights' product would).
 fn matmul_quant<B: QuantKernel>(x: &[f32], t: usize, k: usize, w: &[B], n: usize, out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    if let Some(rows) = avx2::available()
-        .then(|| quant_dots::Rows8::quantise(x, k, B::LEN))
-        .flatten()
-    {
-        // SAFETY: the CPU has the features the kernel is compiled for.
-        let task = |w: &[B], o: &mut [f32]| unsafe { quant_dots::dots_task(&rows, w, o) };
-        return matmul_dots(t, w, n, task, out);
+    if let Some(isa) = quant_dots::Isa::best() {
+        if let Some(rows) = quant_dots::Rows8::quantise(x, k, B::LEN) {
+            // SAFETY: the CPU has the instructions of `isa`.
+            let task = |w: &[B], o: &mut [f32]| unsafe { quant_dots::dots_task(isa, &rows, w, o) };
+            return matmul_dots(t, w, n, task, out);
+        }
     }
     matmul_dots(t, w, n, |w, o| dots_task_quant(x, k, w, o), out);
 }
@@ -126,23 +125,37 @@ fn matmul_dots<T: Sync>(
     let per_row = w.len() / n;
     let task_rows = rows_per_task(n);
     if t == 1 {
-        out.par_chunks_mut(task_rows)
-            .zip(w.par_chunks(task_rows * per_row))
-            .for_each(|(o, w)| task(w, o));
-        return;
+        return spread(out, task_rows, |i, o| {
+            task(&w[i * task_rows * per_row..][..o.len() * per_row], o)
+        });
     }
     // Tasks own disjoint output rows `o`, which are columns of `out`: fill `[n, t]` and transpose
     // (t * n floats, a few percent of the weight bytes).
     let mut out_t = vec![0.0f32; n * t];
-    out_t
-        .par_chunks_mut(task_rows * t)
-        .zip(w.par_chunks(task_rows * per_row))
-        .for_each(|(o, w)| task(w, o));
-    out.par_chunks_mut(n).enumerate().for_each(|(r, row)| {
+    spread(&mut out_t, task_rows * t, |i, o| {
+        task(&w[i * task_rows * per_row..][..o.len() / t * per_row], o)
+    });
+    for (r, row) in out.chunks_exact_mut(n).enumerate() {
         for (o, v) in row.iter_mut().enumerate() {
             *v = out_t[o * t + r];
         }
-    });
+    }
+}
+
+/// `f(i, chunk i)` for the chunks of `len` elements of `out`, in parallel: on the spinning
+/// [`team`](super::team) where it is free (decode's products are short and many), else on
+/// rayon's pool.
+fn spread(out: &mut [f32], len: usize, f: impl Fn(usize, &mut [f32]) + Sync) {
+    #[cfg(not(target_arch = "wasm32"))]
+    if super::team::Team::global()
+        .chunks_mut(out, len, &f)
+        .is_some()
+    {
+        return;
+    }
+    out.par_chunks_mut(len)
+        .enumerate()
+        .for_each(|(i, o)| f(i, o));
 }
 
 /// Weight rows `w` (`[rows, k]`) into `out` (`[rows, t]`, the rows of `x` contiguous per output).
@@ -564,6 +577,9 @@ mod tests {
             .collect()
     }
 
+    /// A matrix product under test: `out = x * w^T`.
+    type Kernel = fn(&[f32], &Matrix, &mut [f32]);
+
     /// The portable dot-product kernel over the whole matrix, which `matmul` skips on AVX2 CPUs.
     fn portable(x: &[f32], w: &Matrix, out: &mut [f32]) {
         let (n, k) = (w.rows, w.cols);
@@ -574,6 +590,11 @@ mod tests {
             Data::BF16(e) => dots_task_portable(x, k, e, &mut out_t),
             Data::F16(e) => dots_task_portable(x, k, e, &mut out_t),
         );
+        transpose(&out_t, t, n, out);
+    }
+
+    /// `out_t` (`[n, t]`, as the tasks fill it) into `out` (`[t, n]`).
+    fn transpose(out_t: &[f32], t: usize, n: usize, out: &mut [f32]) {
         for r in 0..t {
             for o in 0..n {
                 out[r * n + o] = out_t[o * t + r];
@@ -581,7 +602,42 @@ mod tests {
         }
     }
 
-    fn check(t: usize, n: usize, k: usize, dtype: DType, f: fn(&[f32], &Matrix, &mut [f32])) {
+    /// The integer kernels on `isa` over the whole matrix (`matmul` takes the widest the CPU
+    /// has).
+    #[cfg(target_arch = "x86_64")]
+    fn integer_on(isa: quant_dots::Isa, x: &[f32], w: &Matrix, out: &mut [f32]) {
+        let (n, k) = (w.rows, w.cols);
+        let t = x.len() / k;
+        let rows = quant_dots::Rows8::quantise(x, k, w.dtype().block().0).unwrap();
+        let mut out_t = vec![0.0; n * t];
+        // SAFETY: the callers run only the kernels this CPU has.
+        match_quant!(&w.data, e => unsafe { quant_dots::dots_task(isa, &rows, e, &mut out_t) },
+            _ => unreachable!("quantised types only"),
+        );
+        transpose(&out_t, t, n, out);
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    fn integer_avx2(x: &[f32], w: &Matrix, out: &mut [f32]) {
+        integer_on(quant_dots::Isa::Avx2, x, w, out)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    fn integer_avx512(x: &[f32], w: &Matrix, out: &mut [f32]) {
+        integer_on(quant_dots::Isa::Avx512, x, w, out)
+    }
+
+    /// The integer kernels this CPU runs.
+    #[cfg(target_arch = "x86_64")]
+    fn integer_kernels() -> Vec<Kernel> {
+        match quant_dots::Isa::best() {
+            None => vec![],
+            Some(quant_dots::Isa::Avx2) => vec![integer_avx2],
+            Some(quant_dots::Isa::Avx512) => vec![integer_avx2, integer_avx512],
+        }
+    }
+
+    fn check(t: usize, n: usize, k: usize, dtype: DType, f: Kernel) {
         let x = values(t * k, t as u64 + 7);
         let bound = |x: &[f32], w: &[f32]| activation_rounding(x, w, dtype);
         check_against(&x, &x, n, k, dtype, f, bound);
@@ -595,7 +651,7 @@ mod tests {
         n: usize,
         k: usize,
         dtype: DType,
-        f: fn(&[f32], &Matrix, &mut [f32]),
+        f: Kernel,
         extra: impl Fn(&[f32], &[f32]) -> f64,
     ) {
         let t = x.len() / k;
@@ -677,9 +733,9 @@ mod tests {
     /// Every quantised type (k-quant rows are whole super-blocks of 256), with weights from
     /// ggml's reference quantisers, against the f64 product of their dequantised values
     /// (bit-exact with ggml's: `quant`'s tests), on `matmul` (the integer kernels on AVX2) and
-    /// the portable kernel; and on AVX2, the integer kernels against the f64 product with the
-    /// activations as they round them, within f32 rounding alone (which the rounding bound of
-    /// the first check is too wide to pin down).
+    /// the portable kernel; and each integer kernel the CPU has (AVX2's, AVX-512's) against the
+    /// f64 product with the activations as they round them, within f32 rounding alone (which
+    /// the rounding bound of the first check is too wide to pin down).
     #[test]
     fn quantised_types_match_f64_reference_on_both_kernels() {
         for dtype in [
@@ -703,10 +759,10 @@ mod tests {
                     check(t, n, k, dtype, matmul);
                     check(t, n, k, dtype, portable);
                     #[cfg(target_arch = "x86_64")]
-                    if avx2::available() {
+                    for kernel in integer_kernels() {
                         let x = values(t * k, t as u64 + 7);
                         let rounded = quant_dots::Rows8::quantise(&x, k, block).unwrap().values();
-                        check_against(&x, &rounded, n, k, dtype, matmul, |_, _| 0.0);
+                        check_against(&x, &rounded, n, k, dtype, kernel, |_, _| 0.0);
                     }
                 }
             }

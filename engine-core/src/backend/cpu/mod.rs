@@ -13,6 +13,8 @@ mod gemm;
 pub mod matmul;
 #[cfg(target_arch = "x86_64")]
 mod quant_dots;
+#[cfg(not(target_arch = "wasm32"))]
+mod team;
 
 use std::ops::Range;
 

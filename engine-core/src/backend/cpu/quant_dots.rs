@@ -104,6 +104,15 @@ impl<const R: usize> Rows<'_, R> {
         unsafe { _mm256_loadu_si256(q.as_ptr().cast()) }
     }
 
+    /// Row `r`'s 64 values from `at`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+    fn load64(&self, r: usize, at: usize) -> __m512i {
+        let q: &[i8; 2 * QK] = self.q[r][at..][..2 * QK].try_into().expect("64 values");
+        // SAFETY: 64 bytes read from `q`.
+        unsafe { _mm512_loadu_si512(q.as_ptr().cast()) }
+    }
+
     /// The sum of row `r`'s values in block `b` of 32.
     #[inline]
     fn sum32(&self, r: usize, b: usize) -> i32 {
@@ -326,11 +335,18 @@ impl Dot8 for BlockQ8_0 {
     }
 }
 
+/// `q - zero` in each byte: Q4_0's and Q5_0's levels as signed weights, so that their offset
+/// needs no sum of the activations (which cost a scalar product per block and row).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn centred(q: __m256i, zero: i8) -> __m256i {
+    _mm256_sub_epi8(q, _mm256_set1_epi8(zero))
+}
+
 impl Dot8 for BlockQ4_0 {
     #[inline(always)]
     fn unpack(&self) -> Unpacked {
-        let d = self.d.to_f32();
-        Unpacked::unsigned(unsafe { nibbles(&self.qs) }, d, -8.0 * d)
+        Unpacked::signed(unsafe { centred(nibbles(&self.qs), 8) }, self.d.to_f32())
     }
 }
 
@@ -345,8 +361,8 @@ impl Dot8 for BlockQ4_1 {
 impl Dot8 for BlockQ5_0 {
     #[inline(always)]
     fn unpack(&self) -> Unpacked {
-        let d = self.d.to_f32();
-        Unpacked::unsigned(unsafe { fives(self.qh, &self.qs) }, d, -16.0 * d)
+        let q = unsafe { centred(fives(self.qh, &self.qs), 16) };
+        Unpacked::signed(q, self.d.to_f32())
     }
 }
 
@@ -654,29 +670,78 @@ impl Dot8 for BlockQ3K {
     }
 }
 
+/// The instructions a kernel multiplies with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Isa {
+    /// AVX2 with FMA and F16C: 32 bytes per instruction.
+    Avx2,
+    /// AVX-512 F and BW besides: a super-block's chunks in pairs, 64 bytes per instruction
+    /// (the 32-weight types stay on AVX2's instructions: their per-block scales would need
+    /// as many instructions to pair as pairing saves).
+    Avx512,
+}
+
+impl Isa {
+    /// The widest this CPU runs, if it has AVX2 at all.
+    pub fn best() -> Option<Isa> {
+        let avx2 = is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c");
+        let avx512 = is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw");
+        avx2.then_some(if avx512 { Isa::Avx512 } else { Isa::Avx2 })
+    }
+}
+
 /// Weight rows `w` (`[rows, k]`) into `out` (`[rows, t]`) against the `t` rows of `x`
 /// (quantised per block of `B::LEN`), up to four rows of `x` per pass over a weight row.
 ///
 /// # Safety
-/// The CPU must support AVX2, FMA and F16C.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn dots_task<B: Dot8>(x: &Rows8, w: &[B], out: &mut [f32]) {
+/// The CPU must support `isa`'s instructions.
+pub unsafe fn dots_task<B: Dot8>(isa: Isa, x: &Rows8, w: &[B], out: &mut [f32]) {
     assert_eq!(
         x.q.len(),
         x.d.len() * B::LEN,
         "rows quantised per block of B::LEN"
     );
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        match isa {
+            Isa::Avx2 => dots_task_avx2(x, w, out),
+            Isa::Avx512 => dots_task_avx512(x, w, out),
+        }
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dots_task_avx2<B: Dot8>(x: &Rows8, w: &[B], out: &mut [f32]) {
+    // SAFETY: the caller checked the CPU.
+    unsafe { rows_task::<B, false>(x, w, out) }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+unsafe fn dots_task_avx512<B: Dot8>(x: &Rows8, w: &[B], out: &mut [f32]) {
+    // SAFETY: the caller checked the CPU.
+    unsafe { rows_task::<B, true>(x, w, out) }
+}
+
+/// `dots_task`'s body, inlined into each entry point so that it is compiled with that
+/// entry's instructions (`WIDE`: AVX-512's).
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C, and with `WIDE` AVX-512 F and BW.
+#[inline(always)]
+unsafe fn rows_task<B: Dot8, const WIDE: bool>(x: &Rows8, w: &[B], out: &mut [f32]) {
     let (t, per_row) = (x.rows(), x.k / B::LEN);
     for (wr, out_r) in w.chunks_exact(per_row).zip(out.chunks_exact_mut(t)) {
         for (g, dst) in out_r.chunks_mut(4).enumerate() {
             let r0 = 4 * g;
-            // SAFETY: the caller checked the CPU.
+            // SAFETY: forwarded from the caller.
             unsafe {
                 match dst.len() {
-                    4 => dst.copy_from_slice(&dots::<B, 4>(wr, x, r0)),
-                    3 => dst.copy_from_slice(&dots::<B, 3>(wr, x, r0)),
-                    2 => dst.copy_from_slice(&dots::<B, 2>(wr, x, r0)),
-                    _ => dst.copy_from_slice(&dots::<B, 1>(wr, x, r0)),
+                    4 => dst.copy_from_slice(&dots::<B, 4, WIDE>(wr, x, r0)),
+                    3 => dst.copy_from_slice(&dots::<B, 3, WIDE>(wr, x, r0)),
+                    2 => dst.copy_from_slice(&dots::<B, 2, WIDE>(wr, x, r0)),
+                    _ => dst.copy_from_slice(&dots::<B, 1, WIDE>(wr, x, r0)),
                 }
             }
         }
@@ -688,10 +753,13 @@ pub unsafe fn dots_task<B: Dot8>(x: &Rows8, w: &[B], out: &mut [f32]) {
 /// other).
 ///
 /// # Safety
-/// The CPU must support AVX2, FMA and F16C.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dots<B: Dot8, const R: usize>(w: &[B], x: &Rows8, r0: usize) -> [f32; R] {
+/// As [`rows_task`].
+#[inline(always)]
+unsafe fn dots<B: Dot8, const R: usize, const WIDE: bool>(
+    w: &[B],
+    x: &Rows8,
+    r0: usize,
+) -> [f32; R] {
     let k = x.k;
     let row = |r: usize| r0 + r;
     let rows = Rows {
@@ -699,25 +767,115 @@ unsafe fn dots<B: Dot8, const R: usize>(w: &[B], x: &Rows8, r0: usize) -> [f32; 
         d: std::array::from_fn(|r| &x.d[row(r) * k / B::LEN..][..k / B::LEN]),
         sums: std::array::from_fn(|r| &x.sums[row(r) * k / SUM_LEN..][..k / SUM_LEN]),
     };
-    let mut acc = [[_mm256_setzero_ps(); R]; 2];
-    let mut mins = [0.0f32; R];
-    for (b, block) in w.iter().enumerate() {
-        let ahead = (block as *const B)
-            .cast::<i8>()
-            .wrapping_add(PREFETCH_BYTES);
-        for line in (0..size_of::<B>()).step_by(64) {
-            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line));
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        let mut acc = [[_mm256_setzero_ps(); R]; 2];
+        let mut mins = [0.0f32; R];
+        for (b, block) in w.iter().enumerate() {
+            let ahead = (block as *const B)
+                .cast::<i8>()
+                .wrapping_add(PREFETCH_BYTES);
+            for line in (0..size_of::<B>()).step_by(64) {
+                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line));
+            }
+            match WIDE {
+                true => accumulate_wide(block, &rows, b, &mut acc[0], &mut mins),
+                false => accumulate(block, &rows, b, &mut acc[0], &mut mins),
+            }
+            acc.swap(0, 1);
         }
-        accumulate(block, &rows, b, &mut acc[0], &mut mins);
-        acc.swap(0, 1);
+        std::array::from_fn(|r| {
+            let mut lanes = [0.0f32; 8];
+            let sum = _mm256_add_ps(acc[0][r], acc[1][r]);
+            _mm256_storeu_ps(lanes.as_mut_ptr(), sum);
+            sum_lanes(&lanes) - mins[r]
+        })
     }
-    std::array::from_fn(|r| {
-        let mut lanes = [0.0f32; 8];
-        let sum = _mm256_add_ps(acc[0][r], acc[1][r]);
-        // SAFETY: 8 floats stored into `lanes`.
-        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), sum) };
-        sum_lanes(&lanes) - mins[r]
-    })
+}
+
+/// [`accumulate`] with a super-block's chunks multiplied in pairs, one 512-bit register each.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+fn accumulate_wide<B: Dot8, const R: usize>(
+    block: &B,
+    x: &Rows<'_, R>,
+    b: usize,
+    acc: &mut [__m256; R],
+    mins: &mut [f32; R],
+) {
+    match block.unpack() {
+        Unpacked::Super {
+            chunks,
+            signed,
+            sc,
+            m,
+            d,
+            dm,
+        } => {
+            let iacc = scaled_pairs(sc, &chunks, signed, x, b);
+            finish_k(iacc, (d, dm), m, x, b, acc);
+        }
+        // Nothing to pair: the variant is known per type, so this unpacks once.
+        Unpacked::Block32 { .. } => accumulate(block, x, b, acc, mins),
+    }
+}
+
+/// For each pair `p` of chunks (`2 p` and `2 p + 1`), the sub-block of each of the 32 i16
+/// lanes of `vpmaddubsw`'s result: lane `l` sums weights `2 l` and `2 l + 1` of the pair's 64,
+/// which lie in sub-block `4 p + l / 8` of 16.
+const PAIR_SCALES: [[i16; 32]; 4] = {
+    let mut idx = [[0i16; 32]; 4];
+    let mut p = 0;
+    while p < 4 {
+        let mut l = 0;
+        while l < 32 {
+            idx[p][l] = (4 * p + l / 8) as i16;
+            l += 1;
+        }
+        p += 1;
+    }
+    idx
+};
+
+/// [`scaled_chunks`] two chunks at a time: the same sums, 32 i16 lanes of pair sums each
+/// multiplied by its sub-block's scale, folded to eight i32 lanes at the end.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+fn scaled_pairs<const R: usize>(
+    sc: __m256i,
+    chunks: &[__m256i; QK_K / QK],
+    signed: bool,
+    x: &Rows<'_, R>,
+    b: usize,
+) -> [__m256i; R] {
+    let sc = _mm512_zextsi256_si512(sc);
+    let mut iacc = [_mm512_setzero_si512(); R];
+    for (p, idx) in PAIR_SCALES.iter().enumerate() {
+        let q = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(chunks[2 * p]), chunks[2 * p + 1]);
+        // SAFETY: 64 bytes read from `idx`.
+        let s = _mm512_permutexvar_epi16(unsafe { _mm512_loadu_si512(idx.as_ptr().cast()) }, sc);
+        for (r, iacc) in iacc.iter_mut().enumerate() {
+            let (u, xr) = signs_moved_wide(q, x.load64(r, QK_K * b + 2 * QK * p), signed);
+            let products = _mm512_madd_epi16(_mm512_maddubs_epi16(u, xr), s);
+            *iacc = _mm512_add_epi32(*iacc, products);
+        }
+    }
+    iacc.map(|v| _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64::<1>(v)))
+}
+
+/// [`signs_moved`] for 64 bytes (AVX-512 has no `vpsignb`: the magnitudes, and `x` negated
+/// where `v` is negative).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+fn signs_moved_wide(v: __m512i, x: __m512i, signed: bool) -> (__m512i, __m512i) {
+    match signed {
+        true => {
+            let negative = _mm512_movepi8_mask(v);
+            let x = _mm512_mask_sub_epi8(x, negative, _mm512_setzero_si512(), x);
+            (_mm512_abs_epi8(v), x)
+        }
+        false => (v, x),
+    }
 }
 
 #[cfg(test)]
