@@ -13,6 +13,11 @@ mod serve;
 
 use clap::{Parser, Subcommand};
 
+/// See host-native/Cargo.toml: large activation buffers are reused instead of faulted in again.
+#[cfg(target_os = "linux")]
+#[global_allocator]
+static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[derive(Parser)]
 #[command(
     name = "tether",

@@ -5,6 +5,11 @@
 use anyhow::{bail, Result};
 use clap::Parser;
 
+/// As `tether`'s (host-native/Cargo.toml): activation buffers are reused, not faulted in again.
+#[cfg(target_os = "linux")]
+#[global_allocator]
+static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[derive(Parser)]
 #[command(
     name = "tether-helper",
