@@ -144,13 +144,12 @@ fn query_keys(q: &[f32], keys: Strided, scores: &mut [f32]) {
     // `keys.data` (asserted above); only `scores` is written.
     unsafe {
         gemm_f32(
-            nq,
-            keys.len,
-            keys.width,
+            (nq, keys.len, keys.width),
             scores.as_mut_ptr(),
             keys.len,
             lhs,
             rhs,
+            false,
         )
     }
 }
@@ -177,13 +176,12 @@ fn weights_values(weights: &[f32], values: Strided, out: &mut [f32]) {
     // `values.data` (asserted above); only `out` is written.
     unsafe {
         gemm_f32(
-            nq,
-            values.width,
-            values.len,
+            (nq, values.width, values.len),
             out.as_mut_ptr(),
             values.width,
             lhs,
             rhs,
+            false,
         )
     }
 }

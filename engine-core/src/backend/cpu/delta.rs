@@ -8,7 +8,7 @@
 
 use rayon::prelude::*;
 
-use super::matmul::dot;
+use super::gemm::{product, Mat};
 use crate::backend::{DeltaInputs, DeltaShape};
 
 pub const CHUNK: usize = 64;
@@ -22,6 +22,34 @@ struct Head<'a> {
 }
 
 impl Head<'_> {
+    /// Rows `i0 .. i0 + n` of q, `[n, dk]`, as a view into the inputs.
+    fn q_rows(&self, i0: usize, n: usize) -> Mat<'_> {
+        self.rows(self.x.q, i0, n)
+    }
+    fn k_rows(&self, i0: usize, n: usize) -> Mat<'_> {
+        self.rows(self.x.k, i0, n)
+    }
+    fn rows<'b>(&self, all: &'b [f32], i0: usize, n: usize) -> Mat<'b> {
+        let stride = self.s.k_heads * self.s.dk;
+        let o = i0 * stride + self.kh * self.s.dk;
+        Mat::rows(
+            &all[o..o + (n - 1) * stride + self.s.dk],
+            n,
+            self.s.dk,
+            stride,
+        )
+    }
+    /// Rows `i0 .. i0 + n` of v, `[n, dv]`.
+    fn v_rows(&self, i0: usize, n: usize) -> Mat<'_> {
+        let stride = self.s.v_heads * self.s.dv;
+        let o = i0 * stride + self.h * self.s.dv;
+        Mat::rows(
+            &self.x.v[o..o + (n - 1) * stride + self.s.dv],
+            n,
+            self.s.dv,
+            stride,
+        )
+    }
     fn q(&self, i: usize) -> &[f32] {
         let o = (i * self.s.k_heads + self.kh) * self.s.dk;
         &self.x.q[o..o + self.s.dk]
@@ -116,88 +144,100 @@ pub fn recurrent(s: DeltaShape, x: DeltaInputs, state: &mut [f32], out: &mut [f3
 
 pub fn chunked(s: DeltaShape, x: DeltaInputs, state: &mut [f32], out: &mut [f32]) {
     let t = x.g.len() / s.v_heads;
-    let (dk, dv) = (s.dk, s.dv);
     per_head(s, &x, state, out, |hd, st, o| {
         for c0 in (0..t).step_by(CHUNK) {
             let n = CHUNK.min(t - c0);
-            // Cumulative log-decay within the chunk.
-            let mut gc = vec![0.0f32; n];
-            let mut acc = 0.0;
-            for (i, g) in gc.iter_mut().enumerate() {
-                acc += hd.g(c0 + i);
-                *g = acc;
-            }
-            // A[i][j] = -beta_i (k_i . k_j) e^(gc_i - gc_j) for j < i, then forward substitution
-            // turns it into T = (I - A)^-1 - I's strictly lower part (row i reads solved rows < i).
-            let mut a = vec![0.0f32; n * n];
-            for i in 0..n {
-                let bi = hd.beta(c0 + i);
-                for j in 0..i {
-                    a[i * n + j] = -bi * dot(hd.k(c0 + i), hd.k(c0 + j)) * (gc[i] - gc[j]).exp();
-                }
-            }
-            for i in 1..n {
-                let row: Vec<f32> = a[i * n..i * n + i].to_vec();
-                for j in 0..i {
-                    let mut sum = row[j];
-                    for m in j + 1..i {
-                        sum += row[m] * a[m * n + j];
-                    }
-                    a[i * n + j] = sum;
-                }
-            }
-            // u = T (beta v), w = T (beta k e^gc), with T = I + a (unit lower triangular).
-            let mut u = vec![0.0f32; n * dv];
-            let mut w = vec![0.0f32; n * dk];
-            for i in 0..n {
-                for j in 0..=i {
-                    let tij = if i == j { 1.0 } else { a[i * n + j] };
-                    if tij == 0.0 {
-                        continue;
-                    }
-                    let bj = hd.beta(c0 + j);
-                    axpy(&mut u[i * dv..(i + 1) * dv], tij * bj, hd.v(c0 + j));
-                    axpy(
-                        &mut w[i * dk..(i + 1) * dk],
-                        tij * bj * gc[j].exp(),
-                        hd.k(c0 + j),
-                    );
-                }
-            }
-            // v_new = u - w S: what each token writes after the state carried into the chunk.
-            let mut tmp = vec![0.0f32; dv];
-            for i in 0..n {
-                state_t_mul(st, dv, &w[i * dk..(i + 1) * dk], &mut tmp);
-                for (x, y) in u[i * dv..(i + 1) * dv].iter_mut().zip(&tmp) {
-                    *x -= y;
-                }
-            }
-            let v_new = u;
-            // o_i = e^gc_i (S^T q_i) + sum_{j<=i} (q_i . k_j) e^(gc_i - gc_j) v_new_j
-            for i in 0..n {
-                let oi = &mut o[(c0 + i) * dv..(c0 + i + 1) * dv];
-                state_t_mul(st, dv, hd.q(c0 + i), oi);
-                let e = gc[i].exp();
-                oi.iter_mut().for_each(|x| *x *= e);
-                for j in 0..=i {
-                    let c = dot(hd.q(c0 + i), hd.k(c0 + j)) * (gc[i] - gc[j]).exp();
-                    axpy(oi, c, &v_new[j * dv..(j + 1) * dv]);
-                }
-            }
-            // S = S e^gc_last + sum_j k_j (outer) v_new_j e^(gc_last - gc_j)
-            let last = gc[n - 1];
-            let decay = last.exp();
-            st.iter_mut().for_each(|v| *v *= decay);
-            for j in 0..n {
-                let f = (last - gc[j]).exp();
-                for (r, &kr) in hd.k(c0 + j).iter().enumerate() {
-                    axpy(
-                        &mut st[r * dv..(r + 1) * dv],
-                        kr * f,
-                        &v_new[j * dv..(j + 1) * dv],
-                    );
-                }
-            }
+            chunk(hd, c0, n, st, &mut o[c0 * s.dv..(c0 + n) * s.dv]);
         }
     });
+}
+
+/// Tokens `c0 .. c0 + n` of one head: their outputs `o` (`[n, dv]`) from the state carried
+/// in, and the state carried out. Every product of two matrices goes through `gemm`.
+fn chunk(hd: &Head, c0: usize, n: usize, st: &mut [f32], o: &mut [f32]) {
+    let (dk, dv) = (hd.s.dk, hd.s.dv);
+    let (q, k) = (hd.q_rows(c0, n), hd.k_rows(c0, n));
+    // Cumulative log-decay within the chunk.
+    let gc: Vec<f32> = (0..n)
+        .scan(0.0f32, |acc, i| {
+            *acc += hd.g(c0 + i);
+            Some(*acc)
+        })
+        .collect();
+    // A[i][j] = -beta_i (k_i . k_j) e^(gc_i - gc_j) for j < i, then forward substitution turns
+    // it into T = (I - A)^-1 - I's strictly lower part (row i reads solved rows < i).
+    let mut a = vec![0.0f32; n * n];
+    product(&mut a, k, k.t(), false);
+    for i in 0..n {
+        let bi = hd.beta(c0 + i);
+        for j in 0..n {
+            a[i * n + j] = match j < i {
+                true => -bi * a[i * n + j] * (gc[i] - gc[j]).exp(),
+                false => 0.0,
+            };
+        }
+    }
+    for i in 1..n {
+        let row: Vec<f32> = a[i * n..i * n + i].to_vec();
+        for j in 0..i {
+            let mut sum = row[j];
+            for m in j + 1..i {
+                sum += row[m] * a[m * n + j];
+            }
+            a[i * n + j] = sum;
+        }
+    }
+    // T = I + a (unit lower triangular); u = T (beta v), w = T (beta k e^gc).
+    for i in 0..n {
+        a[i * n + i] = 1.0;
+    }
+    let tri = Mat::rows(&a, n, n, n);
+    let bv = scaled_rows(hd.v_rows(c0, n), |j| hd.beta(c0 + j));
+    let bk = scaled_rows(k, |j| hd.beta(c0 + j) * gc[j].exp());
+    let mut u = vec![0.0f32; n * dv];
+    product(&mut u, tri, Mat::rows(&bv, n, dv, dv), false);
+    let mut w = vec![0.0f32; n * dk];
+    product(&mut w, tri, Mat::rows(&bk, n, dk, dk), false);
+    // v_new = u - w S: what each token writes after the state carried into the chunk.
+    let state = Mat::rows(st, dk, dv, dv);
+    let mut ws = vec![0.0f32; n * dv];
+    product(&mut ws, Mat::rows(&w, n, dk, dk), state, false);
+    u.iter_mut().zip(&ws).for_each(|(x, y)| *x -= y);
+    let v_new = Mat::rows(&u, n, dv, dv);
+    // o_i = e^gc_i (S^T q_i) + sum_{j<=i} (q_i . k_j) e^(gc_i - gc_j) v_new_j
+    product(o, q, state, false);
+    for (oi, g) in o.chunks_exact_mut(dv).zip(&gc) {
+        let e = g.exp();
+        oi.iter_mut().for_each(|x| *x *= e);
+    }
+    let mut qk = vec![0.0f32; n * n];
+    product(&mut qk, q, k.t(), false);
+    for i in 0..n {
+        for j in 0..n {
+            qk[i * n + j] = match j <= i {
+                true => qk[i * n + j] * (gc[i] - gc[j]).exp(),
+                false => 0.0,
+            };
+        }
+    }
+    product(o, Mat::rows(&qk, n, n, n), v_new, true);
+    // S = S e^gc_last + sum_j k_j (outer) v_new_j e^(gc_last - gc_j)
+    let last = gc[n - 1];
+    let kd = scaled_rows(k, |j| (last - gc[j]).exp());
+    let decay = last.exp();
+    st.iter_mut().for_each(|v| *v *= decay);
+    let kd = Mat::rows(&kd, n, dk, dk).t();
+    product(st, kd, Mat::rows(&u, n, dv, dv), true);
+}
+
+/// The rows of `m` each times `f(row)`, `[m.rows, m.cols]` row-major.
+fn scaled_rows(m: Mat, f: impl Fn(usize) -> f32) -> Vec<f32> {
+    let mut out = vec![0.0f32; m.rows * m.cols];
+    for (j, r) in out.chunks_exact_mut(m.cols).enumerate() {
+        let (fj, row) = (f(j), &m.data[j * m.rs..]);
+        r.iter_mut()
+            .enumerate()
+            .for_each(|(c, d)| *d = fj * row[c * m.cs]);
+    }
+    out
 }

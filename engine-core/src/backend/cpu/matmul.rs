@@ -536,9 +536,7 @@ mod blocked {
                 // live and in bounds for the whole call.
                 unsafe {
                     gemm_f32(
-                        t,
-                        rows,
-                        k,
+                        (t, rows, k),
                         dst.get().add(o0),
                         n,
                         View {
@@ -551,6 +549,7 @@ mod blocked {
                             rs: 1,
                             cs: k,
                         },
+                        false,
                     );
                 }
             })

@@ -8,7 +8,6 @@
 pub mod attention;
 pub mod convert;
 pub mod delta;
-#[cfg(not(target_arch = "wasm32"))]
 mod gemm;
 pub mod matmul;
 #[cfg(target_arch = "x86_64")]
