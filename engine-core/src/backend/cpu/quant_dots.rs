@@ -141,7 +141,7 @@ pub trait Dot8: QuantBlock {
 }
 
 /// A block as the kernel multiplies it. It lives in registers only, made and taken apart in
-/// one inlined `accumulate` (so the variants' sizes differ at no cost).
+/// one inlined `accumulate` or `accumulate_wide` (so the variants' sizes differ at no cost).
 #[allow(clippy::large_enum_variant)]
 pub enum Unpacked {
     /// 32 weights, weight `i` being `d * q[i] + offset`: `q` unsigned bytes, or (`signed`)
@@ -152,17 +152,19 @@ pub enum Unpacked {
         d: f32,
         offset: f32,
     },
-    /// A super-block of 256 weights in 8 chunks of 32 (16 sub-blocks of 16): weight `l` of
-    /// sub-block `g` is `d * sc[g] * q[l] - dm * m[g]`, `q` unsigned bytes or (`signed`)
-    /// signed levels, `sc` and `m` one i16 lane per sub-block.
-    Super {
-        chunks: [__m256i; QK_K / QK],
-        signed: bool,
-        sc: __m256i,
-        m: Option<__m256i>,
-        d: f32,
-        dm: f32,
-    },
+    Super(SuperBlock),
+}
+
+/// A super-block of 256 weights in 8 chunks of 32 (16 sub-blocks of 16): weight `l` of
+/// sub-block `g` is `d * sc[g] * q[l] - dm * m[g]`, `q` unsigned bytes or (`signed`) signed
+/// levels, `sc` and `m` one i16 lane per sub-block.
+pub struct SuperBlock {
+    chunks: [__m256i; QK_K / QK],
+    signed: bool,
+    sc: __m256i,
+    m: Option<__m256i>,
+    d: f32,
+    dm: f32,
 }
 
 impl Unpacked {
@@ -220,17 +222,7 @@ fn accumulate<B: Dot8, const R: usize>(
                 offsets(-offset, x, b, mins);
             }
         }
-        Unpacked::Super {
-            chunks,
-            signed,
-            sc,
-            m,
-            d,
-            dm,
-        } => {
-            let iacc = scaled_chunks(sc, &chunks, signed, x, b);
-            finish_k(iacc, (d, dm), m, x, b, acc);
-        }
+        Unpacked::Super(s) => finish_k(scaled_chunks(&s, x, b), &s, x, b, acc),
     }
 }
 
@@ -400,7 +392,7 @@ impl Dot8 for BlockIq4Xs {
                 .expect("16 bytes");
             unsafe { iq4_levels(nibbles(qs)) }
         });
-        Unpacked::Super {
+        Unpacked::Super(SuperBlock {
             chunks,
             signed: true,
             // SAFETY: 32 bytes read from `sc`.
@@ -408,7 +400,7 @@ impl Dot8 for BlockIq4Xs {
             m: None,
             d: self.d.to_f32(),
             dm: 0.0,
-        }
+        })
     }
 }
 
@@ -419,13 +411,8 @@ impl Dot8 for BlockIq4Xs {
 /// [`signs_moved`] takes them).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn scaled_chunks<const R: usize>(
-    sc: __m256i,
-    chunks: &[__m256i; QK_K / QK],
-    signed: bool,
-    x: &Rows<'_, R>,
-    b: usize,
-) -> [__m256i; R] {
+fn scaled_chunks<const R: usize>(s: &SuperBlock, x: &Rows<'_, R>, b: usize) -> [__m256i; R] {
+    let (sc, chunks, signed) = (s.sc, &s.chunks, s.signed);
     let halves = [
         _mm256_permute2x128_si256::<0x00>(sc, sc),
         _mm256_permute2x128_si256::<0x11>(sc, sc),
@@ -456,12 +443,12 @@ fn scaled_chunks<const R: usize>(
 #[target_feature(enable = "avx2,fma,f16c")]
 fn finish_k<const R: usize>(
     iacc: [__m256i; R],
-    (d, dm): (f32, f32),
-    m: Option<__m256i>,
+    s: &SuperBlock,
     x: &Rows<'_, R>,
     b: usize,
     acc: &mut [__m256; R],
 ) {
+    let (d, dm, m) = (s.d, s.dm, s.m);
     for r in 0..R {
         let dx = x.d[r][b];
         let p = _mm256_cvtepi32_ps(iacc[r]);
@@ -524,14 +511,14 @@ fn unpack_k4(
             let q = _mm256_and_si256(q, nib);
             high.map_or(q, |bits| _mm256_or_si256(q, high_bit(bits, j, 16)))
         });
-        Unpacked::Super {
+        Unpacked::Super(SuperBlock {
             chunks,
             signed: false,
             sc: twice(sc),
             m: Some(twice(m)),
             d,
             dm: dmin,
-        }
+        })
     }
 }
 
@@ -586,14 +573,14 @@ impl Dot8 for BlockQ6K {
             });
             let sc = widen16(self.scales);
             let d = self.d.to_f32();
-            Unpacked::Super {
+            Unpacked::Super(SuperBlock {
                 chunks,
                 signed: false,
                 sc,
                 m: Some(sc),
                 d,
                 dm: 32.0 * d,
-            }
+            })
         }
     }
 }
@@ -635,7 +622,7 @@ impl Dot8 for BlockQ2K {
         unsafe {
             let s = _mm_loadu_si128(self.scales.as_ptr().cast());
             let nib = _mm_set1_epi8(0xF);
-            Unpacked::Super {
+            Unpacked::Super(SuperBlock {
                 chunks: twos(&self.qs, None),
                 signed: false,
                 sc: _mm256_cvtepu8_epi16(_mm_and_si128(s, nib)),
@@ -645,7 +632,7 @@ impl Dot8 for BlockQ2K {
                 ))),
                 d: self.d.to_f32(),
                 dm: self.dmin.to_f32(),
-            }
+            })
         }
     }
 }
@@ -658,14 +645,14 @@ impl Dot8 for BlockQ3K {
         unsafe {
             let sc = widen16(self.unpacked_scales().map(|s| s - 32));
             let d = self.d.to_f32();
-            Unpacked::Super {
+            Unpacked::Super(SuperBlock {
                 chunks: twos(&self.qs, Some(&self.hmask)),
                 signed: false,
                 sc,
                 m: Some(sc),
                 d,
                 dm: 4.0 * d,
-            }
+            })
         }
     }
 }
@@ -804,17 +791,7 @@ fn accumulate_wide<B: Dot8, const R: usize>(
     mins: &mut [f32; R],
 ) {
     match block.unpack() {
-        Unpacked::Super {
-            chunks,
-            signed,
-            sc,
-            m,
-            d,
-            dm,
-        } => {
-            let iacc = scaled_pairs(sc, &chunks, signed, x, b);
-            finish_k(iacc, (d, dm), m, x, b, acc);
-        }
+        Unpacked::Super(s) => finish_k(scaled_pairs(&s, x, b), &s, x, b, acc),
         // Nothing to pair: the variant is known per type, so this unpacks once.
         Unpacked::Block32 { .. } => accumulate(block, x, b, acc, mins),
     }
@@ -841,13 +818,8 @@ const PAIR_SCALES: [[i16; 32]; 4] = {
 /// multiplied by its sub-block's scale, folded to eight i32 lanes at the end.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
-fn scaled_pairs<const R: usize>(
-    sc: __m256i,
-    chunks: &[__m256i; QK_K / QK],
-    signed: bool,
-    x: &Rows<'_, R>,
-    b: usize,
-) -> [__m256i; R] {
+fn scaled_pairs<const R: usize>(s: &SuperBlock, x: &Rows<'_, R>, b: usize) -> [__m256i; R] {
+    let (sc, chunks, signed) = (s.sc, &s.chunks, s.signed);
     let sc = _mm512_zextsi256_si512(sc);
     let mut iacc = [_mm512_setzero_si512(); R];
     for (p, idx) in PAIR_SCALES.iter().enumerate() {
