@@ -3,7 +3,7 @@
 use rayon::prelude::*;
 
 #[cfg(not(target_arch = "wasm32"))]
-use super::gemm::{gemm_f32, View};
+use super::gemm::{product, Mat};
 #[cfg(target_arch = "wasm32")]
 use super::matmul::dot;
 use crate::backend::AttnShape;
@@ -122,68 +122,36 @@ struct Strided<'a> {
     width: usize,
 }
 
+#[cfg(not(target_arch = "wasm32"))]
+impl Strided<'_> {
+    /// The rows as a `[len, width]` matrix.
+    fn mat(&self) -> Mat<'_> {
+        Mat::rows(self.data, self.len, self.width, self.row)
+    }
+}
+
 /// `scores[i, j] = q[i] . keys[j]` for `q` `[nq, width]`.
 #[cfg(not(target_arch = "wasm32"))]
 fn query_keys(q: &[f32], keys: Strided, scores: &mut [f32]) {
     let nq = q.len() / keys.width;
-    assert!(
-        scores.len() == nq * keys.len && (keys.len - 1) * keys.row + keys.width <= keys.data.len()
+    product(
+        scores,
+        Mat::rows(q, nq, keys.width, keys.width),
+        keys.mat().t(),
+        false,
     );
-    let lhs = View {
-        ptr: q.as_ptr(),
-        rs: keys.width,
-        cs: 1,
-    };
-    // Key j is column j of the right-hand side: element (c, j) at j * row + c.
-    let rhs = View {
-        ptr: keys.data.as_ptr(),
-        rs: 1,
-        cs: keys.row,
-    };
-    // SAFETY: `scores` is [nq, len], `q` [nq, width], and the last key element is inside
-    // `keys.data` (asserted above); only `scores` is written.
-    unsafe {
-        gemm_f32(
-            (nq, keys.len, keys.width),
-            scores.as_mut_ptr(),
-            keys.len,
-            lhs,
-            rhs,
-            false,
-        )
-    }
 }
 
 /// `out[i] = sum_j weights[i, j] values[j]` for `weights` `[nq, len]`.
 #[cfg(not(target_arch = "wasm32"))]
 fn weights_values(weights: &[f32], values: Strided, out: &mut [f32]) {
     let nq = weights.len() / values.len;
-    assert!(
-        out.len() == nq * values.width
-            && (values.len - 1) * values.row + values.width <= values.data.len()
+    product(
+        out,
+        Mat::rows(weights, nq, values.len, values.len),
+        values.mat(),
+        false,
     );
-    let lhs = View {
-        ptr: weights.as_ptr(),
-        rs: values.len,
-        cs: 1,
-    };
-    let rhs = View {
-        ptr: values.data.as_ptr(),
-        rs: values.row,
-        cs: 1,
-    };
-    // SAFETY: `out` is [nq, width], `weights` [nq, len], and the last value element is inside
-    // `values.data` (asserted above); only `out` is written.
-    unsafe {
-        gemm_f32(
-            (nq, values.width, values.len),
-            out.as_mut_ptr(),
-            values.width,
-            lhs,
-            rhs,
-            false,
-        )
-    }
 }
 
 /// The portable forms (wasm32 has no `gemm`): one key or value row at a time against every

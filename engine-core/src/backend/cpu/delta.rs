@@ -24,31 +24,13 @@ struct Head<'a> {
 impl Head<'_> {
     /// Rows `i0 .. i0 + n` of q, `[n, dk]`, as a view into the inputs.
     fn q_rows(&self, i0: usize, n: usize) -> Mat<'_> {
-        self.rows(self.x.q, i0, n)
+        head_rows(self.x.q, (i0, n), self.kh, self.s.k_heads, self.s.dk)
     }
     fn k_rows(&self, i0: usize, n: usize) -> Mat<'_> {
-        self.rows(self.x.k, i0, n)
+        head_rows(self.x.k, (i0, n), self.kh, self.s.k_heads, self.s.dk)
     }
-    fn rows<'b>(&self, all: &'b [f32], i0: usize, n: usize) -> Mat<'b> {
-        let stride = self.s.k_heads * self.s.dk;
-        let o = i0 * stride + self.kh * self.s.dk;
-        Mat::rows(
-            &all[o..o + (n - 1) * stride + self.s.dk],
-            n,
-            self.s.dk,
-            stride,
-        )
-    }
-    /// Rows `i0 .. i0 + n` of v, `[n, dv]`.
     fn v_rows(&self, i0: usize, n: usize) -> Mat<'_> {
-        let stride = self.s.v_heads * self.s.dv;
-        let o = i0 * stride + self.h * self.s.dv;
-        Mat::rows(
-            &self.x.v[o..o + (n - 1) * stride + self.s.dv],
-            n,
-            self.s.dv,
-            stride,
-        )
+        head_rows(self.x.v, (i0, n), self.h, self.s.v_heads, self.s.dv)
     }
     fn q(&self, i: usize) -> &[f32] {
         let o = (i * self.s.k_heads + self.kh) * self.s.dk;
@@ -83,6 +65,19 @@ fn state_t_mul(s: &[f32], dv: usize, vec: &[f32], out: &mut [f32]) {
     for (r, &a) in vec.iter().enumerate() {
         axpy(out, a, &s[r * dv..(r + 1) * dv]);
     }
+}
+
+/// Rows `i0 .. i0 + n` of head `head` in `all` (`[t, heads, width]`), `[n, width]`.
+fn head_rows(
+    all: &[f32],
+    (i0, n): (usize, usize),
+    head: usize,
+    heads: usize,
+    width: usize,
+) -> Mat<'_> {
+    let stride = heads * width;
+    let o = i0 * stride + head * width;
+    Mat::rows(&all[o..o + (n - 1) * stride + width], n, width, stride)
 }
 
 /// Run `f(head, state_of_head, out_columns)` for every value head in parallel, then scatter
@@ -168,15 +163,7 @@ fn chunk(hd: &Head, c0: usize, n: usize, st: &mut [f32], o: &mut [f32]) {
     // it into T = (I - A)^-1 - I's strictly lower part (row i reads solved rows < i).
     let mut a = vec![0.0f32; n * n];
     product(&mut a, k, k.t(), false);
-    for i in 0..n {
-        let bi = hd.beta(c0 + i);
-        for j in 0..n {
-            a[i * n + j] = match j < i {
-                true => -bi * a[i * n + j] * (gc[i] - gc[j]).exp(),
-                false => 0.0,
-            };
-        }
-    }
+    causal_decay(&mut a, &gc, false, |i| -hd.beta(c0 + i));
     for i in 1..n {
         let row: Vec<f32> = a[i * n..i * n + i].to_vec();
         for j in 0..i {
@@ -212,14 +199,7 @@ fn chunk(hd: &Head, c0: usize, n: usize, st: &mut [f32], o: &mut [f32]) {
     }
     let mut qk = vec![0.0f32; n * n];
     product(&mut qk, q, k.t(), false);
-    for i in 0..n {
-        for j in 0..n {
-            qk[i * n + j] = match j <= i {
-                true => qk[i * n + j] * (gc[i] - gc[j]).exp(),
-                false => 0.0,
-            };
-        }
-    }
+    causal_decay(&mut qk, &gc, true, |_| 1.0);
     product(o, Mat::rows(&qk, n, n, n), v_new, true);
     // S = S e^gc_last + sum_j k_j (outer) v_new_j e^(gc_last - gc_j)
     let last = gc[n - 1];
@@ -228,6 +208,23 @@ fn chunk(hd: &Head, c0: usize, n: usize, st: &mut [f32], o: &mut [f32]) {
     st.iter_mut().for_each(|v| *v *= decay);
     let kd = Mat::rows(&kd, n, dk, dk).t();
     product(st, kd, Mat::rows(&u, n, dv, dv), true);
+}
+
+/// `m[i][j] *= f(i) e^(gc_i - gc_j)` where token `j` comes before token `i` (or is it, with
+/// `diagonal`), and 0 elsewhere: `m` is `[n, n]` over one chunk's tokens.
+fn causal_decay(m: &mut [f32], gc: &[f32], diagonal: bool, f: impl Fn(usize) -> f32) {
+    let n = gc.len();
+    for (i, row) in m.chunks_exact_mut(n).enumerate() {
+        let fi = f(i);
+        for (j, v) in row.iter_mut().enumerate() {
+            let seen = j < i || (diagonal && j == i);
+            *v = if seen {
+                *v * fi * (gc[i] - gc[j]).exp()
+            } else {
+                0.0
+            };
+        }
+    }
 }
 
 /// The rows of `m` each times `f(row)`, `[m.rows, m.cols]` row-major.

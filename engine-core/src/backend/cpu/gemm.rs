@@ -1,7 +1,8 @@
 //! One door to the `gemm` crate: single-threaded f32 products of strided matrices (callers
-//! parallelise over blocks themselves). Matmul (widened weight blocks) and attention (a page's
-//! strided key and value rows) call its raw form; the delta rule's chunks call [`product`], which
-//! checks its views and also runs on wasm32, where there is no `gemm` crate.
+//! parallelise over blocks themselves). Attention (a page's strided key and value rows) and the
+//! delta rule's chunks call [`product`], which checks its views and also runs on wasm32, where
+//! there is no `gemm` crate; matmul, whose tasks write disjoint columns of one output, calls
+//! the raw form.
 
 /// An f32 matrix inside some buffer: element `(r, c)` at `ptr + r * rs + c * cs`.
 #[cfg(not(target_arch = "wasm32"))]

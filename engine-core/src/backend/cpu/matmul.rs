@@ -341,6 +341,10 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     dots::<f32, 1, 32>(a, b)[0]
 }
 
+/// Whether the CPU has the AVX2, FMA and F16C that every x86_64 kernel here needs.
+#[cfg(target_arch = "x86_64")]
+pub(super) use avx2::available as avx2_available;
+
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use std::arch::x86_64::*;

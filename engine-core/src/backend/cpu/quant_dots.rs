@@ -14,7 +14,7 @@
 
 use std::arch::x86_64::*;
 
-use super::matmul::{sum_lanes, PREFETCH_BYTES};
+use super::matmul::{avx2_available, sum_lanes, PREFETCH_BYTES};
 use crate::quant::{
     BlockIq4Nl, BlockIq4Xs, BlockQ2K, BlockQ3K, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5K,
     BlockQ5_0, BlockQ5_1, BlockQ6K, BlockQ8_0, QuantBlock, IQ4_VALUES, QK, QK_K,
@@ -671,11 +671,8 @@ pub enum Isa {
 impl Isa {
     /// The widest this CPU runs, if it has AVX2 at all.
     pub fn best() -> Option<Isa> {
-        let avx2 = is_x86_feature_detected!("avx2")
-            && is_x86_feature_detected!("fma")
-            && is_x86_feature_detected!("f16c");
         let avx512 = is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw");
-        avx2.then_some(if avx512 { Isa::Avx512 } else { Isa::Avx2 })
+        avx2_available().then_some(if avx512 { Isa::Avx512 } else { Isa::Avx2 })
     }
 }
 

@@ -35,16 +35,15 @@ unsafe impl Send for Job {}
 struct Shared {
     /// The latest job; its `epoch` is the high half of `ticket` while it runs.
     job: Mutex<Option<Job>>,
-    /// Bumped (under `job`'s lock) when a job is posted; the spinning threads watch it.
-    posted: AtomicUsize,
-    /// `epoch << 32 | next chunk to take`: a thread takes a chunk only with a compare-exchange
-    /// on the whole, so it never takes one of a newer job than the one it read.
+    /// `epoch << 32 | next chunk to take`, stored (under `job`'s lock) when a job is posted:
+    /// the waiting threads watch its epoch move. A thread takes a chunk only with a
+    /// compare-exchange on the whole, so it never takes one of a newer job than the one it read.
     ticket: AtomicU64,
     /// Chunks of the current job that have finished.
     finished: AtomicUsize,
     /// A panic in one of the team's threads, for the caller to resume.
     panic: Mutex<Option<Box<dyn Any + Send>>>,
-    /// Sleeping threads wait here for `posted` to move.
+    /// Sleeping threads wait here for the ticket's epoch to move.
     wake: Condvar,
     sleeping: Mutex<usize>,
 }
@@ -61,7 +60,6 @@ impl Team {
     fn new(threads: usize) -> Team {
         let shared = Arc::new(Shared {
             job: Mutex::new(None),
-            posted: AtomicUsize::new(0),
             ticket: AtomicU64::new(0),
             finished: AtomicUsize::new(0),
             panic: Mutex::new(None),
@@ -130,12 +128,12 @@ impl Team {
         let f: *const (dyn Fn(usize) + Sync) = unsafe { std::mem::transmute(f) };
         let job = {
             let mut slot = s.job.lock().unwrap_or_else(|e| e.into_inner());
-            let epoch = slot.map_or(0, |j| j.epoch.wrapping_add(1));
+            // Epoch 0 is the threads' "nothing seen yet".
+            let epoch = slot.map_or(1, |j| j.epoch.wrapping_add(1).max(1));
             let job = Job { f, chunks, epoch };
             s.finished.store(0, Ordering::Relaxed);
-            s.ticket.store(u64::from(epoch) << 32, Ordering::Release);
             *slot = Some(job);
-            s.posted.fetch_add(1, Ordering::Release);
+            s.ticket.store(u64::from(epoch) << 32, Ordering::Release);
             job
         };
         if *s.sleeping.lock().unwrap_or_else(|e| e.into_inner()) > 0 {
@@ -155,8 +153,8 @@ impl Team {
 fn work(s: &Shared, job: Job) {
     let mut t = s.ticket.load(Ordering::Acquire);
     loop {
-        let (epoch, next) = ((t >> 32) as u32, t as u32 as usize);
-        if epoch != job.epoch || next >= job.chunks {
+        let next = t as u32 as usize;
+        if epoch(t) != job.epoch || next >= job.chunks {
             return;
         }
         match s
@@ -178,6 +176,11 @@ fn work(s: &Shared, job: Job) {
     }
 }
 
+/// The epoch of the job `ticket` belongs to.
+fn epoch(ticket: u64) -> u32 {
+    (ticket >> 32) as u32
+}
+
 /// A team thread: waits for each new job (spinning, then sleeping) and works on it.
 fn helper(s: &Shared) {
     let mut seen = 0;
@@ -190,13 +193,13 @@ fn helper(s: &Shared) {
     }
 }
 
-/// Returns the `posted` count once it differs from `seen`: spinning for up to [`SPIN`], then
+/// Returns the ticket's epoch once it differs from `seen`: spinning for up to [`SPIN`], then
 /// asleep on the condition variable.
-fn wait_for_job(s: &Shared, seen: usize) -> usize {
+fn wait_for_job(s: &Shared, seen: u32) -> u32 {
     let start = Instant::now();
     let mut spins = 0u32;
     loop {
-        let now = s.posted.load(Ordering::Acquire);
+        let now = epoch(s.ticket.load(Ordering::Acquire));
         if now != seen {
             return now;
         }
@@ -213,7 +216,7 @@ fn wait_for_job(s: &Shared, seen: usize) -> usize {
     let mut sleeping = s.sleeping.lock().unwrap_or_else(|e| e.into_inner());
     *sleeping += 1;
     loop {
-        let now = s.posted.load(Ordering::Acquire);
+        let now = epoch(s.ticket.load(Ordering::Acquire));
         if now != seen {
             *sleeping -= 1;
             return now;
