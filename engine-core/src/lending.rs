@@ -337,7 +337,7 @@ fn the_weights_come_from_the_port_the_tab_joined() {
 mod tests {
     use super::*;
     use crate::link::keys::Keypair;
-    use crate::source::SynthOptions;
+    use crate::source::LoadOptions;
 
     #[test]
     fn both_sides_derive_the_same_key_and_strangers_another() {
@@ -359,7 +359,7 @@ mod tests {
 
     #[test]
     fn a_sealed_manifest_opens_only_with_its_key_and_checks_its_tensors() {
-        let o = SynthOptions::default();
+        let o = LoadOptions::default();
         let (config, tensors) = o.tensors("tiny").unwrap();
         let identity = ModelIdentity::of_tensors("t", &config, &tensors);
         let m = Manifest::of_tensors(&identity, &config, &tensors);
@@ -381,7 +381,7 @@ mod tests {
 
     #[test]
     fn a_preset_manifest_must_give_its_digest() {
-        let o = SynthOptions::default();
+        let o = LoadOptions::default();
         let config = o.config("tiny").unwrap();
         let identity = o.identity("tiny", &config).unwrap();
         let m = Manifest::of_preset(&identity, &config, "tiny", DType::BF16, 0);

@@ -20,6 +20,8 @@ pub mod plan;
 pub mod protocol;
 pub mod quant;
 pub mod remote;
+#[cfg(not(target_arch = "wasm32"))]
+pub mod resident;
 pub mod source;
 pub mod split;
 pub mod synth;

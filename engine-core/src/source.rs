@@ -29,10 +29,11 @@ impl BackendOptions {
     }
 }
 
-/// Options of a synthetic model (used when `--model` names a preset).
+/// How `--model` is loaded: a synthetic model's options (when it names a preset), and whether
+/// a file's weights stay mapped.
 #[derive(Clone, Debug)]
 #[cfg_attr(feature = "cli", derive(clap::Args))]
-pub struct SynthOptions {
+pub struct LoadOptions {
     /// Override the preset's layer count (the L L L F pattern is kept).
     #[cfg_attr(feature = "cli", arg(long))]
     pub layers: Option<usize>,
@@ -42,19 +43,25 @@ pub struct SynthOptions {
     /// Seed of synthetic weights.
     #[cfg_attr(feature = "cli", arg(long, default_value_t = 0))]
     pub weight_seed: u64,
+    /// Keep a checkpoint's or GGUF's weights memory-mapped from the file instead of copying
+    /// them into memory with huge pages (Linux; done only when they fit in the memory
+    /// available): less resident memory, slower decode (see `resident`).
+    #[cfg_attr(feature = "cli", arg(long))]
+    pub mmap: bool,
 }
 
-impl Default for SynthOptions {
+impl Default for LoadOptions {
     fn default() -> Self {
-        SynthOptions {
+        LoadOptions {
             layers: None,
             weight_dtype: "bf16".into(),
             weight_seed: 0,
+            mmap: false,
         }
     }
 }
 
-impl SynthOptions {
+impl LoadOptions {
     pub fn dtype(&self) -> Result<DType> {
         let dtype = DType::parse(&self.weight_dtype).filter(|d| !d.is_quantised());
         dtype.ok_or_else(|| {
@@ -81,6 +88,16 @@ impl SynthOptions {
         Ok((config, tensors))
     }
 
+    /// Copies the mapped weights `wanted` names into huge pages ([`crate::resident`]) unless
+    /// `--mmap` keeps them mapped.
+    #[cfg(not(target_arch = "wasm32"))]
+    fn settle(&self, tensors: &mut TensorMap, wanted: impl Fn(&str) -> bool) -> Result<()> {
+        if !self.mmap {
+            crate::resident::settle(tensors, wanted)?;
+        }
+        Ok(())
+    }
+
     /// The preset's identity: its shape, dtype and seed.
     pub fn identity(&self, preset: &str, config: &ModelConfig) -> Result<ModelIdentity> {
         Ok(ModelIdentity::of_preset(
@@ -94,11 +111,18 @@ impl SynthOptions {
 
 /// `spec` is a checkpoint directory, or a preset name when no such directory exists.
 #[cfg(not(target_arch = "wasm32"))]
-pub fn load_model(spec: &str, o: &SynthOptions) -> Result<Model> {
+pub fn load_model(spec: &str, o: &LoadOptions) -> Result<Model> {
     match Source::parse(spec)? {
-        Source::Dir(dir) => Model::load_dir(dir),
+        Source::Dir(dir) => {
+            let config = Model::read_config(dir)?;
+            let mut tensors = crate::weights::load_dir(dir)?;
+            o.settle(&mut tensors, |_| true)?;
+            let identity = ModelIdentity::of_checkpoint(dir, &config)?;
+            Model::with_identity(config, &tensors, identity)
+        }
         Source::Gguf(path) => {
-            let (config, tensors) = crate::gguf::qwen35::load(path)?;
+            let (config, mut tensors) = crate::gguf::qwen35::load(path)?;
+            o.settle(&mut tensors, |_| true)?;
             let identity = ModelIdentity::of_file(path, &config)?;
             Model::with_identity(config, &tensors, identity)
         }
@@ -113,7 +137,7 @@ pub fn load_model(spec: &str, o: &SynthOptions) -> Result<Model> {
 /// `spec`'s config and every tensor (memory-mapped from a checkpoint or GGUF; a preset's
 /// generated), for a tool that rewrites a model (`tether quantize`).
 #[cfg(not(target_arch = "wasm32"))]
-pub fn load_tensors(spec: &str, o: &SynthOptions) -> Result<(ModelConfig, TensorMap)> {
+pub fn load_tensors(spec: &str, o: &LoadOptions) -> Result<(ModelConfig, TensorMap)> {
     match Source::parse(spec)? {
         Source::Dir(dir) => Ok((Model::read_config(dir)?, crate::weights::load_dir(dir)?)),
         Source::Gguf(path) => crate::gguf::qwen35::load(path),
@@ -125,7 +149,7 @@ pub fn load_tensors(spec: &str, o: &SynthOptions) -> Result<(ModelConfig, Tensor
 /// handshake before a host assigns it layers. A checkpoint's weight files are hashed once and
 /// cached ([`ModelIdentity::of_checkpoint`]); a preset generates nothing.
 #[cfg(not(target_arch = "wasm32"))]
-pub fn load_identity(spec: &str, o: &SynthOptions) -> Result<Model> {
+pub fn load_identity(spec: &str, o: &LoadOptions) -> Result<Model> {
     let (config, identity) = match Source::parse(spec)? {
         Source::Dir(dir) => {
             let config = Model::read_config(dir)?;
@@ -152,21 +176,21 @@ pub fn load_identity(spec: &str, o: &SynthOptions) -> Result<Model> {
 #[cfg(not(target_arch = "wasm32"))]
 pub fn load_layers(
     spec: &str,
-    o: &SynthOptions,
+    o: &LoadOptions,
     layers: std::ops::Range<usize>,
     identity: &ModelIdentity,
 ) -> Result<Model> {
-    let (config, tensors) = match Source::parse(spec)? {
+    let keep = |name: &str| crate::weights::layer_of(name).is_some_and(|l| layers.contains(&l));
+    let (config, mut tensors) = match Source::parse(spec)? {
         Source::Dir(dir) => (Model::read_config(dir)?, crate::weights::load_dir(dir)?),
         Source::Gguf(path) => crate::gguf::qwen35::load(path)?,
         Source::Preset => {
             let config = o.config(spec)?;
-            let keep =
-                |name: &str| crate::weights::layer_of(name).is_some_and(|l| layers.contains(&l));
             let tensors = synth::random_weights_where(&config, o.dtype()?, o.weight_seed, &keep)?;
             (config, tensors)
         }
     };
+    o.settle(&mut tensors, keep)?;
     Model::layers_only(config, &tensors, layers, identity.clone())
 }
 

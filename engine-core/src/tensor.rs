@@ -170,6 +170,16 @@ impl<T: bytemuck::Pod> Elems<T> {
     }
 }
 
+impl<T: bytemuck::Pod> Elems<T> {
+    /// The bytes, if they are borrowed from a mapping rather than owned.
+    pub fn mapped(&self) -> Option<&[u8]> {
+        match self {
+            Elems::Mapped { bytes, range } => Some(&(**bytes).as_ref()[range.clone()]),
+            Elems::Owned(_) => None,
+        }
+    }
+}
+
 impl<T: bytemuck::Pod> std::ops::Deref for Elems<T> {
     type Target = [T];
     fn deref(&self) -> &[T] {
@@ -234,6 +244,16 @@ impl Data {
             DType::Q6K => Data::Q6K(Elems::from_bytes(bytes, r)),
             DType::Iq4Xs => Data::Iq4Xs(Elems::from_bytes(bytes, r)),
         }
+    }
+
+    /// The stored bytes, if they are borrowed from a mapping (a checkpoint or GGUF file, or
+    /// [`crate::resident`]'s copy) rather than owned.
+    pub fn mapped(&self) -> Option<&[u8]> {
+        match_quant!(self, e => e.mapped(),
+            Data::F32(e) => e.mapped(),
+            Data::BF16(e) => e.mapped(),
+            Data::F16(e) => e.mapped(),
+        )
     }
 
     pub fn dtype(&self) -> DType {

@@ -17,7 +17,7 @@ use engine_core::link::secure::{self, wire_limit, Dial, Gate};
 use engine_core::link::{ws, ShapedLink};
 use engine_core::protocol::Configure;
 use engine_core::remote::{HelperClient, DEFAULT_MAX_FRAME};
-use engine_core::source::{load_model, SynthOptions};
+use engine_core::source::{load_model, LoadOptions};
 use engine_core::split::{default_split_layer, prefill, SplitPlan};
 use engine_core::tokenizer::{StreamDecoder, Tokenizer};
 use engine_core::{CpuBackend, Logits, Model, State};
@@ -45,7 +45,7 @@ pub struct Args {
     #[arg(long)]
     threads: Option<usize>,
     #[command(flatten)]
-    synth: SynthOptions,
+    synth: LoadOptions,
 }
 
 struct Run {

@@ -15,7 +15,7 @@ use engine_core::page_file::PageFile;
 use engine_core::plan::{self, Plan, PlanInput, Speeds, WeightBytes};
 use engine_core::protocol::{Configure, Intro};
 use engine_core::remote::{HelperClient, DEFAULT_MAX_FRAME};
-use engine_core::source::SynthOptions;
+use engine_core::source::LoadOptions;
 use engine_core::split::SplitPlan;
 use engine_core::{Backend, Model, State};
 
@@ -288,7 +288,7 @@ impl HelperArgs {
 
     /// Lend `model` (`--model spec`) to browser tabs that join: with --accept-helpers, the
     /// port they join serves its weights to paired tabs.
-    pub fn lend(&self, spec: &str, synth: &SynthOptions, model: &Model) {
+    pub fn lend(&self, spec: &str, synth: &LoadOptions, model: &Model) {
         if self.accept_helpers.is_some() {
             let _ = self.lent.set(Lent::new(spec, synth, model));
         }

@@ -11,7 +11,7 @@ use engine_core::identity::ModelIdentity;
 use engine_core::lending::{asker, tensor_path, Manifest, Sealed, MANIFEST_PATH};
 use engine_core::link::doors::Doors;
 use engine_core::link::keys::PublicKey;
-use engine_core::source::SynthOptions;
+use engine_core::source::LoadOptions;
 use engine_core::weights::{self, TensorMap};
 use engine_core::{Model, ModelConfig};
 
@@ -26,7 +26,7 @@ const PAIRING_WAIT: Duration = Duration::from_secs(2);
 /// The model a host lends, known once it has loaded.
 pub struct Lent {
     spec: String,
-    synth: SynthOptions,
+    synth: LoadOptions,
     identity: ModelIdentity,
     config: ModelConfig,
     /// The manifest, with the tensors it lists (memory-mapped), made on the first request.
@@ -41,7 +41,7 @@ struct Hashed {
 impl Lent {
     /// `model` as `--model spec` loaded it (a preset with `synth`'s options, or a checkpoint
     /// directory); only its config and identity are kept.
-    pub fn new(spec: &str, synth: &SynthOptions, model: &Model) -> Lent {
+    pub fn new(spec: &str, synth: &LoadOptions, model: &Model) -> Lent {
         Lent {
             spec: spec.to_string(),
             synth: synth.clone(),

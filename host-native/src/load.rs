@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use engine_core::plan::Plan;
 use engine_core::source::load_model;
-pub use engine_core::source::{BackendOptions, SynthOptions};
+pub use engine_core::source::{BackendOptions, LoadOptions};
 use engine_core::tokenizer::Tokenizer;
 use engine_core::{Backend, Model, State};
 
@@ -27,7 +27,7 @@ pub struct EngineArgs {
     #[arg(long)]
     pub threads: Option<usize>,
     #[command(flatten)]
-    pub synth: SynthOptions,
+    pub synth: LoadOptions,
     #[command(flatten)]
     pub backend: BackendOptions,
     #[command(flatten)]
@@ -90,7 +90,7 @@ pub struct Loaded {
 /// `spec` is a checkpoint directory, a GGUF file, or a preset name when no such directory
 /// exists. `tokenizer` overrides the directory's tokenizer.json or the GGUF's own (or the
 /// presets' byte-level one).
-pub fn load(spec: &str, o: &SynthOptions, tokenizer: Option<&Path>) -> Result<Loaded> {
+pub fn load(spec: &str, o: &LoadOptions, tokenizer: Option<&Path>) -> Result<Loaded> {
     let dir = PathBuf::from(spec);
     let model = load_model(spec, o).with_context(|| format!("loading model {spec}"))?;
     let dir_tok = if dir.join("tokenizer.json").exists() {

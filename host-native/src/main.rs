@@ -82,7 +82,7 @@ struct PlanArgs {
     #[arg(long)]
     ubatch: Option<usize>,
     #[command(flatten)]
-    synth: load::SynthOptions,
+    synth: load::LoadOptions,
     /// Where the host's layers run when the prefill helper's speed is measured against it.
     #[command(flatten)]
     backend: load::BackendOptions,
@@ -107,7 +107,7 @@ struct SynthArgs {
     #[arg(long)]
     out: std::path::PathBuf,
     #[command(flatten)]
-    synth: load::SynthOptions,
+    synth: load::LoadOptions,
     /// Copy this tokenizer.json into the directory (otherwise the model uses byte-level ids).
     #[arg(long)]
     tokenizer: Option<std::path::PathBuf>,

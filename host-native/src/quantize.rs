@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use engine_core::gguf::{self, quantize};
-use engine_core::source::{load_tensors, SynthOptions};
+use engine_core::source::{load_tensors, LoadOptions};
 use indicatif::{ProgressBar, ProgressStyle};
 
 #[derive(clap::Args)]
@@ -24,7 +24,7 @@ pub struct Args {
     #[arg(long = "type", default_value = "q8_0")]
     dtype: String,
     #[command(flatten)]
-    synth: SynthOptions,
+    synth: LoadOptions,
 }
 
 pub fn run(a: Args) -> Result<()> {

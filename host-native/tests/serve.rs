@@ -294,7 +294,7 @@ fn start_helper() -> Helper {
     use engine_core::link::ws::WsListener;
     use engine_core::remote::DEFAULT_MAX_FRAME;
     let model: &'static engine_core::Model = Box::leak(Box::new(
-        engine_core::source::load_model("tiny", &engine_core::source::SynthOptions::default())
+        engine_core::source::load_model("tiny", &engine_core::source::LoadOptions::default())
             .unwrap(),
     ));
     let listener = WsListener::bind("127.0.0.1:0", wire_limit(DEFAULT_MAX_FRAME)).unwrap();

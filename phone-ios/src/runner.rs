@@ -17,7 +17,7 @@ use engine_core::link::ws::{Pending, WsListener};
 use engine_core::link::{Link, LinkError, LinkProfile, LinkSender, ShapedLink, StatsHandle};
 use engine_core::protocol::{encode, Message};
 use engine_core::remote::DEFAULT_MAX_FRAME;
-use engine_core::source::{load_identity, load_layers, BackendOptions, SynthOptions};
+use engine_core::source::{load_identity, load_layers, BackendOptions, LoadOptions};
 use serde::Serialize;
 
 /// How often a session waiting for its host's next frame looks whether the helper was stopped.
@@ -68,7 +68,7 @@ pub struct Options {
     #[arg(long, default_value_t = 900, value_name = "SECS")]
     idle_timeout: u64,
     #[command(flatten)]
-    synth: SynthOptions,
+    synth: LoadOptions,
     #[command(flatten)]
     backend: BackendOptions,
 }

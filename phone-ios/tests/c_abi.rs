@@ -14,7 +14,7 @@ use engine_core::link::keys::Keypair;
 use engine_core::link::secure::{self, wire_limit, Dial};
 use engine_core::link::ws;
 use engine_core::remote::DEFAULT_MAX_FRAME;
-use engine_core::source::{load_model, SynthOptions};
+use engine_core::source::{load_model, LoadOptions};
 use engine_core::split::{prefill, SplitPlan};
 use engine_core::{CpuBackend, Logits, Model, State};
 use serde_json::Value;
@@ -170,7 +170,7 @@ fn a_c_caller_starts_a_helper_watches_it_serve_and_stops_it() {
     // A new helper shows a code; a host pairs with it, as the app's screen would show it.
     let code = listening["pairing_code"].as_str().expect("a pairing code");
 
-    let m = load_model("tiny", &SynthOptions::default()).unwrap();
+    let m = load_model("tiny", &LoadOptions::default()).unwrap();
     let prompt: Vec<u32> = (0..40).map(|i| (i * 37 + 11) % 256).collect();
     let alone = run(&m, &mut m.new_state(8), &prompt);
     let mut st = m.new_state(8);

@@ -3,7 +3,7 @@
 //! model, and refuses clearly to run anything else.
 
 use engine_core::backend::{cpu::host, Act};
-use engine_core::source::{load_identity, load_layers, load_model, SynthOptions};
+use engine_core::source::{load_identity, load_layers, load_model, LoadOptions};
 use engine_core::synth;
 use engine_core::tensor::DType;
 use engine_core::CpuBackend;
@@ -25,7 +25,7 @@ fn a_subset_of_a_preset_is_the_same_tensors() {
 fn assigned_layers_run_like_the_whole_model_and_nothing_else() {
     let dir = fixtures_dir().join("tiny_fp32_T150");
     let dir = dir.to_str().unwrap();
-    let o = SynthOptions::default();
+    let o = LoadOptions::default();
     for spec in [dir, "tiny"] {
         let whole = load_model(spec, &o).unwrap();
         let identity = load_identity(spec, &o).unwrap();

@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use engine_core::gguf::{quantize, Gguf};
-use engine_core::source::{load_tensors, SynthOptions};
+use engine_core::source::{load_tensors, LoadOptions};
 use engine_core::tensor::{DType, Data};
 
 fn fixture(name: &str) -> Vec<u8> {
@@ -20,10 +20,10 @@ fn fixture(name: &str) -> Vec<u8> {
 /// The f32 GGUF the tiny256 fixtures were quantised from (not committed): what
 /// `tether quantize tiny256 X --type f32 --dtype f32 --weight-seed 3` writes, in memory.
 fn tiny256_f32() -> Vec<u8> {
-    let synth = SynthOptions {
+    let synth = LoadOptions {
         weight_dtype: "f32".into(),
         weight_seed: 3,
-        ..SynthOptions::default()
+        ..LoadOptions::default()
     };
     let (config, tensors) = load_tensors("tiny256", &synth).unwrap();
     let mut out = Vec::new();

@@ -468,10 +468,11 @@ fn a_pipeline_deeper_than_the_incoming_queue_completes_over_a_websocket() {
 /// rows it has none of), and the host ran the batch alone.
 #[test]
 fn a_helper_whose_layers_hold_no_kv_takes_every_chunk() {
-    let synth = engine_core::source::SynthOptions {
+    let synth = engine_core::source::LoadOptions {
         layers: Some(6),
         weight_dtype: "f32".into(),
         weight_seed: 3,
+        ..Default::default()
     };
     let m = engine_core::source::load_model("tiny", &synth).unwrap();
     let prompt: Vec<u32> = (0..90).map(|i| (i * 53 + 7) % 256).collect();

@@ -220,7 +220,7 @@ mod tests {
     use engine_core::link::keys::PairingCode;
     use engine_core::link::secure::{Gate, Responder};
     use engine_core::protocol::{decode, encode, Message};
-    use engine_core::source::SynthOptions;
+    use engine_core::source::LoadOptions;
     use engine_core::{CpuBackend, Model};
     use futures_channel::mpsc::{unbounded, UnboundedSender};
 
@@ -242,7 +242,7 @@ mod tests {
     }
 
     fn tiny() -> Model {
-        let o = SynthOptions::default();
+        let o = LoadOptions::default();
         let (config, tensors) = o.tensors("tiny").unwrap();
         let identity = o.identity("tiny", &config).unwrap();
         Model::with_identity(config, &tensors, identity).unwrap()

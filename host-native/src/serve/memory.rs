@@ -19,23 +19,9 @@ const QUEUE_SHARE: u64 = 16;
 /// The queue's budget where the available memory is unknown.
 const QUEUE_FALLBACK: u64 = 256 << 20;
 
-/// Memory the system can give now without swapping: `MemAvailable` on Linux (which counts
-/// reclaimable cache); `None` where that is not known.
-pub fn available() -> Option<u64> {
-    mem_available(&std::fs::read_to_string("/proc/meminfo").ok()?)
-}
-
-fn mem_available(meminfo: &str) -> Option<u64> {
-    let kib = meminfo
-        .lines()
-        .find_map(|l| l.strip_prefix("MemAvailable:"))?
-        .trim()
-        .strip_suffix("kB")?
-        .trim()
-        .parse::<u64>()
-        .ok()?;
-    Some(kib * 1024)
-}
+/// Memory the system can give now without swapping (see
+/// [`engine_core::resident::available_memory`]).
+pub use engine_core::resident::available_memory as available;
 
 pub fn gib(bytes: u64) -> String {
     format!("{:.1} GiB", bytes as f64 / (1u64 << 30) as f64)
@@ -226,10 +212,7 @@ mod tests {
     }
 
     #[test]
-    fn meminfo_and_sizes() {
-        let meminfo = "MemTotal:       24000000 kB\nMemFree:         9000000 kB\nMemAvailable:   15728640 kB\n";
-        assert_eq!(mem_available(meminfo), Some(15 << 30));
-        assert_eq!(mem_available("MemTotal: 1 kB\n"), None);
+    fn sizes() {
         assert_eq!(parse_size("512M").unwrap(), 512 << 20);
         assert_eq!(parse_size("100K").unwrap(), 100 << 10);
         assert_eq!(parse_size("2g").unwrap(), 2 << 30);
