@@ -1,7 +1,5 @@
 //! Causal attention of query rows over one KV page, as `(o, m, l)` partials.
 
-use rayon::prelude::*;
-
 #[cfg(not(target_arch = "wasm32"))]
 use super::gemm::{product, Mat};
 #[cfg(target_arch = "wasm32")]
@@ -15,6 +13,7 @@ use crate::kv::{KvPage, Partials};
 const ROWS: usize = 16;
 
 /// The partials of one task: `rows * group` queries, ordered (row, head within the group).
+#[derive(Default)]
 struct Block {
     o: Vec<f32>,
     m: Vec<f32>,
@@ -40,67 +39,63 @@ pub fn attend_page(shape: AttnShape, q: &[f32], q_pos: &[usize], page: &KvPage) 
     let tasks: Vec<(usize, usize)> = (0..kv_heads)
         .flat_map(|kvh| (0..t).step_by(ROWS).map(move |r0| (kvh, r0)))
         .collect();
-    let blocks: Vec<Block> = tasks
-        .par_iter()
-        .map(|&(kvh, r0)| {
-            let rows = ROWS.min(t - r0);
-            let nq = rows * group;
-            let off = kvh * d;
-            let query = |i: usize| {
-                let (row, h) = (r0 + i / group, kvh * group + i % group);
-                &q[(row * q_heads + h) * d..(row * q_heads + h + 1) * d]
-            };
-            let n_of: Vec<usize> = (0..nq).map(|i| visible(q_pos[r0 + i / group])).collect();
-            let n_max = n_of.iter().copied().max().unwrap_or(0);
-            let mut b = Block {
-                o: vec![0.0; nq * d],
-                m: vec![f32::NEG_INFINITY; nq],
-                l: vec![0.0; nq],
-            };
-            if n_max == 0 {
-                return b;
+    // One task: every query head of KV head `kvh` for rows `r0..r0 + ROWS`.
+    let one = |(kvh, r0): (usize, usize)| {
+        let rows = ROWS.min(t - r0);
+        let nq = rows * group;
+        let off = kvh * d;
+        let query = |i: usize| {
+            let (row, h) = (r0 + i / group, kvh * group + i % group);
+            &q[(row * q_heads + h) * d..(row * q_heads + h + 1) * d]
+        };
+        let n_of: Vec<usize> = (0..nq).map(|i| visible(q_pos[r0 + i / group])).collect();
+        let n_max = n_of.iter().copied().max().unwrap_or(0);
+        let mut b = Block {
+            o: vec![0.0; nq * d],
+            m: vec![f32::NEG_INFINITY; nq],
+            l: vec![0.0; nq],
+        };
+        if n_max == 0 {
+            return b;
+        }
+        let qb: Vec<f32> = (0..nq).flat_map(query).copied().collect();
+        let keys = Strided {
+            data: &super::host(&page.k)[off..],
+            row: kv_row,
+            len: n_max,
+            width: d,
+        };
+        let values = Strided {
+            data: &super::host(&page.v)[off..],
+            ..keys
+        };
+        // scores[i, j] = q_i . k_j, then softmax over each query's visible keys; the
+        // weights of invisible keys are zero, so P V can run over all n_max keys.
+        let mut scores = vec![0.0f32; nq * n_max];
+        query_keys(&qb, keys, &mut scores);
+        for i in 0..nq {
+            let row = &mut scores[i * n_max..(i + 1) * n_max];
+            let (seen, hidden) = row.split_at_mut(n_of[i]);
+            hidden.iter_mut().for_each(|x| *x = 0.0);
+            if seen.is_empty() {
+                continue;
             }
-            let qb: Vec<f32> = (0..nq).flat_map(query).copied().collect();
-            let keys = Strided {
-                data: &super::host(&page.k)[off..],
-                row: kv_row,
-                len: n_max,
-                width: d,
-            };
-            let values = Strided {
-                data: &super::host(&page.v)[off..],
-                ..keys
-            };
-            // scores[i, j] = q_i . k_j, then softmax over each query's visible keys; the
-            // weights of invisible keys are zero, so P V can run over all n_max keys.
-            let mut scores = vec![0.0f32; nq * n_max];
-            query_keys(&qb, keys, &mut scores);
-            for i in 0..nq {
-                let row = &mut scores[i * n_max..(i + 1) * n_max];
-                let (seen, hidden) = row.split_at_mut(n_of[i]);
-                hidden.iter_mut().for_each(|x| *x = 0.0);
-                if seen.is_empty() {
-                    continue;
-                }
-                let mx = seen.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let mut sum = 0.0;
-                for x in seen.iter_mut() {
-                    *x = (*x - mx).exp();
-                    sum += *x;
-                }
-                b.m[i] = mx;
-                b.l[i] = sum;
+            let mx = seen.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            seen.iter_mut().for_each(|x| *x = super::exp(*x - mx));
+            b.m[i] = mx;
+            b.l[i] = seen.iter().sum();
+        }
+        weights_values(&scores, values, &mut b.o);
+        for i in 0..nq {
+            if b.l[i] > 0.0 {
+                let inv = 1.0 / b.l[i];
+                b.o[i * d..(i + 1) * d].iter_mut().for_each(|a| *a *= inv);
             }
-            weights_values(&scores, values, &mut b.o);
-            for i in 0..nq {
-                if b.l[i] > 0.0 {
-                    let inv = 1.0 / b.l[i];
-                    b.o[i * d..(i + 1) * d].iter_mut().for_each(|a| *a *= inv);
-                }
-            }
-            b
-        })
-        .collect();
+        }
+        b
+    };
+    let mut blocks: Vec<Block> = tasks.iter().map(|_| Block::default()).collect();
+    super::spread(&mut blocks, 1, |i, b| b[0] = one(tasks[i]));
     let mut p = Partials::empty(t * q_heads, d);
     for (&(kvh, r0), b) in tasks.iter().zip(&blocks) {
         for (i, ((o, m), l)) in b.o.chunks(d).zip(&b.m).zip(&b.l).enumerate() {

@@ -6,8 +6,6 @@
 //! the ones before it is a unit lower-triangular system solved by forward substitution, so the
 //! state is read and written once per chunk instead of once per token.
 
-use rayon::prelude::*;
-
 use super::gemm::{product, Mat};
 use crate::backend::{DeltaInputs, DeltaShape};
 
@@ -90,22 +88,22 @@ fn per_head(
     f: impl Fn(&Head, &mut [f32], &mut [f32]) + Sync,
 ) {
     let t = x.g.len() / s.v_heads;
-    let per_head_out: Vec<Vec<f32>> = state
-        .par_chunks_mut(s.dk * s.dv)
-        .enumerate()
-        .map(|(h, st)| {
-            let head = Head {
-                s,
-                x,
-                h,
-                kh: s.key_head(h),
-            };
-            let mut o = vec![0.0; t * s.dv];
-            f(&head, st, &mut o);
-            o
-        })
+    // Each head's state and output, so that a task owns both.
+    let mut heads: Vec<(&mut [f32], Vec<f32>)> = state
+        .chunks_mut(s.dk * s.dv)
+        .map(|st| (st, vec![0.0; t * s.dv]))
         .collect();
-    for (h, o) in per_head_out.iter().enumerate() {
+    super::spread(&mut heads, 1, |h, head| {
+        let (st, o) = &mut head[0];
+        let head = Head {
+            s,
+            x,
+            h,
+            kh: s.key_head(h),
+        };
+        f(&head, st, o);
+    });
+    for (h, (_, o)) in heads.iter().enumerate() {
         for i in 0..t {
             out[(i * s.v_heads + h) * s.dv..(i * s.v_heads + h + 1) * s.dv]
                 .copy_from_slice(&o[i * s.dv..(i + 1) * s.dv]);

@@ -12,11 +12,10 @@
 //! form serves other targets and older CPUs.
 
 use half::{bf16, f16};
-use rayon::prelude::*;
 
-use super::convert;
 #[cfg(target_arch = "x86_64")]
 use super::quant_dots;
+use super::{convert, spread};
 #[cfg(target_arch = "x86_64")]
 use crate::tensor::DType;
 use crate::tensor::{match_quant, Data, Matrix, QuantBlock, QK_K};
@@ -140,22 +139,6 @@ fn matmul_dots<T: Sync>(
             *v = out_t[o * t + r];
         }
     }
-}
-
-/// `f(i, chunk i)` for the chunks of `len` elements of `out`, in parallel: on the spinning
-/// [`team`](super::team) where it is free (decode's products are short and many), else on
-/// rayon's pool.
-fn spread(out: &mut [f32], len: usize, f: impl Fn(usize, &mut [f32]) + Sync) {
-    #[cfg(not(target_arch = "wasm32"))]
-    if super::team::Team::global()
-        .chunks_mut(out, len, &f)
-        .is_some()
-    {
-        return;
-    }
-    out.par_chunks_mut(len)
-        .enumerate()
-        .for_each(|(i, o)| f(i, o));
 }
 
 /// Weight rows `w` (`[rows, k]`) into `out` (`[rows, t]`, the rows of `x` contiguous per output).
