@@ -414,6 +414,28 @@ impl Held {
     }
 }
 
+/// A size as the memory flags take it (`--host-memory`, `--mem-budget`, `--max-frame`): bytes,
+/// or a number with K, M or G (powers of 1024; KB, KiB and the like too, in any case).
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let s = s.trim();
+    let (digits, unit) = match s.char_indices().find(|(_, c)| !c.is_ascii_digit()) {
+        Some((i, _)) => s.split_at(i),
+        None => (s, ""),
+    };
+    let shift = match unit.trim().to_ascii_uppercase().as_str() {
+        "" | "B" => 0,
+        "K" | "KB" | "KIB" => 10,
+        "M" | "MB" | "MIB" => 20,
+        "G" | "GB" | "GIB" => 30,
+        other => return Err(format!("`{s}`: unknown unit `{other}` (use K, M or G)")),
+    };
+    let n: u64 = digits
+        .parse()
+        .map_err(|_| format!("`{s}`: expected a size like 512M"))?;
+    n.checked_mul(1 << shift)
+        .ok_or_else(|| format!("`{s}`: too large"))
+}
+
 fn gib(b: u64) -> String {
     if b >= 1 << 30 {
         format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64)
@@ -677,6 +699,19 @@ fn link_time(link: Option<(f64, f64)>, bytes: f64, messages: usize) -> String {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn sizes() {
+        use super::parse_size;
+        assert_eq!(parse_size("512M").unwrap(), 512 << 20);
+        assert_eq!(parse_size("100K").unwrap(), 100 << 10);
+        assert_eq!(parse_size("2g").unwrap(), 2 << 30);
+        assert_eq!(parse_size("3GiB").unwrap(), 3 << 30);
+        assert_eq!(parse_size("4096").unwrap(), 4096);
+        assert!(parse_size("12X").is_err());
+        assert!(parse_size("M").is_err());
+        assert!(parse_size("99999999999G").is_err());
+    }
+
     use super::*;
 
     fn input() -> PlanInput {

@@ -64,7 +64,7 @@ pub struct HelperArgs {
     host_kv_tokens: Option<usize>,
     /// The memory the plan may use on this host, e.g. 24G (default: what the system says is
     /// available now); `tether plan` with it plans for another machine.
-    #[arg(long, value_name = "SIZE", value_parser = crate::serve::memory::parse_size)]
+    #[arg(long, value_name = "SIZE", value_parser = engine_core::plan::parse_size)]
     host_memory: Option<u64>,
     /// The available memory, read once so that every plan of the session sees the same.
     #[arg(skip)]

@@ -42,10 +42,10 @@ pub struct Options {
     model: String,
     /// Memory for KV pages, the DeltaNet state of the layers a host assigns and the working
     /// memory of a prefill chunk while it runs, in bytes (suffixes K, M, G allowed).
-    #[arg(long, default_value = "4G", value_parser = parse_bytes)]
+    #[arg(long, default_value = "4G", value_parser = engine_core::plan::parse_size)]
     mem_budget: u64,
     /// Largest frame accepted, in bytes (suffixes allowed).
-    #[arg(long, default_value_t = DEFAULT_MAX_FRAME as u64, value_parser = parse_bytes)]
+    #[arg(long, default_value_t = DEFAULT_MAX_FRAME as u64, value_parser = engine_core::plan::parse_size)]
     max_frame: u64,
     /// Serve one host, then exit.
     #[arg(long)]
@@ -71,19 +71,6 @@ pub struct Options {
     synth: LoadOptions,
     #[command(flatten)]
     backend: BackendOptions,
-}
-
-fn parse_bytes(s: &str) -> Result<u64, String> {
-    let (num, mult) = match s.chars().last() {
-        Some('K' | 'k') => (&s[..s.len() - 1], 1u64 << 10),
-        Some('M' | 'm') => (&s[..s.len() - 1], 1 << 20),
-        Some('G' | 'g') => (&s[..s.len() - 1], 1 << 30),
-        _ => (s, 1),
-    };
-    num.parse::<u64>()
-        .ok()
-        .and_then(|n| n.checked_mul(mult))
-        .ok_or_else(|| format!("`{s}` is not a byte count (like 512M or 4G)"))
 }
 
 /// Serve hosts as `a` says until a refusal ends it, or with `--once` one session.

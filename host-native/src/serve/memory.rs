@@ -5,7 +5,7 @@
 
 use std::mem::size_of;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 pub use engine_core::plan::Footprint;
 
 /// The share of the available memory the context may take (one half): the rest is for the
@@ -107,27 +107,6 @@ pub fn request_bytes(body: usize, ctx: usize) -> u64 {
     (body + ctx * size_of::<u32>()) as u64
 }
 
-/// A size for a flag: bytes, or a number with K, M or G (powers of 1024).
-pub fn parse_size(s: &str) -> Result<u64> {
-    let s = s.trim();
-    let (digits, unit) = match s.char_indices().find(|(_, c)| !c.is_ascii_digit()) {
-        Some((i, _)) => s.split_at(i),
-        None => (s, ""),
-    };
-    let shift = match unit.trim().to_ascii_uppercase().as_str() {
-        "" | "B" => 0,
-        "K" | "KB" | "KIB" => 10,
-        "M" | "MB" | "MIB" => 20,
-        "G" | "GB" | "GIB" => 30,
-        other => bail!("`{s}`: unknown unit `{other}` (use K, M or G)"),
-    };
-    let n: u64 = digits
-        .parse()
-        .with_context(|| format!("`{s}`: expected a size like 512M"))?;
-    n.checked_mul(1 << shift)
-        .with_context(|| format!("`{s}`: too large"))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -209,15 +188,5 @@ mod tests {
         // Even a host with no room for a page serves what the helper holds.
         let c = choose_context(None, fp, Some(100), 16, 4096, 32).unwrap();
         assert_eq!(c.tokens, 32);
-    }
-
-    #[test]
-    fn sizes() {
-        assert_eq!(parse_size("512M").unwrap(), 512 << 20);
-        assert_eq!(parse_size("100K").unwrap(), 100 << 10);
-        assert_eq!(parse_size("2g").unwrap(), 2 << 30);
-        assert_eq!(parse_size("4096").unwrap(), 4096);
-        assert!(parse_size("12X").is_err());
-        assert!(parse_size("M").is_err());
     }
 }

@@ -79,7 +79,7 @@ pub struct Args {
     /// Bytes the waiting requests may hold together, each counted as its body plus 4 bytes per
     /// position of the context; past it requests are refused with 503. A size like 512M
     /// (default: a sixteenth of the memory available at start).
-    #[arg(long, value_parser = memory::parse_size)]
+    #[arg(long, value_parser = engine_core::plan::parse_size)]
     queue_memory: Option<u64>,
     /// Time limit of a request in seconds, from its arrival (waiting included); past it the
     /// request ends with a timeout error.
