@@ -86,6 +86,7 @@ fn gemm(c: &mut Criterion) {
             (1024, 3584, DType::F16),
             (3584, 1024, DType::Q8_0),
             (3584, 1024, DType::Q4K),
+            (1024, 3584, DType::Q4K),
             (3584, 1024, DType::Q4_0),
         ],
     );

@@ -77,6 +77,11 @@ pub fn settle(tensors: &mut TensorMap, wanted: impl Fn(&str) -> bool) -> Result<
     Ok(total as u64)
 }
 
+/// Bytes of weights this process copied into huge pages so far (0: they stay mapped).
+pub fn copied() -> u64 {
+    COPIED.load(Ordering::Relaxed)
+}
+
 /// Whether `bytes` may be copied given `available` (unknown: no): at most 7/8 of it, which
 /// leaves the rest for the KV cache, activations and the machine.
 pub fn fits(bytes: u64, available: Option<u64>) -> bool {
@@ -88,7 +93,7 @@ pub fn fits(bytes: u64, available: Option<u64>) -> bool {
 /// process copied, which a plan counts as weights, so that they are not subtracted twice.
 pub fn available_memory() -> Option<u64> {
     let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
-    Some(mem_available(&meminfo)? + COPIED.load(Ordering::Relaxed))
+    Some(mem_available(&meminfo)? + copied())
 }
 
 /// `MemAvailable` of a `/proc/meminfo` text, in bytes.

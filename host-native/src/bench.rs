@@ -204,6 +204,7 @@ pub fn run(a: Args) -> Result<()> {
             "prefill_tok_s": prefill_tok_s,
             "decode_tok_s": decode_tok_s,
             "decode_weight_gb_s": weight_bytes * decode_tok_s / 1e9,
+            "weights_in_huge_pages_bytes": engine_core::resident::copied(),
             "peak_rss_bytes": peak,
             "kv_cache_bytes": state.kv_bytes(),
             "split_ubatches_on_helper": split.on_helper,
@@ -240,8 +241,12 @@ pub fn run(a: Args) -> Result<()> {
             a.gen, decode_s, decode_tok_s
         );
         println!(
-            "decode reads {:.1} GB/s of weights; KV cache {:.1} MB; peak RSS {}",
+            "decode reads {:.1} GB/s of weights ({}); KV cache {:.1} MB; peak RSS {}",
             weight_bytes * decode_tok_s / 1e9,
+            match engine_core::resident::copied() {
+                0 => "mapped from the file".to_string(),
+                b => format!("{:.0} MB of them copied into huge pages", b as f64 / 1e6),
+            },
             state.kv_bytes() as f64 / 1e6,
             peak.map_or("unknown".to_string(), |b| format!(
                 "{:.2} GB",
