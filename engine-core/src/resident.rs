@@ -38,19 +38,15 @@ pub fn settle(tensors: &mut TensorMap, wanted: impl Fn(&str) -> bool) -> Result<
         .collect();
     // A stable order, so the copy's layout does not depend on the map's hashing.
     chosen.sort_by(|a, b| a.0.cmp(b.0));
-    let offsets: Vec<usize> = chosen
-        .iter()
-        .scan(0usize, |at, (_, t)| {
-            let start = at.next_multiple_of(ALIGN);
-            *at = start + t.data.mapped().map_or(0, <[u8]>::len);
-            Some(start)
-        })
-        .collect();
-    let total = match (offsets.last(), chosen.last()) {
-        (Some(&o), Some((_, t))) => o + t.data.mapped().map_or(0, <[u8]>::len),
-        _ => return Ok(0),
-    };
-    if !cfg!(target_os = "linux") || !fits(total as u64, available_memory()) {
+    // Each tensor's place in the copy.
+    let mut places = Vec::with_capacity(chosen.len());
+    let mut total = 0usize;
+    for (_, t) in &chosen {
+        let start = total.next_multiple_of(ALIGN);
+        total = start + t.data.mapped().map_or(0, <[u8]>::len);
+        places.push(start..total);
+    }
+    if total == 0 || !cfg!(target_os = "linux") || !fits(total as u64, available_memory()) {
         return Ok(0);
     }
     let mut copy = memmap2::MmapOptions::new()
@@ -60,18 +56,17 @@ pub fn settle(tensors: &mut TensorMap, wanted: impl Fn(&str) -> bool) -> Result<
     #[cfg(target_os = "linux")]
     // Only advice: without huge pages the copy is still correct, merely no faster.
     let _ = copy.advise(memmap2::Advice::HugePage);
-    for ((_, t), &at) in chosen.iter().zip(&offsets) {
+    for ((_, t), place) in chosen.iter().zip(&places) {
         if let Some(bytes) = t.data.mapped() {
-            copy[at..at + bytes.len()].copy_from_slice(bytes);
+            copy[place.clone()].copy_from_slice(bytes);
         }
     }
     let copy: crate::tensor::SharedBytes = Arc::new(
         copy.make_read_only()
             .map_err(|e| Error::Weights(format!("sealing the weights' copy: {e}")))?,
     );
-    for ((_, t), &at) in chosen.iter_mut().zip(&offsets) {
-        let len = t.data.mapped().map_or(0, <[u8]>::len);
-        t.data = Data::from_bytes(t.data.dtype(), &copy, at..at + len);
+    for ((_, t), place) in chosen.iter_mut().zip(places) {
+        t.data = Data::from_bytes(t.data.dtype(), &copy, place);
     }
     COPIED.fetch_add(total as u64, Ordering::Relaxed);
     Ok(total as u64)

@@ -112,37 +112,18 @@ impl LoadOptions {
 /// `spec` is a checkpoint directory, or a preset name when no such directory exists.
 #[cfg(not(target_arch = "wasm32"))]
 pub fn load_model(spec: &str, o: &LoadOptions) -> Result<Model> {
-    match Source::parse(spec)? {
-        Source::Dir(dir) => {
-            let config = Model::read_config(dir)?;
-            let mut tensors = crate::weights::load_dir(dir)?;
-            o.settle(&mut tensors, |_| true)?;
-            let identity = ModelIdentity::of_checkpoint(dir, &config)?;
-            Model::with_identity(config, &tensors, identity)
-        }
-        Source::Gguf(path) => {
-            let (config, mut tensors) = crate::gguf::qwen35::load(path)?;
-            o.settle(&mut tensors, |_| true)?;
-            let identity = ModelIdentity::of_file(path, &config)?;
-            Model::with_identity(config, &tensors, identity)
-        }
-        Source::Preset => {
-            let (config, tensors) = o.tensors(spec)?;
-            let identity = o.identity(spec, &config)?;
-            Model::with_identity(config, &tensors, identity)
-        }
-    }
+    let source = Source::parse(spec)?;
+    let (config, mut tensors) = source.tensors(spec, o)?;
+    o.settle(&mut tensors, |_| true)?;
+    let identity = source.identity(spec, o, &config)?;
+    Model::with_identity(config, &tensors, identity)
 }
 
 /// `spec`'s config and every tensor (memory-mapped from a checkpoint or GGUF; a preset's
 /// generated), for a tool that rewrites a model (`tether quantize`).
 #[cfg(not(target_arch = "wasm32"))]
 pub fn load_tensors(spec: &str, o: &LoadOptions) -> Result<(ModelConfig, TensorMap)> {
-    match Source::parse(spec)? {
-        Source::Dir(dir) => Ok((Model::read_config(dir)?, crate::weights::load_dir(dir)?)),
-        Source::Gguf(path) => crate::gguf::qwen35::load(path),
-        Source::Preset => o.tensors(spec),
-    }
+    Source::parse(spec)?.tensors(spec, o)
 }
 
 /// `spec`'s config and whole-model identity, with no layers built: what a helper shows in the
@@ -150,23 +131,13 @@ pub fn load_tensors(spec: &str, o: &LoadOptions) -> Result<(ModelConfig, TensorM
 /// cached ([`ModelIdentity::of_checkpoint`]); a preset generates nothing.
 #[cfg(not(target_arch = "wasm32"))]
 pub fn load_identity(spec: &str, o: &LoadOptions) -> Result<Model> {
-    let (config, identity) = match Source::parse(spec)? {
-        Source::Dir(dir) => {
-            let config = Model::read_config(dir)?;
-            let identity = ModelIdentity::of_checkpoint(dir, &config)?;
-            (config, identity)
-        }
-        Source::Gguf(path) => {
-            let config = crate::gguf::qwen35::read_config(path)?;
-            let identity = ModelIdentity::of_file(path, &config)?;
-            (config, identity)
-        }
-        Source::Preset => {
-            let config = o.config(spec)?;
-            let identity = o.identity(spec, &config)?;
-            (config, identity)
-        }
+    let source = Source::parse(spec)?;
+    let config = match source {
+        Source::Dir(dir) => Model::read_config(dir)?,
+        Source::Gguf(path) => crate::gguf::qwen35::read_config(path)?,
+        Source::Preset => o.config(spec)?,
     };
+    let identity = source.identity(spec, o, &config)?;
     Model::layers_only(config, &TensorMap::new(), 0..0, identity)
 }
 
@@ -182,13 +153,12 @@ pub fn load_layers(
 ) -> Result<Model> {
     let keep = |name: &str| crate::weights::layer_of(name).is_some_and(|l| layers.contains(&l));
     let (config, mut tensors) = match Source::parse(spec)? {
-        Source::Dir(dir) => (Model::read_config(dir)?, crate::weights::load_dir(dir)?),
-        Source::Gguf(path) => crate::gguf::qwen35::load(path)?,
         Source::Preset => {
             let config = o.config(spec)?;
             let tensors = synth::random_weights_where(&config, o.dtype()?, o.weight_seed, &keep)?;
             (config, tensors)
         }
+        file => file.tensors(spec, o)?,
     };
     o.settle(&mut tensors, keep)?;
     Model::layers_only(config, &tensors, layers, identity.clone())
@@ -217,6 +187,25 @@ impl<'a> Source<'a> {
                 "--model {spec}: not a directory, nor a GGUF file, nor a preset ({})",
                 synth::PRESETS.join(", ")
             )))
+        }
+    }
+
+    /// The config and every tensor (mapped from a file; a preset's generated).
+    fn tensors(&self, spec: &str, o: &LoadOptions) -> Result<(ModelConfig, TensorMap)> {
+        match self {
+            Source::Dir(dir) => Ok((Model::read_config(dir)?, crate::weights::load_dir(dir)?)),
+            Source::Gguf(path) => crate::gguf::qwen35::load(path),
+            Source::Preset => o.tensors(spec),
+        }
+    }
+
+    /// The whole model's identity: a checkpoint's hashed files (cached), a GGUF file's, or a
+    /// preset's shape, dtype and seed.
+    fn identity(&self, spec: &str, o: &LoadOptions, config: &ModelConfig) -> Result<ModelIdentity> {
+        match self {
+            Source::Dir(dir) => ModelIdentity::of_checkpoint(dir, config),
+            Source::Gguf(path) => ModelIdentity::of_file(path, config),
+            Source::Preset => o.identity(spec, config),
         }
     }
 }
