@@ -142,7 +142,8 @@ fn matmul_dots<T: Sync>(
 }
 
 /// Weight rows `w` (`[rows, k]`) into `out` (`[rows, t]`, the rows of `x` contiguous per output).
-fn dots_task<T: Widen>(x: &[f32], k: usize, w: &[T], out: &mut [f32]) {
+/// Attention calls it too, with one key row as `w` and a task's queries as `x`.
+pub(super) fn dots_task<T: Widen>(x: &[f32], k: usize, w: &[T], out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if avx2::available() {
         // SAFETY: the CPU has the features the kernel is compiled for.
@@ -217,7 +218,7 @@ fn dots_quant<B: QuantBlock, const R: usize>(w: &[B], xs: &[f32]) -> [f32; R] {
 }
 
 /// A weight storage type, widened to f32 by the dot-product kernels.
-trait Widen: Copy + Default + Send + Sync {
+pub(super) trait Widen: Copy + Default + Send + Sync {
     /// Picks the AVX2 kernel's load.
     #[cfg(target_arch = "x86_64")]
     const DTYPE: DType;
@@ -324,6 +325,17 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     dots::<f32, 1, 32>(a, b)[0]
 }
 
+/// `y += a * x`: attention's value rows, one row into each query's output.
+pub fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
+    assert_eq!(x.len(), y.len());
+    #[cfg(target_arch = "x86_64")]
+    if avx2::available() {
+        // SAFETY: the CPU has the features the kernel is compiled for.
+        return unsafe { avx2::axpy(a, x, y) };
+    }
+    y.iter_mut().zip(x).for_each(|(y, x)| *y += a * x);
+}
+
 /// Whether the CPU has the AVX2, FMA and F16C that every x86_64 kernel here needs.
 #[cfg(target_arch = "x86_64")]
 pub(super) use avx2::available as avx2_available;
@@ -365,6 +377,28 @@ mod avx2 {
     pub unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
         // SAFETY: the caller checked the CPU.
         unsafe { dots::<f32, 1, 4>(a, b)[0] }
+    }
+
+    /// # Safety
+    /// The CPU must support AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
+        let av = _mm256_set1_ps(a);
+        let (mut xc, mut yc) = (x.chunks_exact(8), y.chunks_exact_mut(8));
+        for (xv, yv) in xc.by_ref().zip(yc.by_ref()) {
+            // SAFETY: eight floats read from each chunk and written to `yv`.
+            unsafe {
+                let sum = _mm256_fmadd_ps(
+                    av,
+                    _mm256_loadu_ps(xv.as_ptr()),
+                    _mm256_loadu_ps(yv.as_ptr()),
+                );
+                _mm256_storeu_ps(yv.as_mut_ptr(), sum);
+            }
+        }
+        for (y, &x) in yc.into_remainder().iter_mut().zip(xc.remainder()) {
+            *y = a.mul_add(x, *y);
+        }
     }
 
     /// Eight elements widened to f32.

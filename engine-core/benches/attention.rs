@@ -1,0 +1,44 @@
+//! CPU attention of one decode query over a KV page: what a decode step pays per attention
+//! layer and page at depth (`cargo bench -p engine-core --bench attention`).
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use engine_core::backend::cpu::attention::attend_page;
+use engine_core::backend::{Act, AttnShape};
+use engine_core::kv::KvPage;
+
+fn values(n: usize, seed: u32) -> Vec<f32> {
+    (0..n as u32)
+        .map(|i| {
+            let h = (i ^ seed.wrapping_mul(0x9E37_79B9)).wrapping_mul(0x85EB_CA6B);
+            (h >> 8) as f32 / (1u32 << 24) as f32 - 0.5
+        })
+        .collect()
+}
+
+fn decode(c: &mut Criterion) {
+    let mut group = c.benchmark_group("cpu_decode_attention");
+    // Qwen3.5-0.8B's attention layers: 8 query heads over 2 KV heads of 256.
+    let shape = AttnShape {
+        q_heads: 8,
+        kv_heads: 2,
+        head_dim: 256,
+    };
+    let row = shape.kv_heads * shape.head_dim;
+    for len in [1024usize, 4096] {
+        let page = KvPage {
+            start: 0,
+            len,
+            k: Act::Host(values(len * row, 1)),
+            v: Act::Host(values(len * row, 2)),
+        };
+        let q = values(shape.q_heads * shape.head_dim, 3);
+        group.throughput(Throughput::Bytes((len * row * 2 * 4) as u64));
+        group.bench_function(BenchmarkId::new("positions", len), |b| {
+            b.iter(|| attend_page(shape, &q, &[len - 1], &page))
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, decode);
+criterion_main!(benches);
