@@ -145,20 +145,26 @@ rows = {}
 for line in open(path):
     r = json.loads(line)
     key = (r["type"], r["depth"])
-    d = rows.setdefault(key, {"tp": [], "td": [], "lp": [], "ld": [], "gb": []})
+    d = rows.setdefault(key, {"tp": [], "td": [], "lp": [], "ld": [], "gb": [], "kv": []})
     if r["engine"] == "tether":
-        d["tp"].append(r["run"]["prefill_tok_s"])
-        d["td"].append(r["run"]["decode_tok_s"])
-        d["gb"].append(r["run"]["decode_weight_gb_s"])
+        run = r["run"]
+        d["tp"].append(run["prefill_tok_s"])
+        d["td"].append(run["decode_tok_s"])
+        d["gb"].append(run["decode_weight_gb_s"])
+        # A decode step also reads the keys and values cached so far: on average those of
+        # depth + prompt + gen / 2 positions (kv_cache_bytes holds all of them at the end).
+        held = r["depth"] + run["prompt_tokens"] + run["gen_tokens"]
+        kv = run["kv_cache_bytes"] * (held - run["gen_tokens"] / 2) / held
+        d["kv"].append(run["decode_weight_gb_s"] + kv * run["decode_tok_s"] / 1e9)
     else:
         for t in r["run"]:
             (d["lp"] if t["n_gen"] == 0 else d["ld"]).append(t["avg_ts"])
 med = statistics.median
 print(f"\n{threads} threads, pp{prompt} and tg{gen}, medians of {len(d['tp'])} alternated runs")
-print("| type | context | tether prefill | llama.cpp prefill | ratio | tether decode | llama.cpp decode | ratio | tether decode GB/s (of %.1f) |" % bw)
-print("|---|---|---|---|---|---|---|---|---|")
+print("| type | context | tether prefill | llama.cpp prefill | ratio | tether decode | llama.cpp decode | ratio | tether decode GB/s of weights (of %.1f) | of weights and KV |" % bw)
+print("|---|---|---|---|---|---|---|---|---|---|")
 for (t, depth), d in rows.items():
     tp, lp, td, ld = med(d["tp"]), med(d["lp"]), med(d["td"]), med(d["ld"])
-    gb = med(d["gb"])
-    print(f"| {t} | {depth} | {tp:.1f} | {lp:.1f} | {tp/lp:.2f}x | {td:.2f} | {ld:.2f} | {td/ld:.2f}x | {gb:.1f} ({100*gb/bw:.0f}%) |")
+    gb, kv = med(d["gb"]), med(d["kv"])
+    print(f"| {t} | {depth} | {tp:.1f} | {lp:.1f} | {tp/lp:.2f}x | {td:.2f} | {ld:.2f} | {td/ld:.2f}x | {gb:.1f} ({100*gb/bw:.0f}%) | {kv:.1f} ({100*kv/bw:.0f}%) |")
 EOF
