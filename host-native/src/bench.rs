@@ -243,10 +243,7 @@ pub fn run(a: Args) -> Result<()> {
         println!(
             "decode reads {:.1} GB/s of weights ({}); KV cache {:.1} MB; peak RSS {}",
             weight_bytes * decode_tok_s / 1e9,
-            match engine_core::resident::copied() {
-                0 => "mapped from the file".to_string(),
-                b => format!("{:.0} MB of them copied into huge pages", b as f64 / 1e6),
-            },
+            crate::load::residence(),
             state.kv_bytes() as f64 / 1e6,
             peak.map_or("unknown".to_string(), |b| format!(
                 "{:.2} GB",

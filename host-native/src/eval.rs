@@ -46,7 +46,7 @@ pub fn run(a: Args) -> Result<()> {
     let model = a.engine.load(None)?.model;
     let (be, what) = a.engine.backend_for(&model)?;
     let be = &*be;
-    eprintln!("backend: {what}");
+    eprintln!("backend: {what}; weights: {}", crate::load::residence());
     let v = model.config.vocab_size;
     let context = ids.len() + a.gen;
     let (_, mut state, _) = a.engine.session(&model, be, context, ids.len(), None)?;

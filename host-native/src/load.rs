@@ -113,6 +113,16 @@ pub fn load(spec: &str, o: &LoadOptions, tokenizer: Option<&Path>) -> Result<Loa
     })
 }
 
+/// Where this process reads its weights from, for messages: a copy in huge pages, which
+/// decodes faster, or the file's mapping (with `--mmap`, or when the copy would not fit in
+/// 7/8 of the memory available), so that a user sees why decode is slower than expected.
+pub fn residence() -> String {
+    match engine_core::resident::copied() {
+        0 => "mapped from the file".to_string(),
+        b => format!("{:.0} MB in huge pages", b as f64 / 1e6),
+    }
+}
+
 /// Size rayon's global pool; every parallel op of the CPU backend runs in it.
 pub fn init_threads(threads: Option<usize>) -> Result<()> {
     if let Some(n) = threads {

@@ -70,7 +70,7 @@ pub fn run(a: Args) -> Result<()> {
     })?;
     let (be, what) = a.engine.backend_for(&l.model)?;
     let be = &*be;
-    eprintln!("backend: {what}");
+    eprintln!("backend: {what}; weights: {}", crate::load::residence());
     let context = prompt.len() + a.max_tokens;
     let (plan, state, link_stats) =
         a.engine

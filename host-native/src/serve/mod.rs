@@ -137,10 +137,11 @@ pub fn run(a: Args) -> Result<()> {
     })?;
     let config = &l.model.config;
     info!(
-        "loaded {} ({} layers, {:.1} MiB of weights)",
+        "loaded {} ({} layers, {:.1} MiB of weights; {})",
         l.source,
         config.num_hidden_layers,
-        l.model.weight_bytes() as f64 / (1u64 << 20) as f64
+        l.model.weight_bytes() as f64 / (1u64 << 20) as f64,
+        crate::load::residence()
     );
     let (backend, what) = a.engine.backend_for(&l.model)?;
     info!("backend: {what}");
