@@ -273,21 +273,10 @@ fn weights_values(weights: &[f32], values: Strided, out: &mut [f32]) {
 
 #[cfg(test)]
 mod tests {
+    use super::super::matmul::tests::values;
     use super::{attend_page, SPAN};
     use crate::backend::{Act, AttnShape};
     use crate::kv::KvPage;
-
-    fn values(n: usize, seed: u64) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                (s >> 40) as f32 / (1u64 << 24) as f32 - 0.5
-            })
-            .collect()
-    }
 
     /// Attention of each query head over the keys it sees, in f64: (o, m, l) with `o`
     /// normalised and `l` relative to the largest score `m`.
@@ -340,7 +329,7 @@ mod tests {
         let page = KvPage {
             start,
             len,
-            k: Act::Host(values(len * row, 1).iter().map(|x| 4.0 * x).collect()),
+            k: Act::Host(values(len * row, 1).iter().map(|x| 2.0 * x).collect()),
             v: Act::Host(values(len * row, 2)),
         };
         let q = values(shape.q_heads * shape.head_dim, 3);

@@ -579,12 +579,13 @@ mod blocked {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
     use crate::tensor::DType;
 
-    /// Deterministic values in [-1, 1) with a scale spread, so cancellation is exercised.
-    fn values(len: usize, seed: u64) -> Vec<f32> {
+    /// Deterministic values in [-1, 1) with a scale spread, so cancellation is exercised
+    /// (attention's tests use them too).
+    pub(in crate::backend::cpu) fn values(len: usize, seed: u64) -> Vec<f32> {
         let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
         (0..len)
             .map(|i| {
