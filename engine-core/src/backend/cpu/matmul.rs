@@ -106,9 +106,13 @@ fn matmul_quant<B: QuantKernel>(x: &[f32], t: usize, k: usize, w: &[B], n: usize
 }
 
 /// Output rows per rayon task: several tasks per thread so that a thread slowed by other work on
-/// the machine does not hold up the rest, but never so few rows that task overhead shows.
+/// the machine does not hold up the rest, but never so few rows that task overhead shows. A
+/// multiple of eight, so that the groups of eight rows a kernel may take at once
+/// (`quant_dots`'s `row_groups`) are the same whatever the thread count.
 fn rows_per_task(n: usize) -> usize {
-    n.div_ceil(rayon::current_num_threads() * 8).max(16)
+    n.div_ceil(rayon::current_num_threads() * 8)
+        .max(16)
+        .next_multiple_of(8)
 }
 
 /// The dot-product path over the `n` weight rows in `w` (elements, or blocks of a quantised

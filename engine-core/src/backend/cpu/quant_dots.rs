@@ -138,6 +138,15 @@ pub trait Dot8: QuantBlock {
     /// The block's weights as the kernel multiplies them. Inlined into the kernel, which has
     /// the CPU features (AVX2, FMA, F16C) its intrinsics need.
     fn unpack(&self) -> Unpacked;
+
+    /// Decode's products (one row of `x`) for the leading whole groups of eight weight rows
+    /// of `w` (`[out.len(), x.k]`), where the type has a kernel that takes eight rows at once:
+    /// their results go to the start of `out`, and the return value says how many rows that
+    /// was (the rest go through `unpack`). Inlined into the kernel like `unpack`.
+    #[inline(always)]
+    fn row_groups(_w: &[Self], _x: &Rows8, _out: &mut [f32]) -> usize {
+        0
+    }
 }
 
 /// A block as the kernel multiplies it. It lives in registers only, made and taken apart in
@@ -340,6 +349,98 @@ impl Dot8 for BlockQ4_0 {
     fn unpack(&self) -> Unpacked {
         Unpacked::signed(unsafe { centred(nibbles(&self.qs), 8) }, self.d.to_f32())
     }
+
+    #[inline(always)]
+    fn row_groups(w: &[Self], x: &Rows8, out: &mut [f32]) -> usize {
+        unsafe { q4_0_groups(w, x, out) }
+    }
+}
+
+/// Weight rows `8 g .. 8 g + 8`, block `b`, as four registers of eight 32-bit lanes: register
+/// `j` holds bytes `4 j .. 4 j + 4` of each row's 16 (lane `r` row `r`), the nibbles of
+/// weights `4 j ..` (low) and `16 + 4 j ..` (high).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn q4_0_columns(blocks: [&BlockQ4_0; 8]) -> [__m256i; 4] {
+    // SAFETY: 16 bytes read from each block's `qs`.
+    let load = |r: usize| unsafe { _mm_loadu_si128(blocks[r].qs.as_ptr().cast()) };
+    let pair =
+        |r: usize| _mm256_inserti128_si256::<1>(_mm256_castsi128_si256(load(r)), load(r + 4));
+    // A 4x4 transpose of 32-bit words within each 128-bit half (rows 0..4 low, 4..8 high).
+    let (y0, y1, y2, y3) = (pair(0), pair(1), pair(2), pair(3));
+    let (t0, t1) = (_mm256_unpacklo_epi32(y0, y1), _mm256_unpackhi_epi32(y0, y1));
+    let (t2, t3) = (_mm256_unpacklo_epi32(y2, y3), _mm256_unpackhi_epi32(y2, y3));
+    [
+        _mm256_unpacklo_epi64(t0, t2),
+        _mm256_unpackhi_epi64(t0, t2),
+        _mm256_unpacklo_epi64(t1, t3),
+        _mm256_unpackhi_epi64(t1, t3),
+    ]
+}
+
+/// [`Dot8::row_groups`] for Q4_0: eight weight rows against one row of `x` at a time, each
+/// register holding four weights of every row (`q4_0_columns`) and multiplying them by the
+/// same four activations, broadcast. Against one row at a time (`unpack`), each block's
+/// scalar work (its scale, the activation's scale, the conversions) is done once for eight
+/// rows and the signs need no moving: the unsigned nibbles `u` multiply `x`, and the offset
+/// (`q = u - 8`) subtracts `8 * sum(x)` once per block. The integer sums are exact; each
+/// row's f32 sum takes its blocks in order, so a row's result does not depend on the group or
+/// task it falls in.
+///
+/// An i16 lane sums eight `vpmaddubsw` pairs of at most 2 * 15 * 127: 30480.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn q4_0_groups(w: &[BlockQ4_0], x: &Rows8, out: &mut [f32]) -> usize {
+    if x.rows() != 1 {
+        return 0;
+    }
+    let per_row = x.k / QK;
+    let (nib, ones) = (_mm256_set1_epi8(0xF), _mm256_set1_epi16(1));
+    let groups = out.len() / 8;
+    for (g, dst) in out.chunks_exact_mut(8).enumerate() {
+        let rows = &w[8 * g * per_row..][..8 * per_row];
+        // The next group's bytes, spread over this group's blocks.
+        let ahead = rows.as_ptr_range().end.cast::<i8>();
+        let stride = 8 * size_of::<BlockQ4_0>();
+        let mut acc = _mm256_setzero_ps();
+        for b in 0..per_row {
+            for line in (0..stride).step_by(64) {
+                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(stride * b + line));
+            }
+            let blocks: [&BlockQ4_0; 8] = std::array::from_fn(|r| &rows[r * per_row + b]);
+            let xq: &[i8; QK] = x.q[QK * b..][..QK].try_into().expect("32 values");
+            let word = |i: usize| {
+                let bytes: &[i8; 4] = xq[4 * i..][..4].try_into().expect("4 values");
+                _mm256_set1_epi32(i32::from_le_bytes(bytes.map(|v| v as u8)))
+            };
+            let mut pairs = _mm256_setzero_si256();
+            for (j, &q) in q4_0_columns(blocks).iter().enumerate() {
+                let low = _mm256_and_si256(q, nib);
+                let high = _mm256_and_si256(_mm256_srli_epi16::<4>(q), nib);
+                pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(low, word(j)));
+                pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(high, word(4 + j)));
+            }
+            let dots = _mm256_sub_epi32(
+                _mm256_madd_epi16(pairs, ones),
+                _mm256_set1_epi32(8 * (i32::from(x.sums[2 * b]) + i32::from(x.sums[2 * b + 1]))),
+            );
+            let d = _mm_set_epi16(
+                blocks[7].d.to_bits() as i16,
+                blocks[6].d.to_bits() as i16,
+                blocks[5].d.to_bits() as i16,
+                blocks[4].d.to_bits() as i16,
+                blocks[3].d.to_bits() as i16,
+                blocks[2].d.to_bits() as i16,
+                blocks[1].d.to_bits() as i16,
+                blocks[0].d.to_bits() as i16,
+            );
+            let scale = _mm256_mul_ps(_mm256_cvtph_ps(d), _mm256_set1_ps(x.d[b]));
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), scale, acc);
+        }
+        // SAFETY: eight floats written to `dst`.
+        unsafe { _mm256_storeu_ps(dst.as_mut_ptr(), acc) };
+    }
+    8 * groups
 }
 
 impl Dot8 for BlockQ4_1 {
@@ -716,6 +817,8 @@ unsafe fn dots_task_avx512<B: Dot8>(x: &Rows8, w: &[B], out: &mut [f32]) {
 #[inline(always)]
 unsafe fn rows_task<B: Dot8, const WIDE: bool>(x: &Rows8, w: &[B], out: &mut [f32]) {
     let (t, per_row) = (x.rows(), x.k / B::LEN);
+    let done = B::row_groups(w, x, out);
+    let (w, out) = (&w[done * per_row..], &mut out[done * t..]);
     for (wr, out_r) in w.chunks_exact(per_row).zip(out.chunks_exact_mut(t)) {
         for (g, dst) in out_r.chunks_mut(4).enumerate() {
             let r0 = 4 * g;
