@@ -13,9 +13,9 @@
 
 use half::{bf16, f16};
 
-#[cfg(target_arch = "x86_64")]
-use super::quant_dots;
 use super::{convert, spread};
+#[cfg(target_arch = "x86_64")]
+use super::{quant_dots, quant_panels};
 #[cfg(target_arch = "x86_64")]
 use crate::tensor::DType;
 use crate::tensor::{match_quant, Data, Matrix, QuantBlock, QK_K};
@@ -71,6 +71,12 @@ pub fn matmul(x: &[f32], w: &Matrix, out: &mut [f32]) {
     }
     #[cfg(not(target_arch = "wasm32"))]
     if t >= GEMM_MIN_T {
+        #[cfg(target_arch = "x86_64")]
+        if let Data::Q4K(e) = &w.data {
+            if quant_panels::matmul(quant_dots::Isa::best(), x, t, e, n, out) {
+                return;
+            }
+        }
         return blocked::matmul_gemm(x, t, w, out);
     }
     match &w.data {
@@ -109,7 +115,7 @@ fn matmul_quant<B: QuantKernel>(x: &[f32], t: usize, k: usize, w: &[B], n: usize
 /// the machine does not hold up the rest, but never so few rows that task overhead shows. A
 /// multiple of eight, so that the groups of eight rows a kernel may take at once
 /// (`quant_dots`'s `row_groups`) are the same whatever the thread count.
-fn rows_per_task(n: usize) -> usize {
+pub(super) fn rows_per_task(n: usize) -> usize {
     n.div_ceil(rayon::current_num_threads() * 8)
         .max(16)
         .next_multiple_of(8)
@@ -652,14 +658,35 @@ pub(super) mod tests {
         integer_on(quant_dots::Isa::Avx512, x, w, out)
     }
 
-    /// The integer kernels this CPU runs.
+    /// Prefill's integer kernel for Q4_K, whatever the number of rows of `x`.
     #[cfg(target_arch = "x86_64")]
-    fn integer_kernels() -> Vec<Kernel> {
-        match quant_dots::Isa::best() {
-            None => vec![],
+    fn integer_panels(x: &[f32], w: &Matrix, out: &mut [f32]) {
+        let Data::Q4K(e) = &w.data else {
+            unreachable!("Q4_K only")
+        };
+        let isa = Some(quant_dots::Isa::Avx2);
+        assert!(quant_panels::matmul(
+            isa,
+            x,
+            x.len() / w.cols,
+            e,
+            w.rows,
+            out
+        ));
+    }
+
+    /// The integer kernels this CPU runs for `dtype`.
+    #[cfg(target_arch = "x86_64")]
+    fn integer_kernels(dtype: DType) -> Vec<Kernel> {
+        let mut kernels: Vec<Kernel> = match quant_dots::Isa::best() {
+            None => return vec![],
             Some(quant_dots::Isa::Avx2) => vec![integer_avx2],
             Some(quant_dots::Isa::Avx512) => vec![integer_avx2, integer_avx512],
+        };
+        if dtype == DType::Q4K {
+            kernels.push(integer_panels);
         }
+        kernels
     }
 
     fn check(t: usize, n: usize, k: usize, dtype: DType, f: Kernel) {
@@ -779,12 +806,12 @@ pub(super) mod tests {
         ] {
             let block = dtype.block().0;
             let k = if block == 32 { 96 } else { 512 };
-            for t in [1, 2, 3, 4, 5, 9] {
+            for t in [1, 2, 3, 4, 5, 9, 16, 19] {
                 for n in [1, 7, 37] {
                     check(t, n, k, dtype, matmul);
                     check(t, n, k, dtype, portable);
                     #[cfg(target_arch = "x86_64")]
-                    for kernel in integer_kernels() {
+                    for kernel in integer_kernels(dtype) {
                         let x = values(t * k, t as u64 + 7);
                         let rounded = quant_dots::Rows8::quantise(&x, k, block).unwrap().values();
                         check_against(&x, &rounded, n, k, dtype, kernel, |_, _| 0.0);

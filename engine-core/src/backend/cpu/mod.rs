@@ -12,6 +12,8 @@ mod gemm;
 pub mod matmul;
 #[cfg(target_arch = "x86_64")]
 mod quant_dots;
+#[cfg(target_arch = "x86_64")]
+mod quant_panels;
 #[cfg(not(target_arch = "wasm32"))]
 mod team;
 

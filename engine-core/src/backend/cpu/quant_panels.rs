@@ -1,0 +1,255 @@
+//! Prefill's products with Q4_K weights in integers, on AVX2: the weights of eight rows are
+//! unpacked once into a panel (their 4-bit levels as bytes, four columns of all eight rows in
+//! each 32-byte register; their sub-block scales and minima as 16-bit lanes, two per row), and
+//! every row of `x`, rounded to 8 bits per 256 values ([`Rows8`]), is multiplied against the
+//! panel. `vpmaddubsw` then takes 32 products per instruction where gemm's f32 FMA takes 8, and
+//! the weights are neither widened to f32 nor packed for each block of rows as gemm needs them.
+//!
+//! The products are the decode kernel's (`quant_dots`): the same 8-bit activations, exact
+//! integer sums per super-block, so the bound of `matmul::activation_rounding` holds. A row's
+//! f32 sum takes its super-blocks in order, whatever the group or task it falls in.
+
+use std::arch::x86_64::*;
+
+use rayon::prelude::*;
+
+use super::matmul::rows_per_task;
+use super::quant_dots::{dots_task, k4_scales, Isa, Rows8};
+use crate::quant::{BlockQ4K, QK, QK_K};
+
+/// Sub-blocks of 32 weights per super-block.
+const SUBS: usize = QK_K / QK;
+
+/// Columns of four weights per sub-block.
+const COLUMNS: usize = QK / 4;
+
+/// Rows of `x` multiplied against the panel together, so that each panel register loaded
+/// serves several rows (four: their sums and accumulators take 12 of the 16 registers).
+const X_ROWS: usize = 4;
+
+/// Eight weight rows of Q4_K, unpacked: for super-block `b`, sub-block `j` and column `c`,
+/// `q[(b * SUBS + j) * COLUMNS + c]` holds weights `32 j + 4 c .. + 4` of each row (lane `r`
+/// row `r`, one byte per weight); `sc[b * SUBS + j]` row `r`'s 6-bit scale of sub-block `j`
+/// in 16-bit lanes `2 r` and `2 r + 1`; `m[b * SUBS / 2 + i]` row `r`'s minima of sub-blocks
+/// `2 i` and `2 i + 1` in lanes `2 r` and `2 r + 1`; `d` and `dmin` the rows' f16 scales.
+struct Panel {
+    q: Vec<__m256i>,
+    sc: Vec<__m256i>,
+    m: Vec<__m256i>,
+    d: Vec<__m256>,
+    dmin: Vec<__m256>,
+}
+
+impl Panel {
+    fn new(blocks: usize) -> Panel {
+        // SAFETY: an all-zero vector is a valid value.
+        let zero = unsafe { _mm256_setzero_si256() };
+        Panel {
+            q: vec![zero; blocks * SUBS * COLUMNS],
+            sc: vec![zero; blocks * SUBS],
+            m: vec![zero; blocks * SUBS / 2],
+            d: vec![unsafe { _mm256_setzero_ps() }; blocks],
+            dmin: vec![unsafe { _mm256_setzero_ps() }; blocks],
+        }
+    }
+
+    /// Unpacks eight rows of `per_row` super-blocks each (`rows`, row-major).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn fill(&mut self, rows: &[BlockQ4K], per_row: usize) {
+        let nib = _mm256_set1_epi8(0xF);
+        for b in 0..per_row {
+            let blocks: [&BlockQ4K; 8] = std::array::from_fn(|r| &rows[r * per_row + b]);
+            let scales = blocks.map(|blk| k4_scales(&blk.scales));
+            let lanes = |f: &dyn Fn(usize) -> i16| {
+                let v: [i16; 16] = std::array::from_fn(f);
+                // SAFETY: 32 bytes read from `v`.
+                unsafe { _mm256_loadu_si256(v.as_ptr().cast()) }
+            };
+            for j in 0..SUBS {
+                self.sc[b * SUBS + j] = lanes(&|l| i16::from(scales[l / 2].0[j]));
+            }
+            for i in 0..SUBS / 2 {
+                self.m[b * SUBS / 2 + i] = lanes(&|l| i16::from(scales[l / 2].1[2 * i + l % 2]));
+            }
+            let halves = |f: &dyn Fn(&BlockQ4K) -> u16| {
+                let h: [u16; 8] = blocks.map(f);
+                // SAFETY: 16 bytes read from `h`.
+                _mm256_cvtph_ps(unsafe { _mm_loadu_si128(h.as_ptr().cast()) })
+            };
+            self.d[b] = halves(&|blk| blk.d.to_bits());
+            self.dmin[b] = halves(&|blk| blk.dmin.to_bits());
+            // Bytes 32 i .. 32 i + 32 of `qs` hold sub-block 2 i in their low nibbles and
+            // 2 i + 1 in their high ones.
+            for i in 0..SUBS / 2 {
+                for c in 0..COLUMNS {
+                    let words: [u32; 8] = blocks.map(|blk| {
+                        let at = QK * i + 4 * c;
+                        u32::from_le_bytes(blk.qs[at..at + 4].try_into().expect("4 bytes"))
+                    });
+                    // SAFETY: 32 bytes read from `words`.
+                    let q = unsafe { _mm256_loadu_si256(words.as_ptr().cast()) };
+                    let at = |j: usize| (b * SUBS + j) * COLUMNS + c;
+                    self.q[at(2 * i)] = _mm256_and_si256(q, nib);
+                    self.q[at(2 * i + 1)] = _mm256_and_si256(_mm256_srli_epi16::<4>(q), nib);
+                }
+            }
+        }
+    }
+}
+
+/// `out[t, n] = x[t, k] . w[n, k]^T` for Q4_K weights `w` (`n * k / 256` blocks) on AVX2, in
+/// tasks of whole groups of eight weight rows (the last `n % 8` rows on decode's kernel).
+/// False, with `out` untouched, where `isa` is not AVX2 or a value of `x` is not finite (which
+/// cannot be rounded to integers): the caller takes gemm then.
+///
+/// Only for AVX2: where the CPU has AVX-512, gemm's f32 kernel on 512-bit registers was faster
+/// than this 256-bit one (Q4_K_M 512-token prefill on the Xeon: 217 against 187 tok/s).
+pub fn matmul(
+    isa: Option<Isa>,
+    x: &[f32],
+    t: usize,
+    w: &[BlockQ4K],
+    n: usize,
+    out: &mut [f32],
+) -> bool {
+    let k = x.len() / t;
+    let Some(isa @ Isa::Avx2) = isa else {
+        return false;
+    };
+    let Some(rows) = Rows8::quantise(x, k, QK_K) else {
+        return false;
+    };
+    let per_row = k / QK_K;
+    let block = rows_per_task(n);
+    let grouped = n / 8 * 8;
+    let dst = OutPtr(out.as_mut_ptr());
+    (0..grouped.div_ceil(block)).into_par_iter().for_each(|b| {
+        let o0 = b * block;
+        let group_rows = block.min(grouped - o0);
+        // SAFETY: the CPU has AVX2 (`isa`); the task writes columns `o0 .. o0 + group_rows`
+        // of `out` (`[t, n]`), which no other task writes.
+        unsafe {
+            groups(
+                &w[o0 * per_row..][..group_rows * per_row],
+                &rows,
+                dst.get().add(o0),
+                n,
+            )
+        }
+    });
+    if grouped < n {
+        let mut tail = vec![0.0f32; (n - grouped) * t];
+        // SAFETY: the CPU has `isa`'s instructions.
+        unsafe { dots_task(isa, &rows, &w[grouped * per_row..], &mut tail) };
+        for (o, values) in tail.chunks_exact(t).enumerate() {
+            for (r, &v) in values.iter().enumerate() {
+                out[r * n + grouped + o] = v;
+            }
+        }
+    }
+    true
+}
+
+/// `out`'s base pointer, shared by the tasks that each write their own columns of it.
+struct OutPtr(*mut f32);
+
+// SAFETY: the tasks sharing it write disjoint columns of `out`, which outlives them.
+unsafe impl Sync for OutPtr {}
+
+impl OutPtr {
+    fn get(&self) -> *mut f32 {
+        self.0
+    }
+}
+
+/// Weight rows `w` (whole groups of eight) against every row of `x`, into `out[r * stride +
+/// o]` for row `r` of `x` and weight row `o`.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C; `out` must be valid for those writes.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn groups(w: &[BlockQ4K], x: &Rows8, out: *mut f32, stride: usize) {
+    let (t, per_row) = (x.rows(), x.k / QK_K);
+    let mut panel = Panel::new(per_row);
+    for g in 0..w.len() / per_row / 8 {
+        panel.fill(&w[8 * g * per_row..][..8 * per_row], per_row);
+        for r0 in (0..t).step_by(X_ROWS) {
+            let dst = Out {
+                // SAFETY: forwarded from the caller.
+                ptr: unsafe { out.add(8 * g) },
+                stride,
+            };
+            match (t - r0).min(X_ROWS) {
+                4 => rows_times_panel::<4>(&panel, x, r0, &dst),
+                3 => rows_times_panel::<3>(&panel, x, r0, &dst),
+                2 => rows_times_panel::<2>(&panel, x, r0, &dst),
+                _ => rows_times_panel::<1>(&panel, x, r0, &dst),
+            }
+        }
+    }
+}
+
+/// Where a group's results go: value `(r, o)` (row `r` of `x`, weight row `o` of the group)
+/// at `ptr + r * stride + o`.
+struct Out {
+    ptr: *mut f32,
+    stride: usize,
+}
+
+/// Rows `r0 .. r0 + R` of `x` times the panel's eight weight rows, into `dst`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn rows_times_panel<const R: usize>(panel: &Panel, x: &Rows8, r0: usize, dst: &Out) {
+    let k = x.k;
+    let per_row = k / QK_K;
+    let mut acc = [_mm256_setzero_ps(); R];
+    for b in 0..per_row {
+        let xq: [&[i8]; R] = std::array::from_fn(|r| &x.q[(r0 + r) * k + b * QK_K..][..QK_K]);
+        let mut sums = [_mm256_setzero_si256(); R];
+        for j in 0..SUBS {
+            // A lane sums eight pairs of at most 2 * 15 * 127: 30480.
+            let mut pairs = [_mm256_setzero_si256(); R];
+            for c in 0..COLUMNS {
+                let q = panel.q[(b * SUBS + j) * COLUMNS + c];
+                for r in 0..R {
+                    let word: &[i8; 4] = xq[r][QK * j + 4 * c..][..4].try_into().expect("4");
+                    let xb = _mm256_set1_epi32(i32::from_le_bytes(word.map(|v| v as u8)));
+                    pairs[r] = _mm256_add_epi16(pairs[r], _mm256_maddubs_epi16(q, xb));
+                }
+            }
+            // At most 63 * 2 * 30480 per sub-block, eight sub-blocks: under 2^25.
+            let sc = panel.sc[b * SUBS + j];
+            for r in 0..R {
+                sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(pairs[r], sc));
+            }
+        }
+        for r in 0..R {
+            let dx = _mm256_set1_ps(x.d[(r0 + r) * per_row + b]);
+            // `sum_j m_j sum(x)_j` over the eight sub-blocks, for each weight row (lane):
+            // at most 8 * 63 * 32 * 127.
+            let xs = &x.sums[((r0 + r) * k + b * QK_K) / 16..][..QK_K / 16];
+            let mut minima = _mm256_setzero_si256();
+            for i in 0..SUBS / 2 {
+                let sub = |j: usize| i32::from(xs[2 * j]) + i32::from(xs[2 * j + 1]);
+                let pair = (sub(2 * i) & 0xFFFF) | (sub(2 * i + 1) << 16);
+                let m = panel.m[b * SUBS / 2 + i];
+                minima = _mm256_add_epi32(minima, _mm256_madd_epi16(m, _mm256_set1_epi32(pair)));
+            }
+            acc[r] = _mm256_fmadd_ps(
+                _mm256_cvtepi32_ps(sums[r]),
+                _mm256_mul_ps(panel.d[b], dx),
+                acc[r],
+            );
+            acc[r] = _mm256_fnmadd_ps(
+                _mm256_cvtepi32_ps(minima),
+                _mm256_mul_ps(panel.dmin[b], dx),
+                acc[r],
+            );
+        }
+    }
+    for (r, acc) in acc.iter().enumerate() {
+        // SAFETY: `groups`' caller made `dst` valid for row `r0 + r`'s eight values.
+        unsafe { _mm256_storeu_ps(dst.ptr.add((r0 + r) * dst.stride), *acc) };
+    }
+}
