@@ -3,7 +3,7 @@
 # Not run in CI (building llama.cpp takes ~11 min on 2 cores).
 #
 #   scripts/bench-vs-llama.sh [--types "f16 q8_0 q4_0 q4_k_m"] [--depths "0 4096"] [--runs 3]
-#                             [--threads 2] [--prompt 512] [--gen 64]
+#                             [--threads 2] [--prompt 512] [--gen 64] [--avx2]
 #
 # 1. Builds llama.cpp once into .llama/ (ignored): the llama-cpp-python 0.3.36 sdist from PyPI
 #    vendors upstream 0c1e57098, which has the qwen35 architecture.
@@ -14,6 +14,12 @@
 #    read the same GGUF.
 # 3. For each type and depth, alternates `tether bench` and `llama-bench` --runs times and prints
 #    the medians and the ratios, with the machine's CPU flags and measured read bandwidth.
+#
+# --avx2: both engines on AVX2 code paths only, so that an AVX-512 machine stands in for an
+# AVX2-only one (the code paths, not its memory system): llama.cpp built for AVX/AVX2/FMA/F16C/
+# BMI2 into .llama/llama.cpp/build-avx2; tether's HEAD built in a scratch worktree
+# (.llama/avx2-tree) for x86-64-v3 with gemm's AVX-512 kernels left out, run with
+# TETHER_ISA=avx2 (which caps tether's integer kernels at AVX2).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -23,6 +29,7 @@ runs=3
 threads=2
 prompt=512
 gen=64
+avx2=
 while [ $# -gt 0 ]; do
     case "$1" in
     --types) types="$2"; shift 2 ;;
@@ -31,6 +38,7 @@ while [ $# -gt 0 ]; do
     --threads) threads="$2"; shift 2 ;;
     --prompt) prompt="$2"; shift 2 ;;
     --gen) gen="$2"; shift 2 ;;
+    --avx2) avx2=1; shift ;;
     *) echo "unknown argument $1" >&2; exit 2 ;;
     esac
 done
@@ -74,6 +82,17 @@ if [ ! -x "$bin/llama-bench" ] || [ ! -x "$bin/llama-quantize" ]; then
     PATH=$dir/venv/bin:$PATH cmake --build "$dir/llama.cpp/build" -j 2 \
         --target llama-bench llama-quantize
 fi
+quantize=$bin/llama-quantize
+if [ -n "$avx2" ]; then
+    bin=$dir/llama.cpp/build-avx2/bin
+    if [ ! -x "$bin/llama-bench" ]; then
+        PATH=$dir/venv/bin:$PATH cmake -S "$dir/llama.cpp" -B "$dir/llama.cpp/build-avx2" -G Ninja \
+            -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON \
+            -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_OPENMP=ON -DLLAMA_CURL=OFF \
+            -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF
+        PATH=$dir/venv/bin:$PATH cmake --build "$dir/llama.cpp/build-avx2" -j 2 --target llama-bench
+    fi
+fi
 
 # 2. The weights
 cargo build --release -q -p host-native
@@ -87,9 +106,19 @@ if [ ! -f "$model/f16.gguf" ]; then
 fi
 for t in $types; do
     if [ "$t" != f16 ] && [ ! -f "$model/$t.gguf" ]; then
-        "$bin/llama-quantize" "$model/f16.gguf" "$model/$t.gguf" "$t" >"$model/$t.log" 2>&1
+        "$quantize" "$model/f16.gguf" "$model/$t.gguf" "$t" >"$model/$t.log" 2>&1
     fi
 done
+
+if [ -n "$avx2" ]; then
+    tree=$dir/avx2-tree
+    rm -rf "$tree" && git worktree prune && git worktree add -q --detach "$tree" HEAD
+    sed -i 's/"std", "x86-v4"/"std"/' "$tree/engine-core/Cargo.toml"
+    (cd "$tree" && RUSTFLAGS="-C target-cpu=x86-64-v3" CARGO_TARGET_DIR=$dir/avx2-target \
+        cargo build --release -q -p host-native)
+    tether=$dir/avx2-target/release/tether
+    export TETHER_ISA=avx2
+fi
 
 # 3. The machine: CPU flags and read bandwidth (a vectorised OpenMP sum over 1 GiB, best of 5)
 cat >"$dir/bw.c" <<'EOF'
@@ -119,6 +148,7 @@ bw=$(OMP_NUM_THREADS=$threads "$dir/bw")
 cpu=$(sed -n 's/^model name\s*: //p' /proc/cpuinfo | head -1)
 flags=$(grep -o -w 'avx2\|fma\|f16c\|avx512f\|avx512bw\|avx512vl\|avx512_vnni\|avx512_bf16\|avx_vnni\|amx_int8' /proc/cpuinfo | sort -u | tr '\n' ' ')
 echo "machine: $cpu; $(nproc) cores; flags: $flags; read bandwidth $bw GB/s with $threads threads"
+[ -z "$avx2" ] || echo "both engines on AVX2 code paths (--avx2)"
 echo "llama.cpp: $(cd "$dir/llama.cpp" && git describe --always 2>/dev/null || echo 0c1e57098 from llama-cpp-python 0.3.36); tether: $(git rev-parse --short HEAD)"
 
 # 4. Alternated runs
