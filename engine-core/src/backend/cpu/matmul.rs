@@ -13,6 +13,10 @@
 
 use half::{bf16, f16};
 
+#[cfg(target_arch = "aarch64")]
+use super::quant_neon;
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+use super::quant_rows::Rows8;
 use super::{convert, spread};
 #[cfg(target_arch = "x86_64")]
 use super::{quant_dots, quant_panels};
@@ -89,10 +93,13 @@ pub fn matmul(x: &[f32], w: &Matrix, out: &mut [f32]) {
     }
 }
 
-/// What a quantised type needs for decode: its integer kernel where there is one (x86_64).
+/// What a quantised type needs for decode: its integer kernel where there is one (x86_64,
+/// aarch64).
 #[cfg(target_arch = "x86_64")]
 use quant_dots::Dot8 as QuantKernel;
-#[cfg(not(target_arch = "x86_64"))]
+#[cfg(target_arch = "aarch64")]
+use quant_neon::Levels as QuantKernel;
+#[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
 use QuantBlock as QuantKernel;
 
 /// Quantised weights on the integer kernel (`quant_dots`: `x` rounded to 8 bits per block of
@@ -102,9 +109,16 @@ use QuantBlock as QuantKernel;
 fn matmul_quant<B: QuantKernel>(x: &[f32], t: usize, k: usize, w: &[B], n: usize, out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if let Some(isa) = quant_dots::Isa::best() {
-        if let Some(rows) = quant_dots::Rows8::quantise(x, k, B::LEN) {
+        if let Some(rows) = Rows8::quantise(x, k, B::LEN) {
             // SAFETY: the CPU has the instructions of `isa`.
             let task = |w: &[B], o: &mut [f32]| unsafe { quant_dots::dots_task(isa, &rows, w, o) };
+            return matmul_dots(t, w, n, task, out);
+        }
+    }
+    #[cfg(target_arch = "aarch64")]
+    if B::INTEGER {
+        if let Some(rows) = Rows8::quantise(x, k, B::LEN) {
+            let task = |w: &[B], o: &mut [f32]| quant_neon::dots_task(&rows, w, o);
             return matmul_dots(t, w, n, task, out);
         }
     }
@@ -639,7 +653,7 @@ pub(super) mod tests {
     fn integer_on(isa: quant_dots::Isa, x: &[f32], w: &Matrix, out: &mut [f32]) {
         let (n, k) = (w.rows, w.cols);
         let t = x.len() / k;
-        let rows = quant_dots::Rows8::quantise(x, k, w.dtype().block().0).unwrap();
+        let rows = Rows8::quantise(x, k, w.dtype().block().0).unwrap();
         let mut out_t = vec![0.0; n * t];
         // SAFETY: the callers run only the kernels this CPU has.
         match_quant!(&w.data, e => unsafe { quant_dots::dots_task(isa, &rows, e, &mut out_t) },
@@ -687,6 +701,34 @@ pub(super) mod tests {
             kernels.push(integer_panels);
         }
         kernels
+    }
+
+    /// The NEON integer kernel over the whole matrix.
+    #[cfg(target_arch = "aarch64")]
+    fn integer_neon(x: &[f32], w: &Matrix, out: &mut [f32]) {
+        let (n, k) = (w.rows, w.cols);
+        let t = x.len() / k;
+        let rows = Rows8::quantise(x, k, w.dtype().block().0).unwrap();
+        let mut out_t = vec![0.0; n * t];
+        match_quant!(&w.data, e => quant_neon::dots_task(&rows, e, &mut out_t),
+            _ => unreachable!("quantised types only"),
+        );
+        transpose(&out_t, t, n, out);
+    }
+
+    /// The integer kernels this CPU runs for `dtype`: NEON's, where the type has levels.
+    #[cfg(target_arch = "aarch64")]
+    fn integer_kernels(dtype: DType) -> Vec<Kernel> {
+        fn integer<B: quant_neon::Levels>(_: &[B]) -> bool {
+            B::INTEGER
+        }
+        let w = Data::from_f32(&vec![0.0; dtype.block().0], dtype);
+        let has = match_quant!(&w, e => integer(e), _ => false);
+        if has {
+            vec![integer_neon]
+        } else {
+            vec![]
+        }
     }
 
     fn check(t: usize, n: usize, k: usize, dtype: DType, f: Kernel) {
@@ -810,10 +852,10 @@ pub(super) mod tests {
                 for n in [1, 7, 37] {
                     check(t, n, k, dtype, matmul);
                     check(t, n, k, dtype, portable);
-                    #[cfg(target_arch = "x86_64")]
+                    #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
                     for kernel in integer_kernels(dtype) {
                         let x = values(t * k, t as u64 + 7);
-                        let rounded = quant_dots::Rows8::quantise(&x, k, block).unwrap().values();
+                        let rounded = Rows8::quantise(&x, k, block).unwrap().values();
                         check_against(&x, &rounded, n, k, dtype, kernel, |_, _| 0.0);
                     }
                 }

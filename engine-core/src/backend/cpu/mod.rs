@@ -12,8 +12,12 @@ mod gemm;
 pub mod matmul;
 #[cfg(target_arch = "x86_64")]
 mod quant_dots;
+#[cfg(target_arch = "aarch64")]
+mod quant_neon;
 #[cfg(target_arch = "x86_64")]
 mod quant_panels;
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+mod quant_rows;
 #[cfg(not(target_arch = "wasm32"))]
 mod team;
 

@@ -14,7 +14,8 @@ use std::arch::x86_64::*;
 use rayon::prelude::*;
 
 use super::matmul::rows_per_task;
-use super::quant_dots::{dots_task, k4_scales, Isa, Rows8};
+use super::quant_dots::{dots_task, k4_scales, Isa};
+use super::quant_rows::Rows8;
 use crate::quant::{BlockQ4K, QK, QK_K};
 
 /// Sub-blocks of 32 weights per super-block.
