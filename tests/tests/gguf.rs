@@ -7,6 +7,7 @@
 use std::path::PathBuf;
 
 use engine_core::backend::gpu::{GpuBackend, GpuOptions};
+use engine_core::tensor::DType;
 use engine_core::{Backend, CpuBackend, Logits, Model};
 use tests::{fixtures_dir, max_abs_diff, Reference};
 
@@ -178,6 +179,14 @@ fn decode_matches_dequantised(
         }
     }
     (types, [a, b])
+}
+
+/// Whether this CPU's prefill multiplies one of `types` in integers (Q4_K on AVX2 without
+/// AVX-512: `matmul::integer_prefill`), rounding its activations to 8 bits as decode does.
+fn integer_prefill(types: &std::collections::BTreeSet<&str>) -> bool {
+    types.iter().any(|t| {
+        engine_core::backend::cpu::matmul::integer_prefill(DType::parse(t).expect("a type name"))
+    })
 }
 
 /// The gap between the largest two logits of a row.
@@ -535,7 +544,12 @@ fn llama_quantize_outputs_run_on_the_gpu() {
             d < 1e-4,
             "{file} {types:?} on the GPU differs from the CPU by {d}"
         );
-        assert!(dq < 1e-4, "{file} {types:?}: GPU prefill differs by {dq}");
+        // Where the CPU's prefill multiplies a type in integers (Q4_K on AVX2 without
+        // AVX-512), its activations are rounded to 8 bits and the GPU's are not: `d` above
+        // holds the GPU to the dequantised weights instead.
+        if !integer_prefill(&types) {
+            assert!(dq < 1e-4, "{file} {types:?}: GPU prefill differs by {dq}");
+        }
         assert_eq!(ids, cpu_ids, "{file} {types:?}: greedy ids");
     }
     for (file, refused) in [
@@ -601,9 +615,14 @@ fn llama_quantize_outputs_compute_their_dequantised_weights() {
     for file in files {
         let (types, [a, b]) = decode_matches_dequantised(file, &prompt, 4);
         assert!(types.len() >= 2, "{file}: {types:?}");
+        let tol = if integer_prefill(&types) {
+            ACTIVATION_ROUNDING_REL
+        } else {
+            1e-5
+        };
         let d = rel_diff(&a, &b);
         assert!(
-            d < 1e-5,
+            d < tol,
             "{file} ({types:?}) prefill against its dequantised weights: {d}"
         );
     }

@@ -76,8 +76,8 @@ pub fn matmul(x: &[f32], w: &Matrix, out: &mut [f32]) {
     #[cfg(not(target_arch = "wasm32"))]
     if t >= GEMM_MIN_T {
         #[cfg(target_arch = "x86_64")]
-        if let Data::Q4K(e) = &w.data {
-            if quant_panels::matmul(quant_dots::Isa::best(), x, t, e, n, out) {
+        if let (true, Data::Q4K(e)) = (integer_prefill(w.dtype()), &w.data) {
+            if quant_panels::matmul(x, t, e, n, out) {
                 return;
             }
         }
@@ -91,6 +91,19 @@ pub fn matmul(x: &[f32], w: &Matrix, out: &mut [f32]) {
             _ => unreachable!("matched above"),
         ),
     }
+}
+
+/// Whether prefill (16 or more rows of `x`) with `dtype` weights multiplies in integers on this
+/// CPU, its activations rounded to 8 bits as decode's are (`activation_rounding`), rather than
+/// in f32 through gemm: Q4_K where the CPU has AVX2 but not AVX-512 (`quant_panels`; with
+/// AVX-512, gemm's 512-bit kernel was the faster, docs/PERFORMANCE.md).
+pub fn integer_prefill(dtype: crate::tensor::DType) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if dtype == DType::Q4K {
+        return quant_dots::Isa::best() == Some(quant_dots::Isa::Avx2);
+    }
+    let _ = dtype;
+    false
 }
 
 /// What a quantised type needs for decode: its integer kernel where there is one (x86_64,
@@ -678,15 +691,7 @@ pub(super) mod tests {
         let Data::Q4K(e) = &w.data else {
             unreachable!("Q4_K only")
         };
-        let isa = Some(quant_dots::Isa::Avx2);
-        assert!(quant_panels::matmul(
-            isa,
-            x,
-            x.len() / w.cols,
-            e,
-            w.rows,
-            out
-        ));
+        assert!(quant_panels::matmul(x, x.len() / w.cols, e, w.rows, out));
     }
 
     /// The integer kernels this CPU runs for `dtype`.

@@ -13,7 +13,7 @@ use std::arch::x86_64::*;
 
 use rayon::prelude::*;
 
-use super::matmul::rows_per_task;
+use super::matmul::{avx2_available, rows_per_task};
 use super::quant_dots::{dots_task, k4_scales, Isa};
 use super::quant_rows::Rows8;
 use crate::quant::{BlockQ4K, QK, QK_K};
@@ -101,23 +101,15 @@ impl Panel {
 
 /// `out[t, n] = x[t, k] . w[n, k]^T` for Q4_K weights `w` (`n * k / 256` blocks) on AVX2, in
 /// tasks of whole groups of eight weight rows (the last `n % 8` rows on decode's kernel).
-/// False, with `out` untouched, where `isa` is not AVX2 or a value of `x` is not finite (which
-/// cannot be rounded to integers): the caller takes gemm then.
-///
-/// Only for AVX2: where the CPU has AVX-512, gemm's f32 kernel on 512-bit registers was faster
-/// than this 256-bit one (Q4_K_M 512-token prefill on the Xeon: 217 against 187 tok/s).
-pub fn matmul(
-    isa: Option<Isa>,
-    x: &[f32],
-    t: usize,
-    w: &[BlockQ4K],
-    n: usize,
-    out: &mut [f32],
-) -> bool {
+/// False, with `out` untouched, where the CPU lacks AVX2 or a value of `x` is not finite (which
+/// cannot be rounded to integers): the caller takes gemm then. `matmul::integer_prefill` says
+/// when the model's prefill comes here.
+pub fn matmul(x: &[f32], t: usize, w: &[BlockQ4K], n: usize, out: &mut [f32]) -> bool {
     let k = x.len() / t;
-    let Some(isa @ Isa::Avx2) = isa else {
+    if !avx2_available() {
         return false;
-    };
+    }
+    let isa = Isa::Avx2;
     let Some(rows) = Rows8::quantise(x, k, QK_K) else {
         return false;
     };
