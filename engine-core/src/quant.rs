@@ -975,6 +975,15 @@ impl Quantise for BlockQ6K {
     }
 }
 
+impl BlockIq4Xs {
+    /// Sub-block `j`'s scale, `-32..32`: four bits of `scales_l`, two of `scales_h`.
+    pub(crate) fn scale(&self, j: usize) -> i16 {
+        let low = (self.scales_l[j / 2] >> (4 * (j % 2))) & 0xF;
+        let high = ((self.scales_h >> (2 * j)) & 3) as u8;
+        i16::from(low | (high << 4)) - 32
+    }
+}
+
 impl QuantBlock for BlockIq4Xs {
     const LEN: usize = QK_K;
     const DTYPE: DType = DType::Iq4Xs;
@@ -986,9 +995,7 @@ impl QuantBlock for BlockIq4Xs {
             .zip(out.chunks_exact_mut(QK))
             .enumerate()
         {
-            let low = (self.scales_l[ib / 2] >> (4 * (ib % 2))) & 0xF;
-            let high = ((self.scales_h >> (2 * ib)) & 3) as u8;
-            let dl = d * (i32::from(low | (high << 4)) - 32) as f32;
+            let dl = d * f32::from(self.scale(ib));
             let qs: &[u8; QK / 2] = qs.try_into().expect("16 bytes");
             nibbles(qs, out, |q| dl * f32::from(IQ4_VALUES[q as usize]));
         }
@@ -1242,10 +1249,7 @@ mod tests {
 
     impl LevelsOf for BlockIq4Xs {
         fn levels(&self, i: usize) -> Levels {
-            let ib = i / QK;
-            let low = (self.scales_l[ib / 2] >> (4 * (ib % 2))) & 0xF;
-            let high = ((self.scales_h >> (2 * ib)) & 3) as u8;
-            iq4_table_levels(self.d, i32::from(low | (high << 4)) - 32)
+            iq4_table_levels(self.d, i32::from(self.scale(i / QK)))
         }
     }
 

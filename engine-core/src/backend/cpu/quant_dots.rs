@@ -417,12 +417,7 @@ impl Dot8 for BlockIq4Xs {
     /// most 128 * 127 * 32.
     #[inline(always)]
     fn unpack(&self) -> Unpacked {
-        let sc: [i16; 16] = std::array::from_fn(|g| {
-            let j = g / 2;
-            let low = (self.scales_l[j / 2] >> (4 * (j % 2))) & 0xF;
-            let high = ((self.scales_h >> (2 * j)) & 3) as u8;
-            i16::from(low | (high << 4)) - 32
-        });
+        let sc: [i16; 16] = std::array::from_fn(|g| self.scale(g / 2));
         let chunks = std::array::from_fn(|j| {
             let qs: &[u8; QK / 2] = self.qs[QK / 2 * j..][..QK / 2]
                 .try_into()

@@ -165,9 +165,7 @@ impl Levels for BlockIq4Xs {
             .zip(q.chunks_exact_mut(QK))
             .enumerate()
         {
-            let low = (self.scales_l[j / 2] >> (4 * (j % 2))) & 0xF;
-            let high = ((self.scales_h >> (2 * j)) & 3) as u8;
-            sc[j] = i16::from(low | (high << 4)) - 32;
+            sc[j] = self.scale(j);
             let qs: &[u8; QK / 2] = qs.try_into().expect("16 bytes");
             nibble_levels(qs, q, |n| IQ4_VALUES[usize::from(n)]);
         }
