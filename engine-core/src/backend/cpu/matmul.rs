@@ -115,8 +115,9 @@ use quant_neon::Levels as QuantKernel;
 #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
 use QuantBlock as QuantKernel;
 
-/// Quantised weights on the integer kernel (`quant_dots`: `x` rounded to 8 bits per block of
-/// the type) where the CPU has AVX2 and `x` is finite, else on the portable kernel (infinite or
+/// Quantised weights on the integer kernel (`quant_dots`, `quant_neon`: `x` rounded to 8 bits
+/// per block of the type) where the CPU has one for the type (AVX2, NEON) and `x` is finite,
+/// else on the portable kernel (infinite or
 /// NaN activations cannot be scaled to integers; f32 products carry them to the output as the
 /// dequantised weights' product would).
 fn matmul_quant<B: QuantKernel>(x: &[f32], t: usize, k: usize, w: &[B], n: usize, out: &mut [f32]) {
@@ -146,6 +147,38 @@ pub(super) fn rows_per_task(n: usize) -> usize {
     n.div_ceil(rayon::current_num_threads() * 8)
         .max(16)
         .next_multiple_of(8)
+}
+
+/// `task(o0, cols, out_ptr)` in parallel on rayon's pool for each block of `block` columns (the
+/// last may be shorter) among the first `cols` of `out` (`[t, n]`, row-major): the prefill
+/// paths, whose tasks each own a block of weight rows, which are columns of `out`. `out_ptr`
+/// is `out`'s base; the task for `o0` may write columns `o0 .. o0 + cols` of it only.
+#[cfg(not(target_arch = "wasm32"))]
+pub(super) fn column_blocks(
+    out: &mut [f32],
+    cols: usize,
+    block: usize,
+    task: impl Fn(usize, usize, *mut f32) + Sync,
+) {
+    use rayon::prelude::*;
+
+    /// `out`'s base pointer, shared by the tasks.
+    struct OutPtr(*mut f32);
+
+    // SAFETY: the tasks sharing it write disjoint columns of `out`, which outlives them.
+    unsafe impl Sync for OutPtr {}
+
+    impl OutPtr {
+        fn get(&self) -> *mut f32 {
+            self.0
+        }
+    }
+
+    let base = OutPtr(out.as_mut_ptr());
+    (0..cols.div_ceil(block)).into_par_iter().for_each(|b| {
+        let o0 = b * block;
+        task(o0, block.min(cols - o0), base.get())
+    });
 }
 
 /// The dot-product path over the `n` weight rows in `w` (elements, or blocks of a quantised
@@ -522,9 +555,7 @@ mod blocked {
     use super::super::gemm::{gemm_f32, View};
     use std::cell::RefCell;
 
-    use rayon::prelude::*;
-
-    use super::{convert, rows_per_task};
+    use super::{column_blocks, convert, rows_per_task};
     use crate::tensor::{Data, Matrix};
 
     /// Weight rows widened per `gemm` call. Throughput is flat from 64 to 256 rows (measured,
@@ -547,25 +578,10 @@ mod blocked {
         })
     }
 
-    /// `out`'s base pointer, shared by the tasks that each write their own columns of it.
-    struct OutPtr(*mut f32);
-
-    // SAFETY: the tasks sharing it write disjoint columns of `out`, which outlives them.
-    unsafe impl Sync for OutPtr {}
-
-    impl OutPtr {
-        fn get(&self) -> *mut f32 {
-            self.0
-        }
-    }
-
     pub fn matmul_gemm(x: &[f32], t: usize, w: &Matrix, out: &mut [f32]) {
         let (n, k) = (w.rows, w.cols);
         let block = GEMM_ROWS.min(rows_per_task(n));
-        let dst = OutPtr(out.as_mut_ptr());
-        (0..n.div_ceil(block)).into_par_iter().for_each(|b| {
-            let o0 = b * block;
-            let rows = block.min(n - o0);
+        column_blocks(out, n, block, |o0, rows, dst| {
             let range = o0 * k..(o0 + rows) * k;
             let widened = if let Data::F32(_) = w.data {
                 0
@@ -595,7 +611,7 @@ mod blocked {
                 unsafe {
                     gemm_f32(
                         (t, rows, k),
-                        dst.get().add(o0),
+                        dst.add(o0),
                         n,
                         View {
                             ptr: x.as_ptr(),

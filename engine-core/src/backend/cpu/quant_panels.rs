@@ -11,9 +11,7 @@
 
 use std::arch::x86_64::*;
 
-use rayon::prelude::*;
-
-use super::matmul::{avx2_available, rows_per_task};
+use super::matmul::{avx2_available, column_blocks, rows_per_task};
 use super::quant_dots::{dots_task, k4_scales, Isa};
 use super::quant_rows::Rows8;
 use crate::quant::{BlockQ4K, QK, QK_K};
@@ -116,17 +114,14 @@ pub fn matmul(x: &[f32], t: usize, w: &[BlockQ4K], n: usize, out: &mut [f32]) ->
     let per_row = k / QK_K;
     let block = rows_per_task(n);
     let grouped = n / 8 * 8;
-    let dst = OutPtr(out.as_mut_ptr());
-    (0..grouped.div_ceil(block)).into_par_iter().for_each(|b| {
-        let o0 = b * block;
-        let group_rows = block.min(grouped - o0);
+    column_blocks(out, grouped, block, |o0, group_rows, dst| {
         // SAFETY: the CPU has AVX2 (`isa`); the task writes columns `o0 .. o0 + group_rows`
         // of `out` (`[t, n]`), which no other task writes.
         unsafe {
             groups(
                 &w[o0 * per_row..][..group_rows * per_row],
                 &rows,
-                dst.get().add(o0),
+                dst.add(o0),
                 n,
             )
         }
@@ -142,18 +137,6 @@ pub fn matmul(x: &[f32], t: usize, w: &[BlockQ4K], n: usize, out: &mut [f32]) ->
         }
     }
     true
-}
-
-/// `out`'s base pointer, shared by the tasks that each write their own columns of it.
-struct OutPtr(*mut f32);
-
-// SAFETY: the tasks sharing it write disjoint columns of `out`, which outlives them.
-unsafe impl Sync for OutPtr {}
-
-impl OutPtr {
-    fn get(&self) -> *mut f32 {
-        self.0
-    }
 }
 
 /// Weight rows `w` (whole groups of eight) against every row of `x`, into `out[r * stride +
