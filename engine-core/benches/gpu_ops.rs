@@ -1,4 +1,5 @@
-//! The GPU op layer at Qwen3.5-27B decode shapes: the matrix-vector product, decode attention
+//! The GPU op layer at Qwen3.5-27B decode shapes: the matrix-vector product (16-bit and
+//! quantised weights), decode attention
 //! over KV pages and the delta-rule step, on whatever adapter wgpu picks (`WGPU_BACKEND` to
 //! choose). Each iteration records the op `REPS` times (the delta step: once per DeltaNet layer
 //! of the 27B, each on its own state) and reads one small result back, as a decode step does,
@@ -48,31 +49,42 @@ fn matvec(c: &mut Criterion) {
     let g = gpu();
     let mut group = c.benchmark_group("gpu_matvec");
     group.sample_size(10);
-    // The 27B's MLP up/gate projection and down projection.
-    for (rows, cols) in [(17408, 5120), (5120, 17408)] {
-        let w = Matrix {
-            rows,
-            cols,
-            data: Data::from_f32(&values(rows * cols, 1), DType::F16),
-        };
-        let format = if g.has_f16() {
-            WeightFormat::F16
-        } else {
-            WeightFormat::F16Packed
-        };
-        let gw = g.upload_matrix(&w, format).expect("weights fit");
-        let x = g.upload_f32(&values(cols, 2));
-        group.throughput(Throughput::Bytes((REPS * rows * cols * 2) as u64));
-        group.bench_function(
-            BenchmarkId::new(format.name(), format!("{rows}x{cols}")),
-            |b| {
-                b.iter(|| {
-                    let outs: Vec<GpuTensor> =
-                        (0..REPS).map(|_| ops::matmul(&g, &x, &gw)).collect();
-                    wait(&g, &outs[REPS - 1])
-                })
-            },
-        );
+    let float = if g.has_f16() {
+        WeightFormat::F16
+    } else {
+        WeightFormat::F16Packed
+    };
+    // The 27B's MLP up/gate projection and down projection, as 16-bit floats and in the
+    // quantised formats with device kernels (a GGUF's blocks as they are read).
+    for (dtype, format) in [
+        (DType::F16, float),
+        (DType::Q8_0, WeightFormat::Q8_0),
+        (DType::Q4_0, WeightFormat::Q4_0),
+        (DType::Q4K, WeightFormat::Q4K),
+        (DType::Q6K, WeightFormat::Q6K),
+    ] {
+        for (rows, cols) in [(17408, 5120), (5120, 17408)] {
+            let w = Matrix {
+                rows,
+                cols,
+                data: Data::from_f32(&values(rows * cols, 1), dtype),
+            };
+            let gw = g.upload_matrix(&w, format).expect("weights fit");
+            let x = g.upload_f32(&values(cols, 2));
+            group.throughput(Throughput::Bytes(
+                (REPS * rows * format.row_bytes(cols)) as u64,
+            ));
+            group.bench_function(
+                BenchmarkId::new(format.name(), format!("{rows}x{cols}")),
+                |b| {
+                    b.iter(|| {
+                        let outs: Vec<GpuTensor> =
+                            (0..REPS).map(|_| ops::matmul(&g, &x, &gw)).collect();
+                        wait(&g, &outs[REPS - 1])
+                    })
+                },
+            );
+        }
     }
     group.finish();
 }

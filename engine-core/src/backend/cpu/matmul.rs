@@ -76,10 +76,8 @@ pub fn matmul(x: &[f32], w: &Matrix, out: &mut [f32]) {
     #[cfg(not(target_arch = "wasm32"))]
     if t >= GEMM_MIN_T {
         #[cfg(target_arch = "x86_64")]
-        if let (true, Data::Q4K(e)) = (integer_prefill(w.dtype()), &w.data) {
-            if quant_panels::matmul(x, t, e, n, out) {
-                return;
-            }
+        if quant_panels::matmul(x, t, &w.data, n, out) {
+            return;
         }
         return blocked::matmul_gemm(x, t, w, out);
     }
@@ -95,15 +93,16 @@ pub fn matmul(x: &[f32], w: &Matrix, out: &mut [f32]) {
 
 /// Whether prefill (16 or more rows of `x`) with `dtype` weights multiplies in integers on this
 /// CPU, its activations rounded to 8 bits as decode's are (`activation_rounding`), rather than
-/// in f32 through gemm: Q4_K where the CPU has AVX2 but not AVX-512 (`quant_panels`; with
-/// AVX-512, gemm's 512-bit kernel was the faster, docs/PERFORMANCE.md).
+/// in f32 through gemm: Q4_K where the CPU has AVX2 but not AVX-512, Q8_0, Q4_0 and Q4_K where
+/// it has AVX-512 VNNI (`quant_panels::takes`).
 pub fn integer_prefill(dtype: crate::tensor::DType) -> bool {
     #[cfg(target_arch = "x86_64")]
-    if dtype == DType::Q4K {
-        return quant_dots::Isa::best() == Some(quant_dots::Isa::Avx2);
+    return quant_panels::takes(dtype);
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = dtype;
+        false
     }
-    let _ = dtype;
-    false
 }
 
 /// What a quantised type needs for decode: its integer kernel where there is one (x86_64,
@@ -701,13 +700,16 @@ pub(super) mod tests {
         integer_on(quant_dots::Isa::Avx512, x, w, out)
     }
 
-    /// Prefill's integer kernel for Q4_K, whatever the number of rows of `x`.
+    /// Prefill's integer kernel for the type, whatever the number of rows of `x`.
     #[cfg(target_arch = "x86_64")]
     fn integer_panels(x: &[f32], w: &Matrix, out: &mut [f32]) {
-        let Data::Q4K(e) = &w.data else {
-            unreachable!("Q4_K only")
-        };
-        assert!(quant_panels::matmul(x, x.len() / w.cols, e, w.rows, out));
+        assert!(quant_panels::matmul(
+            x,
+            x.len() / w.cols,
+            &w.data,
+            w.rows,
+            out
+        ));
     }
 
     /// The integer kernels this CPU runs for `dtype`.
@@ -718,7 +720,7 @@ pub(super) mod tests {
             Some(quant_dots::Isa::Avx2) => vec![integer_avx2],
             Some(quant_dots::Isa::Avx512) => vec![integer_avx2, integer_avx512],
         };
-        if dtype == DType::Q4K {
+        if integer_prefill(dtype) {
             kernels.push(integer_panels);
         }
         kernels

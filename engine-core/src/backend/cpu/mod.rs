@@ -20,6 +20,8 @@ mod quant_panels;
 mod quant_rows;
 #[cfg(not(target_arch = "wasm32"))]
 mod team;
+#[cfg(target_arch = "x86_64")]
+mod vnni_panels;
 
 use std::ops::Range;
 

@@ -1,4 +1,7 @@
-//! Prefill's products with Q4_K weights in integers, on AVX2: the weights of eight rows are
+//! Prefill's products in integers: which panel kernel a CPU and a weight type take (here for
+//! AVX2, `vnni_panels` for AVX-512 VNNI), and the tasks that run it.
+//!
+//! Q4_K on AVX2: the weights of eight rows are
 //! unpacked once into a panel (their 4-bit levels as bytes, four columns of all eight rows in
 //! each 32-byte register; their sub-block scales and minima as 16-bit lanes, two per row), and
 //! every row of `x`, rounded to 8 bits per 256 values ([`Rows8`]), is multiplied against the
@@ -11,10 +14,12 @@
 
 use std::arch::x86_64::*;
 
-use super::matmul::{avx2_available, column_blocks, rows_per_task};
-use super::quant_dots::{dots_task, k4_scales, Isa};
+use super::matmul::{column_blocks, rows_per_task};
+use super::quant_dots::{dots_task, k4_scales, Dot8, Isa};
 use super::quant_rows::Rows8;
-use crate::quant::{BlockQ4K, QK, QK_K};
+use super::vnni_panels;
+use crate::quant::{BlockQ4K, BlockQ4_0, BlockQ8_0, QK, QK_K};
+use crate::tensor::{DType, Data};
 
 /// Sub-blocks of 32 weights per super-block.
 const SUBS: usize = QK_K / QK;
@@ -97,28 +102,81 @@ impl Panel {
     }
 }
 
-/// `out[t, n] = x[t, k] . w[n, k]^T` for Q4_K weights `w` (`n * k / 256` blocks) on AVX2, in
-/// tasks of whole groups of eight weight rows (the last `n % 8` rows on decode's kernel).
-/// False, with `out` untouched, where the CPU lacks AVX2 or a value of `x` is not finite (which
-/// cannot be rounded to integers): the caller takes gemm then. `matmul::integer_prefill` says
-/// when the model's prefill comes here.
-pub fn matmul(x: &[f32], t: usize, w: &[BlockQ4K], n: usize, out: &mut [f32]) -> bool {
-    let k = x.len() / t;
-    if !avx2_available() {
-        return false;
+/// The panel kernels this CPU has.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Panels {
+    /// Q4_K, eight rows per 256-bit register (this module).
+    Avx2,
+    /// Q8_0, Q4_0 and Q4_K, sixteen rows per 512-bit register (`vnni_panels`).
+    Vnni,
+}
+
+impl Panels {
+    /// AVX2's where the CPU has it without AVX-512 (with AVX-512 but no VNNI, gemm's 512-bit
+    /// f32 kernel was faster than AVX2's panel: docs/PERFORMANCE.md); VNNI's where it has
+    /// AVX-512 VNNI. `TETHER_ISA=avx2` takes AVX2's, as [`Isa::best`] says.
+    fn best() -> Option<Panels> {
+        match Isa::best()? {
+            Isa::Avx2 => Some(Panels::Avx2),
+            Isa::Avx512 => is_x86_feature_detected!("avx512vnni").then_some(Panels::Vnni),
+        }
     }
-    let isa = Isa::Avx2;
-    let Some(rows) = Rows8::quantise(x, k, QK_K) else {
+}
+
+/// Whether prefill with `dtype` weights multiplies in integers on this CPU
+/// (`matmul::integer_prefill`).
+pub fn takes(dtype: DType) -> bool {
+    match Panels::best() {
+        Some(Panels::Avx2) => dtype == DType::Q4K,
+        Some(Panels::Vnni) => matches!(dtype, DType::Q8_0 | DType::Q4_0 | DType::Q4K),
+        None => false,
+    }
+}
+
+/// `out[t, n] = x[t, k] . w[n, k]^T` on this CPU's panel kernel for `w`'s type, in tasks of
+/// whole groups of its rows (the last rows, short of a group, on decode's kernel). False, with
+/// `out` untouched, where [`takes`] says no or a value of `x` is not finite (which cannot be
+/// rounded to integers): the caller takes gemm then.
+pub fn matmul(x: &[f32], t: usize, w: &Data, n: usize, out: &mut [f32]) -> bool {
+    use vnni_panels::{block32, q4k, ROWS};
+    match (Panels::best(), w) {
+        (Some(Panels::Avx2), Data::Q4K(e)) => panels(x, t, e, n, out, (8, Isa::Avx2), groups),
+        (Some(Panels::Vnni), Data::Q4K(e)) => panels(x, t, e, n, out, (ROWS, Isa::Avx512), q4k),
+        (Some(Panels::Vnni), Data::Q4_0(e)) => {
+            panels(x, t, e, n, out, (ROWS, Isa::Avx512), block32::<BlockQ4_0>)
+        }
+        (Some(Panels::Vnni), Data::Q8_0(e)) => {
+            panels(x, t, e, n, out, (ROWS, Isa::Avx512), block32::<BlockQ8_0>)
+        }
+        _ => false,
+    }
+}
+
+/// A panel kernel's product: `x` rounded per block of `B::LEN`; `kernel(rows of w, x, out,
+/// n)` for each task's whole groups of `group` rows (`out` offset to the task's first
+/// column); the rest on decode's kernel for `isa`, which the CPU must have, as it must the
+/// kernel's instructions.
+fn panels<B: Dot8>(
+    x: &[f32],
+    t: usize,
+    w: &[B],
+    n: usize,
+    out: &mut [f32],
+    (group, isa): (usize, Isa),
+    kernel: unsafe fn(&[B], &Rows8, *mut f32, usize),
+) -> bool {
+    let k = x.len() / t;
+    let Some(rows) = Rows8::quantise(x, k, B::LEN) else {
         return false;
     };
-    let per_row = k / QK_K;
-    let block = rows_per_task(n);
-    let grouped = n / 8 * 8;
+    let per_row = k / B::LEN;
+    let block = rows_per_task(n).next_multiple_of(group);
+    let grouped = n / group * group;
     column_blocks(out, grouped, block, |o0, group_rows, dst| {
-        // SAFETY: the CPU has AVX2 (`isa`); the task writes columns `o0 .. o0 + group_rows`
-        // of `out` (`[t, n]`), which no other task writes.
+        // SAFETY: `Panels::best` checked the CPU; the task writes columns `o0 .. o0 +
+        // group_rows` of `out` (`[t, n]`), which no other task writes.
         unsafe {
-            groups(
+            kernel(
                 &w[o0 * per_row..][..group_rows * per_row],
                 &rows,
                 dst.add(o0),
