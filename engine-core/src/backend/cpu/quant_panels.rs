@@ -107,7 +107,7 @@ impl Panel {
 enum Panels {
     /// Q4_K, eight rows per 256-bit register (this module).
     Avx2,
-    /// Q8_0, Q4_0 and Q4_K, sixteen rows per 512-bit register (`vnni_panels`).
+    /// Q8_0, Q4_0, Q4_K and Q6_K, sixteen rows per 512-bit register (`vnni_panels`).
     Vnni,
 }
 
@@ -128,7 +128,7 @@ impl Panels {
 pub fn takes(dtype: DType) -> bool {
     match Panels::best() {
         Some(Panels::Avx2) => dtype == DType::Q4K,
-        Some(Panels::Vnni) => matches!(dtype, DType::Q8_0 | DType::Q4_0 | DType::Q4K),
+        Some(Panels::Vnni) => matches!(dtype, DType::Q8_0 | DType::Q4_0 | DType::Q4K | DType::Q6K),
         None => false,
     }
 }
@@ -138,10 +138,11 @@ pub fn takes(dtype: DType) -> bool {
 /// `out` untouched, where [`takes`] says no or a value of `x` is not finite (which cannot be
 /// rounded to integers): the caller takes gemm then.
 pub fn matmul(x: &[f32], t: usize, w: &Data, n: usize, out: &mut [f32]) -> bool {
-    use vnni_panels::{block32, q4k, ROWS};
+    use vnni_panels::{block32, q4k, q6k, ROWS};
     match (Panels::best(), w) {
         (Some(Panels::Avx2), Data::Q4K(e)) => panels(x, t, e, n, out, (8, Isa::Avx2), groups),
         (Some(Panels::Vnni), Data::Q4K(e)) => panels(x, t, e, n, out, (ROWS, Isa::Avx512), q4k),
+        (Some(Panels::Vnni), Data::Q6K(e)) => panels(x, t, e, n, out, (ROWS, Isa::Avx512), q6k),
         (Some(Panels::Vnni), Data::Q4_0(e)) => {
             panels(x, t, e, n, out, (ROWS, Isa::Avx512), block32::<BlockQ4_0>)
         }

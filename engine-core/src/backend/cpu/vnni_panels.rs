@@ -1,4 +1,5 @@
-//! Prefill's products with Q8_0, Q4_0 and Q4_K weights in integers on CPUs with AVX-512 VNNI:
+//! Prefill's products with Q8_0, Q4_0, Q4_K and Q6_K weights in integers on CPUs with AVX-512
+//! VNNI:
 //! the weights of 16 rows are unpacked once into a panel of unsigned 8-bit levels (four
 //! columns of all 16 rows in each 64-byte register), and every row of `x`, rounded to 8 bits
 //! per block of the type ([`Rows8`]), is multiplied against it. One `vpdpbusd` multiplies a
@@ -9,7 +10,8 @@
 //! Levels are unsigned: a weight is `d * (u - OFFSET)` for the 32-weight types (Q4_0's
 //! nibbles, offset 8; Q8_0's signed bytes moved up by 128), whose offset is taken off each
 //! block's integer sum as `OFFSET * sum(x)`; Q4_K's nibbles carry their sub-block scales and
-//! minima as in `quant_panels`. The sums are exact integers per block (super-block for Q4_K),
+//! minima as in `quant_panels`, Q6_K's six-bit levels their signed scales per 16 weights and an
+//! offset of 32. The sums are exact integers per block (super-block for Q4_K),
 //! as in decode's kernels, so the bound of `matmul::activation_rounding` holds; a row's f32
 //! sum takes its blocks in order, whatever the group or task it falls in.
 
@@ -17,7 +19,7 @@ use std::arch::x86_64::*;
 
 use super::quant_dots::{k4_scales, Dot8};
 use super::quant_rows::Rows8;
-use crate::quant::{BlockQ4K, BlockQ4_0, BlockQ8_0, QK, QK_K};
+use crate::quant::{BlockQ4K, BlockQ4_0, BlockQ6K, BlockQ8_0, QK, QK_K};
 
 /// Weight rows per panel: one i32 lane each.
 pub(super) const ROWS: usize = 16;
@@ -92,6 +94,22 @@ impl Levels for BlockQ4K {
     /// their high ones.
     fn words(&self, j: usize) -> [u32; COLUMNS] {
         std::array::from_fn(|c| (word(&self.qs, QK * (j / 2) + 4 * c) >> (4 * (j % 2))) & NIBBLES)
+    }
+}
+
+impl Levels for BlockQ6K {
+    const SUBS: usize = SUBS;
+    /// Sub-block `j = 4 h + k` is weights `l + 32 k` of half `h` (l < 32): the low four bits
+    /// from `ql` (byte `l + 32 (k % 2)` of the half's 64, the high nibble for `k >= 2`), the
+    /// high two from `qh` (byte `l` of the half's 32, bits `2 k`); 0 to 63, the weight being
+    /// `d * sc * (u - 32)`.
+    fn words(&self, j: usize) -> [u32; COLUMNS] {
+        let (h, k) = (j / 4, j % 4);
+        std::array::from_fn(|c| {
+            let low = (word(&self.ql, 64 * h + 32 * (k % 2) + 4 * c) >> (4 * (k / 2))) & NIBBLES;
+            let high = (word(&self.qh, 32 * h + 4 * c) >> (2 * k)) & 0x0303_0303;
+            low | (high << 4)
+        })
     }
 }
 
@@ -177,6 +195,34 @@ impl Panel {
     }
 }
 
+/// Q6_K's sub-blocks of 16 weights per super-block.
+const SUBS16: usize = QK_K / 16;
+
+impl Panel {
+    /// Q6_K's panel: `sc[b * 16 + g]` the rows' signed scales of sub-block `g` of 16 (i32
+    /// lanes), `m[b * 8 + i]` those of sub-blocks `2 i` and `2 i + 1` in 16-bit lanes `2 r` and
+    /// `2 r + 1` (for the offset of 32), `d[b]` the rows' f16 scales.
+    #[target_feature(enable = "avx512f,f16c")]
+    fn q6k(rows: &[BlockQ6K], per_row: usize) -> Panel {
+        let mut p = Panel::levels(rows, per_row);
+        for b in 0..per_row {
+            let blocks: [&BlockQ6K; ROWS] = std::array::from_fn(|r| &rows[r * per_row + b]);
+            p.d.push(halves(blocks.map(|blk| blk.d.to_bits())));
+            for g in 0..SUBS16 {
+                p.sc.push(lanes32(blocks.map(|blk| i32::from(blk.scales[g]) as u32)));
+            }
+            for i in 0..SUBS16 / 2 {
+                let pair = |blk: &BlockQ6K| {
+                    let lane = |g: usize| u32::from(i16::from(blk.scales[g]) as u16);
+                    lane(2 * i) | (lane(2 * i + 1) << 16)
+                };
+                p.m.push(lanes32(blocks.map(pair)));
+            }
+        }
+        p
+    }
+}
+
 /// Rows of `x` with the sums of their 32-value blocks: `sums[r * (k / 32) + s]`, at most
 /// 32 * 127 in magnitude.
 fn sums32(x: &Rows8) -> Vec<i32> {
@@ -205,22 +251,29 @@ impl Out {
     }
 }
 
-/// For `R` rows of `x` from row `r0`: the products of sub-block `s` of the panel (whose
-/// activations are values `32 s .. 32 s + 32` of each row) as 16 i32 lanes per row. The
-/// columns' registers and the rows' activations are taken as arrays first, so that the
-/// unrolled loop indexes them with constants and checks no bounds.
+/// For `R` rows of `x` from row `r0`: the products of columns `columns` of sub-block `s` of
+/// the panel (whose activations are values `32 s .. 32 s + 32` of each row) as 16 i32 lanes per
+/// row. The columns' registers and the rows' activations are taken as arrays first, so that
+/// the unrolled loop indexes them with constants and checks no bounds.
 #[inline(always)]
-fn sub_block<const R: usize>(p: &Panel, x: &Rows8, r0: usize, s: usize) -> [__m512i; R] {
+fn sub_block<const R: usize>(
+    p: &Panel,
+    x: &Rows8,
+    r0: usize,
+    s: usize,
+    columns: std::ops::Range<usize>,
+) -> [__m512i; R] {
     let q: &[__m512i; COLUMNS] = p.q[s * COLUMNS..][..COLUMNS].try_into().expect("columns");
     let xs: [&[i8; QK]; R] = std::array::from_fn(|r| {
         x.q[(r0 + r) * x.k + QK * s..][..QK]
             .try_into()
             .expect("a sub-block")
     });
-    // SAFETY: inlined into `block32` and `q4k`, whose callers checked the CPU.
+    // SAFETY: inlined into the kernels, whose callers checked the CPU.
     unsafe {
         let mut dot = [_mm512_setzero_si512(); R];
-        for (c, &q) in q.iter().enumerate() {
+        for c in columns {
+            let q = q[c];
             for (dot, xs) in dot.iter_mut().zip(xs) {
                 // Four activations, broadcast to every lane.
                 let four = [xs[4 * c], xs[4 * c + 1], xs[4 * c + 2], xs[4 * c + 3]];
@@ -249,7 +302,7 @@ fn rows_times_block32<const R: usize>(
         let blocks = x.k / QK;
         let mut acc = [_mm512_setzero_ps(); R];
         for b in 0..blocks {
-            let dot = sub_block::<R>(p, x, r0, b);
+            let dot = sub_block::<R>(p, x, r0, b, 0..COLUMNS);
             for r in 0..R {
                 let at = (r0 + r) * blocks + b;
                 let exact = _mm512_sub_epi32(dot[r], _mm512_set1_epi32(offset * sums[at]));
@@ -277,7 +330,7 @@ fn rows_times_q4k<const R: usize>(p: &Panel, x: &Rows8, pairs: &[i32], r0: usize
             let mut sums = [_mm512_setzero_si512(); R];
             for j in 0..SUBS {
                 let s = b * SUBS + j;
-                let dot = sub_block::<R>(p, x, r0, s);
+                let dot = sub_block::<R>(p, x, r0, s, 0..COLUMNS);
                 for r in 0..R {
                     sums[r] = _mm512_add_epi32(sums[r], _mm512_mullo_epi32(dot[r], p.sc[s]));
                 }
@@ -295,6 +348,53 @@ fn rows_times_q4k<const R: usize>(p: &Panel, x: &Rows8, pairs: &[i32], r0: usize
                 let (d, dmin) = (_mm512_mul_ps(p.d[b], dx), _mm512_mul_ps(p.dmin[b], dx));
                 acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r]), d, acc[r]);
                 acc[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(minima), dmin, acc[r]);
+            }
+        }
+        for (r, &acc) in acc.iter().enumerate() {
+            dst.store(r0 + r, acc);
+        }
+    }
+}
+
+/// Rows `r0 .. r0 + R` of `x` times a Q6_K panel: per super-block, `sum_g sc_g (u . x)_g` over
+/// its sixteen sub-blocks of 16 (at most 16 * 128 * 16 * 63 * 127 per lane, under 2^28) less
+/// `32 sum_g sc_g sum(x)_g` (at most 32 * 16 * 128 * 16 * 127), scaled by `d` and the
+/// activations' scale.
+#[inline(always)]
+fn rows_times_q6k<const R: usize>(p: &Panel, x: &Rows8, pairs: &[i32], r0: usize, dst: &Out) {
+    // SAFETY: inlined into `q6k`, whose caller checked the CPU; its caller made `dst` valid
+    // for these rows.
+    unsafe {
+        let per_row = x.k / QK_K;
+        let mut acc = [_mm512_setzero_ps(); R];
+        for b in 0..per_row {
+            let mut sums = [_mm512_setzero_si512(); R];
+            for j in 0..SUBS {
+                let s = b * SUBS + j;
+                let first = sub_block::<R>(p, x, r0, s, 0..COLUMNS / 2);
+                let second = sub_block::<R>(p, x, r0, s, COLUMNS / 2..COLUMNS);
+                let (sc0, sc1) = (p.sc[b * SUBS16 + 2 * j], p.sc[b * SUBS16 + 2 * j + 1]);
+                for r in 0..R {
+                    let both = _mm512_add_epi32(
+                        _mm512_mullo_epi32(first[r], sc0),
+                        _mm512_mullo_epi32(second[r], sc1),
+                    );
+                    sums[r] = _mm512_add_epi32(sums[r], both);
+                }
+            }
+            for r in 0..R {
+                let at = (r0 + r) * per_row + b;
+                let xs: &[i32; SUBS16 / 2] = pairs[at * SUBS16 / 2..][..SUBS16 / 2]
+                    .try_into()
+                    .expect("8");
+                let mut offsets = _mm512_setzero_si512();
+                for (&m, &xs) in p.m[b * SUBS16 / 2..][..SUBS16 / 2].iter().zip(xs) {
+                    offsets =
+                        _mm512_add_epi32(offsets, _mm512_madd_epi16(m, _mm512_set1_epi32(xs)));
+                }
+                let exact = _mm512_sub_epi32(sums[r], _mm512_slli_epi32::<5>(offsets));
+                let scale = _mm512_mul_ps(p.d[b], _mm512_set1_ps(x.d[at]));
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), scale, acc[r]);
             }
         }
         for (r, &acc) in acc.iter().enumerate() {
@@ -322,6 +422,25 @@ macro_rules! x_rows {
     };
 }
 
+/// The kernels' loop: for each group of sixteen rows of `$w` (`$len` weights a block), its
+/// panel `$panel(rows, blocks per row)`, and `$body` for every run of `$n` rows of `x` from
+/// `$r0`, into `$dst`.
+macro_rules! each_panel {
+    ($w:expr, $x:expr, $out:expr, $stride:expr, $len:expr, $panel:expr,
+     |$p:ident, $r0:ident, $n:ident, $dst:ident| $body:expr) => {{
+        let per_row = $x.k / $len;
+        for g in 0..$w.len() / per_row / ROWS {
+            let $p = $panel(&$w[ROWS * g * per_row..][..ROWS * per_row], per_row);
+            let $dst = Out {
+                // SAFETY: the kernel's caller made `out` valid for the group's columns.
+                ptr: unsafe { $out.add(ROWS * g) },
+                stride: $stride,
+            };
+            x_rows!($x.rows(), |$r0, $n| $body);
+        }
+    }};
+}
+
 /// A 32-weight type's weight rows `w` (whole groups of sixteen) against every row of `x`, into
 /// `out[r * stride + o]` for row `r` of `x` and weight row `o`.
 ///
@@ -330,24 +449,10 @@ macro_rules! x_rows {
 /// those writes.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 pub(super) unsafe fn block32<B: Block32>(w: &[B], x: &Rows8, out: *mut f32, stride: usize) {
-    let per_row = x.k / QK;
     let sums = sums32(x);
-    for g in 0..w.len() / per_row / ROWS {
-        let panel = Panel::block32(&w[ROWS * g * per_row..][..ROWS * per_row], per_row);
-        let dst = Out {
-            // SAFETY: forwarded from the caller.
-            ptr: unsafe { out.add(ROWS * g) },
-            stride,
-        };
-        x_rows!(x.rows(), |r0, R| rows_times_block32::<R>(
-            &panel,
-            B::OFFSET,
-            x,
-            &sums,
-            r0,
-            &dst
-        ));
-    }
+    each_panel!(w, x, out, stride, QK, Panel::block32, |p, r0, R, dst| {
+        rows_times_block32::<R>(&p, B::OFFSET, x, &sums, r0, &dst)
+    });
 }
 
 /// Q4_K's weight rows `w` (whole groups of sixteen) against every row of `x`, as [`block32`].
@@ -356,21 +461,31 @@ pub(super) unsafe fn block32<B: Block32>(w: &[B], x: &Rows8, out: *mut f32, stri
 /// As [`block32`]'s.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 pub(super) unsafe fn q4k(w: &[BlockQ4K], x: &Rows8, out: *mut f32, stride: usize) {
-    let per_row = x.k / QK_K;
-    // The activations' sums over sub-blocks 2 i and 2 i + 1, in the low and high 16 bits.
-    let pairs: Vec<i32> = sums32(x)
-        .chunks_exact(2)
+    // The activations' sums over sub-blocks 2 i and 2 i + 1 of 32, in the low and high 16 bits.
+    let pairs = pairs(&sums32(x));
+    each_panel!(w, x, out, stride, QK_K, Panel::q4k, |p, r0, R, dst| {
+        rows_times_q4k::<R>(&p, x, &pairs, r0, &dst)
+    });
+}
+
+/// Q6_K's weight rows `w` (whole groups of sixteen) against every row of `x`, as [`block32`].
+///
+/// # Safety
+/// As [`block32`]'s.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+pub(super) unsafe fn q6k(w: &[BlockQ6K], x: &Rows8, out: *mut f32, stride: usize) {
+    // The activations' sums over sub-blocks 2 i and 2 i + 1 of 16, in the low and high 16 bits.
+    let sums: Vec<i32> = x.sums.iter().map(|&s| i32::from(s)).collect();
+    let pairs = pairs(&sums);
+    each_panel!(w, x, out, stride, QK_K, Panel::q6k, |p, r0, R, dst| {
+        rows_times_q6k::<R>(&p, x, &pairs, r0, &dst)
+    });
+}
+
+/// Consecutive sums in pairs: the first in the low 16 bits, the second in the high ones (each
+/// within i16), as `vpmaddwd` takes them.
+fn pairs(sums: &[i32]) -> Vec<i32> {
+    sums.chunks_exact(2)
         .map(|s| (s[0] & 0xFFFF) | (s[1] << 16))
-        .collect();
-    for g in 0..w.len() / per_row / ROWS {
-        let panel = Panel::q4k(&w[ROWS * g * per_row..][..ROWS * per_row], per_row);
-        let dst = Out {
-            // SAFETY: forwarded from the caller.
-            ptr: unsafe { out.add(ROWS * g) },
-            stride,
-        };
-        x_rows!(x.rows(), |r0, R| rows_times_q4k::<R>(
-            &panel, x, &pairs, r0, &dst
-        ));
-    }
+        .collect()
 }
