@@ -201,13 +201,16 @@ const SUBS16: usize = QK_K / 16;
 impl Panel {
     /// Q6_K's panel: `sc[b * 16 + g]` the rows' signed scales of sub-block `g` of 16 (i32
     /// lanes), `m[b * 8 + i]` those of sub-blocks `2 i` and `2 i + 1` in 16-bit lanes `2 r` and
-    /// `2 r + 1` (for the offset of 32), `d[b]` the rows' f16 scales.
+    /// `2 r + 1`, `d[b]` the rows' f16 scales and `dmin[b]` 32 times them: the offset of 32 is
+    /// taken off as Q4_K's minima are.
     #[target_feature(enable = "avx512f,f16c")]
     fn q6k(rows: &[BlockQ6K], per_row: usize) -> Panel {
         let mut p = Panel::levels(rows, per_row);
         for b in 0..per_row {
             let blocks: [&BlockQ6K; ROWS] = std::array::from_fn(|r| &rows[r * per_row + b]);
-            p.d.push(halves(blocks.map(|blk| blk.d.to_bits())));
+            let d = halves(blocks.map(|blk| blk.d.to_bits()));
+            p.d.push(d);
+            p.dmin.push(_mm512_mul_ps(d, _mm512_set1_ps(32.0)));
             for g in 0..SUBS16 {
                 p.sc.push(lanes32(blocks.map(|blk| i32::from(blk.scales[g]) as u32)));
             }
@@ -316,13 +319,25 @@ fn rows_times_block32<const R: usize>(
     }
 }
 
-/// Rows `r0 .. r0 + R` of `x` times a Q4_K panel: per super-block, `sum_j sc_j (q . x)_j`
-/// (at most 8 * 63 * 32 * 15 * 127 per lane, under 2^25) and `sum_j m_j sum(x)_j` (at most
-/// 8 * 63 * 32 * 127), scaled by `d` and `dmin` and the activations' scale.
+/// Rows `r0 .. r0 + R` of `x` times a k-quant panel: per super-block, the integer sum of each
+/// sub-block's products times its scale, `sum_g sc_g (u . x)_g`, and of its minimum times the
+/// activations' sum over it, `sum_g m_g sum(x)_g` (`pairs` holds those sums two to a word),
+/// scaled by `d` and `dmin` and the activations' scale. Q4_K (`SIXTEENS` false): eight
+/// sub-blocks of 32, at most 8 * 63 * 32 * 15 * 127 per lane (under 2^25) and 8 * 63 * 32 * 127.
+/// Q6_K (`SIXTEENS`): sixteen sub-blocks of 16 with signed scales, whose offset of 32 is the
+/// "minimum" (`dmin = 32 d`): at most 16 * 128 * 16 * 63 * 127 (under 2^28) and
+/// 16 * 128 * 16 * 127.
 #[inline(always)]
-fn rows_times_q4k<const R: usize>(p: &Panel, x: &Rows8, pairs: &[i32], r0: usize, dst: &Out) {
-    // SAFETY: inlined into `q4k`, whose caller checked the CPU; its caller made `dst` valid
-    // for these rows.
+fn rows_times_k<const R: usize, const SIXTEENS: bool>(
+    p: &Panel,
+    x: &Rows8,
+    pairs: &[i32],
+    r0: usize,
+    dst: &Out,
+) {
+    let minima = if SIXTEENS { SUBS16 / 2 } else { SUBS / 2 };
+    // SAFETY: inlined into `q4k` and `q6k`, whose callers checked the CPU and made `dst`
+    // valid for these rows.
     unsafe {
         let per_row = x.k / QK_K;
         let mut acc = [_mm512_setzero_ps(); R];
@@ -330,71 +345,36 @@ fn rows_times_q4k<const R: usize>(p: &Panel, x: &Rows8, pairs: &[i32], r0: usize
             let mut sums = [_mm512_setzero_si512(); R];
             for j in 0..SUBS {
                 let s = b * SUBS + j;
-                let dot = sub_block::<R>(p, x, r0, s, 0..COLUMNS);
-                for r in 0..R {
-                    sums[r] = _mm512_add_epi32(sums[r], _mm512_mullo_epi32(dot[r], p.sc[s]));
+                // (Loops, not closures: a closure would not share the kernel's instructions.)
+                if SIXTEENS {
+                    let first = sub_block::<R>(p, x, r0, s, 0..COLUMNS / 2);
+                    let second = sub_block::<R>(p, x, r0, s, COLUMNS / 2..COLUMNS);
+                    let (sc0, sc1) = (p.sc[2 * s], p.sc[2 * s + 1]);
+                    for r in 0..R {
+                        let both = _mm512_add_epi32(
+                            _mm512_mullo_epi32(first[r], sc0),
+                            _mm512_mullo_epi32(second[r], sc1),
+                        );
+                        sums[r] = _mm512_add_epi32(sums[r], both);
+                    }
+                } else {
+                    let dot = sub_block::<R>(p, x, r0, s, 0..COLUMNS);
+                    for r in 0..R {
+                        sums[r] = _mm512_add_epi32(sums[r], _mm512_mullo_epi32(dot[r], p.sc[s]));
+                    }
                 }
             }
             for r in 0..R {
                 let at = (r0 + r) * per_row + b;
-                let xs: &[i32; SUBS / 2] =
-                    pairs[at * SUBS / 2..][..SUBS / 2].try_into().expect("4");
-                let mut minima = _mm512_setzero_si512();
-                for (&m, &xs) in p.m[b * SUBS / 2..][..SUBS / 2].iter().zip(xs) {
-                    let m = _mm512_madd_epi16(m, _mm512_set1_epi32(xs));
-                    minima = _mm512_add_epi32(minima, m);
+                let xs = &pairs[at * minima..][..minima];
+                let mut mins = _mm512_setzero_si512();
+                for (&m, &xs) in p.m[b * minima..][..minima].iter().zip(xs) {
+                    mins = _mm512_add_epi32(mins, _mm512_madd_epi16(m, _mm512_set1_epi32(xs)));
                 }
                 let dx = _mm512_set1_ps(x.d[at]);
                 let (d, dmin) = (_mm512_mul_ps(p.d[b], dx), _mm512_mul_ps(p.dmin[b], dx));
                 acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r]), d, acc[r]);
-                acc[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(minima), dmin, acc[r]);
-            }
-        }
-        for (r, &acc) in acc.iter().enumerate() {
-            dst.store(r0 + r, acc);
-        }
-    }
-}
-
-/// Rows `r0 .. r0 + R` of `x` times a Q6_K panel: per super-block, `sum_g sc_g (u . x)_g` over
-/// its sixteen sub-blocks of 16 (at most 16 * 128 * 16 * 63 * 127 per lane, under 2^28) less
-/// `32 sum_g sc_g sum(x)_g` (at most 32 * 16 * 128 * 16 * 127), scaled by `d` and the
-/// activations' scale.
-#[inline(always)]
-fn rows_times_q6k<const R: usize>(p: &Panel, x: &Rows8, pairs: &[i32], r0: usize, dst: &Out) {
-    // SAFETY: inlined into `q6k`, whose caller checked the CPU; its caller made `dst` valid
-    // for these rows.
-    unsafe {
-        let per_row = x.k / QK_K;
-        let mut acc = [_mm512_setzero_ps(); R];
-        for b in 0..per_row {
-            let mut sums = [_mm512_setzero_si512(); R];
-            for j in 0..SUBS {
-                let s = b * SUBS + j;
-                let first = sub_block::<R>(p, x, r0, s, 0..COLUMNS / 2);
-                let second = sub_block::<R>(p, x, r0, s, COLUMNS / 2..COLUMNS);
-                let (sc0, sc1) = (p.sc[b * SUBS16 + 2 * j], p.sc[b * SUBS16 + 2 * j + 1]);
-                for r in 0..R {
-                    let both = _mm512_add_epi32(
-                        _mm512_mullo_epi32(first[r], sc0),
-                        _mm512_mullo_epi32(second[r], sc1),
-                    );
-                    sums[r] = _mm512_add_epi32(sums[r], both);
-                }
-            }
-            for r in 0..R {
-                let at = (r0 + r) * per_row + b;
-                let xs: &[i32; SUBS16 / 2] = pairs[at * SUBS16 / 2..][..SUBS16 / 2]
-                    .try_into()
-                    .expect("8");
-                let mut offsets = _mm512_setzero_si512();
-                for (&m, &xs) in p.m[b * SUBS16 / 2..][..SUBS16 / 2].iter().zip(xs) {
-                    offsets =
-                        _mm512_add_epi32(offsets, _mm512_madd_epi16(m, _mm512_set1_epi32(xs)));
-                }
-                let exact = _mm512_sub_epi32(sums[r], _mm512_slli_epi32::<5>(offsets));
-                let scale = _mm512_mul_ps(p.d[b], _mm512_set1_ps(x.d[at]));
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), scale, acc[r]);
+                acc[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(mins), dmin, acc[r]);
             }
         }
         for (r, &acc) in acc.iter().enumerate() {
@@ -464,7 +444,7 @@ pub(super) unsafe fn q4k(w: &[BlockQ4K], x: &Rows8, out: *mut f32, stride: usize
     // The activations' sums over sub-blocks 2 i and 2 i + 1 of 32, in the low and high 16 bits.
     let pairs = pairs(&sums32(x));
     each_panel!(w, x, out, stride, QK_K, Panel::q4k, |p, r0, R, dst| {
-        rows_times_q4k::<R>(&p, x, &pairs, r0, &dst)
+        rows_times_k::<R, false>(&p, x, &pairs, r0, &dst)
     });
 }
 
@@ -478,7 +458,7 @@ pub(super) unsafe fn q6k(w: &[BlockQ6K], x: &Rows8, out: *mut f32, stride: usize
     let sums: Vec<i32> = x.sums.iter().map(|&s| i32::from(s)).collect();
     let pairs = pairs(&sums);
     each_panel!(w, x, out, stride, QK_K, Panel::q6k, |p, r0, R, dst| {
-        rows_times_q6k::<R>(&p, x, &pairs, r0, &dst)
+        rows_times_k::<R, true>(&p, x, &pairs, r0, &dst)
     });
 }
 
