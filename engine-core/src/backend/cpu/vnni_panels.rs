@@ -28,8 +28,8 @@ pub(super) const ROWS: usize = 16;
 const COLUMNS: usize = QK / 4;
 
 /// Rows of `x` multiplied against the panel together (`x_rows!`), so that each panel register
-/// loaded serves several rows, and the rows' sums are eight independent chains of `vpdpbusd`
-/// (whose latency four chains could not hide).
+/// loaded serves several rows, and the rows' sums are eight independent chains of `vpdpbusd`.
+/// (Eight against four was not resolved by measurement on the noisy machine it was written on.)
 const X_ROWS: usize = 8;
 
 /// Sub-blocks of 32 weights per Q4_K super-block.
