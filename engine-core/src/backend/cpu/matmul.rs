@@ -140,12 +140,12 @@ fn matmul_quant<B: QuantKernel>(x: &[f32], t: usize, k: usize, w: &[B], n: usize
 
 /// Output rows per rayon task: several tasks per thread so that a thread slowed by other work on
 /// the machine does not hold up the rest, but never so few rows that task overhead shows. A
-/// multiple of eight, so that the groups of eight rows a kernel may take at once
+/// multiple of sixteen, so that the groups of eight or sixteen rows a kernel may take at once
 /// (`quant_dots`'s `row_groups`) are the same whatever the thread count.
 pub(super) fn rows_per_task(n: usize) -> usize {
     n.div_ceil(rayon::current_num_threads() * 8)
         .max(16)
-        .next_multiple_of(8)
+        .next_multiple_of(16)
 }
 
 /// `task(o0, cols, out_ptr)` in parallel on rayon's pool for each block of `block` columns (the
@@ -700,6 +700,11 @@ pub(super) mod tests {
         integer_on(quant_dots::Isa::Avx512, x, w, out)
     }
 
+    #[cfg(target_arch = "x86_64")]
+    fn integer_vnni(x: &[f32], w: &Matrix, out: &mut [f32]) {
+        integer_on(quant_dots::Isa::Vnni, x, w, out)
+    }
+
     /// Prefill's integer kernel for the type, whatever the number of rows of `x`.
     #[cfg(target_arch = "x86_64")]
     fn integer_panels(x: &[f32], w: &Matrix, out: &mut [f32]) {
@@ -719,6 +724,7 @@ pub(super) mod tests {
             None => return vec![],
             Some(quant_dots::Isa::Avx2) => vec![integer_avx2],
             Some(quant_dots::Isa::Avx512) => vec![integer_avx2, integer_avx512],
+            Some(quant_dots::Isa::Vnni) => vec![integer_avx2, integer_avx512, integer_vnni],
         };
         if integer_prefill(dtype) {
             kernels.push(integer_panels);

@@ -21,6 +21,8 @@ mod quant_rows;
 #[cfg(not(target_arch = "wasm32"))]
 mod team;
 #[cfg(target_arch = "x86_64")]
+mod vnni_dots;
+#[cfg(target_arch = "x86_64")]
 mod vnni_panels;
 
 use std::ops::Range;
@@ -226,9 +228,13 @@ pub fn causal_conv_silu(u: &mut [f32], history: &mut [f32], weight: &[f32], kern
     window.extend_from_slice(u);
     // Tap j of every channel together (`weight` holds each channel's taps together), so that
     // a row's channels are one loop of multiply-adds in the same order as tap by tap.
-    let taps: Vec<f32> = (0..kernel)
-        .flat_map(|j| weight.iter().skip(j).step_by(kernel).copied())
-        .collect();
+    // (Written as a plain loop: an iterator of strided iterators took 2-3% of a decode step.)
+    let mut taps = vec![0.0f32; weight.len()];
+    for (ch, channel) in weight.chunks_exact(kernel).enumerate() {
+        for (j, &w) in channel.iter().enumerate() {
+            taps[j * c + ch] = w;
+        }
+    }
     spread(u, c * ROWS_PER_TASK, |b, rows| {
         for (r, out) in rows.chunks_mut(c).enumerate() {
             let i = b * ROWS_PER_TASK + r;

@@ -16,6 +16,7 @@ use std::arch::x86_64::*;
 
 use super::matmul::{avx2_available, sum_lanes, PREFETCH_BYTES};
 use super::quant_rows::{Rows8, SUM_LEN};
+use super::vnni_dots;
 use crate::quant::{
     BlockIq4Nl, BlockIq4Xs, BlockQ2K, BlockQ3K, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5K,
     BlockQ5_0, BlockQ5_1, BlockQ6K, BlockQ8_0, QuantBlock, IQ4_VALUES, QK, QK_K,
@@ -75,12 +76,13 @@ pub trait Dot8: QuantBlock {
     /// the CPU features (AVX2, FMA, F16C) its intrinsics need.
     fn unpack(&self) -> Unpacked;
 
-    /// Decode's products (one row of `x`) for the leading whole groups of eight weight rows
-    /// of `w` (`[out.len(), x.k]`), where the type has a kernel that takes eight rows at once:
-    /// their results go to the start of `out`, and the return value says how many rows that
-    /// was (the rest go through `unpack`). Inlined into the kernel like `unpack`.
+    /// Decode's products (one row of `x`) for the leading whole groups of weight rows of `w`
+    /// (`[out.len(), x.k]`), where the type has a kernel on `isa` that takes several rows at
+    /// once (eight on AVX2, sixteen on VNNI): their results go to the start of `out`, and the
+    /// return value says how many rows that was (the rest go through `unpack`). Inlined into
+    /// the kernel like `unpack`.
     #[inline(always)]
-    fn row_groups(_w: &[Self], _x: &Rows8, _out: &mut [f32]) -> usize {
+    fn row_groups(_isa: Isa, _w: &[Self], _x: &Rows8, _out: &mut [f32]) -> usize {
         0
     }
 }
@@ -287,8 +289,14 @@ impl Dot8 for BlockQ4_0 {
     }
 
     #[inline(always)]
-    fn row_groups(w: &[Self], x: &Rows8, out: &mut [f32]) -> usize {
-        unsafe { q4_0_groups(w, x, out) }
+    fn row_groups(isa: Isa, w: &[Self], x: &Rows8, out: &mut [f32]) -> usize {
+        // SAFETY: the kernels' callers checked that the CPU has `isa`'s instructions.
+        unsafe {
+            match isa {
+                Isa::Vnni => vnni_dots::q4_0_groups(w, x, out),
+                Isa::Avx2 | Isa::Avx512 => q4_0_groups(w, x, out),
+            }
+        }
     }
 }
 
@@ -698,6 +706,9 @@ pub enum Isa {
     /// (the 32-weight types stay on AVX2's instructions: their per-block scales would need
     /// as many instructions to pair as pairing saves).
     Avx512,
+    /// AVX-512 with VNNI besides: Q4_0's rows sixteen at a time with `vpdpbusd` (`vnni_dots`),
+    /// and prefill's integer panels (`quant_panels`).
+    Vnni,
 }
 
 impl Isa {
@@ -711,7 +722,12 @@ impl Isa {
             let avx512 = !capped
                 && is_x86_feature_detected!("avx512f")
                 && is_x86_feature_detected!("avx512bw");
-            avx2_available().then_some(if avx512 { Isa::Avx512 } else { Isa::Avx2 })
+            let isa = match avx512 {
+                true if is_x86_feature_detected!("avx512vnni") => Isa::Vnni,
+                true => Isa::Avx512,
+                false => Isa::Avx2,
+            };
+            avx2_available().then_some(isa)
         })
     }
 }
@@ -731,7 +747,7 @@ pub unsafe fn dots_task<B: Dot8>(isa: Isa, x: &Rows8, w: &[B], out: &mut [f32]) 
     unsafe {
         match isa {
             Isa::Avx2 => dots_task_avx2(x, w, out),
-            Isa::Avx512 => dots_task_avx512(x, w, out),
+            Isa::Avx512 | Isa::Vnni => dots_task_avx512(isa, x, w, out),
         }
     }
 }
@@ -739,24 +755,25 @@ pub unsafe fn dots_task<B: Dot8>(isa: Isa, x: &Rows8, w: &[B], out: &mut [f32]) 
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dots_task_avx2<B: Dot8>(x: &Rows8, w: &[B], out: &mut [f32]) {
     // SAFETY: the caller checked the CPU.
-    unsafe { rows_task::<B, false>(x, w, out) }
+    unsafe { rows_task::<B, false>(Isa::Avx2, x, w, out) }
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
-unsafe fn dots_task_avx512<B: Dot8>(x: &Rows8, w: &[B], out: &mut [f32]) {
+unsafe fn dots_task_avx512<B: Dot8>(isa: Isa, x: &Rows8, w: &[B], out: &mut [f32]) {
     // SAFETY: the caller checked the CPU.
-    unsafe { rows_task::<B, true>(x, w, out) }
+    unsafe { rows_task::<B, true>(isa, x, w, out) }
 }
 
 /// `dots_task`'s body, inlined into each entry point so that it is compiled with that
 /// entry's instructions (`WIDE`: AVX-512's).
 ///
 /// # Safety
-/// The CPU must support AVX2, FMA and F16C, and with `WIDE` AVX-512 F and BW.
+/// The CPU must support AVX2, FMA and F16C, with `WIDE` AVX-512 F and BW, and `isa`'s
+/// instructions.
 #[inline(always)]
-unsafe fn rows_task<B: Dot8, const WIDE: bool>(x: &Rows8, w: &[B], out: &mut [f32]) {
+unsafe fn rows_task<B: Dot8, const WIDE: bool>(isa: Isa, x: &Rows8, w: &[B], out: &mut [f32]) {
     let (t, per_row) = (x.rows(), x.k / B::LEN);
-    let done = B::row_groups(w, x, out);
+    let done = B::row_groups(isa, w, x, out);
     let (w, out) = (&w[done * per_row..], &mut out[done * t..]);
     for (wr, out_r) in w.chunks_exact(per_row).zip(out.chunks_exact_mut(t)) {
         for (g, dst) in out_r.chunks_mut(4).enumerate() {

@@ -118,7 +118,8 @@ impl Panels {
     fn best() -> Option<Panels> {
         match Isa::best()? {
             Isa::Avx2 => Some(Panels::Avx2),
-            Isa::Avx512 => is_x86_feature_detected!("avx512vnni").then_some(Panels::Vnni),
+            Isa::Avx512 => None,
+            Isa::Vnni => Some(Panels::Vnni),
         }
     }
 }
@@ -141,13 +142,13 @@ pub fn matmul(x: &[f32], t: usize, w: &Data, n: usize, out: &mut [f32]) -> bool 
     use vnni_panels::{block32, q4k, q6k, ROWS};
     match (Panels::best(), w) {
         (Some(Panels::Avx2), Data::Q4K(e)) => panels(x, t, e, n, out, (8, Isa::Avx2), groups),
-        (Some(Panels::Vnni), Data::Q4K(e)) => panels(x, t, e, n, out, (ROWS, Isa::Avx512), q4k),
-        (Some(Panels::Vnni), Data::Q6K(e)) => panels(x, t, e, n, out, (ROWS, Isa::Avx512), q6k),
+        (Some(Panels::Vnni), Data::Q4K(e)) => panels(x, t, e, n, out, (ROWS, Isa::Vnni), q4k),
+        (Some(Panels::Vnni), Data::Q6K(e)) => panels(x, t, e, n, out, (ROWS, Isa::Vnni), q6k),
         (Some(Panels::Vnni), Data::Q4_0(e)) => {
-            panels(x, t, e, n, out, (ROWS, Isa::Avx512), block32::<BlockQ4_0>)
+            panels(x, t, e, n, out, (ROWS, Isa::Vnni), block32::<BlockQ4_0>)
         }
         (Some(Panels::Vnni), Data::Q8_0(e)) => {
-            panels(x, t, e, n, out, (ROWS, Isa::Avx512), block32::<BlockQ8_0>)
+            panels(x, t, e, n, out, (ROWS, Isa::Vnni), block32::<BlockQ8_0>)
         }
         _ => false,
     }
