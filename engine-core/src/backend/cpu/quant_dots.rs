@@ -148,28 +148,36 @@ fn signs_moved(v: __m256i, x: __m256i, signed: bool) -> (__m256i, __m256i) {
 /// Adds the products of `block`, block `b` of its row, with the `R` rows into `acc` (eight
 /// lanes per row to be summed), and a 32-weight block's offset terms into `mins`
 /// (subtracted).
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn accumulate<B: Dot8, const R: usize>(
+///
+/// Not a `target_feature` function, so that it is always inlined into its caller (see
+/// [`scaled_chunks`]).
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C.
+#[inline(always)]
+unsafe fn accumulate<B: Dot8, const R: usize>(
     block: &B,
     x: &Rows<'_, R>,
     b: usize,
     acc: &mut [__m256; R],
     mins: &mut [f32; R],
 ) {
-    match block.unpack() {
-        Unpacked::Block32 {
-            q,
-            signed,
-            d,
-            offset,
-        } => {
-            accumulate32(q, signed, d, x, b, acc);
-            if offset != 0.0 {
-                offsets(-offset, x, b, mins);
+    // SAFETY: the caller has the features.
+    unsafe {
+        match block.unpack() {
+            Unpacked::Block32 {
+                q,
+                signed,
+                d,
+                offset,
+            } => {
+                accumulate32(q, signed, d, x, b, acc);
+                if offset != 0.0 {
+                    offsets(-offset, x, b, mins);
+                }
             }
+            Unpacked::Super(s) => finish_k(scaled_chunks(&s, x, b), &s, x, b, acc),
         }
-        Unpacked::Super(s) => finish_k(scaled_chunks(&s, x, b), &s, x, b, acc),
     }
 }
 
@@ -195,9 +203,14 @@ fn dot_us(u: __m256i, s: __m256i, scale: __m256i) -> __m256i {
 /// The 32-weight types with one f16 scale per block: `acc += d * dx * (q . x)` (with
 /// `signed`, their magnitudes and `x` with their signs); four products per lane of at most
 /// 128 * 127 each.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn accumulate32<const R: usize>(
+///
+/// Not a `target_feature` function, so that it is always inlined into its caller (see
+/// [`scaled_chunks`]).
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C.
+#[inline(always)]
+unsafe fn accumulate32<const R: usize>(
     q: __m256i,
     signed: bool,
     d: f32,
@@ -205,11 +218,14 @@ fn accumulate32<const R: usize>(
     b: usize,
     acc: &mut [__m256; R],
 ) {
-    let ones = _mm256_set1_epi16(1);
-    for (r, acc) in acc.iter_mut().enumerate() {
-        let (u, xr) = signs_moved(q, x.load32(r, QK * b), signed);
-        let p = _mm256_cvtepi32_ps(dot_us(u, xr, ones));
-        *acc = _mm256_fmadd_ps(p, _mm256_set1_ps(d * x.d[r][b]), *acc);
+    // SAFETY: the caller has the features.
+    unsafe {
+        let ones = _mm256_set1_epi16(1);
+        for (r, acc) in acc.iter_mut().enumerate() {
+            let (u, xr) = signs_moved(q, x.load32(r, QK * b), signed);
+            let p = _mm256_cvtepi32_ps(dot_us(u, xr, ones));
+            *acc = _mm256_fmadd_ps(p, _mm256_set1_ps(d * x.d[r][b]), *acc);
+        }
     }
 }
 
@@ -449,53 +465,71 @@ impl Dot8 for BlockIq4Xs {
 /// each of their halves the same scale): `iacc += sum_g sc_g (q . x)_g` for each row, chunk
 /// `c` of `chunks` holding sub-blocks `2 c` and `2 c + 1` (with `signed`, as
 /// [`signs_moved`] takes them).
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn scaled_chunks<const R: usize>(s: &SuperBlock, x: &Rows<'_, R>, b: usize) -> [__m256i; R] {
-    let (sc, chunks, signed) = (s.sc, &s.chunks, s.signed);
-    let halves = [
-        _mm256_permute2x128_si256::<0x00>(sc, sc),
-        _mm256_permute2x128_si256::<0x11>(sc, sc),
-    ];
-    let mut iacc = [_mm256_setzero_si256(); R];
-    for (c, &q) in chunks.iter().enumerate() {
-        // Sub-block 2c's scale in the low eight lanes, 2c + 1's in the high eight: the pair
-        // sums of bytes 0..16 are the low 128 bits of `vpmaddubsw`'s result. Element `e` of a
-        // half is its bytes 2e and 2e + 1.
-        let e = (2 * c % 8) as i16 * 2;
-        let pick = _mm256_set_m128i(
-            _mm_set1_epi16(((e + 3) << 8) | (e + 2)),
-            _mm_set1_epi16(((e + 1) << 8) | e),
-        );
-        let s = _mm256_shuffle_epi8(halves[c / 4], pick);
-        for (r, iacc) in iacc.iter_mut().enumerate() {
-            let (u, xr) = signs_moved(q, x.load32(r, QK_K * b + QK * c), signed);
-            *iacc = _mm256_add_epi32(*iacc, dot_us(u, xr, s));
+///
+/// Not a `target_feature` function, so that it can be `inline(always)`: with `#[inline]` and
+/// the features, a build for x86-64-v3 left it a call (and `accumulate` one per block), which
+/// took a third of a Q4_K_M decode step on AVX2's paths (its eight registers of weights went
+/// through memory); the native build left this and `scaled_pairs` calls too.
+///
+/// # Safety
+/// The CPU must have AVX2.
+#[inline(always)]
+unsafe fn scaled_chunks<const R: usize>(s: &SuperBlock, x: &Rows<'_, R>, b: usize) -> [__m256i; R] {
+    // SAFETY: the caller has AVX2.
+    unsafe {
+        let (sc, chunks, signed) = (s.sc, &s.chunks, s.signed);
+        let halves = [
+            _mm256_permute2x128_si256::<0x00>(sc, sc),
+            _mm256_permute2x128_si256::<0x11>(sc, sc),
+        ];
+        let mut iacc = [_mm256_setzero_si256(); R];
+        for (c, &q) in chunks.iter().enumerate() {
+            // Sub-block 2c's scale in the low eight lanes, 2c + 1's in the high eight: the pair
+            // sums of bytes 0..16 are the low 128 bits of `vpmaddubsw`'s result. Element `e` of a
+            // half is its bytes 2e and 2e + 1.
+            let e = (2 * c % 8) as i16 * 2;
+            let pick = _mm256_set_m128i(
+                _mm_set1_epi16(((e + 3) << 8) | (e + 2)),
+                _mm_set1_epi16(((e + 1) << 8) | e),
+            );
+            let s = _mm256_shuffle_epi8(halves[c / 4], pick);
+            for (r, iacc) in iacc.iter_mut().enumerate() {
+                let (u, xr) = signs_moved(q, x.load32(r, QK_K * b + QK * c), signed);
+                *iacc = _mm256_add_epi32(*iacc, dot_us(u, xr, s));
+            }
         }
+        iacc
     }
-    iacc
 }
 
 /// `acc += d * dx * iacc - dm * dx * sum_g m_g sum(x)_g` for each row, `m` one i16 lane per
 /// sub-block of 16 of block `b`: the k-quants' minima or offsets (at most 128 * 2032 * 2 per
 /// lane of `vpmaddwd`).
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn finish_k<const R: usize>(
+///
+/// Not a `target_feature` function, so that it is always inlined into its caller (see
+/// [`scaled_chunks`]).
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C.
+#[inline(always)]
+unsafe fn finish_k<const R: usize>(
     iacc: [__m256i; R],
     s: &SuperBlock,
     x: &Rows<'_, R>,
     b: usize,
     acc: &mut [__m256; R],
 ) {
-    let (d, dm, m) = (s.d, s.dm, s.m);
-    for r in 0..R {
-        let dx = x.d[r][b];
-        let p = _mm256_cvtepi32_ps(iacc[r]);
-        acc[r] = _mm256_fmadd_ps(p, _mm256_set1_ps(d * dx), acc[r]);
-        if let Some(m) = m {
-            let offsets = _mm256_cvtepi32_ps(_mm256_madd_epi16(m, x.sums16(r, b)));
-            acc[r] = _mm256_fmadd_ps(offsets, _mm256_set1_ps(-dm * dx), acc[r]);
+    // SAFETY: the caller has the features.
+    unsafe {
+        let (d, dm, m) = (s.d, s.dm, s.m);
+        for r in 0..R {
+            let dx = x.d[r][b];
+            let p = _mm256_cvtepi32_ps(iacc[r]);
+            acc[r] = _mm256_fmadd_ps(p, _mm256_set1_ps(d * dx), acc[r]);
+            if let Some(m) = m {
+                let offsets = _mm256_cvtepi32_ps(_mm256_madd_epi16(m, x.sums16(r, b)));
+                acc[r] = _mm256_fmadd_ps(offsets, _mm256_set1_ps(-dm * dx), acc[r]);
+            }
         }
     }
 }
@@ -837,19 +871,27 @@ unsafe fn dots<B: Dot8, const R: usize, const WIDE: bool>(
 }
 
 /// [`accumulate`] with a super-block's chunks multiplied in pairs, one 512-bit register each.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
-fn accumulate_wide<B: Dot8, const R: usize>(
+///
+/// Not a `target_feature` function, so that it is always inlined into its caller (see
+/// [`scaled_chunks`]).
+///
+/// # Safety
+/// The CPU must have AVX-512 F and BW, AVX2, FMA and F16C.
+#[inline(always)]
+unsafe fn accumulate_wide<B: Dot8, const R: usize>(
     block: &B,
     x: &Rows<'_, R>,
     b: usize,
     acc: &mut [__m256; R],
     mins: &mut [f32; R],
 ) {
-    match block.unpack() {
-        Unpacked::Super(s) => finish_k(scaled_pairs(&s, x, b), &s, x, b, acc),
-        // Nothing to pair: the variant is known per type, so this unpacks once.
-        Unpacked::Block32 { .. } => accumulate(block, x, b, acc, mins),
+    // SAFETY: the caller has the features.
+    unsafe {
+        match block.unpack() {
+            Unpacked::Super(s) => finish_k(scaled_pairs(&s, x, b), &s, x, b, acc),
+            // Nothing to pair: the variant is known per type, so this unpacks once.
+            Unpacked::Block32 { .. } => accumulate(block, x, b, acc, mins),
+        }
     }
 }
 
@@ -872,23 +914,32 @@ const PAIR_SCALES: [[i16; 32]; 4] = {
 
 /// [`scaled_chunks`] two chunks at a time: the same sums, 32 i16 lanes of pair sums each
 /// multiplied by its sub-block's scale, folded to eight i32 lanes at the end.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
-fn scaled_pairs<const R: usize>(s: &SuperBlock, x: &Rows<'_, R>, b: usize) -> [__m256i; R] {
-    let (sc, chunks, signed) = (s.sc, &s.chunks, s.signed);
-    let sc = _mm512_zextsi256_si512(sc);
-    let mut iacc = [_mm512_setzero_si512(); R];
-    for (p, idx) in PAIR_SCALES.iter().enumerate() {
-        let q = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(chunks[2 * p]), chunks[2 * p + 1]);
-        // SAFETY: 64 bytes read from `idx`.
-        let s = _mm512_permutexvar_epi16(unsafe { _mm512_loadu_si512(idx.as_ptr().cast()) }, sc);
-        for (r, iacc) in iacc.iter_mut().enumerate() {
-            let (u, xr) = signs_moved_wide(q, x.load64(r, QK_K * b + 2 * QK * p), signed);
-            let products = _mm512_madd_epi16(_mm512_maddubs_epi16(u, xr), s);
-            *iacc = _mm512_add_epi32(*iacc, products);
+///
+/// Not a `target_feature` function, so that it is always inlined into its caller (see
+/// [`scaled_chunks`]).
+///
+/// # Safety
+/// The CPU must have AVX-512 F and BW, AVX2, FMA and F16C.
+#[inline(always)]
+unsafe fn scaled_pairs<const R: usize>(s: &SuperBlock, x: &Rows<'_, R>, b: usize) -> [__m256i; R] {
+    // SAFETY: the caller has the features.
+    unsafe {
+        let (sc, chunks, signed) = (s.sc, &s.chunks, s.signed);
+        let sc = _mm512_zextsi256_si512(sc);
+        let mut iacc = [_mm512_setzero_si512(); R];
+        for (p, idx) in PAIR_SCALES.iter().enumerate() {
+            let q =
+                _mm512_inserti64x4::<1>(_mm512_castsi256_si512(chunks[2 * p]), chunks[2 * p + 1]);
+            // 64 bytes read from `idx`.
+            let s = _mm512_permutexvar_epi16(_mm512_loadu_si512(idx.as_ptr().cast()), sc);
+            for (r, iacc) in iacc.iter_mut().enumerate() {
+                let (u, xr) = signs_moved_wide(q, x.load64(r, QK_K * b + 2 * QK * p), signed);
+                let products = _mm512_madd_epi16(_mm512_maddubs_epi16(u, xr), s);
+                *iacc = _mm512_add_epi32(*iacc, products);
+            }
         }
+        iacc.map(|v| _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64::<1>(v)))
     }
-    iacc.map(|v| _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64::<1>(v)))
 }
 
 /// [`signs_moved`] for 64 bytes (AVX-512 has no `vpsignb`: the magnitudes, and `x` negated
