@@ -717,6 +717,14 @@ pub(super) mod tests {
         ));
     }
 
+    /// AVX2's panel kernel for the type, which CPUs with AVX-512 VNNI do not take.
+    #[cfg(target_arch = "x86_64")]
+    fn integer_panels_avx2(x: &[f32], w: &Matrix, out: &mut [f32]) {
+        let t = x.len() / w.cols;
+        let avx2 = Some(quant_panels::Panels::Avx2);
+        assert!(quant_panels::matmul_on(avx2, x, t, &w.data, w.rows, out));
+    }
+
     /// The integer kernels this CPU runs for `dtype`.
     #[cfg(target_arch = "x86_64")]
     fn integer_kernels(dtype: DType) -> Vec<Kernel> {
@@ -728,6 +736,9 @@ pub(super) mod tests {
         };
         if integer_prefill(dtype) {
             kernels.push(integer_panels);
+        }
+        if matches!(dtype, DType::Q4K | DType::Q4_0) {
+            kernels.push(integer_panels_avx2);
         }
         kernels
     }

@@ -17,7 +17,7 @@ use std::arch::x86_64::*;
 use super::matmul::{column_blocks, rows_per_task};
 use super::quant_dots::{dots_task, k4_scales, Dot8, Isa};
 use super::quant_rows::Rows8;
-use super::vnni_panels;
+use super::vnni_panels::{self, Block32, Levels};
 use crate::quant::{BlockQ4K, BlockQ4_0, BlockQ8_0, QK, QK_K};
 use crate::tensor::{DType, Data};
 
@@ -104,8 +104,8 @@ impl Panel {
 
 /// The panel kernels this CPU has.
 #[derive(Clone, Copy, PartialEq, Eq)]
-enum Panels {
-    /// Q4_K, eight rows per 256-bit register (this module).
+pub(super) enum Panels {
+    /// Q4_K and Q4_0, eight rows per 256-bit register (this module).
     Avx2,
     /// Q8_0, Q4_0, Q4_K and Q6_K, sixteen rows per 512-bit register (`vnni_panels`).
     Vnni,
@@ -128,7 +128,7 @@ impl Panels {
 /// (`matmul::integer_prefill`).
 pub fn takes(dtype: DType) -> bool {
     match Panels::best() {
-        Some(Panels::Avx2) => dtype == DType::Q4K,
+        Some(Panels::Avx2) => matches!(dtype, DType::Q4K | DType::Q4_0),
         Some(Panels::Vnni) => matches!(dtype, DType::Q8_0 | DType::Q4_0 | DType::Q4K | DType::Q6K),
         None => false,
     }
@@ -139,9 +139,23 @@ pub fn takes(dtype: DType) -> bool {
 /// `out` untouched, where [`takes`] says no or a value of `x` is not finite (which cannot be
 /// rounded to integers): the caller takes gemm then.
 pub fn matmul(x: &[f32], t: usize, w: &Data, n: usize, out: &mut [f32]) -> bool {
+    matmul_on(Panels::best(), x, t, w, n, out)
+}
+
+/// [`matmul`] on `panels`' kernels, which the CPU must have (the tests run AVX2's on CPUs
+/// that would take VNNI's).
+pub(super) fn matmul_on(
+    panels_: Option<Panels>,
+    x: &[f32],
+    t: usize,
+    w: &Data,
+    n: usize,
+    out: &mut [f32],
+) -> bool {
     use vnni_panels::{block32, q4k, q6k, ROWS};
-    match (Panels::best(), w) {
+    match (panels_, w) {
         (Some(Panels::Avx2), Data::Q4K(e)) => panels(x, t, e, n, out, (8, Isa::Avx2), groups),
+        (Some(Panels::Avx2), Data::Q4_0(e)) => panels(x, t, e, n, out, (8, Isa::Avx2), groups_q4_0),
         (Some(Panels::Vnni), Data::Q4K(e)) => panels(x, t, e, n, out, (ROWS, Isa::Vnni), q4k),
         (Some(Panels::Vnni), Data::Q6K(e)) => panels(x, t, e, n, out, (ROWS, Isa::Vnni), q6k),
         (Some(Panels::Vnni), Data::Q4_0(e)) => {
@@ -223,6 +237,107 @@ unsafe fn groups(w: &[BlockQ4K], x: &Rows8, out: *mut f32, stride: usize) {
                 _ => rows_times_panel::<1>(&panel, x, r0, &dst),
             }
         }
+    }
+}
+
+/// Eight weight rows of Q4_0, unpacked: `q[b * COLUMNS + c]` holds weights `4 c .. 4 c + 4` of
+/// each row's block `b` as unsigned nibbles (lane `r` row `r`, one byte per weight; the
+/// weight is `d * (u - 8)`), `d[b]` the rows' f16 scales.
+struct PanelQ4_0 {
+    q: Vec<__m256i>,
+    d: Vec<__m256>,
+}
+
+impl PanelQ4_0 {
+    /// Eight rows of `per_row` blocks each (`rows`, row-major), unpacked.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn new(rows: &[BlockQ4_0], per_row: usize) -> PanelQ4_0 {
+        let mut q = Vec::with_capacity(per_row * COLUMNS);
+        let mut d = Vec::with_capacity(per_row);
+        for b in 0..per_row {
+            let blocks: [&BlockQ4_0; 8] = std::array::from_fn(|r| &rows[r * per_row + b]);
+            let words = blocks.map(|blk| blk.words(0));
+            for c in 0..COLUMNS {
+                let column: [u32; 8] = std::array::from_fn(|r| words[r][c]);
+                // SAFETY: 32 bytes read from `column`.
+                q.push(unsafe { _mm256_loadu_si256(column.as_ptr().cast()) });
+            }
+            let h = blocks.map(|blk| blk.d());
+            // SAFETY: 16 bytes read from `h`.
+            d.push(_mm256_cvtph_ps(unsafe {
+                _mm_loadu_si128(h.as_ptr().cast())
+            }));
+        }
+        PanelQ4_0 { q, d }
+    }
+}
+
+/// [`groups`] for Q4_0: weight rows `w` (whole groups of eight) against every row of `x`, into
+/// `out[r * stride + o]`.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C; `out` must be valid for those writes.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn groups_q4_0(w: &[BlockQ4_0], x: &Rows8, out: *mut f32, stride: usize) {
+    let (t, per_row) = (x.rows(), x.k / QK);
+    for g in 0..w.len() / per_row / 8 {
+        let panel = PanelQ4_0::new(&w[8 * g * per_row..][..8 * per_row], per_row);
+        for r0 in (0..t).step_by(X_ROWS) {
+            let dst = Out {
+                // SAFETY: forwarded from the caller.
+                ptr: unsafe { out.add(8 * g) },
+                stride,
+            };
+            match (t - r0).min(X_ROWS) {
+                4 => rows_times_q4_0::<4>(&panel, x, r0, &dst),
+                3 => rows_times_q4_0::<3>(&panel, x, r0, &dst),
+                2 => rows_times_q4_0::<2>(&panel, x, r0, &dst),
+                _ => rows_times_q4_0::<1>(&panel, x, r0, &dst),
+            }
+        }
+    }
+}
+
+/// Rows `r0 .. r0 + R` of `x` times a Q4_0 panel's eight weight rows, into `dst`: per block,
+/// `vpmaddubsw` pairs of nibbles and activations (a lane sums eight pairs of at most
+/// 2 * 15 * 127: 30480), widened by `vpmaddwd`, less `8 * sum(x)` for the offset.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn rows_times_q4_0<const R: usize>(panel: &PanelQ4_0, x: &Rows8, r0: usize, dst: &Out) {
+    let k = x.k;
+    let per_row = k / QK;
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = [_mm256_setzero_ps(); R];
+    for b in 0..per_row {
+        let xq: [&[i8]; R] = std::array::from_fn(|r| &x.q[(r0 + r) * k + b * QK..][..QK]);
+        let mut pairs = [_mm256_setzero_si256(); R];
+        for c in 0..COLUMNS {
+            let q = panel.q[b * COLUMNS + c];
+            for r in 0..R {
+                let word: &[i8; 4] = xq[r][4 * c..][..4].try_into().expect("4");
+                let xb = _mm256_set1_epi32(i32::from_le_bytes(word.map(|v| v as u8)));
+                pairs[r] = _mm256_add_epi16(pairs[r], _mm256_maddubs_epi16(q, xb));
+            }
+        }
+        for r in 0..R {
+            let at = ((r0 + r) * k + b * QK) / 16;
+            let sum = i32::from(x.sums[at]) + i32::from(x.sums[at + 1]);
+            let dots = _mm256_sub_epi32(
+                _mm256_madd_epi16(pairs[r], ones),
+                _mm256_set1_epi32(BlockQ4_0::OFFSET * sum),
+            );
+            let dx = _mm256_set1_ps(x.d[(r0 + r) * per_row + b]);
+            acc[r] = _mm256_fmadd_ps(
+                _mm256_cvtepi32_ps(dots),
+                _mm256_mul_ps(panel.d[b], dx),
+                acc[r],
+            );
+        }
+    }
+    for (r, acc) in acc.iter().enumerate() {
+        // SAFETY: `groups_q4_0`'s caller made `dst` valid for row `r0 + r`'s eight values.
+        unsafe { _mm256_storeu_ps(dst.ptr.add((r0 + r) * dst.stride), *acc) };
     }
 }
 
