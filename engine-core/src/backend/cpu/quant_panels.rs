@@ -258,11 +258,11 @@ impl PanelQ4_0 {
         for b in 0..per_row {
             let blocks: [&BlockQ4_0; 8] = std::array::from_fn(|r| &rows[r * per_row + b]);
             let words = blocks.map(|blk| blk.words(0));
-            for c in 0..COLUMNS {
+            q.extend((0..COLUMNS).map(|c| {
                 let column: [u32; 8] = std::array::from_fn(|r| words[r][c]);
                 // SAFETY: 32 bytes read from `column`.
-                q.push(unsafe { _mm256_loadu_si256(column.as_ptr().cast()) });
-            }
+                unsafe { _mm256_loadu_si256(column.as_ptr().cast()) }
+            }));
             let h = blocks.map(|blk| blk.d());
             // SAFETY: 16 bytes read from `h`.
             d.push(_mm256_cvtph_ps(unsafe {
