@@ -93,8 +93,8 @@ pub fn matmul(x: &[f32], w: &Matrix, out: &mut [f32]) {
 
 /// Whether prefill (16 or more rows of `x`) with `dtype` weights multiplies in integers on this
 /// CPU, its activations rounded to 8 bits as decode's are (`activation_rounding`), rather than
-/// in f32 through gemm: Q4_K where the CPU has AVX2 but not AVX-512; Q8_0, Q4_0, Q4_K and Q6_K
-/// where it has AVX-512 VNNI (`quant_panels::takes`).
+/// in f32 through gemm: Q4_K and Q4_0 where the CPU has AVX2 but not AVX-512; Q8_0, Q4_0, Q4_K
+/// and Q6_K where it has AVX-512 VNNI (`quant_panels::takes`).
 pub fn integer_prefill(dtype: crate::tensor::DType) -> bool {
     #[cfg(target_arch = "x86_64")]
     return quant_panels::takes(dtype);

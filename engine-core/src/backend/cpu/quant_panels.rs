@@ -7,6 +7,8 @@
 //! every row of `x`, rounded to 8 bits per 256 values ([`Rows8`]), is multiplied against the
 //! panel. `vpmaddubsw` then takes 32 products per instruction where gemm's f32 FMA takes 8, and
 //! the weights are neither widened to f32 nor packed for each block of rows as gemm needs them.
+//! Q4_0 on AVX2 the same way, with one f16 scale per row and block of 32, its offset of 8 taken
+//! off as `8 * sum(x)`.
 //!
 //! The products are the decode kernel's (`quant_dots`): the same 8-bit activations, exact
 //! integer sums per super-block, so the bound of `matmul::activation_rounding` holds. A row's
