@@ -737,7 +737,7 @@ pub(super) mod tests {
         if integer_prefill(dtype) {
             kernels.push(integer_panels);
         }
-        if matches!(dtype, DType::Q4K | DType::Q4_0) {
+        if quant_panels::takes_on(Some(quant_panels::Panels::Avx2), dtype) {
             kernels.push(integer_panels_avx2);
         }
         kernels

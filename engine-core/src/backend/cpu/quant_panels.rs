@@ -129,7 +129,12 @@ impl Panels {
 /// Whether prefill with `dtype` weights multiplies in integers on this CPU
 /// (`matmul::integer_prefill`).
 pub fn takes(dtype: DType) -> bool {
-    match Panels::best() {
+    takes_on(Panels::best(), dtype)
+}
+
+/// Whether `panels`' kernels multiply `dtype` ([`matmul_on`] returns true for it).
+pub(super) fn takes_on(panels: Option<Panels>, dtype: DType) -> bool {
+    match panels {
         Some(Panels::Avx2) => matches!(dtype, DType::Q4K | DType::Q4_0),
         Some(Panels::Vnni) => matches!(dtype, DType::Q8_0 | DType::Q4_0 | DType::Q4K | DType::Q6K),
         None => false,
@@ -251,12 +256,14 @@ struct PanelQ4_0 {
 }
 
 impl PanelQ4_0 {
-    /// Eight rows of `per_row` blocks each (`rows`, row-major), unpacked.
+    /// Unpacks eight rows of `per_row` blocks each (`rows`, row-major), reusing the buffers
+    /// of the group before.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    fn new(rows: &[BlockQ4_0], per_row: usize) -> PanelQ4_0 {
-        let mut q = Vec::with_capacity(per_row * COLUMNS);
-        let mut d = Vec::with_capacity(per_row);
+    fn fill(&mut self, rows: &[BlockQ4_0], per_row: usize) {
+        let PanelQ4_0 { q, d } = self;
+        q.clear();
+        d.clear();
         for b in 0..per_row {
             let blocks: [&BlockQ4_0; 8] = std::array::from_fn(|r| &rows[r * per_row + b]);
             let words = blocks.map(|blk| blk.words(0));
@@ -271,7 +278,6 @@ impl PanelQ4_0 {
                 _mm_loadu_si128(h.as_ptr().cast())
             }));
         }
-        PanelQ4_0 { q, d }
     }
 }
 
@@ -283,8 +289,12 @@ impl PanelQ4_0 {
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn groups_q4_0(w: &[BlockQ4_0], x: &Rows8, out: *mut f32, stride: usize) {
     let (t, per_row) = (x.rows(), x.k / QK);
+    let mut panel = PanelQ4_0 {
+        q: Vec::with_capacity(per_row * COLUMNS),
+        d: Vec::with_capacity(per_row),
+    };
     for g in 0..w.len() / per_row / 8 {
-        let panel = PanelQ4_0::new(&w[8 * g * per_row..][..8 * per_row], per_row);
+        panel.fill(&w[8 * g * per_row..][..8 * per_row], per_row);
         for r0 in (0..t).step_by(X_ROWS) {
             let dst = Out {
                 // SAFETY: forwarded from the caller.
