@@ -4,15 +4,16 @@
 //! the helper, over the same paired, encrypted link, with this host as the side that lets
 //! peers in (its key store and pairing code).
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::net::SocketAddr;
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender, TrySendError};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
+use engine_core::link::admission::Admission;
 use engine_core::link::doors::Doors;
 use engine_core::link::secure::wire_limit;
-use engine_core::link::ws::{Asks, Pending, WsLink, WsListener};
+use engine_core::link::ws::{Asks, Pending, WsLink, WsListener, LISTENER_LIMITS};
 use engine_core::link::{Link, LinkError};
 use engine_core::protocol::{encode, Message};
 
@@ -21,28 +22,6 @@ use crate::lend::{Lender, LentSlot};
 /// Helpers let in but not yet taken by a session, at most: a helper past them is told the
 /// host is busy.
 const WAITING: usize = 4;
-
-/// Handshakes under way at once, at most (each holds a thread for up to the handshake's
-/// timeouts): a connection past them is closed at once, so strangers cannot pile up threads.
-const MAX_HANDSHAKES: usize = 16;
-
-/// One handshake under way, counted in [`Acceptor`]'s `handshakes` until dropped.
-struct Handshake(Arc<AtomicUsize>);
-
-impl Handshake {
-    /// A slot for one more handshake, if there is one.
-    fn start(count: &Arc<AtomicUsize>) -> Option<Handshake> {
-        let taken = count.fetch_add(1, Ordering::SeqCst);
-        let slot = Handshake(count.clone());
-        (taken < MAX_HANDSHAKES).then_some(slot)
-    }
-}
-
-impl Drop for Handshake {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::SeqCst);
-    }
-}
 
 /// The doors helpers come in by and the helpers let in, waiting to be taken.
 pub struct Acceptor {
@@ -53,8 +32,10 @@ pub struct Acceptor {
     addr: String,
     tx: SyncSender<Joined>,
     joined: Mutex<Receiver<Joined>>,
-    /// Handshakes under way.
-    handshakes: Arc<AtomicUsize>,
+    /// Connections not yet let in, from this host's own port and from `tether serve`'s
+    /// /helper alike (each holds a thread until its handshake ends): bounded per source and
+    /// in all, timed as a whole (engine_core::link::admission).
+    handshakes: Admission,
 }
 
 /// A helper let in, with where it dialed from.
@@ -76,34 +57,32 @@ impl Acceptor {
         pair_new: bool,
         lent: LentSlot,
     ) -> Result<Acceptor> {
-        let listener = WsListener::bind(addr, wire_limit(max_frame))
-            .with_context(|| format!("--accept-helpers {addr}"))?
+        let bound = WsListener::bind(addr, wire_limit(max_frame))
+            .with_context(|| format!("--accept-helpers {addr}"))?;
+        let local = format!("ws://{}", bound.local_addr());
+        let acceptor = Acceptor::new(&local, insecure, pair_new, lent)?;
+        let listener = bound
+            .admitting(acceptor.handshakes.clone())
             // A browser tab is a helper too; its links are paired like any other.
             .allow_browsers(!insecure);
-        let local = format!("ws://{}", listener.local_addr());
-        let acceptor = Acceptor::new(&local, insecure, pair_new, lent)?;
         let (doors, tx, shown) = (acceptor.doors.clone(), acceptor.tx.clone(), local.clone());
         let lender = acceptor.lender.clone();
-        let handshakes = acceptor.handshakes.clone();
         std::thread::Builder::new()
             .name("accept-helpers".into())
             .spawn(move || loop {
                 match listener.next() {
-                    Ok(pending) => {
-                        // Past the limit the connection is dropped, which closes it.
-                        let Some(slot) = Handshake::start(&handshakes) else {
-                            continue;
-                        };
+                    Ok(mut pending) => {
                         let (doors, tx, shown) = (doors.clone(), tx.clone(), shown.clone());
                         let lender = lender.clone();
                         let peer = pending.peer_addr().to_string();
+                        let ticket = pending.take_ticket();
                         let _ = std::thread::Builder::new()
                             .name("helper-handshake".into())
                             .spawn(move || {
                                 if let Some(ws) = upgrade_or_answer(pending, &lender) {
                                     let_in(&doors, ws, peer, &shown, &tx);
                                 }
-                                drop(slot);
+                                drop(ticket);
                             });
                     }
                     Err(e) => {
@@ -142,29 +121,29 @@ impl Acceptor {
             addr: addr.to_string(),
             tx,
             joined: Mutex::new(rx),
-            handshakes: Arc::new(AtomicUsize::new(0)),
+            handshakes: Admission::new(LISTENER_LIMITS),
         })
     }
 
-    /// Whether one more handshake may start now (the HTTP server asks before it upgrades a
-    /// connection to /helper).
-    pub fn has_room(&self) -> bool {
-        self.handshakes.load(Ordering::SeqCst) < MAX_HANDSHAKES
-    }
-
-    /// A connection that reached this host some other way (a WebSocket upgraded by the HTTP
-    /// server): its secure handshake runs on a thread of its own, if there is room for it
-    /// (else the link is dropped, which closes it).
-    pub fn offer(&self, link: impl Link + 'static, peer: String) {
-        let Some(slot) = Handshake::start(&self.handshakes) else {
+    /// A connection from `peer` that reached this host some other way (a WebSocket upgraded
+    /// by the HTTP server): admitted as this host's own connections are (`close` closes it if
+    /// it is pushed out or overstays), then its secure handshake runs on a thread of its own.
+    /// Without room (every place busy) the link is dropped, which closes it.
+    pub fn offer(
+        &self,
+        link: impl Link + 'static,
+        peer: SocketAddr,
+        close: impl FnOnce() + Send + 'static,
+    ) {
+        let Some(ticket) = self.handshakes.admit(peer.ip(), close) else {
             return;
         };
         let (doors, tx, addr) = (self.doors.clone(), self.tx.clone(), self.addr.clone());
         let _ = std::thread::Builder::new()
             .name("helper-handshake".into())
             .spawn(move || {
-                let_in(&doors, Ok(link), peer, &addr, &tx);
-                drop(slot);
+                let_in(&doors, Ok(link), peer.to_string(), &addr, &tx);
+                drop(ticket);
             });
     }
 
@@ -197,6 +176,7 @@ fn upgrade_or_answer(mut pending: Pending, lender: &Lender) -> Option<Result<WsL
     match pending.asks() {
         Ok(Asks::Upgrade) => Some(pending.upgrade()),
         Ok(Asks::Plain { method, target }) => {
+            let _busy = pending.busy();
             let a = lender.answer(&method, &target);
             if let Err(e) = pending.answer(a.status, &a.headers, &a.body) {
                 eprintln!("{method} {target}: {e}");

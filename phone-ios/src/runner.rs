@@ -338,12 +338,14 @@ impl<'c> Listening<'c> {
 
     /// One connection, from its WebSocket upgrade to the end of its session; true if a host
     /// was served.
-    fn session(&self, helper: &Helper, pending: Pending) -> bool {
+    fn session(&self, helper: &Helper, mut pending: Pending) -> bool {
         let peer = pending.peer_addr();
         let show = |code: &str| self.show_code(code);
+        // Bounded and timed until the host is let in (engine_core::link::admission).
+        let ticket = pending.take_ticket();
         let mut link = match pending
             .upgrade()
-            .and_then(|ws| self.doors.let_in(ws, &peer.to_string(), show))
+            .and_then(|ws| self.doors.let_in(ws.as_helper(), &peer.to_string(), show))
         {
             Ok(link) => link,
             Err(e) => {
@@ -351,6 +353,7 @@ impl<'c> Listening<'c> {
                 return false;
             }
         };
+        drop(ticket);
         {
             let mut serving = lock(&self.serving);
             if let Some(other) = *serving {

@@ -134,7 +134,15 @@ pub struct DialOptions<'a> {
 /// The paired, encrypted link to `url` (plain with `insecure`): by the key remembered for
 /// `url`, else by the pairing code, whose key is then remembered.
 pub fn dial(url: &str, o: &DialOptions) -> Result<SecureLink<WsLink>, LinkError> {
-    let open = || ws::connect(url, wire_limit(o.max_frame));
+    // A helper's replies are what the host asks for: bounded (see ws's module doc).
+    let open = || {
+        let link = ws::connect(url, wire_limit(o.max_frame))?;
+        Ok::<_, LinkError>(if o.role == "helper" {
+            link.as_helper()
+        } else {
+            link
+        })
+    };
     if o.insecure {
         let (link, _) = secure::connect(open()?, &Keypair::generate(), Dial::Insecure)?;
         return Ok(link);

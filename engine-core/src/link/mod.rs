@@ -3,6 +3,8 @@
 //! so the same engine code runs over an in-process pair in tests, a shaped link in benchmarks
 //! and a WebSocket in production.
 
+#[cfg(not(target_arch = "wasm32"))]
+pub mod admission;
 #[cfg(all(feature = "secure", feature = "ws", not(target_arch = "wasm32")))]
 pub mod doors;
 pub mod idle;

@@ -13,10 +13,13 @@
 //! takes frames, instead of this end's memory growing with whatever the peer sends.
 //!
 //! The bound cannot deadlock: the only thread that waits on it is this end's reader, and it
-//! waits for this end's owner to `recv`. Sending never waits on the peer: [`Link::send`]
+//! waits for this end's owner to `recv`. A host's sending never waits on the peer: [`Link::send`]
 //! queues the frame for the writer thread, and that queue is not bounded (it holds only what
-//! this process chose to send). So an owner blocks only in `recv`, which a frame from the peer
-//! or the link closing ends. A host in a pipelined split prefill sends many `PrefillChunk`s
+//! the host chose to send). So a host blocks only in `recv`, which a frame from the peer or the
+//! link closing ends. A helper's replies are what its peer asks for, so a helper bounds its
+//! queue ([`WsLink::bound_sends`]): past the bound its `send` waits for the peer to read, and a
+//! peer that reads nothing for the stall time loses the link. That cannot deadlock either,
+//! since the host it waits on never waits to send. A host in a pipelined split prefill sends many `PrefillChunk`s
 //! before it reads any reply: they wait in its writer's queue and the socket while the
 //! helper's reader holds off, and TCP then stalls only the host's writer thread; the helper
 //! answers each chunk it takes (its replies queue on its own writer, which the host's reader
@@ -36,10 +39,24 @@ use tungstenite::http::{StatusCode, Uri};
 use tungstenite::protocol::{Role, WebSocketConfig};
 use tungstenite::{Message, WebSocket};
 
+use super::admission::{Admission, Busy, Limits, Ticket};
 use super::{Link, LinkError, LinkSender};
 
-/// A peer that connects but never completes the HTTP upgrade must not hang `accept` forever.
+/// A peer that connects but never completes the HTTP upgrade must not hang `accept` forever:
+/// each read and write of the handshake waits at most this, and the listener's admission
+/// closes a connection whose whole handshake takes longer.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A listener's bounds on connections not yet let in ([`WsListener::limits`]): a helper serves
+/// one host, and a host takes a few helpers, so a few handshakes at once from one address and
+/// a few dozen in all are plenty; past them the oldest idle ones give way (see
+/// [`super::admission`]). The deadline covers the WebSocket upgrade and, for the caller that
+/// keeps the [`Pending::take_ticket`] until its own handshake ends, the secure one too.
+pub const LISTENER_LIMITS: Limits = Limits {
+    per_source: 8,
+    total: 64,
+    deadline: Some(HANDSHAKE_TIMEOUT),
+};
 
 /// How long a dropped link's socket stays open for reading after its Close, waiting for the
 /// peer to close too. Closing a socket with unread bytes in it makes the close a reset, and a
@@ -52,8 +69,62 @@ const LINGER: Duration = Duration::from_secs(2);
 /// reading while the owner handles the frame before.
 pub const INCOMING_FRAMES: usize = 4;
 
+/// What a helper's replies may hold of its memory while its host does not read them: a
+/// pipelined prefill keeps a few ubatches' replies in flight (tens of MB for the 27B), and a
+/// host that asks and never reads must not grow it further.
+pub const HELPER_SEND_QUEUE: usize = 64 << 20;
+
+/// How long a helper's reply waits for its host to read anything before the link is dropped.
+pub const HELPER_SEND_STALL: Duration = Duration::from_secs(60);
+
 /// Why the writer thread stopped, for the `send` that finds it gone.
 type Failure = Arc<Mutex<Option<String>>>;
+
+/// Bytes queued for the writer thread and not yet written, and whether it stopped: what a
+/// bounded sender ([`WsLink::bound_sends`]) waits on.
+#[derive(Default)]
+struct Backlog {
+    state: Mutex<(usize, bool)>,
+    room: std::sync::Condvar,
+}
+
+impl Backlog {
+    fn lock(&self) -> std::sync::MutexGuard<'_, (usize, bool)> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The writer wrote `bytes` (or, with `stopped`, will write no more).
+    fn written(&self, bytes: usize, stopped: bool) {
+        let mut s = self.lock();
+        s.0 = s.0.saturating_sub(bytes);
+        s.1 |= stopped;
+        self.room.notify_all();
+    }
+
+    /// Counts `len` more bytes queued, first waiting while the queue holds more than `limit`
+    /// with them (a frame into an empty queue always goes); fails once the writer has written
+    /// nothing for `stall`.
+    fn reserve(&self, len: usize, limit: usize, stall: Duration) -> Result<(), String> {
+        let mut s = self.lock();
+        while s.0 > 0 && s.0.saturating_add(len) > limit && !s.1 {
+            let before = s.0;
+            let (next, waited) = self
+                .room
+                .wait_timeout(s, stall)
+                .unwrap_or_else(PoisonError::into_inner);
+            s = next;
+            if waited.timed_out() && s.0 >= before {
+                return Err(format!(
+                    "the peer read nothing for {} s while {} bytes waited for it",
+                    stall.as_secs(),
+                    s.0
+                ));
+            }
+        }
+        s.0 += len;
+        Ok(())
+    }
+}
 
 /// Limits both a single WebSocket frame and a reassembled message to the link's frame limit;
 /// tungstenite checks a frame's announced length before reserving memory for it, and a
@@ -173,6 +244,7 @@ pub struct WsListener {
     local_addr: SocketAddr,
     max_frame: usize,
     browsers: bool,
+    admission: Admission,
 }
 
 impl WsListener {
@@ -187,7 +259,20 @@ impl WsListener {
             local_addr,
             max_frame,
             browsers: false,
+            admission: Admission::new(LISTENER_LIMITS),
         })
+    }
+
+    /// Admit connections into `admission` (shared with the connections that reach its owner
+    /// some other way) instead of a table of this listener's own.
+    pub fn admitting(mut self, admission: Admission) -> Self {
+        self.admission = admission;
+        self
+    }
+
+    /// The table of connections not yet let in (for counts in logs and tests).
+    pub fn admission(&self) -> &Admission {
+        &self.admission
     }
 
     /// Whether WebSocket upgrades from web pages (requests with an `Origin` header) are let
@@ -203,20 +288,35 @@ impl WsListener {
         self.local_addr
     }
 
-    /// Waits for the next TCP connection. Its WebSocket handshake is [`Pending::upgrade`],
-    /// which a server runs on a thread of its own so that a slow or silent peer never holds
-    /// up the next one.
+    /// Waits for the next TCP connection and admits it (older connections not yet let in may
+    /// be closed to make room, see [`LISTENER_LIMITS`]). Its WebSocket handshake is
+    /// [`Pending::upgrade`], which a server runs on a thread of its own so that a slow or
+    /// silent peer never holds up the next one.
     pub fn next(&self) -> Result<Pending, LinkError> {
-        let (stream, peer) = self
-            .listener
-            .accept()
-            .map_err(io_error(format!("accepting on {}", self.local_addr)))?;
+        let (stream, peer, ticket) = loop {
+            let (stream, peer) = self
+                .listener
+                .accept()
+                .map_err(io_error(format!("accepting on {}", self.local_addr)))?;
+            let shut = stream
+                .try_clone()
+                .map_err(io_error(format!("cloning the socket of {peer}")))?;
+            let admitted = self.admission.admit(peer.ip(), move || {
+                // Wakes whichever thread reads it, which then fails its handshake.
+                let _ = shut.shutdown(Shutdown::Both);
+            });
+            // No room (every place busy): dropping the stream closes it.
+            if let Some(ticket) = admitted {
+                break (stream, peer, ticket);
+            }
+        };
         Ok(Pending {
             stream,
             peer,
             max_frame: self.max_frame,
             browsers: self.browsers,
             head: 0,
+            ticket: Some(ticket),
         })
     }
 
@@ -235,6 +335,8 @@ pub struct Pending {
     browsers: bool,
     /// The length of the request head [`Pending::asks`] saw (still unread).
     head: usize,
+    /// Its place among the connections not yet let in: dropped with the upgrade, unless taken.
+    ticket: Option<Ticket>,
 }
 
 /// What a connection to a [`WsListener`] asks for.
@@ -252,6 +354,19 @@ const MAX_HEAD: usize = 8192;
 impl Pending {
     pub fn peer_addr(&self) -> SocketAddr {
         self.peer
+    }
+
+    /// Its place among the connections not yet let in, for a caller whose own handshake
+    /// (the secure link's) follows the upgrade: the connection stays bounded and timed until
+    /// the ticket is dropped.
+    pub fn take_ticket(&mut self) -> Option<Ticket> {
+        self.ticket.take()
+    }
+
+    /// Marks the connection busy while a plain request is answered (a lent tensor may take
+    /// longer than a handshake): it is then neither timed nor pushed out, but still counted.
+    pub fn busy(&self) -> Option<Busy> {
+        self.ticket.as_ref().map(Ticket::busy)
     }
 
     /// Reads the request's head without taking it from the socket (within
@@ -403,6 +518,28 @@ struct WsSender {
     queue: Sender<Vec<u8>>,
     max_frame: usize,
     failure: Failure,
+    backlog: Arc<Backlog>,
+    /// Bytes the queue may hold, and how long a send waits for the peer to read
+    /// ([`WsLink::bound_sends`]); unbounded if `None`.
+    bound: Option<(usize, Duration)>,
+    /// Shuts the socket when a bounded send gives up on the peer.
+    socket: Arc<TcpStream>,
+}
+
+impl WsSender {
+    fn failed(&self) -> Option<String> {
+        self.failure
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    fn stopped(&self) -> LinkError {
+        LinkError::Closed(
+            self.failed()
+                .unwrap_or_else(|| "WebSocket writer stopped".into()),
+        )
+    }
 }
 
 impl LinkSender for WsSender {
@@ -413,14 +550,17 @@ impl LinkSender for WsSender {
                 limit: self.max_frame,
             });
         }
-        self.queue.send(frame).map_err(|_| {
-            let why = self
-                .failure
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .clone();
-            LinkError::Closed(why.unwrap_or_else(|| "WebSocket writer stopped".into()))
-        })
+        if let Some(why) = self.failed() {
+            return Err(LinkError::Closed(why));
+        }
+        let (limit, stall) = self.bound.unwrap_or((usize::MAX, Duration::MAX));
+        if let Err(why) = self.backlog.reserve(frame.len(), limit, stall) {
+            *self.failure.lock().unwrap_or_else(PoisonError::into_inner) = Some(why.clone());
+            // The writer and reader stop; every later send fails at once.
+            let _ = self.socket.shutdown(Shutdown::Both);
+            return Err(LinkError::Closed(why));
+        }
+        self.queue.send(frame).map_err(|_| self.stopped())
     }
 }
 
@@ -467,10 +607,20 @@ impl WsLink {
         let (queue, frames) = mpsc::channel();
         let failure = Failure::default();
         let why = failure.clone();
+        let backlog = Arc::new(Backlog::default());
+        let written = backlog.clone();
+        let socket = Arc::new(
+            writer
+                .get_ref()
+                .try_clone()
+                .map_err(io_error(format!("cloning the socket of {peer}")))?,
+        );
         thread::Builder::new()
             .name(format!("ws-writer-{peer}"))
             .spawn(move || {
-                match write_frames(&mut writer, &frames) {
+                let wrote = write_frames(&mut writer, &frames, &written);
+                written.written(0, true);
+                match wrote {
                     // Everything sent and the Close with it: the peer may still be sending, so
                     // the socket stays open for reading until the peer closes too (the reader
                     // then ends) or LINGER passes.
@@ -493,10 +643,29 @@ impl WsLink {
                 queue,
                 max_frame,
                 failure,
+                backlog,
+                bound: None,
+                socket,
             },
             incoming,
             peer,
         })
+    }
+
+    /// [`Self::bound_sends`] as a helper's link bounds them: [`HELPER_SEND_QUEUE`] bytes,
+    /// [`HELPER_SEND_STALL`].
+    pub fn as_helper(self) -> Self {
+        self.bound_sends(HELPER_SEND_QUEUE, HELPER_SEND_STALL)
+    }
+
+    /// Bounds what waits to be written to `limit` bytes (a frame into an empty queue always
+    /// goes): past it, `send` waits for the peer to read, and fails, closing the link, once
+    /// the peer has read nothing for `stall`. For a helper, whose replies are what its peer
+    /// asks for; a host leaves its own queue unbounded (see the module's doc). Applies to
+    /// handles taken after it.
+    pub fn bound_sends(mut self, limit: usize, stall: Duration) -> Self {
+        self.out.bound = Some((limit, stall));
+        self
     }
 
     pub fn peer_addr(&self) -> SocketAddr {
@@ -560,14 +729,18 @@ fn drain(ws: &mut WebSocket<TcpStream>) {
 fn write_frames(
     ws: &mut WebSocket<TcpStream>,
     frames: &Receiver<Vec<u8>>,
+    backlog: &Backlog,
 ) -> tungstenite::Result<()> {
     while let Ok(frame) = frames.recv() {
+        let mut bytes = frame.len();
         ws.write(Message::Binary(frame.into()))?;
         // Frames queued meanwhile share one flush, so small ones share TCP segments.
         for frame in frames.try_iter() {
+            bytes += frame.len();
             ws.write(Message::Binary(frame.into()))?;
         }
         ws.flush()?;
+        backlog.written(bytes, false);
     }
     ws.close(None)
 }
@@ -758,6 +931,104 @@ mod tests {
                 }
             });
         }
+    }
+
+    /// A listener that upgrades every connection it admits on a thread of its own, as a helper
+    /// does, counting the upgrades that finished.
+    fn upgrading(listener: WsListener) -> (SocketAddr, Arc<std::sync::atomic::AtomicUsize>) {
+        let addr = listener.local_addr();
+        let done = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let count = done.clone();
+        thread::spawn(move || {
+            while let Ok(pending) = listener.next() {
+                let count = count.clone();
+                thread::spawn(move || {
+                    if let Ok(link) = pending.upgrade() {
+                        count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                        // Held until the peer goes.
+                        let mut link = link;
+                        while link.recv().is_ok() {}
+                    }
+                });
+            }
+        });
+        (addr, done)
+    }
+
+    #[test]
+    fn idle_sockets_do_not_lock_out_a_real_peer() {
+        let listener = WsListener::bind("127.0.0.1:0", 1024).unwrap();
+        let admission = listener.admission().clone();
+        let (addr, upgraded) = upgrading(listener);
+        // Twice the listener's total, from the real peer's own address, each saying nothing.
+        let idle: Vec<TcpStream> = (0..2 * LISTENER_LIMITS.total)
+            .map(|_| TcpStream::connect(addr).unwrap())
+            .collect();
+        let t0 = std::time::Instant::now();
+        while admission.evicted() < (idle.len() - LISTENER_LIMITS.per_source) as u64 {
+            assert!(t0.elapsed() < WAIT, "evicted {}", admission.evicted());
+            thread::sleep(Duration::from_millis(10));
+        }
+        let t0 = std::time::Instant::now();
+        let mut link = connect(&format!("ws://{addr}/"), 1024).expect("let in to try");
+        assert!(t0.elapsed() < Duration::from_secs(1), "{:?}", t0.elapsed());
+        // The server's side counts once its thread is past the upgrade.
+        while upgraded.load(std::sync::atomic::Ordering::SeqCst) == 0 {
+            assert!(t0.elapsed() < WAIT);
+            thread::sleep(Duration::from_millis(10));
+        }
+        assert!(admission.len() <= LISTENER_LIMITS.per_source);
+        link.send(vec![1]).unwrap();
+        drop(idle);
+    }
+
+    #[test]
+    fn a_trickled_upgrade_is_closed_at_the_deadline() {
+        let limits = Limits {
+            deadline: Some(Duration::from_secs(1)),
+            ..LISTENER_LIMITS
+        };
+        let listener = WsListener::bind("127.0.0.1:0", 1024)
+            .unwrap()
+            .admitting(Admission::new(limits));
+        let addr = listener.local_addr();
+        let server = thread::spawn(move || listener.next().unwrap().upgrade());
+        let mut peer = TcpStream::connect(addr).unwrap();
+        let t0 = std::time::Instant::now();
+        // A byte every 200 ms: each read is quick, the whole never ends.
+        for b in b"GET / HTTP/1.1\r\nHost: x\r\n".iter().cycle() {
+            if peer.write_all(&[*b]).is_err() || server.is_finished() {
+                break;
+            }
+            thread::sleep(Duration::from_millis(200));
+            assert!(t0.elapsed() < WAIT, "still open after {:?}", t0.elapsed());
+        }
+        assert!(server.join().unwrap().is_err());
+        assert!(t0.elapsed() < Duration::from_secs(3), "{:?}", t0.elapsed());
+    }
+
+    /// A helper's replies to a peer that never reads stop at the bound, and the link goes once
+    /// the peer has read nothing for the stall time.
+    #[test]
+    fn a_peer_that_does_not_read_loses_a_bounded_link() {
+        let (server, client) = raw_client(1 << 20);
+        let mut server = server.bound_sends(4 << 20, Duration::from_secs(1));
+        let t0 = std::time::Instant::now();
+        let mut sent = 0usize;
+        let err = loop {
+            match server.send(vec![0; 256 << 10]) {
+                Ok(()) => sent += 256 << 10,
+                Err(e) => break e,
+            }
+            assert!(
+                sent < 256 << 20,
+                "256 MiB queued for a peer that reads nothing"
+            );
+        };
+        assert!(err.to_string().contains("read nothing"), "{err}");
+        assert!(t0.elapsed() < WAIT, "{:?}", t0.elapsed());
+        assert!(server.send(vec![1]).is_err(), "it stays closed");
+        drop(client);
     }
 
     #[test]

@@ -6,9 +6,12 @@
 //! - The request head must arrive within [`HEAD_TIMEOUT`] (hyper's header read timeout, which
 //!   also ends a keep-alive connection idle that long between requests).
 //! - The body must arrive within [`BODY_TIMEOUT`] (408 otherwise).
-//! - At most [`MAX_CONNECTIONS`] are open at once; one more is closed at accept. A connection
-//!   upgraded to a helper's WebSocket (/helper) leaves this count: the acceptor bounds those
-//!   (handshakes under way, helpers waiting) and the helper session its link.
+//! - At most [`LIMITS`] are open at once, from one address and in all. A new connection past
+//!   them closes the oldest idle one (waiting for a request head, or kept alive between
+//!   requests) of the address that holds the most, so idle or half-open sockets cannot lock
+//!   real clients out; only when every one is busy with a request is the new one closed. A
+//!   connection upgraded to a helper's WebSocket (/helper) leaves this count: the acceptor
+//!   bounds those (handshakes under way, helpers waiting) and the helper session its link.
 //!
 //! A response being streamed is not cut: generation has its own time limit (`--timeout`).
 
@@ -18,16 +21,17 @@ use std::time::Duration;
 
 use anyhow::Result;
 use axum::body::{to_bytes, Body};
-use axum::extract::Request;
+use axum::extract::{ConnectInfo, Request};
 use axum::http::{header, HeaderValue, Method, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::Router;
+use engine_core::link::admission::{Admission, Limits, Ticket};
 use http_body_util::{BodyExt, LengthLimitError};
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};
+use std::net::SocketAddr;
 use tokio::net::TcpListener;
-use tokio::sync::Semaphore;
 use tower::ServiceExt;
 use tracing::{debug, warn};
 
@@ -39,8 +43,28 @@ pub const HEAD_TIMEOUT: Duration = Duration::from_secs(10);
 /// Time for a request body: the 64 MiB limit at about 1 MiB/s.
 pub const BODY_TIMEOUT: Duration = Duration::from_secs(60);
 
-/// Connections open at once, at most.
-pub const MAX_CONNECTIONS: usize = 1024;
+/// Connections open at once, at most, from one address and in all (the process raises its
+/// file limit to hold them, see `raise_file_limit`).
+pub const LIMITS: Limits = Limits {
+    per_source: 256,
+    total: 1024,
+    deadline: None,
+};
+
+/// Raises the soft limit on open files to the hard one (many systems start processes at
+/// 1024, which [`LIMITS`] and the model's files would exhaust: `accept` then fails for
+/// everyone instead of the oldest idle connection being closed). Best effort.
+pub fn raise_file_limit() {
+    #[cfg(unix)]
+    // SAFETY: getrlimit and setrlimit only read and write the struct passed.
+    unsafe {
+        let mut lim: libc::rlimit = std::mem::zeroed();
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) == 0 && lim.rlim_cur < lim.rlim_max {
+            lim.rlim_cur = lim.rlim_max;
+            let _ = libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
+        }
+    }
+}
 
 /// Serve `router` on `listener` until `shutdown` completes, then let the requests in flight
 /// finish.
@@ -52,12 +76,14 @@ pub async fn serve(
     // Set once to stop: every connection then finishes the request it serves and closes.
     // (hyper-util's GracefulShutdown takes no connection that can upgrade, as /helper's does.)
     let (stop, stopping) = tokio::sync::watch::channel(false);
-    let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    let admission = Admission::new(LIMITS);
+    // Every connection's task holds a clone: the receiver ends once all have finished.
+    let (open, mut all_closed) = tokio::sync::mpsc::channel::<()>(1);
     let mut shutdown = std::pin::pin!(shutdown);
     loop {
-        let stream = tokio::select! {
+        let (stream, peer) = tokio::select! {
             accepted = listener.accept() => match accepted {
-                Ok((stream, _)) => stream,
+                Ok(accepted) => accepted,
                 // Out of file descriptors, a connection reset before accept: go on.
                 Err(e) => {
                     warn!("accept failed: {e}");
@@ -67,15 +93,15 @@ pub async fn serve(
             },
             () = &mut shutdown => break,
         };
-        let Ok(slot) = slots.clone().try_acquire_owned() else {
-            debug!("{MAX_CONNECTIONS} connections open: closing a new one");
+        let (evict, evicted) = tokio::sync::oneshot::channel::<()>();
+        let Some(ticket) = admission.admit(peer.ip(), move || {
+            let _ = evict.send(());
+        }) else {
+            debug!("every connection is busy: closing a new one from {peer}");
             continue;
         };
-        let router = router.clone();
-        let service = hyper::service::service_fn(move |req: Request<Incoming>| {
-            let router = router.clone();
-            async move { router.oneshot(req.map(Body::new)).await }
-        });
+        let service = connection_service(router.clone(), peer, ticket);
+        let open = open.clone();
         let mut http = hyper::server::conn::http1::Builder::new();
         http.timer(TokioTimer::new())
             .header_read_timeout(HEAD_TIMEOUT);
@@ -92,17 +118,50 @@ pub async fn serve(
                     conn.as_mut().graceful_shutdown();
                     conn.await
                 }
+                // Pushed out for a newer connection while idle: dropped, so closed.
+                _ = evicted => Ok(()),
             };
             if let Err(e) = ended {
                 debug!("connection ended: {e}");
             }
-            drop(slot);
+            drop(open);
         });
     }
     let _ = stop.send(true);
-    // Every connection's slot back: all of them have finished.
-    let _ = slots.acquire_many(MAX_CONNECTIONS as u32).await;
+    drop(open);
+    let _ = all_closed.recv().await;
     Ok(())
+}
+
+/// The service of one connection from `peer`: the router, with the peer's address for the
+/// handlers that need it (`ConnectInfo`), and the connection marked busy in its admission
+/// `ticket` from a request's head until its response (a stream, maybe) has been sent.
+fn connection_service(
+    router: Router,
+    peer: SocketAddr,
+    ticket: Ticket,
+) -> impl hyper::service::Service<
+    Request<Incoming>,
+    Response = Response,
+    Error = std::convert::Infallible,
+    Future = impl Future<Output = Result<Response, std::convert::Infallible>> + Send,
+> + Clone {
+    let ticket = Arc::new(ticket);
+    hyper::service::service_fn(move |mut req: Request<Incoming>| {
+        let router = router.clone();
+        req.extensions_mut().insert(ConnectInfo(peer));
+        let busy = ticket.busy();
+        async move {
+            let response = router.oneshot(req.map(Body::new)).await?;
+            // The guard lives as long as the body does.
+            Ok(response.map(|body| {
+                Body::new(body.map_frame(move |frame| {
+                    std::hint::black_box(&busy);
+                    frame
+                }))
+            }))
+        }
+    })
 }
 
 /// Answer a request refused before its body was read, reading and dropping that body first

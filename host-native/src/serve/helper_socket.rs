@@ -11,6 +11,7 @@ use engine_core::link::{Link, LinkError, LinkSender};
 use futures_util::{SinkExt, StreamExt};
 use tokio::runtime::Handle;
 use tokio::sync::mpsc;
+use tokio::task::AbortHandle;
 
 /// Frames read from the socket and not yet taken, at most: the socket's reader waits beyond
 /// that, so a peer cannot fill the server's memory faster than the engine reads.
@@ -28,6 +29,8 @@ pub struct SocketLink {
     out: SocketSender,
     incoming: mpsc::Receiver<Result<Vec<u8>, LinkError>>,
     handle: Handle,
+    /// The two tasks that move frames, to close the socket from outside ([`Self::closer`]).
+    tasks: [AbortHandle; 2],
 }
 
 #[derive(Clone)]
@@ -69,7 +72,7 @@ impl SocketLink {
         let (mut sink, mut stream) = socket.split();
         let (in_tx, incoming) = mpsc::channel(INCOMING);
         let (queue, mut out_rx) = mpsc::channel::<Vec<u8>>(OUTGOING);
-        tokio::spawn(async move {
+        let writer = tokio::spawn(async move {
             while let Some(frame) = out_rx.recv().await {
                 if sink.send(WsMessage::Binary(frame.into())).await.is_err() {
                     return;
@@ -77,7 +80,7 @@ impl SocketLink {
             }
             let _ = sink.close().await;
         });
-        tokio::spawn(async move {
+        let reader = tokio::spawn(async move {
             loop {
                 // Ends with the link too (its receiver dropped), so a silent peer's socket
                 // does not outlive the session.
@@ -111,7 +114,15 @@ impl SocketLink {
             },
             incoming,
             handle,
+            tasks: [writer.abort_handle(), reader.abort_handle()],
         }
+    }
+
+    /// Closes the socket when called, from any thread: both tasks stop (the socket drops
+    /// with them), and the link's `recv` then reports it closed.
+    pub fn closer(&self) -> impl FnOnce() + Send + 'static {
+        let tasks = self.tasks.clone();
+        move || tasks.iter().for_each(AbortHandle::abort)
     }
 }
 

@@ -289,6 +289,7 @@ pub fn run(a: Args) -> Result<()> {
         .enable_all()
         .build()
         .context("starting the async runtime")?;
+    connections::raise_file_limit();
     rt.block_on(async {
         let listener = tokio::net::TcpListener::bind((a.host.as_str(), a.port))
             .await

@@ -3,6 +3,7 @@
 //! (server-sent events ending with `data: [DONE]`) or whole.
 
 use std::convert::Infallible;
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -16,7 +17,7 @@ use engine_core::link::secure::wire_limit;
 use super::helper_socket::SocketLink;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
-use axum::extract::{DefaultBodyLimit, Path, Request, State};
+use axum::extract::{ConnectInfo, DefaultBodyLimit, Path, Request, State};
 use axum::http::{header, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::sse::{Event as Sse, KeepAlive};
@@ -581,6 +582,7 @@ async fn health(State(app): State<Arc<App>>) -> Response {
 /// the WebSocket upgrade, then the secure handshake with the doors of `--accept-helpers`.
 async fn helper(
     State(app): State<Arc<App>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
     ws: Result<WebSocketUpgrade, WebSocketUpgradeRejection>,
 ) -> Response {
     let Some(acceptor) = app.acceptor.clone().filter(|a| a.get().is_some()) else {
@@ -590,10 +592,6 @@ async fn helper(
         .with_code("no_helpers")
         .into_response();
     };
-    if !acceptor.get().is_some_and(Acceptor::has_room) {
-        return ApiError::unavailable("too many helpers are pairing at once; try again", 5)
-            .into_response();
-    }
     // A person opening /helper in a browser gets the tab helper's page.
     let Ok(ws) = ws else {
         return (
@@ -608,10 +606,9 @@ async fn helper(
         .max_frame_size(limit)
         .on_upgrade(move |socket| async move {
             if let Some(acceptor) = acceptor.get() {
-                acceptor.offer(
-                    SocketLink::start(socket, limit),
-                    "a helper on /helper".into(),
-                );
+                let link = SocketLink::start(socket, limit);
+                let close = link.closer();
+                acceptor.offer(link, peer, close);
             }
         })
 }
