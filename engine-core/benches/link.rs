@@ -7,7 +7,7 @@ use std::thread;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use engine_core::link::keys::{Keypair, PairingCode, PublicKey};
-use engine_core::link::secure::{self, wire_limit, Dial, Gate};
+use engine_core::link::secure::{self, wire_limit, Dial, Gate, Pairing};
 use engine_core::link::ws::{self, WsListener};
 use engine_core::link::Link;
 
@@ -24,7 +24,7 @@ fn connected(encrypted: bool) -> (Box<dyn Link>, Box<dyn Link>) {
             let gate = Gate {
                 insecure: !encrypted,
                 known: &nobody,
-                pairing: Some(&code),
+                pairing: Pairing::Open(&code),
             };
             let ws = listener.accept().unwrap();
             Box::new(secure::accept(ws, &helper_keys, &gate).unwrap().0) as Box<dyn Link>

@@ -18,7 +18,8 @@ use std::time::Duration;
 
 use engine_core::link::keys::{Keypair, PairingCode, PublicKey};
 use engine_core::link::secure::{
-    accept, connect, Accepted, Dial, Gate, Initiator, Progress, Refusal, Responder, SecureLink,
+    accept, connect, Accepted, Dial, Gate, Initiator, Pairing, Progress, Refusal, Responder,
+    SecureLink,
 };
 use engine_core::link::{pair, Link, LinkError, LinkSender, MemoryLink};
 use proptest::prelude::*;
@@ -136,7 +137,7 @@ fn open_gate(code: Option<&'static Mutex<PairingCode>>) -> Gate<'static> {
     Gate {
         insecure: false,
         known: &any_host,
-        pairing: code,
+        pairing: code.map_or_else(Pairing::closed, Pairing::Open),
     }
 }
 
@@ -285,7 +286,7 @@ proptest! {
         insecure in any::<bool>(),
     ) {
         let (code, _) = leaked_code();
-        let gate = Gate { insecure, known: &any_host, pairing: Some(code) };
+        let gate = Gate { insecure, known: &any_host, pairing: Pairing::Open(code) };
         let plain = insecure && first.len() >= 3 && first[..3] == [HANDSHAKE, 1, 0];
         let mut frames = vec![first];
         frames.extend(later.into_iter().map(|mut f| {
@@ -369,7 +370,7 @@ proptest! {
     /// A helper run `--insecure` takes exactly the plain hello, and refuses everything else.
     #[test]
     fn an_insecure_helper_takes_only_the_plain_hello(first in first_frame()) {
-        let gate = Gate { insecure: true, known: &any_host, pairing: None };
+        let gate = Gate { insecure: true, known: &any_host, pairing: Pairing::closed() };
         let plain = first.len() >= 3 && first[..3] == [HANDSHAKE, 1, 0];
         let (res, _) = accept_script(vec![first], &gate);
         match res {
@@ -448,7 +449,7 @@ fn the_sans_io_cores_meet_in_memory() {
     let plain = Gate {
         insecure: true,
         known: &any_host,
-        pairing: None,
+        pairing: Pairing::closed(),
     };
     let (host, who) = sans_io_meet(Dial::Insecure, &plain, None);
     assert_eq!((host.unwrap(), who.unwrap()), (None, Accepted::Insecure));

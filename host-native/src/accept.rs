@@ -12,8 +12,9 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use engine_core::link::admission::Admission;
 use engine_core::link::doors::Doors;
+use engine_core::link::keys::MAX_WRONG;
 use engine_core::link::secure::wire_limit;
-use engine_core::link::ws::{Asks, Pending, WsLink, WsListener, LISTENER_LIMITS};
+use engine_core::link::ws::{Asks, PageOrigin, Pending, WsLink, WsListener, LISTENER_LIMITS};
 use engine_core::link::{Link, LinkError};
 use engine_core::protocol::{encode, Message};
 
@@ -74,13 +75,16 @@ impl Acceptor {
                     Ok(mut pending) => {
                         let (doors, tx, shown) = (doors.clone(), tx.clone(), shown.clone());
                         let lender = lender.clone();
-                        let peer = pending.peer_addr().to_string();
+                        let peer = pending.peer_addr();
                         let ticket = pending.take_ticket();
                         let _ = std::thread::Builder::new()
                             .name("helper-handshake".into())
                             .spawn(move || {
                                 if let Some(ws) = upgrade_or_answer(pending, &lender) {
-                                    let_in(&doors, ws, peer, &shown, &tx);
+                                    let origin = ws
+                                        .as_ref()
+                                        .map_or(PageOrigin::NotAPage, |ws| ws.origin().clone());
+                                    let_in(&doors, ws, peer, &origin, &shown, &tx);
                                 }
                                 drop(ticket);
                             });
@@ -107,7 +111,11 @@ impl Acceptor {
         let flag = if insecure { " --insecure" } else { "" };
         eprintln!("accepting helpers on {addr}");
         match doors.pairing_code() {
-            Some(code) => show_code(addr, &code),
+            Some(code) => {
+                show_code(addr, &code);
+                let shown = addr.to_string();
+                Doors::new_codes_on_enter(&doors, move |code| show_code(&shown, code));
+            }
             None if insecure => eprintln!(
                 "WARNING: --insecure: any helper that reaches {addr} is taken, and can read \
                  what crosses the link; helpers join with: tether-helper --join {addr}{flag}"
@@ -133,6 +141,7 @@ impl Acceptor {
         &self,
         link: impl Link + 'static,
         peer: SocketAddr,
+        origin: PageOrigin,
         close: impl FnOnce() + Send + 'static,
     ) {
         let Some(ticket) = self.handshakes.admit(peer.ip(), close) else {
@@ -142,7 +151,7 @@ impl Acceptor {
         let _ = std::thread::Builder::new()
             .name("helper-handshake".into())
             .spawn(move || {
-                let_in(&doors, Ok(link), peer.to_string(), &addr, &tx);
+                let_in(&doors, Ok(link), peer, &origin, &addr, &tx);
                 drop(ticket);
             });
     }
@@ -197,13 +206,20 @@ fn show_code(addr: &str, code: &str) {
 fn let_in<L: Link + 'static>(
     doors: &Doors,
     ws: Result<L, LinkError>,
-    peer: String,
+    peer: SocketAddr,
+    origin: &PageOrigin,
     addr: &str,
     tx: &SyncSender<Joined>,
 ) {
-    let link = ws.and_then(|ws| doors.let_in(ws, &peer, |code| show_code(addr, code)));
+    let paused = || {
+        eprintln!(
+            "pairing paused: {MAX_WRONG} wrong codes were tried; press Enter here for a new code \
+             for {addr}"
+        );
+    };
+    let link = ws.and_then(|ws| doors.let_in(ws, peer, origin, paused));
     match link {
-        Ok(link) => match tx.try_send((Box::new(link), peer)) {
+        Ok(link) => match tx.try_send((Box::new(link), peer.to_string())) {
             Ok(()) => {}
             Err(
                 TrySendError::Full((mut link, peer)) | TrySendError::Disconnected((mut link, peer)),

@@ -13,7 +13,7 @@ use std::sync::Mutex;
 
 use engine_core::helper::{Helper, HelperOptions};
 use engine_core::link::keys::{Keypair, PairingCode, PublicKey};
-use engine_core::link::secure::{self, wire_limit, Dial, Gate};
+use engine_core::link::secure::{self, wire_limit, Dial, Gate, Pairing};
 use engine_core::link::{ws, ShapedLink};
 use engine_core::protocol::Configure;
 use engine_core::remote::{HelperClient, DEFAULT_MAX_FRAME};
@@ -139,7 +139,7 @@ pub fn run(a: Args) -> Result<()> {
             let gate = Gate {
                 insecure: false,
                 known: &nobody,
-                pairing: Some(&code),
+                pairing: Pairing::Open(&code),
             };
             let paired = listener
                 .accept()

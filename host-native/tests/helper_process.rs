@@ -457,7 +457,7 @@ fn an_idle_host_is_let_go_and_another_gets_in() {
 #[test]
 fn a_helper_that_joins_the_host_pairs_by_its_code_and_gives_the_host_alone_result() {
     use engine_core::link::keys::{PairingCode, PublicKey};
-    use engine_core::link::secure::Gate;
+    use engine_core::link::secure::{Gate, Pairing};
     use engine_core::link::ws::WsListener;
     let dir = fixtures_dir().join("tiny_fp32_T150");
     let m = Model::load_dir(&dir).unwrap();
@@ -475,7 +475,7 @@ fn a_helper_that_joins_the_host_pairs_by_its_code_and_gives_the_host_alone_resul
     let gate = Gate {
         insecure: false,
         known: &known,
-        pairing: Some(&code),
+        pairing: Pairing::Open(&code),
     };
     let join = |pair: &str| {
         Command::new(env!("CARGO_BIN_EXE_tether-helper"))

@@ -290,7 +290,7 @@ fn chat_on_a_synthetic_model_reuses_the_conversation() {
 /// turn; returns its URL.
 fn start_helper() -> Helper {
     use engine_core::link::keys::{Keypair, PairingCode, PublicKey};
-    use engine_core::link::secure::{self, wire_limit, Accepted, Gate};
+    use engine_core::link::secure::{self, wire_limit, Accepted, Gate, Pairing};
     use engine_core::link::ws::WsListener;
     use engine_core::remote::DEFAULT_MAX_FRAME;
     let model: &'static engine_core::Model = Box::leak(Box::new(
@@ -318,7 +318,7 @@ fn start_helper() -> Helper {
             let gate = Gate {
                 insecure: false,
                 known: &known,
-                pairing: Some(&code),
+                pairing: Pairing::Open(&code),
             };
             let Ok((mut link, who)) = secure::accept(ws, &keys, &gate) else {
                 continue;

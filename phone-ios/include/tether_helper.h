@@ -25,10 +25,15 @@ typedef struct TetherHelper TetherHelper;
 TetherHelper *tether_helper_start(const char *config_json, char **error);
 
 /* What the helper is doing, as a JSON object: {"state": "starting" | "listening" | "joining" |
- * "serving" | "stopped" | "failed", "address", "pairing_code", "host", "sessions",
+ * "serving" | "stopped" | "failed", "address", "pairing_code", "pairing_paused", "host", "sessions",
  * "mem_budget", "helper": {"kv_pages", "kv_bytes", "held_bytes", ...}, "link_sent_bytes",
  * "link_received_bytes", "error"}. Free it with tether_string_free. */
 char *tether_helper_status(const TetherHelper *helper);
+
+/* A new pairing code, when the person at the phone asks for one (after wrong codes paused
+ * pairing: "pairing_paused" in the status); the old code stops working. NULL unless the helper
+ * listens with pairing open. Free it with tether_string_free. */
+char *tether_helper_new_code(const TetherHelper *helper);
 
 /* Stop the helper (a host being served is let go within a fraction of a second), wait for
  * its thread and free it. The pointer is not valid afterwards. */

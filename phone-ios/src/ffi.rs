@@ -156,6 +156,24 @@ pub unsafe extern "C" fn tether_helper_status(helper: *const TetherHelper) -> *m
     c_string(status)
 }
 
+/// A new pairing code (the person at the phone asked for one, after wrong codes paused
+/// pairing, say), to be freed with `tether_string_free`; NULL unless the helper listens with
+/// pairing open. The old code stops working.
+///
+/// # Safety
+/// `helper` is NULL or what `tether_helper_start` returned, not yet stopped.
+#[no_mangle]
+pub unsafe extern "C" fn tether_helper_new_code(helper: *const TetherHelper) -> *mut c_char {
+    // SAFETY: the caller passes a live helper or NULL.
+    let Some(helper) = (unsafe { helper.as_ref() }) else {
+        return std::ptr::null_mut();
+    };
+    helper
+        .control
+        .new_code()
+        .map_or(std::ptr::null_mut(), c_string)
+}
+
 /// Stop the helper (a host being served is let go), wait for its thread, and free it.
 ///
 /// # Safety

@@ -13,7 +13,7 @@ use engine_core::helper::{Helper, HelperOptions, Loading, SessionEnd, Weights};
 use engine_core::link::doors::{self, DialOptions, Doors};
 use engine_core::link::idle::IdleLink;
 use engine_core::link::secure::wire_limit;
-use engine_core::link::ws::{Pending, WsListener};
+use engine_core::link::ws::{Pending, WsLink, WsListener};
 use engine_core::link::{Link, LinkError, LinkProfile, LinkSender, ShapedLink, StatsHandle};
 use engine_core::protocol::{encode, Message};
 use engine_core::remote::DEFAULT_MAX_FRAME;
@@ -149,6 +149,14 @@ fn serve_hosts(a: &Options, control: &Control) -> Result<()> {
             about();
             doors.announce();
             control.listening(listener.local_addr(), doors.doors.pairing_code());
+            *lock(&control.doors) = Some(doors.doors.clone());
+            if control.announce {
+                let hint = doors.addr;
+                Doors::new_codes_on_enter(&doors.doors, move |code| {
+                    println!("pairing code: {code}");
+                    eprintln!("on the host: tether run --helper ws://{hint} --pair {code} ...");
+                });
+            }
             listen(a, &listener, &doors, &helper)
         }
     }
@@ -294,7 +302,7 @@ impl<'c> SessionOptions<'c> {
 /// Who may come in, and who is in, on a listening helper: the doors of the secure link, and
 /// the host being served (one at a time; others are told so).
 struct Listening<'c> {
-    doors: Doors,
+    doors: Arc<Doors>,
     serving: Mutex<Option<SocketAddr>>,
     /// Where hosts connect, for the pairing hint.
     addr: SocketAddr,
@@ -312,7 +320,7 @@ impl<'c> Listening<'c> {
         }
         let doors = Doors::open("helper", a.insecure, a.pair_new).context("this helper's keys")?;
         Ok(Listening {
-            doors,
+            doors: Arc::new(doors),
             serving: Mutex::new(None),
             addr: listener.local_addr(),
             session,
@@ -330,23 +338,36 @@ impl<'c> Listening<'c> {
 
     fn show_code(&self, code: &str) {
         self.session.control.say(&format!("pairing code: {code}"));
+        self.session
+            .control
+            .update(|s| s.pairing_code = Some(code.to_string()));
         eprintln!(
             "on the host: tether run --helper ws://{} --pair {code} ...",
             self.addr
         );
     }
 
+    /// Wrong codes paused pairing: say how to get a new code.
+    fn paused(&self) {
+        eprintln!(
+            "pairing paused: {} wrong codes were tried; press Enter here for a new code",
+            engine_core::link::keys::MAX_WRONG
+        );
+        self.session.control.update(|s| s.pairing_paused = true);
+    }
+
     /// One connection, from its WebSocket upgrade to the end of its session; true if a host
     /// was served.
     fn session(&self, helper: &Helper, mut pending: Pending) -> bool {
         let peer = pending.peer_addr();
-        let show = |code: &str| self.show_code(code);
         // Bounded and timed until the host is let in (engine_core::link::admission).
         let ticket = pending.take_ticket();
-        let mut link = match pending
-            .upgrade()
-            .and_then(|ws| self.doors.let_in(ws.as_helper(), &peer.to_string(), show))
-        {
+        let let_in = |ws: WsLink| {
+            let origin = ws.origin().clone();
+            let paused = || self.paused();
+            self.doors.let_in(ws.as_helper(), peer, &origin, paused)
+        };
+        let mut link = match pending.upgrade().and_then(let_in) {
             Ok(link) => link,
             Err(e) => {
                 eprintln!("{peer}: {e}");
@@ -383,6 +404,9 @@ pub struct Status {
     pub address: Option<String>,
     /// The code a new host pairs with, when listening with pairing open.
     pub pairing_code: Option<String>,
+    /// Wrong codes paused pairing: no code is taken until a new one is asked for
+    /// ([`Control::new_code`]).
+    pub pairing_paused: bool,
     /// The host being served.
     pub host: Option<String>,
     /// Host sessions so far.
@@ -410,6 +434,8 @@ pub struct Control {
     link: Mutex<Option<StatsHandle>>,
     /// The listening address to connect to, to wake a helper waiting for a host.
     wake: Mutex<Option<SocketAddr>>,
+    /// A listening helper's doors, for [`Control::new_code`].
+    doors: Mutex<Option<Arc<Doors>>>,
     status: Mutex<Status>,
 }
 
@@ -430,6 +456,18 @@ impl Control {
 
     pub fn stopped(&self) -> bool {
         self.stop.load(Ordering::SeqCst)
+    }
+
+    /// A new pairing code, asked for by the person at the device (the app's button): the old
+    /// one stops working, and pairing resumes if wrong codes paused it. `None` unless
+    /// listening with pairing open.
+    pub fn new_code(&self) -> Option<String> {
+        let code = lock(&self.doors).as_ref()?.new_code()?;
+        self.update(|s| {
+            s.pairing_code = Some(code.clone());
+            s.pairing_paused = false;
+        });
+        Some(code)
     }
 
     pub fn status(&self) -> Status {

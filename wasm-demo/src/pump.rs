@@ -218,7 +218,7 @@ mod tests {
 
     use engine_core::helper::{Helper, HelperOptions};
     use engine_core::link::keys::PairingCode;
-    use engine_core::link::secure::{Gate, Responder};
+    use engine_core::link::secure::{Gate, Pairing, Responder};
     use engine_core::protocol::{decode, encode, Message};
     use engine_core::source::LoadOptions;
     use engine_core::{CpuBackend, Model};
@@ -269,7 +269,7 @@ mod tests {
                 let gate = Gate {
                     insecure: false,
                     known: &|_| false,
-                    pairing: Some(code),
+                    pairing: Pairing::Open(code),
                 };
                 match responder.take().unwrap().read(frame, &gate) {
                     Ok(Progress::Wait { send, then }) => {

@@ -197,16 +197,18 @@ impl KeyStore {
     }
 }
 
-/// The code a helper shows for pairing: six digits, drawn again after [`MAX_WRONG`] wrong
-/// tries, so a stranger gets at most that many guesses (one per attempt: SPAKE2 lets nothing
-/// be guessed offline) at a one-in-a-million code.
+/// The code a helper shows for pairing: six digits. A wrong try counts against it, and after
+/// [`MAX_WRONG`] it takes no more until the person at the device asks for a new one
+/// ([`PairingCode::new`]): a stranger gets that many guesses (one per attempt: SPAKE2 lets
+/// nothing be guessed offline) at a one-in-a-million code, and wrong guesses never change the
+/// code the person is reading off the screen.
 pub struct PairingCode {
     digits: String,
     wrong: u32,
 }
 
-/// Wrong codes before a new one is drawn.
-pub const MAX_WRONG: u32 = 3;
+/// Wrong codes before pairing pauses.
+pub const MAX_WRONG: u32 = 10;
 
 impl PairingCode {
     pub fn new() -> PairingCode {
@@ -227,14 +229,15 @@ impl PairingCode {
         &self.digits
     }
 
-    /// Counts a wrong try; returns true when that drew a new code (which must be shown).
+    /// Counts a wrong try; returns true when that one paused pairing.
     pub fn wrong_try(&mut self) -> bool {
         self.wrong += 1;
-        if self.wrong >= MAX_WRONG {
-            *self = PairingCode::new();
-            return true;
-        }
-        false
+        self.wrong == MAX_WRONG
+    }
+
+    /// Whether [`MAX_WRONG`] wrong codes have been tried: no more are taken.
+    pub fn paused(&self) -> bool {
+        self.wrong >= MAX_WRONG
     }
 }
 

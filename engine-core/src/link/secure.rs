@@ -90,10 +90,34 @@ pub struct Gate<'a> {
     pub insecure: bool,
     /// Whether a host's key is paired.
     pub known: &'a (dyn Fn(&PublicKey) -> bool + Sync),
-    /// The code new hosts may pair with, if this helper takes new hosts now. A lock, because
-    /// handshakes in flight at once share it: each reads the code when a host starts pairing
-    /// and counts a wrong try on it when one ends.
-    pub pairing: Option<&'a Mutex<PairingCode>>,
+    /// Whether a new host may pair now, and with which code.
+    pub pairing: Pairing<'a>,
+}
+
+/// Whether a [`Gate`] lets a new host pair.
+pub enum Pairing<'a> {
+    /// With this code. A lock, because handshakes in flight at once share it: each reads the
+    /// code when a host starts pairing and counts a wrong try on it when one ends.
+    Open(&'a Mutex<PairingCode>),
+    /// Not now; the host is told why.
+    Closed(String),
+}
+
+impl Pairing<'_> {
+    /// Closed, as for a helper that has paired and shows no code.
+    pub fn closed() -> Self {
+        Pairing::Closed(
+            "this helper is not taking new hosts: restart it with --pair-new to show a code".into(),
+        )
+    }
+}
+
+/// How a refusal for a wrong pairing code begins ([`is_wrong_code`]).
+pub const WRONG_CODE: &str = "wrong pairing code";
+
+/// Whether `e` refused a wrong pairing code (for a driver that slows such a source down).
+pub fn is_wrong_code(e: &LinkError) -> bool {
+    matches!(e, LinkError::Refused(why) if why.starts_with(WRONG_CODE))
 }
 
 /// Who came in through a [`Gate`].
@@ -120,9 +144,6 @@ pub struct Refusal {
     /// Why, as [`LinkError::Refused`] for a handshake turned away (the same reason as the
     /// `REFUSE` frame's, so both sides show it).
     pub error: LinkError,
-    /// A wrong pairing code drew a new one ([`PairingCode::wrong_try`]): the helper's driver
-    /// shows the new code, or the person pairing never sees the one that now works.
-    pub new_code: bool,
 }
 
 impl Refusal {
@@ -132,7 +153,6 @@ impl Refusal {
         Refusal {
             send: first,
             error: refused(why),
-            new_code: false,
         }
     }
 }
@@ -144,7 +164,6 @@ impl From<LinkError> for Refusal {
         Refusal {
             send: Vec::new(),
             error,
-            new_code: false,
         }
     }
 }
@@ -288,7 +307,7 @@ impl Responder {
 
     /// Takes the host's next frame. `gate` is what the helper lets in: give every frame of
     /// one connection the same gate, since the code a host pairs with is read from it at the
-    /// hello and a wrong one is counted on it at the end (see [`Refusal::new_code`]).
+    /// hello and a wrong one is counted on it at the end ([`PairingCode::wrong_try`]).
     pub fn read(self, frame: &[u8], gate: &Gate) -> Result<Progress<Responder, Accepted>, Refusal> {
         let msg = handshake_payload(frame)?;
         match self.0 {
@@ -365,16 +384,15 @@ fn start_pairing(
     gate: &Gate,
     spake_msg: &[u8],
 ) -> Result<Progress<Responder, Accepted>, Refusal> {
-    let Some(pairing) = gate.pairing else {
-        return Err(refuse(
-            "this helper is not taking new hosts: restart it with --pair-new to show a code",
-        ));
+    let pairing = match &gate.pairing {
+        Pairing::Open(code) => code.lock().unwrap_or_else(PoisonError::into_inner),
+        Pairing::Closed(why) => return Err(refuse(why.clone())),
     };
-    let digits = pairing
-        .lock()
-        .unwrap_or_else(PoisonError::into_inner)
-        .digits()
-        .to_string();
+    if pairing.paused() {
+        return Err(refuse(PAUSED));
+    }
+    let digits = pairing.digits().to_string();
+    drop(pairing);
     let (spake, msg) = spake(&digits);
     let reply = frame(HANDSHAKE, &msg);
     match pairing_noise(secret, spake, spake_msg, false) {
@@ -420,22 +438,23 @@ fn known_host(
     })
 }
 
+/// What a host that pairs is told once [`MAX_WRONG`] wrong codes paused pairing.
+const PAUSED: &str = "this device took too many wrong pairing codes and takes no more until a \
+                      new code is asked for on it";
+
 /// A pairing whose last message does not authenticate: the host's code was not ours. The try
-/// counts on the gate's code, which draws a new one after too many.
+/// counts on the gate's code, which pauses pairing after too many.
 fn wrong_code(gate: &Gate) -> Refusal {
-    let new_code = gate.pairing.is_some_and(|code| {
-        code.lock()
+    let paused = match &gate.pairing {
+        Pairing::Open(code) => code
+            .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .wrong_try()
-    });
-    let more = if new_code {
-        " (too many wrong codes: the helper shows a new one)"
-    } else {
-        ""
+            .wrong_try(),
+        Pairing::Closed(_) => false,
     };
-    Refusal {
-        new_code,
-        ..refuse(format!("wrong pairing code{more}"))
+    match paused {
+        true => refuse(format!("{WRONG_CODE}; {PAUSED}")),
+        false => refuse(WRONG_CODE),
     }
 }
 
@@ -753,7 +772,6 @@ impl Opener {
         Refusal {
             send: vec![frame(REFUSE, why.as_bytes())],
             error: LinkError::Io(why),
-            new_code: false,
         }
     }
 }
@@ -775,7 +793,7 @@ mod tests {
         Gate {
             insecure: false,
             known: paired,
-            pairing: code,
+            pairing: code.map_or_else(Pairing::closed, Pairing::Open),
         }
     }
 
@@ -873,14 +891,19 @@ mod tests {
         let known = move |k: &PublicKey| *k == host_pub;
         let g = gate(&known, Some(&code));
 
-        // A wrong code, twice: refused, the code stays; the third draws a new one.
+        // Wrong codes: refused, and the code stays the one shown; the last one pauses it.
         for i in 1..=MAX_WRONG {
             let (a, b) = pair();
             let (c, h) = meet(a, Dial::Pair(&wrong), &stranger, &helper, &g, b);
             let (c, h) = (refusal(c), refusal(h));
             assert!(h.starts_with("wrong pairing code") && c == h, "{c} / {h}");
-            assert_eq!(code.lock().unwrap().digits() == right, i < MAX_WRONG);
+            assert_eq!(code.lock().unwrap().digits(), right);
+            assert_eq!(h.contains("takes no more"), i == MAX_WRONG, "{h}");
         }
+        // Paused: even the right code is refused until a new one is drawn on the device.
+        let (a, b) = pair();
+        let (c, _) = meet(a, Dial::Pair(&right), &host, &helper, &g, b);
+        assert!(refusal(c).contains("takes no more"));
 
         // A key the helper never paired with.
         let (a, b) = pair();
@@ -914,7 +937,7 @@ mod tests {
         let plain = Gate {
             insecure: true,
             known: &known,
-            pairing: None,
+            pairing: Pairing::closed(),
         };
         let (a, b) = pair();
         let (c, _) = meet(a, Dial::Known(helper.public), &host, &helper, &plain, b);
@@ -1175,8 +1198,8 @@ mod tests {
         let known = move |k: &PublicKey| *k == host_pub;
         let g = gate(&known, Some(&code));
 
-        // Wrong codes: refused on both sides with the same reason; the last try the code
-        // takes draws a new one, and the refusal says so for the driver to show it.
+        // Wrong codes: refused on both sides with the same reason; the code stays the one
+        // shown, and the last try it takes pauses pairing, which the refusal says.
         for i in 1..=MAX_WRONG {
             let (c, h, _) = meet_responder(Dial::Pair(&wrong), &stranger, &helper, &g);
             let (c, h) = refusals(c, h);
@@ -1184,15 +1207,20 @@ mod tests {
                 why(&h).starts_with("wrong pairing code") && c == why(&h),
                 "{c}"
             );
-            assert_eq!(h.new_code, i == MAX_WRONG);
-            assert_eq!(code.lock().unwrap().shown() == right, i < MAX_WRONG);
+            assert_eq!(why(&h).contains("takes no more"), i == MAX_WRONG);
+            assert_eq!(code.lock().unwrap().shown(), right);
         }
         let (c, h, _) = meet_responder(Dial::Pair(&right), &stranger, &helper, &g);
         let (c, h) = refusals(c, h);
         assert!(
-            c.starts_with("wrong pairing code") && !h.new_code,
-            "a new code counts anew"
+            c.contains("takes no more") && c == why(&h),
+            "paused: the right code too"
         );
+        // A new code, asked for on the device, is taken.
+        *code.lock().unwrap() = PairingCode::new();
+        let new = code.lock().unwrap().shown();
+        let (c, h, _) = meet_responder(Dial::Pair(&new), &host, &helper, &g);
+        assert!(c.is_ok() && h.is_ok());
 
         // A key it has not paired with.
         let (c, h, _) = meet_responder(Dial::Known(helper.public), &stranger, &helper, &g);
@@ -1209,7 +1237,7 @@ mod tests {
         let plain = Gate {
             insecure: true,
             known: &known,
-            pairing: None,
+            pairing: Pairing::closed(),
         };
         let (c, h, _) = meet_responder(Dial::Known(helper.public), &host, &helper, &plain);
         let (c, h) = refusals(c, h);

@@ -457,7 +457,8 @@ impl Pending {
     }
 
     /// The WebSocket handshake (within [`HANDSHAKE_TIMEOUT`]); a web page's request is turned
-    /// away with 403 unless the listener allows browsers.
+    /// away with 403 unless the listener allows browsers. The link remembers which page asked
+    /// ([`WsLink::origin`]).
     pub fn upgrade(self) -> Result<WsLink, LinkError> {
         let Pending {
             stream,
@@ -467,6 +468,8 @@ impl Pending {
             ..
         } = self;
         let writer = prepare(&stream, peer)?;
+        let mut origin = PageOrigin::NotAPage;
+        let asked = &mut origin;
         // tungstenite's callback type fixes the large error (an HTTP response).
         #[allow(clippy::result_large_err)]
         let check_origin = |req: &Request, resp: Response| match req.headers().get("origin") {
@@ -479,12 +482,44 @@ impl Pending {
                 *refusal.status_mut() = StatusCode::FORBIDDEN;
                 Err(refusal)
             }
-            _ => Ok(resp),
+            Some(o) => {
+                let host = req.headers().get("host").and_then(|h| h.to_str().ok());
+                *asked = PageOrigin::of(o.to_str().unwrap_or("?"), host);
+                Ok(resp)
+            }
+            None => Ok(resp),
         };
         let reader =
             tungstenite::accept_hdr_with_config(stream, check_origin, Some(config(max_frame)))
                 .map_err(|e| handshake_error(e, peer))?;
-        WsLink::start(reader, writer, Role::Server, max_frame, peer)
+        let mut link = WsLink::start(reader, writer, Role::Server, max_frame, peer)?;
+        link.origin = origin;
+        Ok(link)
+    }
+}
+
+/// Which web page, if any, opened a WebSocket: a page may pair only from the host that served
+/// it, since any page a user opens can reach a device on the LAN or loopback and guess codes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PageOrigin {
+    /// No `Origin` header: not a browser (a native helper or host).
+    NotAPage,
+    /// A page this server served itself (its `Origin` names the `Host` it asked).
+    SameHost,
+    /// Another site's page: its origin.
+    Other(String),
+}
+
+impl PageOrigin {
+    /// The origin of a request with `Origin: origin`, sent to `host` (its `Host` header).
+    pub fn of(origin: &str, host: Option<&str>) -> PageOrigin {
+        let authority = origin
+            .strip_prefix("http://")
+            .or_else(|| origin.strip_prefix("https://"));
+        match (authority, host) {
+            (Some(a), Some(h)) if a.eq_ignore_ascii_case(h.trim()) => PageOrigin::SameHost,
+            _ => PageOrigin::Other(origin.chars().take(200).collect()),
+        }
     }
 }
 
@@ -511,6 +546,7 @@ pub struct WsLink {
     out: WsSender,
     incoming: Receiver<Result<Vec<u8>, LinkError>>,
     peer: SocketAddr,
+    origin: PageOrigin,
 }
 
 #[derive(Clone)]
@@ -649,7 +685,13 @@ impl WsLink {
             },
             incoming,
             peer,
+            origin: PageOrigin::NotAPage,
         })
+    }
+
+    /// The web page that opened this link, if one did (the listening side's view).
+    pub fn origin(&self) -> &PageOrigin {
+        &self.origin
     }
 
     /// [`Self::bound_sends`] as a helper's link bounds them: [`HELPER_SEND_QUEUE`] bytes,

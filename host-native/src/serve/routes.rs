@@ -13,12 +13,13 @@ use crate::helper::Attached;
 use axum::extract::ws::rejection::WebSocketUpgradeRejection;
 use axum::extract::ws::WebSocketUpgrade;
 use engine_core::link::secure::wire_limit;
+use engine_core::link::ws::PageOrigin;
 
 use super::helper_socket::SocketLink;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{ConnectInfo, DefaultBodyLimit, Path, Request, State};
-use axum::http::{header, StatusCode};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::sse::{Event as Sse, KeepAlive};
 use axum::response::{IntoResponse, Response};
@@ -583,8 +584,18 @@ async fn health(State(app): State<Arc<App>>) -> Response {
 async fn helper(
     State(app): State<Arc<App>>,
     ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
     ws: Result<WebSocketUpgrade, WebSocketUpgradeRejection>,
 ) -> Response {
+    // Only the page this server serves may pair from a browser (engine_core's doors).
+    let text = |name| {
+        headers
+            .get(name)
+            .and_then(|v: &HeaderValue| v.to_str().ok())
+    };
+    let origin = text(header::ORIGIN).map_or(PageOrigin::NotAPage, |o| {
+        PageOrigin::of(o, text(header::HOST))
+    });
     let Some(acceptor) = app.acceptor.clone().filter(|a| a.get().is_some()) else {
         return ApiError::not_found(
             "this server takes no helpers on its port: start it with --accept-helpers",
@@ -608,7 +619,7 @@ async fn helper(
             if let Some(acceptor) = acceptor.get() {
                 let link = SocketLink::start(socket, limit);
                 let close = link.closer();
-                acceptor.offer(link, peer, close);
+                acceptor.offer(link, peer, origin, close);
             }
         })
 }
