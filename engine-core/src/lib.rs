@@ -17,6 +17,7 @@ pub mod link;
 pub mod model;
 pub mod page_file;
 pub mod plan;
+pub mod printable;
 pub mod protocol;
 pub mod quant;
 pub mod remote;

@@ -159,8 +159,10 @@ fn arb_message() -> impl Strategy<Value = Message> {
         any::<u64>().prop_map(|nonce| Message::Ping { nonce }),
         any::<u64>().prop_map(|nonce| Message::Pong { nonce }),
         Just(Message::Ack),
-        ("[a-z_]{1,8}", ".{0,20}").prop_map(|(code, message)| Message::Error { code, message }),
-        ".{0,20}".prop_map(|reason| Message::Bye { reason }),
+        // Printable text (no control or format characters): a peer's other text is decoded
+        // escaped (a_peers_text_is_decoded_printable).
+        ("[a-z_]{1,8}", "\\PC{0,20}").prop_map(|(code, message)| Message::Error { code, message }),
+        "\\PC{0,20}".prop_map(|reason| Message::Bye { reason }),
     ]
 }
 
@@ -309,4 +311,33 @@ fn tensors_must_match_the_message() {
         .unwrap_err()
         .to_string()
         .contains("positions"));
+}
+
+/// A peer's text (an error's message, a model name, a stats key) is decoded printable: escape
+/// codes and newlines come out as `\u{..}`, so printing it cannot draw on a terminal.
+#[test]
+fn a_peers_text_is_decoded_printable() {
+    let sent = Message::error("busy", "no\n\x1b[2K\rpairing code: 111-111");
+    let (_, got) = decode(&encode(7, &sent), LIMIT).unwrap();
+    assert_eq!(
+        got,
+        Message::error("busy", "no\\u{a}\\u{1b}[2K\\u{d}pairing code: 111-111")
+    );
+    let stats = Message::Stats([("a\x1bb".to_string(), 1u64)].into_iter().collect());
+    let long = Message::Bye {
+        reason: "\x1b".repeat(5000),
+    };
+    let (_, got) = decode(&encode(7, &long), LIMIT).unwrap();
+    let Message::Bye { reason } = got else {
+        panic!("{got:?}")
+    };
+    assert!(
+        reason.starts_with("\\u{1b}") && reason.len() < 5000,
+        "{reason}"
+    );
+    let (_, got) = decode(&encode(7, &stats), LIMIT).unwrap();
+    assert_eq!(
+        got,
+        Message::Stats([("a\\u{1b}b".to_string(), 1u64)].into_iter().collect())
+    );
 }

@@ -34,6 +34,7 @@ use spake2::{Ed25519Group, Identity, Password, Spake2};
 
 use super::keys::{normalise_code, short, Keypair, PairingCode, PublicKey};
 use super::LinkError;
+use crate::printable::printable_bytes;
 
 #[cfg(not(target_arch = "wasm32"))]
 mod blocking;
@@ -194,7 +195,7 @@ fn frame(kind: u8, body: &[u8]) -> Vec<u8> {
 fn handshake_payload(frame: &[u8]) -> Result<&[u8], Refusal> {
     match frame.split_first() {
         Some((&HANDSHAKE, rest)) => Ok(rest),
-        Some((&REFUSE, why)) => Err(refused(String::from_utf8_lossy(why)).into()),
+        Some((&REFUSE, why)) => Err(refused(printable_bytes(why)).into()),
         _ => Err(refused("the peer does not speak tether's secure link").into()),
     }
 }
@@ -580,7 +581,7 @@ impl Initiator {
                 // Before the session reads it: a refusal here is the helper's answer to the
                 // handshake (a wrong code), not the end of an established link.
                 if let Some((&REFUSE, why)) = frame.split_first() {
-                    return Err(refused(String::from_utf8_lossy(why)).into());
+                    return Err(refused(printable_bytes(why)).into());
                 }
                 if !session.open(frame.to_vec())?.is_empty() {
                     return Err(refused("the helper's confirmation was not empty").into());
@@ -746,7 +747,7 @@ impl Opener {
             // failed: a later read must not deliver frames that still come (or that anyone on
             // the way, who can also send the unauthenticated refusal, sends after it).
             Some((&REFUSE, why)) => {
-                let why = format!("the peer ended the link: {}", String::from_utf8_lossy(why));
+                let why = format!("the peer ended the link: {}", printable_bytes(why));
                 self.broken = Some((LinkError::Closed, why.clone()));
                 Err(LinkError::Closed(why).into())
             }
@@ -1179,6 +1180,26 @@ mod tests {
             }
             e => panic!("not a refusal: {e}"),
         }
+    }
+
+    /// A peer's refusal is shown, never obeyed: its newlines and escape codes cannot draw a
+    /// fake line (a "pairing code") on the terminal that prints it.
+    #[test]
+    fn a_peers_refusal_reaches_the_terminal_escaped() {
+        let fake = b"busy\n\x1b[2K\rpairing code: 111-111";
+        let code = Mutex::new(PairingCode::new());
+        let known = |_: &PublicKey| false;
+        let g = gate(&known, Some(&code));
+        let refusal = Responder::new(&Keypair::generate())
+            .read(&frame(REFUSE, fake), &g)
+            .err()
+            .expect("a refusal");
+        let shown = refusal.error.to_string();
+        assert!(!shown.chars().any(char::is_control), "{shown:?}");
+        assert!(
+            shown.contains("busy\\u{a}\\u{1b}[2K\\u{d}pairing code"),
+            "{shown}"
+        );
     }
 
     #[test]

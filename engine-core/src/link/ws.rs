@@ -518,7 +518,7 @@ impl PageOrigin {
             .or_else(|| origin.strip_prefix("https://"));
         match (authority, host) {
             (Some(a), Some(h)) if a.eq_ignore_ascii_case(h.trim()) => PageOrigin::SameHost,
-            _ => PageOrigin::Other(origin.chars().take(200).collect()),
+            _ => PageOrigin::Other(crate::printable::printable(origin)),
         }
     }
 }

@@ -8,6 +8,7 @@
 
 use std::collections::BTreeMap;
 
+use crate::printable::{printable, printable_json};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
@@ -508,11 +509,15 @@ impl<'a> TensorReader<'a> {
     }
 }
 
+/// A frame's metadata, with every string in it made safe to print (crate::printable): the
+/// peer's text goes no further raw. Its errors may quote the peer's text too.
 fn meta<T: DeserializeOwned>(msg: MsgType, bytes: &[u8]) -> Result<Meta<T>, ProtocolError> {
-    serde_json::from_slice(bytes).map_err(|e| ProtocolError::Meta {
+    let err = |e: serde_json::Error| ProtocolError::Meta {
         msg,
-        reason: e.to_string(),
-    })
+        reason: printable(&e.to_string()),
+    };
+    let value = serde_json::from_slice(bytes).map_err(err)?;
+    serde_json::from_value(printable_json(value)).map_err(err)
 }
 
 fn shape_err(msg: MsgType, reason: String) -> ProtocolError {
