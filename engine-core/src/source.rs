@@ -120,22 +120,26 @@ pub fn load_model(spec: &str, o: &LoadOptions) -> Result<Model> {
 }
 
 /// `spec`'s config and every tensor (memory-mapped from a checkpoint or GGUF; a preset's
-/// generated), for a tool that rewrites a model (`tether quantize`).
+/// generated), for a tool that rewrites a model (`tether quantize`): refused wherever
+/// [`load_model`] would refuse them, so that no such tool writes a model the engine cannot run.
 #[cfg(not(target_arch = "wasm32"))]
 pub fn load_tensors(spec: &str, o: &LoadOptions) -> Result<(ModelConfig, TensorMap)> {
-    Source::parse(spec)?.tensors(spec, o)
+    Source::parse(spec)?.checked_tensors(spec, o)
 }
 
 /// `spec`'s config and whole-model identity, with no layers built: what a helper shows in the
-/// handshake before a host assigns it layers. A checkpoint's weight files are hashed once and
-/// cached ([`ModelIdentity::of_checkpoint`]); a preset generates nothing.
+/// handshake before a host assigns it layers. A file's tensors are checked against its config
+/// as [`load_model`] checks them, so that a helper refuses at startup what its host would
+/// refuse, not when a host assigns it a broken layer; they are mapped, not read (see
+/// [`Model::check_tensors`]). A checkpoint's weight files are hashed once and cached
+/// ([`ModelIdentity::of_checkpoint`]); a preset, whose tensors its config makes, generates
+/// nothing.
 #[cfg(not(target_arch = "wasm32"))]
 pub fn load_identity(spec: &str, o: &LoadOptions) -> Result<Model> {
     let source = Source::parse(spec)?;
     let config = match source {
-        Source::Dir(dir) => Model::read_config(dir)?,
-        Source::Gguf(path) => crate::gguf::qwen35::read_config(path)?,
         Source::Preset => o.config(spec)?,
+        Source::Dir(_) | Source::Gguf(_) => source.checked_tensors(spec, o)?.0,
     };
     let identity = source.identity(spec, o, &config)?;
     Model::layers_only(config, &TensorMap::new(), 0..0, identity)
@@ -197,6 +201,14 @@ impl<'a> Source<'a> {
             Source::Gguf(path) => crate::gguf::qwen35::load(path),
             Source::Preset => o.tensors(spec),
         }
+    }
+
+    /// [`Self::tensors`], refused wherever building the whole model from them would be
+    /// ([`Model::check_tensors`]).
+    fn checked_tensors(&self, spec: &str, o: &LoadOptions) -> Result<(ModelConfig, TensorMap)> {
+        let (config, tensors) = self.tensors(spec, o)?;
+        Model::check_tensors(&config, &tensors)?;
+        Ok((config, tensors))
     }
 
     /// The whole model's identity: a checkpoint's hashed files (cached), a GGUF file's, or a

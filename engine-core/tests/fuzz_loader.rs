@@ -112,11 +112,45 @@ impl Drop for Checkpoint {
     }
 }
 
-/// `Model::load_dir` without the checkpoint digest (see the module doc).
+/// `Model::load_dir` without the checkpoint digest (see the module doc). What the tools that
+/// build no model check (`Model::check_tensors`: `tether quantize`, a helper at startup)
+/// refuses the same checkpoints with the same message.
 fn load(dir: &Path) -> engine_core::Result<Model> {
     let config = Model::read_config(dir)?;
     let tensors = weights::load_dir(dir)?;
-    Model::from_tensors(config, &tensors)
+    let checked = Model::check_tensors(&config, &tensors).map_err(|e| e.to_string());
+    let model = Model::from_tensors(config, &tensors);
+    let built = model.as_ref().map(drop).map_err(ToString::to_string);
+    assert_eq!(checked, built, "check_tensors and loading disagree");
+    model
+}
+
+/// A tensor stored with its shape swapped, and a config whose `hidden_size` disagrees with the
+/// tensors: refused by the check, naming the tensor and both shapes.
+#[test]
+fn a_swapped_shape_or_another_hidden_size_is_refused_by_name() {
+    let mut tensors = synth::random_weights(&config(), DType::F32, 7).unwrap();
+    Model::check_tensors(&config(), &tensors).unwrap();
+    let wider = ModelConfig {
+        hidden_size: 8,
+        ..config()
+    };
+    let e = Model::check_tensors(&wider, &tensors)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("`model.embed_tokens.weight`: expected shape [8, 8], found [8, 4]"),
+        "{e}"
+    );
+    let down = "model.layers.1.mlp.down_proj.weight";
+    tensors.get_mut(down).unwrap().shape.reverse();
+    let e = Model::check_tensors(&config(), &tensors)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains(&format!("`{down}`: expected shape [4, 6], found [6, 4]")),
+        "{e}"
+    );
 }
 
 /// A loaded tensor map as comparable values: name, shape, dtype and bytes.

@@ -41,7 +41,8 @@ pub fn run(a: Args) -> Result<()> {
             a.output.display()
         );
     }
-    let (config, tensors) = load_tensors(&a.input, &a.synth)?;
+    let (config, tensors) =
+        load_tensors(&a.input, &a.synth).with_context(|| format!("loading {}", a.input))?;
     let input = Path::new(&a.input);
     let name = input
         .file_stem()

@@ -5,6 +5,8 @@ use std::process::Command;
 
 use tests::{fixtures_dir, max_abs_diff, Reference};
 
+mod broken;
+
 fn tether(args: &[&str]) -> std::process::Output {
     let out = Command::new(env!("CARGO_BIN_EXE_tether"))
         .args(args)
@@ -387,6 +389,40 @@ fn quantize_writes_llama_cpps_files() {
         err.contains("--type iq2_xs: expected one of f32, f16, bf16, q8_0"),
         "{err}"
     );
+}
+
+/// `tether quantize` refuses a checkpoint that `tether eval` refuses, with eval's message
+/// (one check of the tensors against the config), and writes nothing.
+#[test]
+fn quantize_refuses_what_eval_refuses_and_writes_nothing() {
+    let dir = scratch("broken");
+    let out = dir.join("out.gguf");
+    std::fs::write(dir.join("ids.txt"), "1 2 3").unwrap();
+    let path = |name: &str| dir.join(name).to_str().unwrap().to_string();
+    let (ids, gguf, evaluated) = (path("ids.txt"), path("out.gguf"), path("out.safetensors"));
+    for (model, problem) in broken::checkpoints(&dir) {
+        let model = model.to_str().unwrap();
+        let quantize = ["quantize", model, &gguf, "--type", "q8_0"];
+        let eval = [
+            "eval",
+            "--model",
+            model,
+            "--ids-file",
+            &ids,
+            "--out",
+            &evaluated,
+        ];
+        for args in [&quantize[..], &eval[..]] {
+            let run = Command::new(env!("CARGO_BIN_EXE_tether"))
+                .args(args)
+                .output()
+                .unwrap();
+            let err = String::from_utf8_lossy(&run.stderr);
+            assert!(!run.status.success(), "tether {args:?} succeeded: {err}");
+            assert!(err.contains(problem), "tether {args:?}: {err}");
+        }
+        assert!(!out.exists(), "quantize left {} behind", out.display());
+    }
 }
 
 /// A file that skips runs of zeros instead of writing them, so a GGUF of gigabytes of zero

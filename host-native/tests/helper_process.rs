@@ -15,6 +15,8 @@ use engine_core::remote::{HelperClient, DEFAULT_MAX_FRAME};
 use engine_core::{CpuBackend, Logits, Model, State};
 use tests::{fixtures_dir, spawn_announcing_lines, Reference};
 
+mod broken;
+
 struct HelperProcess {
     child: Child,
     url: String,
@@ -405,6 +407,36 @@ fn an_unknown_link_profile_is_an_error_naming_the_known_ones() {
         err.contains("--link pigeon") && err.contains("usb-c-10g"),
         "{err}"
     );
+}
+
+/// A helper checks the whole checkpoint at startup as `tether eval` does, though it builds
+/// only the layers a host assigns later: it exits with eval's message, listening nowhere.
+#[test]
+fn a_helper_refuses_at_startup_a_checkpoint_eval_refuses() {
+    use std::io::BufRead;
+    let dir = key_dir("broken");
+    for (model, problem) in broken::checkpoints(&dir) {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_tether-helper"))
+            .args(["--listen", "127.0.0.1:0", "--insecure", "--model"])
+            .arg(&model)
+            .env("TETHER_CONFIG_DIR", dir.join("keys"))
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        // Its first line on stdout is the address it listens on; a refusal prints none.
+        let stdout = std::io::BufReader::new(child.stdout.take().unwrap());
+        if let Some(line) = stdout.lines().next() {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("the helper took {}: {line:?}", model.display());
+        }
+        let out = child.wait_with_output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{err}");
+        assert!(err.contains(problem), "{err}");
+    }
+    let _ = std::fs::remove_dir_all(dir);
 }
 
 /// A host that stays connected but sends no request for `--idle-timeout` seconds is let go:

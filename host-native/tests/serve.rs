@@ -392,7 +392,9 @@ fn a_helper_changes_no_token_and_keeps_the_conversation_too() {
         "{metrics}"
     );
     assert!(with.metric("tether_kv_pages{device=\"helper\"}") > 0.0);
-    // The helper's offer (1 GiB) counts in the context, in whole pages of its KV.
+    // The helper's offer (1 GiB) counts in the context, in whole pages of its KV, and no
+    // more of it than the context: the tiny model has 4096 positions, the offer room for
+    // two million.
     let (_, health) = with.get("/health");
     let health: serde_json::Value = serde_json::from_str(&health).unwrap();
     let on_helper = health["context_tokens_on_helper"].as_u64().unwrap();
@@ -401,6 +403,8 @@ fn a_helper_changes_no_token_and_keeps_the_conversation_too() {
         on_helper > 0 && on_helper.is_multiple_of(16) && on_helper * per_token <= 1 << 30,
         "{health}"
     );
+    assert_eq!(health["context_tokens"], 4096, "{health}");
+    assert_eq!(on_helper, 4096, "{health}");
 }
 
 #[test]

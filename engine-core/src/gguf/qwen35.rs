@@ -244,13 +244,6 @@ pub fn load(path: &std::path::Path) -> Result<(ModelConfig, TensorMap)> {
     Ok((config, tensors))
 }
 
-/// A GGUF file's config alone (the file is mapped and its header parsed; no tensor is read).
-#[cfg(not(target_arch = "wasm32"))]
-pub fn read_config(path: &std::path::Path) -> Result<ModelConfig> {
-    let (g, _) = super::open(path)?;
-    config(&g).map_err(|e| in_file(path, e))
-}
-
 #[cfg(not(target_arch = "wasm32"))]
 fn in_file(path: &std::path::Path, e: Error) -> Error {
     match e {

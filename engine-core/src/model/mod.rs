@@ -202,6 +202,17 @@ impl Model {
         Model::build(config, tensors, layers, false, identity)
     }
 
+    /// Refuses `tensors` wherever building the whole model of `config` from them would (`run`,
+    /// `eval`): by the same code, so that the tools that build no whole model (`tether
+    /// quantize`, a helper at startup) refuse exactly what the engine refuses, in its words.
+    /// Nothing is kept: of tensors mapped from a file only the vectors (norms, gates, conv
+    /// kernels: well under a percent of the weights) are read; the matrices are looked at by
+    /// name, shape and dtype.
+    pub fn check_tensors(config: &ModelConfig, tensors: &TensorMap) -> Result<()> {
+        let all = 0..config.num_hidden_layers;
+        Model::parts(config, tensors, &all, true).map(drop)
+    }
+
     fn build(
         config: ModelConfig,
         tensors: &TensorMap,
@@ -209,11 +220,29 @@ impl Model {
         with_ends: bool,
         identity: ModelIdentity,
     ) -> Result<Model> {
-        config.validate()?;
-        let c = &config;
+        let (ends, layers) = Model::parts(&config, tensors, &loaded, with_ends)?;
+        Ok(Model {
+            identity,
+            ends,
+            loaded,
+            layers,
+            config,
+        })
+    }
+
+    /// The ends (`with_ends`) and the `loaded` layers of `c` from `tensors`, after the config's
+    /// own checks, each tensor checked against the config as it is taken ([`Loader`]): the one
+    /// check of a checkpoint's tensors.
+    fn parts(
+        c: &ModelConfig,
+        tensors: &TensorMap,
+        loaded: &std::ops::Range<usize>,
+        with_ends: bool,
+    ) -> Result<(Option<Ends>, Vec<Option<Layer>>)> {
+        c.validate()?;
         let ld = Loader {
             tensors,
-            layout: config.layout,
+            layout: c.layout,
         };
         let (h, v) = (c.hidden_size, c.vocab_size);
         let ends = if with_ends {
@@ -259,13 +288,7 @@ impl Model {
                 },
             }));
         }
-        Ok(Model {
-            identity,
-            ends,
-            loaded,
-            layers,
-            config,
-        })
+        Ok((ends, layers))
     }
 
     /// The layers built on this device.

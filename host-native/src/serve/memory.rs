@@ -33,7 +33,8 @@ pub struct ContextChoice {
     /// Positions whose KV fits in this machine's share of memory (unknown: `None`); with a
     /// helper, the host keeps at most these and the older pages move to the helper.
     pub on_host: Option<usize>,
-    /// Positions whose KV the helper offered to hold.
+    /// Positions of the context the helper holds: what its offer has room for, at most the
+    /// context (a helper with gigabytes to offer holds no more than the model's positions).
     pub on_helper: usize,
     pub footprint: Footprint,
     /// Set when `--ctx-size` asked for more than fits: what to warn about.
@@ -41,7 +42,7 @@ pub struct ContextChoice {
 }
 
 /// The context to serve: `asked` (`--ctx-size`), or as many whole pages as fit in half the
-/// available memory plus the `on_helper` positions a helper holds; never more than the
+/// available memory plus the `on_helper` positions a helper has room for; never more than the
 /// model's `max` positions.
 pub fn choose_context(
     asked: Option<usize>,
@@ -90,7 +91,7 @@ pub fn choose_context(
     Ok(ContextChoice {
         tokens,
         on_host,
-        on_helper,
+        on_helper: on_helper.min(tokens),
         footprint: fp,
         warning,
     })
@@ -188,5 +189,10 @@ mod tests {
         // Even a host with no room for a page serves what the helper holds.
         let c = choose_context(None, fp, Some(100), 16, 4096, 32).unwrap();
         assert_eq!(c.tokens, 32);
+        // A helper with room for more than the context holds the context, no more.
+        let c = choose_context(None, fp, Some(2 * budget), 16, 4096, 1 << 23).unwrap();
+        assert_eq!((c.tokens, c.on_helper), (4096, 4096));
+        let c = choose_context(Some(100), fp, Some(2 * budget), 16, 4096, 1 << 23).unwrap();
+        assert_eq!((c.tokens, c.on_helper), (100, 100));
     }
 }
