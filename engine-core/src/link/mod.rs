@@ -61,6 +61,13 @@ pub trait Link: Send {
     /// Frames from all handles share one ordered stream; the peer sees the link close only once
     /// the link and every handle are dropped.
     fn sender(&self) -> Box<dyn LinkSender>;
+
+    /// When bytes last arrived from the peer, if this link can tell (a WebSocket can): a frame
+    /// still on its way proves the peer alive as a whole one does, so a large frame on a slow
+    /// link does not read as silence ([`secure::SILENCE`]). `None`: whole frames only.
+    fn heard(&self) -> Option<std::time::Instant> {
+        None
+    }
 }
 
 /// The sending direction of a [`Link`], detached from it; see [`Link::sender`].
@@ -84,5 +91,9 @@ impl<L: Link + ?Sized> Link for Box<L> {
 
     fn sender(&self) -> Box<dyn LinkSender> {
         (**self).sender()
+    }
+
+    fn heard(&self) -> Option<std::time::Instant> {
+        (**self).heard()
     }
 }

@@ -64,10 +64,13 @@ const CHUNK: usize = MAX_MSG - TAG;
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// A link that hears nothing from its peer for this long takes the peer as lost (a killed
-/// process, a pulled cable, a laptop gone to sleep: nothing says goodbye). Both sides send an
-/// empty frame every sixth of it when they have nothing else to say, so only a peer that is
-/// really gone (or a frame that takes longer than this to cross the link) trips it.
-pub const SILENCE: Duration = Duration::from_secs(60);
+/// process, a pulled cable, a laptop gone to sleep, a process stopped: nothing says goodbye),
+/// and the host carries on from its page file. Both sides send an empty frame every sixth of
+/// it when they have nothing else to say, from a thread of their own (a tab: its timer), so
+/// only a peer that is really gone trips it; a frame still arriving counts as hearing the peer
+/// where the link can tell ([`super::Link::heard`]), so a large frame on a slow link does not.
+/// Seconds, not a minute: every request to a host whose helper froze waited this long.
+pub const SILENCE: Duration = Duration::from_secs(10);
 
 /// The inner link's frame limit for frames of up to `max_frame` bytes once encrypted: the kind
 /// byte and a tag per chunk.

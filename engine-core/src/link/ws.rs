@@ -27,10 +27,11 @@
 
 use std::io::ErrorKind;
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender, SyncSender};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tungstenite::error::{CapacityError, ProtocolError};
 use tungstenite::handshake::server::{ErrorResponse, Request, Response};
@@ -76,6 +77,68 @@ pub const HELPER_SEND_QUEUE: usize = 64 << 20;
 
 /// How long a helper's reply waits for its host to read anything before the link is dropped.
 pub const HELPER_SEND_STALL: Duration = Duration::from_secs(60);
+
+/// When bytes last arrived on a socket, as nanoseconds since the socket was watched: the
+/// reader thread writes it, the link's owner reads it ([`Link::heard`]).
+#[derive(Clone)]
+struct Heard {
+    since: Instant,
+    nanos: Arc<AtomicU64>,
+}
+
+impl Heard {
+    fn new() -> Heard {
+        Heard {
+            since: Instant::now(),
+            nanos: Arc::default(),
+        }
+    }
+
+    fn now(&self) {
+        let n = self.since.elapsed().as_nanos().min(u64::MAX as u128) as u64;
+        self.nanos.store(n, Ordering::Relaxed);
+    }
+
+    fn at(&self) -> Instant {
+        self.since + Duration::from_nanos(self.nanos.load(Ordering::Relaxed))
+    }
+}
+
+/// The reading side's socket, noting when bytes arrive: a large frame still on its way (a
+/// slow link) proves the peer alive before it is whole.
+struct Watched {
+    stream: TcpStream,
+    heard: Heard,
+}
+
+impl Watched {
+    fn new(stream: TcpStream) -> Watched {
+        Watched {
+            stream,
+            heard: Heard::new(),
+        }
+    }
+}
+
+impl std::io::Read for Watched {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let n = self.stream.read(buf)?;
+        if n > 0 {
+            self.heard.now();
+        }
+        Ok(n)
+    }
+}
+
+impl std::io::Write for Watched {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.stream.write(buf)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.stream.flush()
+    }
+}
 
 /// Why the writer thread stopped, for the `send` that finds it gone.
 type Failure = Arc<Mutex<Option<String>>>;
@@ -212,7 +275,7 @@ pub fn connect(url: &str, max_frame: usize) -> Result<WsLink, LinkError> {
         .map_err(io_error(format!("connecting to {url}")))?;
     let writer = prepare(&stream, peer)?;
     let (reader, _response) =
-        tungstenite::client::client_with_config(url, stream, Some(config(max_frame)))
+        tungstenite::client::client_with_config(url, Watched::new(stream), Some(config(max_frame)))
             .map_err(|e| handshake_error(e, peer))?;
     WsLink::start(reader, writer, Role::Client, max_frame, peer)
 }
@@ -489,9 +552,12 @@ impl Pending {
             }
             None => Ok(resp),
         };
-        let reader =
-            tungstenite::accept_hdr_with_config(stream, check_origin, Some(config(max_frame)))
-                .map_err(|e| handshake_error(e, peer))?;
+        let reader = tungstenite::accept_hdr_with_config(
+            Watched::new(stream),
+            check_origin,
+            Some(config(max_frame)),
+        )
+        .map_err(|e| handshake_error(e, peer))?;
         let mut link = WsLink::start(reader, writer, Role::Server, max_frame, peer)?;
         link.origin = origin;
         Ok(link)
@@ -547,6 +613,8 @@ pub struct WsLink {
     incoming: Receiver<Result<Vec<u8>, LinkError>>,
     peer: SocketAddr,
     origin: PageOrigin,
+    /// When bytes last arrived ([`Watched`]).
+    heard: Heard,
 }
 
 #[derive(Clone)]
@@ -602,14 +670,15 @@ impl LinkSender for WsSender {
 
 impl WsLink {
     fn start(
-        mut reader: WebSocket<TcpStream>,
+        mut reader: WebSocket<Watched>,
         writer: TcpStream,
         role: Role,
         max_frame: usize,
         peer: SocketAddr,
     ) -> Result<WsLink, LinkError> {
         // Both halves share one socket, so this clears the handshake's timeouts for both.
-        let socket = reader.get_mut();
+        let heard = reader.get_ref().heard.clone();
+        let socket = &reader.get_mut().stream;
         socket
             .set_read_timeout(None)
             .and_then(|()| socket.set_write_timeout(None))
@@ -632,7 +701,7 @@ impl WsLink {
                     Ended::Peer(end) => {
                         // Stops the writer too, and tells the peer that nothing more will be
                         // read; first, since the send below waits for room in the queue.
-                        let _ = reader.get_ref().shutdown(Shutdown::Both);
+                        let _ = reader.get_ref().stream.shutdown(Shutdown::Both);
                         // Ignored: the local end may be gone meanwhile.
                         let _ = in_tx.send(Err(end));
                     }
@@ -686,6 +755,7 @@ impl WsLink {
             incoming,
             peer,
             origin: PageOrigin::NotAPage,
+            heard,
         })
     }
 
@@ -729,7 +799,7 @@ enum Ended {
 
 /// Forwards binary messages until something ends the link, and returns what did.
 fn read_frames(
-    ws: &mut WebSocket<TcpStream>,
+    ws: &mut WebSocket<Watched>,
     frames: &SyncSender<Result<Vec<u8>, LinkError>>,
     peer: SocketAddr,
 ) -> Ended {
@@ -763,7 +833,7 @@ fn read_frames(
 
 /// Reads and discards until the socket ends, stopping (as [`read_frames`] does) at anything
 /// tungstenite would answer from `read`, since only the writer thread writes.
-fn drain(ws: &mut WebSocket<TcpStream>) {
+fn drain(ws: &mut WebSocket<Watched>) {
     while let Ok(Message::Binary(_) | Message::Pong(_)) = ws.read() {}
 }
 
@@ -806,6 +876,10 @@ impl Link for WsLink {
 
     fn sender(&self) -> Box<dyn LinkSender> {
         Box::new(self.out.clone())
+    }
+
+    fn heard(&self) -> Option<Instant> {
+        Some(self.heard.at())
     }
 }
 
@@ -1071,6 +1145,28 @@ mod tests {
         assert!(t0.elapsed() < WAIT, "{:?}", t0.elapsed());
         assert!(server.send(vec![1]).is_err(), "it stays closed");
         drop(client);
+    }
+
+    /// A frame still arriving counts as hearing the peer: a slow link's large frame is not
+    /// silence.
+    #[test]
+    fn bytes_of_a_frame_still_arriving_are_heard() {
+        let (mut server, mut client) = raw_client(1 << 20);
+        // A final binary frame of 1000 bytes, masked, sent a tenth at a time.
+        let mut frame = vec![0x82, 0x80 | 126, 0x03, 0xe8, 1, 2, 3, 4];
+        frame.extend(std::iter::repeat_n(0u8, 1000));
+        let before = server.heard().unwrap();
+        let mut seen = Vec::new();
+        for part in frame.chunks(101) {
+            client.get_mut().write_all(part).unwrap();
+            thread::sleep(Duration::from_millis(100));
+            seen.push(server.heard().unwrap());
+            if seen.len() < 10 {
+                assert_eq!(server.recv_timeout(Duration::ZERO).unwrap(), None);
+            }
+        }
+        assert!(seen.windows(2).all(|w| w[1] > w[0]), "{before:?} {seen:?}");
+        assert_eq!(server.recv_timeout(WAIT).unwrap().unwrap().len(), 1000);
     }
 
     #[test]

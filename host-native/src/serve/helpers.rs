@@ -18,7 +18,9 @@ const MAX_HELPERS: usize = 8;
 
 /// How long a request waits for a connection attempt it started: a helper that answers, or
 /// refuses, does so at once; one that does not is left to connect in the background while the
-/// request runs without it, and the next request picks up what came of it.
+/// request runs without it, and the next request picks up what came of it. Once an attempt
+/// has gone unanswered that long (a helper whose process is stopped: its kernel still accepts
+/// the connection), later requests wait for none until one is answered.
 const RECONNECT_WAIT: Duration = Duration::from_secs(1);
 
 /// A connection attempt under way on a thread of its own.
@@ -38,6 +40,9 @@ pub struct Helpers {
     every: Duration,
     next_try: Instant,
     pending: Option<Attempt>,
+    /// An attempt went unanswered for [`RECONNECT_WAIT`]: requests no longer wait for one
+    /// until an attempt gets a link.
+    silent: bool,
     /// Helpers the first request waits for, and how long (`--wait-helpers` on the server's
     /// own port, where none can join before it listens).
     first: Option<(usize, Duration)>,
@@ -50,6 +55,7 @@ impl Helpers {
             every,
             next_try: Instant::now(),
             pending: None,
+            silent: false,
             first: Some(args.waits_on_port()).filter(|(n, _)| *n > 0),
             args,
         }
@@ -156,9 +162,18 @@ impl Helpers {
                 self.start(live);
             }
             let attempt = self.pending.as_ref()?;
-            match attempt.link.recv_timeout(RECONNECT_WAIT) {
-                Err(mpsc::RecvTimeoutError::Timeout) => return None,
+            let wait = if self.silent {
+                Duration::ZERO
+            } else {
+                RECONNECT_WAIT
+            };
+            match attempt.link.recv_timeout(wait) {
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    self.silent = true;
+                    return None;
+                }
                 Ok(Ok(link)) => {
+                    self.silent = false;
                     let a = self.pending.take()?;
                     return Some((a.source, a.stats, link));
                 }

@@ -231,6 +231,9 @@ impl<L: Link> Link for SecureLink<L> {
         let until = Instant::now() + timeout;
         loop {
             self.opener.check()?;
+            if let Some(heard) = self.inner.heard() {
+                self.last_heard = self.last_heard.max(heard);
+            }
             let lost_at = self.last_heard + self.silence;
             let now = Instant::now();
             // Frames that arrived while nobody read the link (a helper waiting to be taken)
