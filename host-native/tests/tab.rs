@@ -286,7 +286,22 @@ fn a_tab_holds_pages_and_answers_attention_on_webgpu() {
     if !browser_ready() {
         return;
     }
-    with_helpers(&SPLIT[..4], tabs_on(&["auto"]));
+    with_helpers(&SPLIT[..4], tabs_on(&["gpu"]));
+}
+
+/// `auto` does not pick a software WebGPU adapter (SwiftShader, all headless Chromium has
+/// here): it is slower than the tab's CPU backend, and the page says why it chose the CPU.
+#[test]
+fn auto_passes_over_a_software_webgpu_adapter() {
+    if !browser_ready() {
+        return;
+    }
+    let (_, tabs) = with_helpers(&SPLIT[..4], tabs_on(&["auto"]));
+    let backend = &tabs[0].backend;
+    assert!(
+        backend.starts_with("cpu (WebGPU here is a software adapter"),
+        "{backend}"
+    );
 }
 
 /// The split prefill's tail layers (DeltaNet and gated attention) on the tab's WebGPU

@@ -942,3 +942,16 @@ fn backend_reads_as_futures_match_downloads_and_keep_the_values_of_their_call() 
     );
     assert!(ready_at_once(be.read_ranges(&[])).is_empty());
 }
+
+/// Mesa's lavapipe (what CI and machines without a GPU run these tests on) is a software
+/// adapter, which a tab's `auto` and anything else choosing a backend must pass over; a real
+/// GPU is not.
+#[test]
+fn a_software_adapter_is_known_as_one() {
+    let name = gpu().adapter_name();
+    assert_eq!(
+        gpu().is_software(),
+        name.to_ascii_lowercase().contains("llvmpipe"),
+        "{name}"
+    );
+}

@@ -158,7 +158,9 @@ async fn run(
 }
 
 /// The backend `choice` names: `gpu` (the page's WebGPU), `cpu`, or `auto` (WebGPU when the
-/// browser gives an adapter, else CPU). Tells the page which one runs.
+/// browser gives a hardware adapter, else CPU: a software one, SwiftShader on a machine without
+/// a GPU, ran a tab's attention about 10x slower than its CPU backend). Tells the page which
+/// one runs, and why.
 async fn make_backend(choice: &str, events: &Events) -> Result<Box<dyn Backend>, String> {
     let name = |what: String| events.send(json!({"kind": "backend", "name": what}));
     if choice == "cpu" {
@@ -170,6 +172,14 @@ async fn make_backend(choice: &str, events: &Events) -> Result<Box<dyn Backend>,
     }
     events.status("asking the browser for a WebGPU adapter");
     match GpuBackend::new_async(&GpuOptions::default()).await {
+        Ok(gpu) if choice == "auto" && gpu.gpu().is_software() => {
+            name(format!(
+                "cpu (WebGPU here is a software adapter, {}: slower than the CPU; \
+                 &backend=gpu forces it)",
+                gpu.adapter_name()
+            ));
+            Ok(Box::new(CpuBackend))
+        }
         Ok(gpu) => {
             name(format!("gpu ({})", gpu.adapter_name()));
             Ok(Box::new(gpu))

@@ -139,6 +139,11 @@ impl Gpu {
         self.device.has_f16()
     }
 
+    /// A software adapter (see `Device::is_software`).
+    pub fn is_software(&self) -> bool {
+        self.device.is_software()
+    }
+
     /// Bytes one storage binding may span: larger weights are split into row blocks.
     pub fn max_binding(&self) -> u64 {
         self.device.max_binding()

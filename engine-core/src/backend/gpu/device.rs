@@ -49,6 +49,10 @@ pub(super) trait Device: Send + Sync {
     /// Native f16 arithmetic in kernels (WGSL `enable f16`).
     fn has_f16(&self) -> bool;
 
+    /// A software rasteriser posing as a GPU (SwiftShader, lavapipe): correct, but slower than
+    /// the CPU backend on the same cores, so nothing should pick it unasked.
+    fn is_software(&self) -> bool;
+
     /// Bytes one storage binding may span.
     fn max_binding(&self) -> u64;
 

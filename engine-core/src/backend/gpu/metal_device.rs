@@ -287,6 +287,11 @@ impl Device for MetalDevice {
         true
     }
 
+    /// Metal has no software device.
+    fn is_software(&self) -> bool {
+        false
+    }
+
     /// Capped at what the kernels' u32 indices and the sizes struct's u32 fields can address.
     fn max_binding(&self) -> u64 {
         (self.device.maxBufferLength() as u64).min(u64::from(u32::MAX))

@@ -261,6 +261,16 @@ impl Device for WgpuDevice {
         self.f16
     }
 
+    /// A CPU adapter (lavapipe natively; in a browser, the fallback adapter), or one whose
+    /// name says it is a software one (Chromium's SwiftShader need not be marked fallback).
+    fn is_software(&self) -> bool {
+        let name = self.info.name.to_ascii_lowercase();
+        self.info.device_type == wgpu::DeviceType::Cpu
+            || ["swiftshader", "llvmpipe", "lavapipe", "software"]
+                .iter()
+                .any(|s| name.contains(s))
+    }
+
     fn max_binding(&self) -> u64 {
         self.max_binding
     }
