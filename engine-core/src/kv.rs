@@ -12,7 +12,7 @@ use std::ops::Range;
 use crate::backend::{Act, ActPartials, AttnShape, Backend};
 use crate::error::{Error, Result};
 use crate::page_file::PageFile;
-use crate::remote::HelperClient;
+use crate::remote::{AttendRate, HelperClient};
 
 /// KV rows for positions `start .. start + len`, token-major: row `j` holds
 /// `[kv_heads, head_dim]` keys (values likewise). `k` and `v` live in the backend that made
@@ -453,6 +453,9 @@ pub struct Away<'a> {
     pub layer: usize,
     pub helpers: &'a mut [HelperClient],
     pub disk: Option<&'a PageFile>,
+    /// This host's own attention speed, measured here when the backend's ops are timed on
+    /// return, for the placement to compare helpers with.
+    pub host_rate: Option<&'a mut AttendRate>,
 }
 
 impl Away<'_> {
@@ -462,6 +465,7 @@ impl Away<'_> {
             layer,
             helpers: &mut [],
             disk: None,
+            host_rate: None,
         }
     }
 }
@@ -602,7 +606,14 @@ pub fn begin_attention(
         )?;
     }
     let pages: Vec<&KvPage> = kv.pages().iter().filter(|p| p.start <= last).collect();
+    let began = web_time::Instant::now();
     let own = be.attend_pages(shape, q, positions, &pages);
+    if let Some(rate) = away
+        .host_rate
+        .filter(|_| be.timed_on_return() && !shares.is_empty())
+    {
+        rate.add(pages.len(), began.elapsed());
+    }
     local.extend(pages.iter().map(|p| p.start).zip(own));
     let asked = (away.disk.is_some() && !shares.is_empty())
         .then(|| (sent.unwrap_or_default(), positions.to_vec()));

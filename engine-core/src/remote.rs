@@ -27,6 +27,26 @@ impl From<LinkError> for Error {
     }
 }
 
+/// Pages attended and the seconds they took, summed: a speed, for the placement to compare a
+/// helper with the host.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct AttendRate {
+    pub pages: u64,
+    pub secs: f64,
+}
+
+impl AttendRate {
+    pub fn add(&mut self, pages: usize, took: std::time::Duration) {
+        self.pages += pages as u64;
+        self.secs += took.as_secs_f64();
+    }
+
+    /// Pages per second; `None` before any.
+    pub fn per_sec(&self) -> Option<f64> {
+        (self.pages > 0 && self.secs > 0.0).then(|| self.pages as f64 / self.secs)
+    }
+}
+
 pub struct HelperClient {
     /// This helper among a sequence's helpers (`State::attach` numbers them): the KV cache
     /// records which holds each page by it.
@@ -34,9 +54,12 @@ pub struct HelperClient {
     /// The helper refused a page for lack of memory: no more pages are offered to it (a round
     /// trip each) until a rewind frees some.
     pub full: bool,
-    /// Attention queries answered, for the placement's measured speed: (pages, seconds from
-    /// query to reply), summed.
-    attended: (u64, f64),
+    /// Attention queries answered, for the placement's measured speed: pages, and seconds
+    /// from query to reply.
+    attended: AttendRate,
+    /// The placement found attending its pages here faster than waiting for it: it holds no
+    /// pages and is offered none ([`crate::State`]'s placement).
+    pub slow: bool,
     /// When each attention query still unanswered was sent, with its page count.
     asked_at: std::collections::BTreeMap<u32, (web_time::Instant, usize)>,
     link: Box<dyn Link>,
@@ -86,7 +109,8 @@ impl HelperClient {
         let mut c = HelperClient {
             id: 0,
             full: false,
-            attended: (0, 0.0),
+            attended: AttendRate::default(),
+            slow: false,
             asked_at: Default::default(),
             link,
             next_req: 0,
@@ -356,8 +380,12 @@ impl HelperClient {
     /// Pages attended per second, measured from query to reply over this helper's answers so
     /// far (link time included: that is what the host waits for); `None` before any.
     pub fn pages_per_sec(&self) -> Option<f64> {
-        let (pages, secs) = self.attended;
-        (pages > 0 && secs > 0.0).then(|| pages as f64 / secs)
+        self.attended.per_sec()
+    }
+
+    /// Pages it has attended for this host so far.
+    pub fn pages_attended(&self) -> u64 {
+        self.attended.pages
     }
 
     /// The partials asked for by request `req`, for `rows` (query row, head) pairs, one per
@@ -373,8 +401,7 @@ impl HelperClient {
         let asked = self.asked_at.remove(&req);
         let reply = self.reply(req)?;
         if let Some((at, pages)) = asked {
-            self.attended.0 += pages as u64;
-            self.attended.1 += at.elapsed().as_secs_f64();
+            self.attended.add(pages, at.elapsed());
         }
         match reply {
             Message::AttnPartials {

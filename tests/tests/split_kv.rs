@@ -473,3 +473,55 @@ fn a_vanished_helper_fails_the_request_with_a_clear_error() {
         .to_string();
     assert!(err.starts_with("helper: link closed"), "{err}");
 }
+
+/// A helper that makes every step wait (here: 50 ms each way on its link, against a host that
+/// attends the tiny model's pages in microseconds) is set aside once measured: its pages are
+/// attended from the page file, it is offered no more, the reason is reported, and the tokens
+/// are the host alone's.
+#[test]
+fn a_helper_slower_than_the_host_is_set_aside_and_the_page_file_serves() {
+    use engine_core::link::{LinkProfile, ShapedLink};
+    let fixture = "tiny_fp32_T150";
+    let (m, r) = (model(fixture), Reference::load(fixture));
+    let (prompt, want) = (r.ids("prompt_ids"), r.ids("gen_ids"));
+    let slow = LinkProfile {
+        name: "slow".into(),
+        bandwidth_bps: f64::INFINITY,
+        latency: std::time::Duration::from_millis(50),
+    };
+    let m = &m;
+    std::thread::scope(|scope| {
+        let mut st = m.new_state(4);
+        st.spill = Some(tests::page_file());
+        let (host_end, mut helper_end) = pair();
+        scope.spawn(move || Helper::new(m, &CpuBackend, opts()).serve(&mut helper_end));
+        let host_end = ShapedLink::new(host_end, slow);
+        attach(m, &mut st, host_end, m.config.num_hidden_layers, 4, Some(8));
+        let mut logits = m
+            .forward(&CpuBackend, &mut st, &prompt, Logits::Last, None)
+            .unwrap();
+        let on_helper = st.pages_on(st.helpers[0].id);
+        assert!(on_helper > 0, "no page went to the helper");
+        let mut ids = Vec::new();
+        for _ in 0..want.len() {
+            let next = engine_core::generate::argmax(&logits);
+            ids.push(next);
+            logits = m
+                .forward(&CpuBackend, &mut st, &[next], Logits::Last, None)
+                .unwrap();
+        }
+        assert_eq!(ids, want, "the host alone's tokens");
+        let helper = &st.helpers[0];
+        assert!(
+            helper.slow,
+            "never set aside ({on_helper} pages were on it)"
+        );
+        assert_eq!(st.pages_on(helper.id), 0);
+        let why = st.helper_lost.clone().unwrap_or_default();
+        assert!(
+            why.contains("pages/s") && why.contains("page file"),
+            "{why}"
+        );
+        eprintln!("{why}");
+    });
+}

@@ -206,6 +206,12 @@ pub struct DeltaInputs<'a, T: ?Sized = [f32]> {
 pub trait Backend: Send + Sync {
     fn name(&self) -> &'static str;
 
+    /// Whether an op's work is done when it returns (the CPU), so its wall time is its cost;
+    /// a GPU's ops return once recorded. The placement times this host's attention only then.
+    fn timed_on_return(&self) -> bool {
+        true
+    }
+
     /// Whether matrices stored as `dtype` can be used here (the GPU backend has no k-quant
     /// kernels yet).
     fn reads(&self, dtype: crate::tensor::DType) -> bool {

@@ -499,6 +499,7 @@ impl Model {
                         layer: i,
                         helpers: &mut state.helpers,
                         disk: state.spill.as_ref(),
+                        host_rate: Some(&mut state.host_rate),
                     };
                     let (attention, gate) = a.begin(be, &normed, &positions, kv, away)?;
                     if pause && attention.awaits_helper() {

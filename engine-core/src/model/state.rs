@@ -10,13 +10,27 @@ use crate::config::{LayerKind, ModelConfig};
 use crate::error::{Error, Result};
 use crate::kv::{Away, PagedKv};
 use crate::page_file::PageFile;
-use crate::remote::HelperClient;
+use crate::remote::{AttendRate, HelperClient};
 use crate::telemetry::{self, Telemetry};
 
 /// Pages sent from the page file to a helper that lacks them, per forward pass at most: a
 /// helper that joins (or comes back) mid-sequence catches up a little after every pass, so
 /// no pass waits for the whole re-fill.
 const REFILL_PAGES: usize = 8;
+
+/// Pages a helper answers for before the placement judges its speed (a few steps' worth,
+/// so one slow reply does not decide).
+const JUDGE_AFTER_PAGES: u64 = 256;
+
+/// How much slower than this host attending its pages a helper may be before it is set aside.
+/// Wide: the measurements are noisy, the page file's reads are not counted in the host's
+/// speed, and a link's fixed cost per query (a helper in this very process, in a debug build,
+/// waited 3.7-5.6x what attending its pages here took) outweighs a small model's pages while
+/// costing little. What it is for is an order of magnitude: a tab on a software GPU, 12x.
+const SLOW_MARGIN: f64 = 8.0;
+
+/// And by how much per attention, at least, so that small absolute costs never decide.
+const MIN_LOSS: f64 = 5e-3;
 
 /// A fresh state is zeros on the host; a device backend moves it to the device the first time
 /// an op advances it, and it stays there.
@@ -71,9 +85,12 @@ pub struct State {
     /// KV positions per layer kept on this device when a helper or page file takes pages;
     /// whole pages past it move out after every forward pass.
     pub host_kv_tokens: Option<usize>,
-    /// Why the last helper of this sequence was lost, if one was: the sequence went on from
-    /// the page file (callers report it).
+    /// Why the last helper of this sequence was lost, or set aside as slower than this host,
+    /// if one was: the sequence went on from the page file (callers report it).
     pub helper_lost: Option<String>,
+    /// This host's own attention speed (pages per second), measured where its backend's
+    /// ops are timed on return: what a helper is compared with ([`State::place`]).
+    pub host_rate: AttendRate,
     /// Where this sequence's ubatches, transfers and page moves are reported (nowhere by
     /// default).
     pub telemetry: Telemetry,
@@ -112,6 +129,7 @@ impl State {
             spill: None,
             host_kv_tokens: None,
             helper_lost: None,
+            host_rate: AttendRate::default(),
             telemetry: Telemetry::default(),
         }
     }
@@ -204,6 +222,7 @@ impl State {
             layer,
             helpers: &mut self.helpers,
             disk: self.spill.as_ref(),
+            host_rate: Some(&mut self.host_rate),
         }
     }
 
@@ -348,6 +367,7 @@ impl State {
 
     fn move_pages(&mut self, be: &dyn Backend) -> Result<usize> {
         self.drop_lost_helpers();
+        self.set_aside_slow_helpers();
         let Some(host_tokens) = self.host_kv_tokens else {
             return Ok(0);
         };
@@ -384,6 +404,57 @@ impl State {
         Ok(moved)
     }
 
+    /// Helpers that make every step wait: a helper holding `h` of a layer's pages, beside the
+    /// `l` this host attends itself, is worth its link only while it attends them faster than
+    /// this host would attend all `h + l` (it works while the host attends its own). Once it
+    /// has answered [`JUDGE_AFTER_PAGES`] pages and is slower than that by [`SLOW_MARGIN`] and
+    /// [`MIN_LOSS`],
+    /// its pages are attended here from the page file (which has them all) and it is offered
+    /// no more (a tab on a software GPU cut a host's decode from 174 to 14 tok/s). Only with a
+    /// page file, and where this host's attention is timed (see [`Backend::timed_on_return`]).
+    fn set_aside_slow_helpers(&mut self) {
+        let Some(host) = self.host_rate.per_sec().filter(|_| self.spill.is_some()) else {
+            return;
+        };
+        let Some(kv) = self.layers.iter().find_map(|l| match l {
+            LayerState::Attention(kv) => Some(kv),
+            _ => None,
+        }) else {
+            return;
+        };
+        let local = kv.pages().len() as f64;
+        let slow: Vec<(u32, String)> = self
+            .helpers
+            .iter()
+            .filter(|h| !h.slow && h.pages_attended() >= JUDGE_AFTER_PAGES)
+            .filter_map(|h| {
+                let (held, rate) = (kv.count_on(h.id) as f64, h.pages_per_sec()?);
+                let waited = held / rate;
+                let here = (held + local) / host;
+                let slow = waited > SLOW_MARGIN * here && waited - here > MIN_LOSS;
+                (held > 0.0 && slow).then(|| {
+                    let why = format!(
+                        "helper {} attends {rate:.0} pages/s, this host {host:.0}: its pages are \
+                         attended here from the page file, and it is offered no more",
+                        h.id
+                    );
+                    (h.id, why)
+                })
+            })
+            .collect();
+        for (id, why) in slow {
+            for l in &mut self.layers {
+                if let LayerState::Attention(kv) = l {
+                    kv.lose_helper(id);
+                }
+            }
+            if let Some(h) = self.helpers.iter_mut().find(|h| h.id == id) {
+                h.slow = true;
+            }
+            self.helper_lost = Some(why);
+        }
+    }
+
     /// The oldest local page of layer `i`, if it is whole and past the budget.
     fn page_to_move(&self, i: usize, host_tokens: usize) -> Option<(usize, usize)> {
         match &self.layers[i] {
@@ -415,7 +486,7 @@ impl State {
             return Ok(None);
         };
         let width = kv.row_width();
-        let takes = |h: &&HelperClient| !h.full && !h.is_lost();
+        let takes = |h: &&HelperClient| !h.full && !h.slow && !h.is_lost();
         let candidates: Vec<u32> = match self.prefill_helper() {
             Some(p) if p.prefill_layers.contains(&i) => Some(p)
                 .filter(takes)
@@ -483,7 +554,11 @@ impl State {
     /// Send helpers up to [`REFILL_PAGES`] pages that no helper holds from the page file, the
     /// layer furthest behind first, so all layers catch up together.
     fn refill(&mut self) -> Result<()> {
-        if !self.helpers.iter().any(|h| !h.full && !h.is_lost()) {
+        if !self
+            .helpers
+            .iter()
+            .any(|h| !h.full && !h.slow && !h.is_lost())
+        {
             return Ok(());
         }
         for _ in 0..REFILL_PAGES {

@@ -195,6 +195,10 @@ impl Backend for GpuBackend {
         self.name
     }
 
+    fn timed_on_return(&self) -> bool {
+        false
+    }
+
     /// The float types, and the quantised types weights.wgsl dequantises as it reads: Q8_0,
     /// Q4_0, Q5_0, Q4_K, Q5_K and Q6_K (not Q4_1, Q5_1, IQ4_NL, Q2_K, Q3_K or IQ4_XS yet).
     fn reads(&self, dtype: DType) -> bool {
