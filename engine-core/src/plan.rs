@@ -569,6 +569,20 @@ pub fn split_layer(
     choose_split(c, given, Some(offer), speeds, (context, ubatch)).0
 }
 
+/// The prefill helper's first layer before its speed is measured: DESIGN.md's share, except
+/// that a helper is given at least the last cycle where the model has two. DESIGN.md's 5/8,
+/// rounded up to a cycle, is every layer of an 8-layer model; a helper configured with no
+/// layers is never measured (calibrate needs a cycle to time), so it would never prefill.
+fn first_guess(n: usize) -> (usize, &'static str) {
+    match default_split_layer(n) {
+        s if s == n && n >= 8 => (
+            n - 4,
+            "the last cycle on the helper (DESIGN.md's share, the first 5/8 of the layers on the host, would leave it none)",
+        ),
+        s => (s, "DESIGN.md's share, the host runs the first 5/8 of the layers"),
+    }
+}
+
 /// The first layer of the prefill helper: where the measured speeds balance the two stages
 /// (before they are measured, DESIGN.md's share: the host runs the first 5/8 of the layers),
 /// on a 4-layer cycle boundary, moved back a cycle at a time while the helper's offer cannot
@@ -584,13 +598,13 @@ fn choose_split(
     if let Some(s) = given {
         return (s, "as given".into());
     }
-    let default = default_split_layer(n);
+    let (default, guess) = first_guess(n);
     let offer = match offer {
         None => return (n, "no helper: the host prefills alone".into()),
         Some(0) => {
             return (
                 default,
-                "DESIGN.md's share, the host runs the first 5/8 of the layers (the helper's offer is not known yet)".into(),
+                format!("{guess} (the helper's offer is not known yet)"),
             )
         }
         Some(o) => o,
@@ -611,10 +625,7 @@ fn choose_split(
             );
             (s, why)
         }
-        None => (
-            default,
-            "DESIGN.md's share, the host runs the first 5/8 of the layers".to_string(),
-        ),
+        None => (default, guess.to_string()),
     };
     let mut s = first;
     while s < n && helper_needs(c, context, s..n, ubatch).total() > offer {

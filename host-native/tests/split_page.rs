@@ -1,9 +1,12 @@
 //! The split page, in headless Chromium driven by playwright-core:
 //! - live, at `/`: `tether serve` on the tiny preset with a helper that joins it, the page the
 //!   server serves asking one question through its chat box (wasm-demo/tests/split_page.mjs).
-//!   What the page drew from `/v1/telemetry` is read from its DOM and state: the layer stack
-//!   split between host and helper, ubatch bars in both lanes with transfers between them, page
-//!   strips with pages on the helper, link counters that grew.
+//!   What the page drew from `/v1/telemetry` is read from its DOM and state: the helper's card
+//!   before any request, the numbered layer stack split between host and helper, ubatch bars
+//!   in both lanes on a time axis with transfers between them, page strips with pages on the
+//!   helper and their oldest end marked, the decode rate while the answer comes, link
+//!   counters that grew and totals that stay; then a browser tab joins at a phone's width,
+//!   shows as a second card at once, and leaves by its Leave button.
 //! - the simulator, `index.html?sim` as static files with no server
 //!   (wasm-demo/tests/sim_page.mjs): runs with the split layer, the KV budget and the link
 //!   moved, each giving the host-alone tokens and drawing what its settings imply.
@@ -71,6 +74,19 @@ struct Seen {
     shares: Vec<String>,
     link_before: u64,
     link_after: u64,
+    /// The helper cards before any request, and the link table's byte totals two samples
+    /// after the run.
+    cards_before: Vec<BTreeMap<String, String>>,
+    totals_after: u64,
+    /// The pipeline's figures: whether it says the split was slower than the host alone, and
+    /// the speed-up it estimated.
+    slower: bool,
+    speedup: f64,
+    ticks: Vec<String>,
+    layer_numbers: Vec<String>,
+    page_ends: String,
+    decode_texts: Vec<String>,
+    tab: TabSeen,
     prefill: String,
     decode: String,
     pipeline: String,
@@ -78,6 +94,14 @@ struct Seen {
     plan: String,
     /// The page's width at a phone's screen width.
     phone: Phone,
+}
+
+/// The tab that joined while the page watched, and left.
+#[derive(Debug, serde::Deserialize)]
+struct TabSeen {
+    cards: Vec<BTreeMap<String, String>>,
+    width: u64,
+    left: serde_json::Value,
 }
 
 #[derive(Debug, serde::Deserialize)]
@@ -144,10 +168,11 @@ fn the_page_shows_a_split_run_as_it_happens() {
     }
     let seen: Seen = page_script(
         "split_page.mjs",
-        &[&format!("{url}/"), PROMPT],
+        &[&format!("{url}/"), PROMPT, &code],
         &[
             ("SHOT", "split-live.png"),
             ("SHOT_PHONE", "split-live-phone.png"),
+            ("SHOT_TAB", "helper-tab-phone.png"),
         ],
     );
     drop(serve);
@@ -168,7 +193,58 @@ fn the_page_shows_a_split_run_as_it_happens() {
     assert!(seen.bars.get("host") > Some(&0), "{seen:?}");
     assert!(seen.bars.get(&helper) > Some(&0), "{seen:?}");
     assert!(seen.transfers > 0, "{seen:?}");
-    assert!(seen.pipeline.contains("efficient"), "{seen:?}");
+    // A time axis in ms, and the gain against the host alone, flagged when it is a loss.
+    assert!(
+        seen.ticks.len() >= 2 && seen.ticks.contains(&"ms".to_string()),
+        "{seen:?}"
+    );
+    assert!(seen.pipeline.contains("the host alone"), "{seen:?}");
+    assert_eq!(
+        seen.slower,
+        seen.speedup < 1.0,
+        "a slower split is flagged: {seen:?}"
+    );
+    assert_eq!(
+        seen.pipeline.contains("slower than the host alone"),
+        seen.slower,
+        "{seen:?}"
+    );
+    // Every layer numbered, in order.
+    let numbers: Vec<String> = (0..seen.layer_numbers.len())
+        .map(|i| i.to_string())
+        .collect();
+    assert_eq!(seen.layer_numbers, numbers, "{seen:?}");
+    assert!(
+        seen.page_ends.contains("oldest") && seen.page_ends.contains("newest"),
+        "{seen:?}"
+    );
+    // The helper that joined showed as a card before any request, with its layers, backend
+    // and link round trip.
+    assert_eq!(seen.cards_before.len(), 1, "{seen:?}");
+    let card = &seen.cards_before[0];
+    assert_eq!(card["device"], helper, "{seen:?}");
+    assert!(card["layers"].starts_with("4–7"), "{seen:?}");
+    assert!(card["link round trip"].ends_with(" ms"), "{seen:?}");
+    assert_ne!(card["backend"], "-", "{seen:?}");
+    // The decode rate is this answer's, live: it said "so far" while tokens came, after the
+    // figures were cleared for the question.
+    assert_eq!(
+        seen.decode_texts.first().map(String::as_str),
+        Some("…"),
+        "{seen:?}"
+    );
+    assert!(
+        seen.decode_texts.iter().any(|t| t.contains("so far")),
+        "{seen:?}"
+    );
+    assert!(!seen.decode.contains("so far"), "{seen:?}");
+    // After the run the rates read 0 again; the totals do not.
+    assert!(seen.totals_after > 0, "{seen:?}");
+    // A tab that joins shows as a second card at once, fits a phone, and leaves cleanly.
+    assert_eq!(seen.tab.cards.len(), 2, "{seen:?}");
+    assert!(seen.tab.width <= 390, "{seen:?}");
+    assert_eq!(seen.tab.left["status"], "left the host", "{seen:?}");
+    assert_eq!(seen.tab.left["join"], serde_json::Value::Null, "{seen:?}");
     // Pages: the oldest on the helper, the newest on the host.
     assert!(seen.page_runs.get(&helper) > Some(&0), "{seen:?}");
     assert!(seen.page_runs.get("host") > Some(&0), "{seen:?}");

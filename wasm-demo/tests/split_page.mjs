@@ -1,7 +1,10 @@
 // Opens the live split page (`tether serve`'s `/`) in headless Chromium, asks one question
 // through its chat box, and waits until the page has drawn the run: the answer, ubatch bars,
 // page strips and link counters. Used by host-native/tests/split_page.rs:
-// `node wasm-demo/tests/split_page.mjs URL PROMPT`. Reads what the page drew from the DOM and
+// `node wasm-demo/tests/split_page.mjs URL PROMPT CODE`. Before the question it reads the
+// helper cards (the native helper joined before the page opened; no request has run); after
+// it, a browser tab joins with CODE at a phone's width, shows on the split page at once as a
+// second card, and leaves with its Leave button. Reads what the page drew from the DOM and
 // from its state (window.tetherSplit), never from pixels, and prints one JSON line:
 // {errors, answer, hello, devices, bars, transfers, pageRuns, rates, shares, linkBefore, linkAfter,
 // prefill, decode, ..., phone: {width, screen}}. Env: CHROMIUM (default /usr/bin/chromium),
@@ -10,9 +13,9 @@
 import { chromium } from 'playwright-core';
 import { CHROMIUM_ARGS, collectErrors, installCountBy, phoneWidth } from './common.mjs';
 
-const [url, prompt] = process.argv.slice(2);
-if (!url || !prompt) {
-  console.error('usage: node split_page.mjs URL PROMPT');
+const [url, prompt, code] = process.argv.slice(2);
+if (!url || !prompt || !code) {
+  console.error('usage: node split_page.mjs URL PROMPT CODE');
   process.exit(2);
 }
 const timeout = Number(process.env.PAGE_TIMEOUT_MS || 120000);
@@ -30,6 +33,15 @@ try {
   // The link counters as they were before the question (after the first two samples).
   await page.waitForFunction(() => window.tetherSplit.linkBytes !== undefined, null, { timeout });
   const linkBefore = await page.evaluate(() => window.tetherSplit.linkBytes);
+  // The helper that joined, as a card, before any request.
+  await page.waitForFunction(() => document.querySelectorAll('#helpers .card').length > 0, null, { timeout });
+  const cardsBefore = await page.evaluate(readCards);
+  // Every text the decode figure shows while the answer comes.
+  await page.evaluate(() => {
+    window.decodeTexts = [];
+    new MutationObserver(() => window.decodeTexts.push(document.getElementById('decode-tps').textContent))
+      .observe(document.getElementById('decode-tps'), { childList: true, characterData: true, subtree: true });
+  });
 
   await page.fill('#max-tokens', '12');
   await page.fill('#prompt', prompt);
@@ -60,19 +72,63 @@ try {
       prefill: document.getElementById('prefill-tps').textContent,
       decode: document.getElementById('decode-tps').textContent,
       pipeline: document.getElementById('pipeline-figures').textContent,
+      slower: document.getElementById('pipeline-figures').classList.contains('slower'),
+      speedup: v.speedup,
+      ticks: [...document.querySelectorAll('#timeline text.tick')].map((t) => t.textContent),
+      layerNumbers: [...document.querySelectorAll('#layers .layer')].map((l) => l.textContent),
+      pageEnds: document.querySelector('#pages .ends')?.textContent || '',
+      decodeTexts: window.decodeTexts,
       memory: document.querySelectorAll('#memory > div').length,
       plan: document.getElementById('plan').textContent,
     };
   });
+  // Two link samples later the rates are back to 0; the totals are not.
+  const sample = await page.evaluate(() => window.tetherSplit.link.at_ms);
+  await page.waitForFunction((at) => window.tetherSplit.link.at_ms > at + 600, sample, { timeout });
+  const totalsAfter = await page.evaluate(() => [...document.querySelectorAll('#link-rates tbody tr')]
+    .reduce((s, r) => s + Number(r.dataset.total), 0));
   if (process.env.SHOT) await page.screenshot({ path: process.env.SHOT, fullPage: true });
+  const tab = await joinTab(page, errors);
   // A phone-sized screen: one column, nothing wider than the screen.
   const phone = await phoneWidth(page, (size) => page.setViewportSize(size));
   if (process.env.SHOT_PHONE) {
     await page.screenshot({ path: process.env.SHOT_PHONE, fullPage: true });
   }
-  console.log(JSON.stringify({ errors, linkBefore, ...seen, phone }));
+  console.log(JSON.stringify({ errors, linkBefore, cardsBefore, totalsAfter, tab, ...seen, phone }));
 } catch (e) {
   console.log(JSON.stringify({ errors: [...errors, `split_page.mjs: ${e.message}`] }));
 } finally {
   await browser.close();
+}
+
+// The helper cards of the split page: each card's device and fields.
+function readCards() {
+  return [...document.querySelectorAll('#helpers .card')].map((c) => {
+    const fields = { device: c.dataset.device };
+    for (const dd of c.querySelectorAll('dd')) fields[dd.dataset.field] = dd.textContent;
+    return fields;
+  });
+}
+
+// A browser tab joins at a phone's width (its CPU backend) while the split page watches: the
+// page's cards right after it joined, the helper page's width, and its status once it left.
+async function joinTab(split, errors) {
+  const tab = await browser.newPage({ viewport: { width: 390, height: 844 } });
+  collectErrors(tab, errors);
+  await tab.goto(`${url}helper/?code=${code}&backend=cpu&join=1`);
+  await tab.waitForFunction(() => document.getElementById('status').textContent.startsWith('serving'),
+    null, { timeout });
+  await split.waitForFunction(() => document.querySelectorAll('#helpers .card').length > 1, null, { timeout });
+  const cards = await split.evaluate(readCards);
+  const width = await tab.evaluate(() => document.documentElement.scrollWidth);
+  if (process.env.SHOT_TAB) await tab.screenshot({ path: process.env.SHOT_TAB, fullPage: true });
+  await tab.click('#leave');
+  await tab.waitForFunction(() => document.getElementById('status').textContent === 'left the host',
+    null, { timeout });
+  const left = await tab.evaluate(() => ({
+    status: document.getElementById('status').textContent,
+    join: new URLSearchParams(location.search).get('join'),
+    leaveDisabled: document.getElementById('leave').disabled,
+  }));
+  return { cards, width, left };
 }

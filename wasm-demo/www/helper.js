@@ -1,7 +1,7 @@
 // The helper page: fills the form from the query string (?host=ws://...&code=...&backend=...;
 // &join=1 joins on load), runs TabHelper.join and shows its events. Served by a host at
 // /helper/, the host field defaults to that host. The page's state is in
-// document.body.dataset.state (idle, joining, ended, error) for whoever watches it.
+// document.body.dataset.state (idle, joining, ended, error, left) for whoever watches it.
 import init, { TabHelper } from './pkg/wasm_demo.js';
 
 const $ = (id) => document.getElementById(id);
@@ -44,6 +44,7 @@ function onEvent(json) {
 
 async function join() {
   $('go').disabled = true;
+  $('leave').disabled = false;
   document.body.dataset.state = 'joining';
   try {
     await init();
@@ -56,8 +57,24 @@ async function join() {
     document.body.dataset.state = 'error';
   } finally {
     $('go').disabled = false;
+    $('leave').disabled = true;
   }
 }
 
+// Leave: the session lives in this page's WebSocket, so the page ends it by loading itself
+// afresh (the browser closes the socket, the host loses this helper and carries on: its
+// pages are attended from the host's page file). The form keeps what was entered, without
+// &join=1, so the page does not join again.
+function leave() {
+  document.body.dataset.state = 'left';
+  const again = new URLSearchParams();
+  for (const id of ['host', 'backend', 'mem']) again.set(id, $(id).value);
+  again.set('left', '1');
+  location.replace(`${location.pathname}?${again}`);
+}
+
+if (params.get('left') === '1') $('status').textContent = 'left the host';
+
 $('join').addEventListener('submit', (ev) => { ev.preventDefault(); join(); });
+$('leave').addEventListener('click', leave);
 if (params.get('join') === '1') join();

@@ -15,6 +15,10 @@ const fresh = () => ({
   rates: [],
   prefill: null,
   decode: null,
+  // The answer being generated: its first token's time and the tokens since (live decode).
+  answer: null,
+  // Pages held per place, from the latest `pages` event.
+  held: {},
   events: 0,
 });
 const view = fresh();
@@ -62,6 +66,7 @@ function drawLayers() {
     d.className = `layer ${kind === "full_attention" ? "full" : "linear"}${i === split ? " split" : ""}`;
     d.style.background = colour(on);
     d.title = `layer ${i}: ${kind.replace("_", " ")} on ${on}`;
+    d.textContent = i;
     d.dataset.device = on;
     box.append(d);
   });
@@ -75,6 +80,46 @@ function drawLayers() {
     s.innerHTML = `<i style="background:${colour(place)}"></i>${place}`;
     legend.append(s);
   }
+  drawHelpers();
+}
+
+// --- A card per helper: how it came, its backend, link round trip, layers and memory. ---
+function drawHelpers() {
+  const box = $("helpers");
+  box.replaceChildren();
+  if (!view.devices.length) {
+    const p = document.createElement("p");
+    p.className = "dim";
+    p.textContent = "No helper yet: one that joins (tether-helper --join ws://HOST:PORT/helper, " +
+      "or a browser tab at /helper) appears here at once.";
+    box.append(p);
+    return;
+  }
+  const pageBytes = view.pages && view.hello ? view.pages.page_size * view.hello.kv_bytes_per_position : 0;
+  for (const d of view.devices) {
+    const held = (view.held[d.device] || 0) * pageBytes;
+    const fields = {
+      kind: d.source === "dialed" ? "dialed by this server" : d.source === "joined" ? "joined this server" : "-",
+      backend: d.backend || "-",
+      "link round trip": d.rtt_ms == null ? "-" : `${d.rtt_ms.toFixed(2)} ms`,
+      layers: d.prefill_layers ? `${d.prefill_layers[0]}–${d.prefill_layers[1] - 1} in a split prefill` : "none (pages only)",
+      memory: `${bytes(held)} of KV held, ${bytes(d.offer_bytes)} offered`,
+    };
+    const card = document.createElement("div");
+    card.className = "card";
+    card.dataset.device = d.device;
+    card.style.borderColor = colour(d.device);
+    card.innerHTML = `<b></b><dl></dl>`;
+    card.querySelector("b").textContent = d.device;
+    for (const [k, v] of Object.entries(fields)) {
+      const dt = document.createElement("dt"), dd = document.createElement("dd");
+      dt.textContent = k;
+      dd.textContent = v;
+      dd.dataset.field = k;
+      card.querySelector("dl").append(dt, dd);
+    }
+    box.append(card);
+  }
 }
 
 // --- The prefill pipeline: a lane per device, a bar per ubatch, transfers between lanes. ---
@@ -86,7 +131,7 @@ function drawTimeline() {
   const lanes = ["host", ...new Set(bars.map((b) => b.device).filter((d) => d !== "host"))];
   const t0 = Math.min(...bars.map((b) => b.start_ms));
   const t1 = Math.max(...bars.map((b) => b.end_ms));
-  const W = el.clientWidth || 600, H = 120, left = 64, laneH = (H - 20) / lanes.length;
+  const W = el.clientWidth || 600, H = 140, left = 64, laneH = (H - 34) / lanes.length;
   const x = (t) => left + ((t - t0) / Math.max(t1 - t0, 1e-3)) * (W - left - 8);
   el.setAttribute("viewBox", `0 0 ${W} ${H}`);
   lanes.forEach((lane, i) => {
@@ -109,21 +154,56 @@ function drawTimeline() {
       stroke: "#0008", "stroke-width": 1, class: "transfer",
     }));
   }
-  const t = svg("text", { x: left, y: H - 4 });
-  t.textContent = `${(t1 - t0).toFixed(0)} ms`;
-  el.append(t);
-  // Busy time per lane against the span: what two stages could reach, and what they did.
-  const busy = lanes.map((l) => bars.filter((b) => b.device === l)
-    .reduce((s, b) => s + (b.end_ms - b.start_ms), 0));
-  const total = busy.reduce((a, b) => a + b, 0);
-  const bound = total / Math.max(...busy);
-  const measured = total / Math.max(t1 - t0, 1e-3);
-  $("pipeline-figures").textContent = lanes.length > 1
-    ? `(${bars.length} bars; ${lanes.length}-stage bound ${bound.toFixed(2)}x, measured ${measured.toFixed(2)}x, ${(100 * measured / bound).toFixed(0)}% efficient)`
-    : `(${bars.length} ubatches on the host alone)`;
+  drawAxis(el, x, [t0, t1], H - 26);
+  drawPipelineFigures(bars, lanes, t1 - t0);
 }
 
-// --- KV pages: a strip per full-attention layer, coloured by where each page is. ---
+// The time axis under the lanes: ticks at a round step, in ms from the first bar's start.
+function drawAxis(el, x, [t0, t1], y) {
+  const raw = (t1 - t0) / 5, mag = 10 ** Math.floor(Math.log10(Math.max(raw, 1e-3)));
+  const step = [1, 2, 5, 10].map((m) => m * mag).find((s) => s >= raw);
+  el.append(svg("line", { x1: x(t0), x2: x(t1), y1: y, y2: y, stroke: "#0004", class: "axis" }));
+  for (let t = 0; t0 + t <= t1 + 1e-9; t += step) {
+    el.append(svg("line", { x1: x(t0 + t), x2: x(t0 + t), y1: y, y2: y + 4, stroke: "#0006" }));
+    const label = svg("text", { x: x(t0 + t), y: y + 15, "text-anchor": "middle", class: "tick" });
+    label.textContent = `${+t.toFixed(3)}`;
+    el.append(label);
+  }
+  const unit = svg("text", { x: 4, y: y + 15, class: "tick unit" });
+  unit.textContent = "ms";
+  el.append(unit);
+}
+
+// What the split gained: the host alone would have run every layer of every ubatch at the
+// pace its own bars show (per token and layer), against the time the run took. A split
+// slower than that is said so, plainly.
+function drawPipelineFigures(bars, lanes, span) {
+  const fig = $("pipeline-figures");
+  fig.classList.remove("slower");
+  if (lanes.length < 2) {
+    fig.textContent = `(${bars.length} ubatches on the host alone, ${span.toFixed(0)} ms)`;
+    return;
+  }
+  const host = bars.filter((b) => b.device === "host");
+  const hostMs = host.reduce((s, b) => s + (b.end_ms - b.start_ms), 0);
+  const hostWork = host.reduce((s, b) => s + b.tokens * (b.layers[1] - b.layers[0]), 0);
+  const tokens = host.reduce((s, b) => s + b.tokens, 0);
+  const alone = (hostMs / Math.max(hostWork, 1)) * tokens * view.hello.layers.length;
+  const speedup = alone / Math.max(span, 1e-3);
+  const busy = lanes.map((l) => bars.filter((b) => b.device === l)
+    .reduce((s, b) => s + (b.end_ms - b.start_ms), 0));
+  const bound = busy.reduce((a, b) => a + b, 0) / Math.max(...busy);
+  const gain = speedup < 1
+    ? `slower than the host alone (${speedup.toFixed(2)}x)`
+    : `${speedup.toFixed(2)}x the host alone`;
+  fig.classList.toggle("slower", speedup < 1);
+  fig.textContent = `(${bars.length} bars in ${span.toFixed(0)} ms: ${gain}, estimated from the host's ` +
+    `own bars; ${lanes.length} stages this busy could reach ${bound.toFixed(2)}x their overlap)`;
+  view.speedup = speedup;
+}
+
+// --- KV pages: a strip per full-attention layer, coloured by where each page is, position
+// 0 (the oldest) on the left. ---
 function drawPages() {
   const p = view.pages;
   const box = $("pages");
@@ -135,6 +215,7 @@ function drawPages() {
     const row = document.createElement("div");
     row.className = "strip";
     row.innerHTML = `<span>layer ${l.layer}</span>`;
+    row.title = `layer ${l.layer}: positions 0 (oldest) to ${l.len} (newest)`;
     const s = svg("svg", { viewBox: `0 0 ${Math.max(total, 1)} 1`, preserveAspectRatio: "none" });
     for (const r of l.runs) {
       counts[r.on] = (counts[r.on] || 0) + r.count;
@@ -143,12 +224,21 @@ function drawPages() {
         class: "page-run", "data-on": r.on, "data-count": r.count,
       }));
     }
-    row.append(s);
+    const len = document.createElement("span");
+    len.className = "len";
+    len.textContent = l.len;
+    row.append(s, len);
     box.append(row);
   }
+  const ends = document.createElement("div");
+  ends.className = "strip ends";
+  ends.innerHTML = "<span></span><span>← oldest (position 0)</span><span>newest →</span>";
+  box.prepend(ends);
   $("pages-figures").textContent = `(${p.layers.length} layers, pages of ${p.page_size} positions: ` +
     Object.entries(counts).map(([on, n]) => `${n} on ${on}`).join(", ") + ")";
+  view.held = counts;
   drawMemory(counts);
+  drawHelpers();
 }
 
 function drawMemory(counts) {
@@ -183,7 +273,12 @@ function onLink(e) {
     const before = prev.links.find((p) => p.device === l.device) || { sent: {}, received: {} };
     for (const kind of new Set([...Object.keys(l.sent), ...Object.keys(l.received)])) {
       const diff = (side) => ((l[side][kind] || {}).bytes || 0) - ((before[side][kind] || {}).bytes || 0);
-      rates.push({ device: l.device, kind, out: diff("sent") / dt, in: diff("received") / dt });
+      const side = (s) => l[s][kind] || { bytes: 0, messages: 0 };
+      rates.push({
+        device: l.device, kind, out: diff("sent") / dt, in: diff("received") / dt,
+        sent: side("sent").bytes, received: side("received").bytes,
+        frames: side("sent").messages + side("received").messages,
+      });
     }
     for (const side of ["sent", "received"]) {
       total += Object.values(l[side]).reduce((s, t) => s + t.bytes, 0);
@@ -199,9 +294,21 @@ function onLink(e) {
     const cap = (e.links.find((l) => l.device === r.device) || {}).capacity_bps;
     const share = cap ? `${((100 * 8 * Math.max(r.out, r.in)) / cap).toFixed(1)}%` : "-";
     const tr = document.createElement("tr");
-    tr.innerHTML = `<td>${r.device}</td><td>${r.kind}</td><td>${bytes(r.out)}/s</td><td>${bytes(r.in)}/s</td><td>${share}</td>`;
+    tr.innerHTML = `<td>${r.device}</td><td>${r.kind}</td><td>${bytes(r.out)}/s</td><td>${bytes(r.in)}/s</td>` +
+      `<td>${bytes(r.sent)}</td><td>${bytes(r.received)}</td><td>${r.frames}</td><td>${share}</td>`;
+    tr.dataset.total = r.sent + r.received;
     body.append(tr);
   }
+}
+
+// The answer being generated: its rate so far, from its tokens' times (the first token comes
+// with the prefill, so the rate counts the tokens after it).
+function onToken(e) {
+  const a = view.answer && view.answer.id === e.id ? view.answer : (view.answer = { id: e.id, first: e.at_ms });
+  a.n = e.n;
+  a.rate = e.n > 1 ? (1e3 * (e.n - 1)) / Math.max(e.at_ms - a.first, 1e-3) : null;
+  $("decode-tps").textContent = a.rate === null ? `… (${e.n} token)`
+    : `${a.rate.toFixed(1)} tok/s so far (${e.n} tokens)`;
 }
 
 const handlers = {
@@ -218,7 +325,15 @@ const handlers = {
     drawPages();
   },
   pages(e) { view.pages = e; drawPages(); },
-  request() { view.ubatches = []; view.transfers = []; },
+  request() {
+    view.ubatches = [];
+    view.transfers = [];
+    view.prefill = null;
+    view.decode = null;
+    view.answer = null;
+    for (const id of ["prefill-tps", "decode-tps", "ttft"]) $(id).textContent = "…";
+  },
+  token: onToken,
   ubatch(e) { view.ubatches.push(e); scheduleTimeline(); },
   transfer(e) { view.transfers.push(e); scheduleTimeline(); },
   prefill(e) {
@@ -250,7 +365,7 @@ function handle(e) {
 // Forget everything drawn (the simulator starts each run afresh).
 function reset() {
   Object.assign(view, fresh());
-  for (const id of ["layers", "legend", "timeline", "pages", "memory"]) $(id).replaceChildren();
+  for (const id of ["layers", "legend", "helpers", "timeline", "pages", "memory"]) $(id).replaceChildren();
   $("link-rates").tBodies[0].replaceChildren();
 }
 

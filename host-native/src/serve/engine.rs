@@ -9,7 +9,7 @@ use std::any::Any;
 use std::panic::{self, AssertUnwindSafe};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use engine_core::generate::Sampler;
 use engine_core::model::LayerState;
@@ -22,7 +22,7 @@ use super::api::ApiError;
 use super::conversation::Conversation;
 use super::helpers::Helpers;
 use super::metrics::{KvPlacement, Metrics};
-use super::queue::{Event, Finish, FinishReason, Job, Queue};
+use super::queue::{Event, Finish, FinishReason, Job, Next, Queue};
 use super::telemetry::Hub;
 use super::terminal;
 use serde_json::json;
@@ -53,6 +53,10 @@ pub struct Engine {
     /// The context and prompt lengths the plan is made for (`tether serve` prints it at start).
     pub plan_for: (usize, usize),
 }
+
+/// How long the engine waits for a request before it looks for helpers that joined: the
+/// longest a joined helper stays unseen while the server is idle.
+const IDLE_LOOK: Duration = Duration::from_millis(250);
 
 /// A request's decoding so far. It outlives a redo: when the helper is lost mid-request the
 /// host runs the request again alone and feeds these tokens instead of sampling them again,
@@ -87,7 +91,15 @@ impl Engine {
     /// Serve jobs until the queue closes.
     pub fn run(mut self, queue: &Queue) {
         self.report_devices();
-        while let Some(job) = queue.pop() {
+        loop {
+            let job = match queue.next_within(IDLE_LOOK) {
+                Next::Job(job) => job,
+                Next::Idle => {
+                    self.take_joined();
+                    continue;
+                }
+                Next::Closed => break,
+            };
             let t = Instant::now();
             self.metrics.set_active(true);
             let last = panic::catch_unwind(AssertUnwindSafe(|| self.serve(&job)))
@@ -202,9 +214,25 @@ impl Engine {
         self.report_devices();
     }
 
-    /// Tell `/v1/telemetry` which helpers the sequence has, what each offered and which
-    /// layers it runs, and the plan with them (the one printed at start predates helpers that
-    /// joined).
+    /// While no request waits: attach helpers that joined (calibrated and given their layers
+    /// as at a request) and tell `/v1/telemetry` at once, so the page shows a helper when it
+    /// joins, and the next prefill is split with it.
+    fn take_joined(&mut self) {
+        let Some(h) = &mut self.helpers else {
+            return;
+        };
+        let shape = (self.page_size, self.plan_for.0);
+        let joined = h.joined_meanwhile(&self.model, &*self.backend, &mut self.state, shape);
+        if joined > 0 {
+            info!("{joined} helper(s) joined; they take part from the next request on");
+            self.metrics.set_helpers_attached(self.state.helpers.len());
+            self.report_devices();
+        }
+    }
+
+    /// Tell `/v1/telemetry` which helpers the sequence has (what each offered, which layers
+    /// it runs, its backend and link round trip, how it came), and the plan with them (the
+    /// one printed at start predates helpers that joined).
     fn report_devices(&self) {
         let devices: Vec<_> = self
             .state
@@ -212,10 +240,17 @@ impl Engine {
             .iter()
             .map(|h| {
                 let layers = &h.prefill_layers;
+                let (source, rtt_ms) = self
+                    .helpers
+                    .as_ref()
+                    .map_or((None, None), |a| a.about(h.id));
                 json!({
                     "device": format!("helper:{}", h.id),
                     "offer_bytes": h.helper.mem_offer,
                     "prefill_layers": (!layers.is_empty()).then_some([layers.start, layers.end]),
+                    "backend": h.helper.backends.first(),
+                    "rtt_ms": rtt_ms,
+                    "source": source,
                 })
             })
             .collect();

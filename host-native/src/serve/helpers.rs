@@ -4,6 +4,7 @@
 //! new or returning helper takes new pages and is re-filled from the page file a few pages per
 //! pass.
 
+use std::collections::BTreeMap;
 use std::sync::{mpsc, Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -12,6 +13,9 @@ use engine_core::{Backend, Model, State};
 use tracing::{debug, info};
 
 use crate::helper::{Attached, HelperArgs, Source};
+
+/// Pings timed when a helper attaches; the least counts.
+const PINGS: usize = 3;
 
 /// Helpers attached at once at most: each costs a link and a query per layer.
 const MAX_HELPERS: usize = 8;
@@ -46,6 +50,8 @@ pub struct Helpers {
     /// Helpers the first request waits for, and how long (`--wait-helpers` on the server's
     /// own port, where none can join before it listens).
     first: Option<(usize, Duration)>,
+    /// Each attached helper's link round trip in ms, measured as it attached.
+    round_trips: BTreeMap<u32, f64>,
 }
 
 impl Helpers {
@@ -57,6 +63,7 @@ impl Helpers {
             pending: None,
             silent: false,
             first: Some(args.waits_on_port()).filter(|(n, _)| *n > 0),
+            round_trips: BTreeMap::new(),
             args,
         }
     }
@@ -75,6 +82,20 @@ impl Helpers {
         self.args
             .plan_for(model, offers, fixed, context, prompt)
             .text
+    }
+
+    /// What the server knows of helper `id` beyond its offer, for the live page's card: how
+    /// it came (`"dialed"` or `"joined"`) and its link's round trip when it attached, in ms.
+    pub fn about(&self, id: u32) -> (Option<&'static str>, Option<f64>) {
+        let source = self
+            .list()
+            .iter()
+            .find(|a| a.id == id)
+            .map(|a| match a.source {
+                Source::Joined => "joined",
+                Source::Dial(_) => "dialed",
+            });
+        (source, self.round_trips.get(&id).copied())
     }
 
     /// The list `/metrics` reads.
@@ -99,11 +120,40 @@ impl Helpers {
         let live: Vec<u32> = state.helpers.iter().map(|h| h.id).collect();
         self.list()
             .retain(|a| a.source != Source::Joined || live.contains(&a.id));
-        let mut added = 0;
-        let (wait_for, deadline) = match self.first.take() {
+        let waiting = match self.first.take() {
             Some((n, wait)) => (n, Instant::now() + wait),
             None => (0, Instant::now()),
         };
+        let added = self.take_joined((model, be), state, shape, waiting);
+        let back = self.returning(&live).is_some_and(|(source, stats, link)| {
+            self.attach((model, be), state, shape, link, source, stats)
+        });
+        (added, back)
+    }
+
+    /// Between requests: attach helpers that joined since the last look, waiting for none,
+    /// so a helper shows up and gets its share at once rather than at the next request.
+    /// Returns how many were attached.
+    pub fn joined_meanwhile(
+        &mut self,
+        model: &Model,
+        be: &dyn Backend,
+        state: &mut State,
+        shape: (usize, usize),
+    ) -> usize {
+        self.take_joined((model, be), state, shape, (0, Instant::now()))
+    }
+
+    /// Attach the helpers that joined, waiting until `deadline` while the sequence has fewer
+    /// than `wait_for`; returns how many were attached.
+    fn take_joined(
+        &mut self,
+        (model, be): (&Model, &dyn Backend),
+        state: &mut State,
+        shape: (usize, usize),
+        (wait_for, deadline): (usize, Instant),
+    ) -> usize {
+        let mut added = 0;
         while self.args.sources().1 && state.helpers.len() < MAX_HELPERS {
             let stats = StatsHandle::default();
             let wait = match state.helpers.len() < wait_for {
@@ -116,10 +166,7 @@ impl Helpers {
             let joined = self.attach((model, be), state, shape, link, Source::Joined, stats);
             added += usize::from(joined);
         }
-        let back = self.returning(&live).is_some_and(|(source, stats, link)| {
-            self.attach((model, be), state, shape, link, source, stats)
-        });
-        (added, back)
+        added
     }
 
     /// Attach `link` from `source` (counting into `stats`) with `state`'s `(page_size,
@@ -139,6 +186,9 @@ impl Helpers {
         {
             Ok(id) => {
                 info!("{source} is attached (helper {id})");
+                if let Some(rtt) = round_trip(state, id) {
+                    self.round_trips.insert(id, rtt);
+                }
                 let mut list = self.list();
                 list.retain(|a| a.source == Source::Joined || a.source != source);
                 list.push(Attached { id, source, stats });
@@ -214,4 +264,18 @@ impl Helpers {
             });
         }
     }
+}
+
+/// Pings helper `id` of `state` a few times: the least round trip, in ms (the link's latency
+/// with the helper's least work; a failed ping leaves it unknown, the next request finds out).
+fn round_trip(state: &mut State, id: u32) -> Option<f64> {
+    let client = state.helpers.iter_mut().find(|h| h.id == id)?;
+    (0..PINGS)
+        .map(|_| {
+            let t = Instant::now();
+            client.ping().ok().map(|()| t.elapsed().as_secs_f64() * 1e3)
+        })
+        .collect::<Option<Vec<f64>>>()?
+        .into_iter()
+        .reduce(f64::min)
 }

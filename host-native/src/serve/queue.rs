@@ -6,7 +6,7 @@
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use engine_core::generate::SamplingParams;
 use tokio::sync::mpsc::UnboundedSender;
@@ -66,6 +66,15 @@ pub struct Finish {
     pub completion_tokens: usize,
     /// Prompt tokens whose KV and DeltaNet state were reused from the previous request.
     pub cached_tokens: usize,
+}
+
+/// What the engine found in the queue.
+pub enum Next {
+    Job(Job),
+    /// No job came within the wait.
+    Idle,
+    /// The server is stopping.
+    Closed,
 }
 
 pub struct Queue {
@@ -184,18 +193,28 @@ impl Queue {
         Ok(())
     }
 
-    /// The oldest job, waiting for one; `None` once the queue is closed.
-    pub fn pop(&self) -> Option<Job> {
+    /// The oldest job, waiting at most `wait` for one: the engine wakes now and then while
+    /// idle, to take helpers that joined before the next request comes.
+    pub fn next_within(&self, wait: Duration) -> Next {
+        let deadline = Instant::now() + wait;
         let mut q = self.lock();
         loop {
             if q.closed {
-                return None;
+                return Next::Closed;
             }
             if let Some((job, bytes)) = q.jobs.pop_front() {
                 q.bytes -= bytes;
-                return Some(job);
+                return Next::Job(job);
             }
-            q = self.ready.wait(q).unwrap_or_else(PoisonError::into_inner);
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Next::Idle;
+            }
+            q = self
+                .ready
+                .wait_timeout(q, left)
+                .unwrap_or_else(PoisonError::into_inner)
+                .0;
         }
     }
 
@@ -290,7 +309,7 @@ mod tests {
         assert_eq!(held(&q), (3, 80));
         // Past the count, though not the bytes.
         assert!(matches!(q.admit(1), Err(Refused::Full)));
-        assert_eq!(q.pop().map(|j| j.id), Some(1));
+        assert!(matches!(q.next_within(Duration::ZERO), Next::Job(j) if j.id == 1));
         assert_eq!(held(&q), (2, 20));
         q.push(job(2), b).unwrap();
         assert!(q.remove(2));

@@ -90,8 +90,9 @@ impl Hub {
         }
     }
 
-    /// The helpers the sequence has now (`[{device, offer_bytes, prefill_layers}]`) and the
-    /// plan for them, if the server takes helpers.
+    /// The helpers the sequence has now (`[{device, offer_bytes, prefill_layers, backend,
+    /// rtt_ms, source}]`, docs/TELEMETRY.md) and the plan for them, if the server takes
+    /// helpers.
     pub fn devices(&self, devices: Value, plan: Option<String>) {
         let event =
             json!({"type": "devices", "at_ms": self.ms(), "devices": devices, "plan": plan});
