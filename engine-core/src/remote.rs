@@ -130,6 +130,7 @@ impl HelperClient {
                 mem_offer: 0,
                 backends: Vec::new(),
                 max_frame: 0,
+                device: String::new(),
             },
         };
         match c.request(hello(model, max_frame))? {
@@ -278,6 +279,7 @@ pub fn hello(model: &Model, max_frame: usize) -> Message {
         mem_offer: 0,
         backends: vec!["cpu".into()],
         max_frame: max_frame as u64,
+        device: crate::protocol::device_kind().into(),
     })
 }
 

@@ -75,6 +75,7 @@ fn arb_intro() -> impl Strategy<Value = Intro> {
                 mem_offer,
                 backends,
                 max_frame,
+                device: device_kind(helper),
             },
         )
 }
@@ -575,4 +576,9 @@ proptest! {
             Err(_) => {}
         }
     }
+}
+
+/// A device kind for a generated intro.
+fn device_kind(helper: bool) -> String {
+    if helper { "phone" } else { "native" }.into()
 }

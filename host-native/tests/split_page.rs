@@ -218,14 +218,15 @@ fn the_page_shows_a_split_run_as_it_happens() {
         seen.page_ends.contains("oldest") && seen.page_ends.contains("newest"),
         "{seen:?}"
     );
-    // The helper that joined showed as a card before any request, with its layers, backend
-    // and link round trip.
+    // The helper that joined showed as a card before any request, with its kind (it said so
+    // in its Welcome), layers, backend and link round trip.
     assert_eq!(seen.cards_before.len(), 1, "{seen:?}");
     let card = &seen.cards_before[0];
     assert_eq!(card["device"], helper, "{seen:?}");
     assert!(card["layers"].starts_with("4–7"), "{seen:?}");
     assert!(card["link round trip"].ends_with(" ms"), "{seen:?}");
     assert_ne!(card["backend"], "-", "{seen:?}");
+    assert_eq!(card["kind"], "native", "{seen:?}");
     // The decode rate is this answer's, live: it said "so far" while tokens came, after the
     // figures were cleared for the question.
     assert_eq!(
@@ -242,6 +243,7 @@ fn the_page_shows_a_split_run_as_it_happens() {
     assert!(seen.totals_after > 0, "{seen:?}");
     // A tab that joins shows as a second card at once, fits a phone, and leaves cleanly.
     assert_eq!(seen.tab.cards.len(), 2, "{seen:?}");
+    assert_eq!(seen.tab.cards[1]["kind"], "tab", "{seen:?}");
     assert!(seen.tab.width <= 390, "{seen:?}");
     assert_eq!(seen.tab.left["status"], "left the host", "{seen:?}");
     assert_eq!(seen.tab.left["join"], serde_json::Value::Null, "{seen:?}");

@@ -38,6 +38,7 @@ fn arb_message() -> impl Strategy<Value = Message> {
             mem_offer: mem,
             backends: vec!["cpu".into()],
             max_frame: 1 << 20,
+            device: if helper { "tab" } else { "native" }.into(),
         });
     prop_oneof![
         intro.clone().prop_map(Message::Hello),

@@ -437,6 +437,7 @@ fn helper_that_vanishes(m: &Model, mut link: impl Link) {
                 mem_offer: 1 << 30,
                 backends: vec![],
                 max_frame: 1 << 24,
+                device: "native".into(),
             }),
             _ => Message::Ack,
         };

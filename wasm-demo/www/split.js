@@ -83,7 +83,7 @@ function drawLayers() {
   drawHelpers();
 }
 
-// --- A card per helper: how it came, its backend, link round trip, layers and memory. ---
+// --- A card per helper: its kind, how it came, its backend, link round trip, layers, memory. ---
 function drawHelpers() {
   const box = $("helpers");
   box.replaceChildren();
@@ -99,7 +99,8 @@ function drawHelpers() {
   for (const d of view.devices) {
     const held = (view.held[d.device] || 0) * pageBytes;
     const fields = {
-      kind: d.source === "dialed" ? "dialed by this server" : d.source === "joined" ? "joined this server" : "-",
+      kind: d.kind || "-",
+      came: d.source === "dialed" ? "dialed by this server" : d.source === "joined" ? "joined this server" : "-",
       backend: d.backend || "-",
       "link round trip": d.rtt_ms == null ? "-" : `${d.rtt_ms.toFixed(2)} ms`,
       layers: d.prefill_layers ? `${d.prefill_layers[0]}–${d.prefill_layers[1] - 1} in a split prefill` : "none (pages only)",

@@ -190,6 +190,7 @@ impl<'a> Helper<'a> {
             mem_offer: self.opts.mem_budget,
             backends: vec![self.backend.name().to_string()],
             max_frame: self.opts.max_frame as u64,
+            device: crate::protocol::device_kind().into(),
         }
     }
 

@@ -58,6 +58,22 @@ pub struct Intro {
     pub backends: Vec<String>,
     /// Largest frame this peer accepts.
     pub max_frame: u64,
+    /// What kind of device it is, for people: `native`, `tab` (a browser) or `phone`
+    /// ([`device_kind`]); empty from a peer that predates it.
+    #[serde(default)]
+    pub device: String,
+}
+
+/// This build's kind of device, as [`Intro::device`] says it: the browser helper is a wasm32
+/// build, the phone's is iOS, anything else a native process.
+pub fn device_kind() -> &'static str {
+    if cfg!(target_arch = "wasm32") {
+        "tab"
+    } else if cfg!(target_os = "ios") {
+        "phone"
+    } else {
+        "native"
+    }
 }
 
 /// The host assigns the helper its part: layers `[first_layer, end_layer)` for split prefill,

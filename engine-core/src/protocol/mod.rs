@@ -6,5 +6,5 @@ pub mod message;
 pub mod tensor;
 
 pub use header::{peek_type, MsgType, HEADER_LEN, MAGIC, PROTOCOL_VERSION};
-pub use message::{decode, encode, Configure, Intro, Message, ProtocolError, Role};
+pub use message::{decode, device_kind, encode, Configure, Intro, Message, ProtocolError, Role};
 pub use tensor::{TensorDesc, WireDtype, WireTensor};

@@ -249,6 +249,7 @@ impl Engine {
                     "offer_bytes": h.helper.mem_offer,
                     "prefill_layers": (!layers.is_empty()).then_some([layers.start, layers.end]),
                     "backend": h.helper.backends.first(),
+                    "kind": (!h.helper.device.is_empty()).then_some(&h.helper.device),
                     "rtt_ms": rtt_ms,
                     "source": source,
                 })
