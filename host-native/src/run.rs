@@ -113,6 +113,9 @@ pub fn run(a: Args) -> Result<()> {
             ))
         );
     }
+    if let Some(why) = &generation.state.helper_set_aside {
+        eprintln!("a helper was set aside: {why}");
+    }
     if let Some(why) = &generation.state.helper_lost {
         eprintln!(
             "a helper was lost ({why}); the pages it held were attended from the page file, so \

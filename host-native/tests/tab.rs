@@ -171,7 +171,8 @@ struct Helpers<'a> {
     tokens: u32,
     /// `--model`.
     model: &'a str,
-    /// The page from the host's own port (/helper/), not from a static server.
+    /// The page from the host's own port (/helper/); else from a static server, another
+    /// origin, which may not pair.
     from_host: bool,
     /// The tabs' browser profile, kept between runs.
     profile: Option<&'a Path>,
@@ -225,7 +226,13 @@ fn with_helpers(flags: &[&str], who: Helpers) -> (String, Vec<Tab>) {
             .lines()
             .find(|l| l.starts_with(&format!("link to helper {id} (a helper that joined")))
             .unwrap_or_else(|| panic!("no link line for helper {id}: {err}"));
-        assert!(!line.contains(" 0 pages held"), "{line}");
+        // Unless the host found it slower than attending its pages itself (a tab on
+        // SwiftShader can be), and said so.
+        let set_aside = err.contains(&format!("a helper was set aside: helper {id} attends"));
+        assert!(
+            !line.contains(" 0 pages held") || set_aside,
+            "{line}\n{err}"
+        );
     }
     assert!(
         matches!(
@@ -258,7 +265,7 @@ fn tabs_on<'a>(backends: &'a [&'a str]) -> Helpers<'a> {
         close_after: None,
         tokens: 12,
         model: "tiny",
-        from_host: false,
+        from_host: true,
         profile: None,
         accept: "127.0.0.1:0",
     }
@@ -391,7 +398,6 @@ fn a_tab_fetches_a_checkpoints_weights_from_the_host_and_keeps_them() {
     let visit = || {
         let who = Helpers {
             model,
-            from_host: true,
             profile: Some(&profile),
             accept: &accept,
             ..tabs_on(&["cpu"])
@@ -413,4 +419,31 @@ fn a_tab_fetches_a_checkpoints_weights_from_the_host_and_keeps_them() {
     );
     let _ = std::fs::remove_dir_all(dir);
     let _ = std::fs::remove_dir_all(profile);
+}
+
+/// A page from another site (here a static server on another port: another origin) may not
+/// pair: any page a user opens could otherwise guess codes at a host on the LAN. The tab says
+/// why (the host, waiting for a helper, is then stopped).
+#[test]
+fn a_page_from_another_site_is_refused_pairing() {
+    if !browser_ready() {
+        return;
+    }
+    let www = serve_static(repo().join("wasm-demo/www"));
+    let keys = scratch("host-keys-other-site");
+    let flags = [
+        "--accept-helpers",
+        "127.0.0.1:0",
+        "--helper-wait",
+        "120",
+        "--pair-new",
+    ];
+    let mut host = start_host(&keys, "tiny", &flags, 4);
+    let url = host.wait_for("accepting helpers on ");
+    let code = host.wait_for("pairing code for new helpers: ");
+    let tabs = reports(tabs(&[page(Some(&www), &url, &code, "cpu")], None, None));
+    drop(host);
+    assert_eq!(tabs[0].state, "error", "{tabs:?}");
+    assert!(tabs[0].status.contains("may not pair"), "{tabs:?}");
+    let _ = std::fs::remove_dir_all(keys);
 }

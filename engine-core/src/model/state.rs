@@ -85,9 +85,12 @@ pub struct State {
     /// KV positions per layer kept on this device when a helper or page file takes pages;
     /// whole pages past it move out after every forward pass.
     pub host_kv_tokens: Option<usize>,
-    /// Why the last helper of this sequence was lost, or set aside as slower than this host,
-    /// if one was: the sequence went on from the page file (callers report it).
+    /// Why the last helper of this sequence was lost, if one was: the sequence went on from
+    /// the page file (callers report it).
     pub helper_lost: Option<String>,
+    /// Why the last helper set aside as slower than this host was ([`State::place`]'s
+    /// placement): its pages are attended from the page file (callers report it).
+    pub helper_set_aside: Option<String>,
     /// This host's own attention speed (pages per second), measured where its backend's
     /// ops are timed on return: what a helper is compared with ([`State::place`]).
     pub host_rate: AttendRate,
@@ -129,6 +132,7 @@ impl State {
             spill: None,
             host_kv_tokens: None,
             helper_lost: None,
+            helper_set_aside: None,
             host_rate: AttendRate::default(),
             telemetry: Telemetry::default(),
         }
@@ -451,7 +455,7 @@ impl State {
             if let Some(h) = self.helpers.iter_mut().find(|h| h.id == id) {
                 h.slow = true;
             }
-            self.helper_lost = Some(why);
+            self.helper_set_aside = Some(why);
         }
     }
 

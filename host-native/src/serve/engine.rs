@@ -199,6 +199,9 @@ impl Engine {
         if let Some(why) = self.state.helper_lost.take() {
             warn!("a helper was lost ({why}); its pages are attended from the page file");
         }
+        if let Some(why) = self.state.helper_set_aside.take() {
+            warn!("a helper was set aside: {why}");
+        }
         let Some(h) = &mut self.helpers else {
             return;
         };
