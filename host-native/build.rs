@@ -1,8 +1,10 @@
-//! Builds the browser tab's helper page into `tether` when it has been built
-//! (scripts/build-wasm.sh writes wasm-demo/www/pkg): `tether serve` and `--accept-helpers` then
-//! serve it at /helper/ with no files beside the binary, as llama.cpp's server does its page.
-//! Without it, /helper/ says how to build it. Cargo runs this again whenever wasm-demo/www
-//! changes.
+//! Builds the browser tab's helper page, and the WebAssembly module the split page's simulator
+//! shares with it, into `tether`: `tether serve` and `--accept-helpers` then serve the page at
+//! /helper/ with no files beside the binary, as llama.cpp's server does its page. The module
+//! is checked in (wasm-demo/www/pkg, which scripts/build-wasm.sh rebuilds and CI checks against
+//! the sources), so a plain `cargo build` has it; a source tree without it (deleted, or a
+//! partial copy) builds a `tether` whose /helper/ says how to get it, and a warning says so
+//! here. Cargo runs this again whenever wasm-demo/www changes.
 
 use std::path::{Path, PathBuf};
 
@@ -36,7 +38,11 @@ fn main() {
             entries.join("\n")
         )
     } else {
-        "/// The helper page's files: not built (scripts/build-wasm.sh).\n\
+        println!(
+            "cargo:warning=wasm-demo/www/pkg (checked in; scripts/build-wasm.sh rebuilds it) is \
+             missing: this tether answers /helper/ and the simulator's module with 404"
+        );
+        "/// The helper page's files: missing when tether was built (wasm-demo/www/pkg).\n\
          pub const PAGE: Option<&[(&str, &[u8])]> = None;\n"
             .to_string()
     };

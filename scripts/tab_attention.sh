@@ -5,8 +5,8 @@
 # SwiftShader, or the tab's CPU backend), alternated RUNS times. Prints one line per run: the
 # helper, its backend, pages attended per second (query to reply, link included: what the
 # host waits for) and decode tok/s. A ratio between helpers on one machine, not a GPU claim.
-# Not in CI. Needs: cargo build --release -p host-native (after
-# scripts/build-wasm.sh, so tether carries the page), `npm ci` in wasm-demo, Chromium.
+# Not in CI. Needs: cargo build --release -p host-native (tether carries the page, checked
+# in at wasm-demo/www/pkg), `npm ci` in wasm-demo, Chromium.
 # Usage: [DEPTH=1024] scripts/tab_attention.sh [RUNS] (default 3). A run on SwiftShader takes
 # minutes (its prefill attends every held page for 256 query rows per ubatch).
 set -euo pipefail

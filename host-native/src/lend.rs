@@ -254,8 +254,9 @@ fn page(file: &str) -> Answer {
     let Some(files) = PAGE else {
         return Answer::text(
             404,
-            "this tether was built without the helper page: run scripts/build-wasm.sh, then \
-             build tether again"
+            "this tether was built without the helper page: its source tree lacked \
+             wasm-demo/www/pkg, which is checked in; restore it (or rebuild it with \
+             scripts/build-wasm.sh), then build tether again"
                 .into(),
         );
     };

@@ -1,11 +1,10 @@
 //! The split page at `/` (wasm-demo/www's index.html, split.js, sim.js, sim-worker.js and
 //! split.css, built into the binary so `tether serve` needs no files beside it): a chat box on
 //! the OpenAI endpoint and the split drawn from `/v1/telemetry`, or with `?sim` the simulator,
-//! which runs engine-core in a worker of the page from the WebAssembly module
-//! `scripts/build-wasm.sh` writes (built in when it was there, as the helper page is:
-//! crate::lend::PAGE). The same files work as static files (the live view then names its
-//! server with `?server=http://HOST:PORT`, which needs `--cors`; the simulator needs no
-//! server).
+//! which runs engine-core in a worker of the page from the WebAssembly module checked in at
+//! wasm-demo/www/pkg (built in as the helper page is: crate::lend::PAGE). The same files work
+//! as static files (the live view then names its server with `?server=http://HOST:PORT`, which
+//! needs `--cors`; the simulator needs no server).
 
 use axum::http::{header, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
@@ -69,7 +68,8 @@ pub async fn file(uri: Uri) -> Response {
         None => (
             StatusCode::NOT_FOUND,
             "this tether was built without the page's WebAssembly module, which the simulator \
-             runs: run scripts/build-wasm.sh, then build tether again",
+             runs: its source tree lacked wasm-demo/www/pkg, which is checked in; restore it \
+             (or rebuild it with scripts/build-wasm.sh), then build tether again",
         )
             .into_response(),
     }
