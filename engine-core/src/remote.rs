@@ -57,6 +57,9 @@ pub struct HelperClient {
     /// Attention queries answered, for the placement's measured speed: pages, and seconds
     /// from query to reply.
     attended: AttendRate,
+    /// Attention replies collected, and the seconds the host blocked for them (after its own
+    /// work: the time this helper cost it).
+    waited: (u64, f64),
     /// The placement found attending its pages here faster than waiting for it: it holds no
     /// pages and is offered none ([`crate::State`]'s placement).
     pub slow: bool,
@@ -110,6 +113,7 @@ impl HelperClient {
             id: 0,
             full: false,
             attended: AttendRate::default(),
+            waited: (0, 0.0),
             slow: false,
             asked_at: Default::default(),
             link,
@@ -385,9 +389,11 @@ impl HelperClient {
         self.attended.per_sec()
     }
 
-    /// Pages it has attended for this host so far.
-    pub fn pages_attended(&self) -> u64 {
-        self.attended.pages
+    /// Seconds the host blocked for one attention reply, on average over the replies so far
+    /// (the time it cost the host beyond its own work), and how many there were.
+    pub fn mean_wait(&self) -> (f64, u64) {
+        let (n, secs) = self.waited;
+        (secs / n.max(1) as f64, n)
     }
 
     /// The partials asked for by request `req`, for `rows` (query row, head) pairs, one per
@@ -401,7 +407,10 @@ impl HelperClient {
         starts: &[u64],
     ) -> Result<Vec<Partials>> {
         let asked = self.asked_at.remove(&req);
+        let blocked = web_time::Instant::now();
         let reply = self.reply(req)?;
+        self.waited.0 += 1;
+        self.waited.1 += blocked.elapsed().as_secs_f64();
         if let Some((at, pages)) = asked {
             self.attended.add(pages, at.elapsed());
         }

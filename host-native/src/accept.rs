@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use engine_core::link::admission::Admission;
+use engine_core::link::admission::{Admission, Ticket};
 use engine_core::link::doors::Doors;
 use engine_core::link::keys::MAX_WRONG;
 use engine_core::link::secure::wire_limit;
@@ -72,21 +72,20 @@ impl Acceptor {
             .name("accept-helpers".into())
             .spawn(move || loop {
                 match listener.next() {
-                    Ok(mut pending) => {
+                    Ok(pending) => {
                         let (doors, tx, shown) = (doors.clone(), tx.clone(), shown.clone());
                         let lender = lender.clone();
                         let peer = pending.peer_addr();
-                        let ticket = pending.take_ticket();
                         let _ = std::thread::Builder::new()
                             .name("helper-handshake".into())
                             .spawn(move || {
-                                if let Some(ws) = upgrade_or_answer(pending, &lender) {
+                                if let Some((ws, ticket)) = upgrade_or_answer(pending, &lender) {
                                     let origin = ws
                                         .as_ref()
                                         .map_or(PageOrigin::NotAPage, |ws| ws.origin().clone());
                                     let_in(&doors, ws, peer, &origin, &shown, &tx);
+                                    drop(ticket);
                                 }
-                                drop(ticket);
                             });
                     }
                     Err(e) => {
@@ -180,10 +179,19 @@ impl Acceptor {
     }
 }
 
-/// A connection's WebSocket, or `None` once a plain request (the page, weights) is answered.
-fn upgrade_or_answer(mut pending: Pending, lender: &Lender) -> Option<Result<WsLink, LinkError>> {
+/// A connection's WebSocket with its admission ticket (held until the secure handshake ends),
+/// or `None` once a plain request (the page, weights) is answered; a plain request is marked
+/// busy meanwhile (a lent tensor, or a wait for the model to
+/// load, outlasts a handshake's deadline).
+fn upgrade_or_answer(
+    mut pending: Pending,
+    lender: &Lender,
+) -> Option<(Result<WsLink, LinkError>, Option<Ticket>)> {
     match pending.asks() {
-        Ok(Asks::Upgrade) => Some(pending.upgrade()),
+        Ok(Asks::Upgrade) => {
+            let ticket = pending.take_ticket();
+            Some((pending.upgrade(), ticket))
+        }
         Ok(Asks::Plain { method, target }) => {
             let _busy = pending.busy();
             let a = lender.answer(&method, &target);
@@ -192,7 +200,7 @@ fn upgrade_or_answer(mut pending: Pending, lender: &Lender) -> Option<Result<WsL
             }
             None
         }
-        Err(e) => Some(Err(e)),
+        Err(e) => Some((Err(e), None)),
     }
 }
 

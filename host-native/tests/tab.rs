@@ -228,7 +228,7 @@ fn with_helpers(flags: &[&str], who: Helpers) -> (String, Vec<Tab>) {
             .unwrap_or_else(|| panic!("no link line for helper {id}: {err}"));
         // Unless the host found it slower than attending its pages itself (a tab on
         // SwiftShader can be), and said so.
-        let set_aside = err.contains(&format!("a helper was set aside: helper {id} attends"));
+        let set_aside = err.contains(&format!("a helper was set aside: helper {id} makes"));
         assert!(
             !line.contains(" 0 pages held") || set_aside,
             "{line}\n{err}"

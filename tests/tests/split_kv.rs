@@ -520,7 +520,7 @@ fn a_helper_slower_than_the_host_is_set_aside_and_the_page_file_serves() {
         assert_eq!(st.pages_on(helper.id), 0);
         let why = st.helper_set_aside.clone().unwrap_or_default();
         assert!(
-            why.contains("pages/s") && why.contains("page file"),
+            why.contains(" ms for ") && why.contains("page file"),
             "{why}"
         );
         eprintln!("{why}");

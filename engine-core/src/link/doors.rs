@@ -78,17 +78,14 @@ impl Doors {
     }
 
     /// A new pairing code, asked for by the person at this device (after wrong codes paused
-    /// pairing, say): the old one stops working and every source may try again. `None` if
-    /// pairing is not open.
+    /// pairing, say): the old one stops working and the count of wrong codes starts again.
+    /// Each address keeps its wait, so one that paused pairing cannot pause it again at once.
+    /// `None` if pairing is not open.
     pub fn new_code(&self) -> Option<String> {
         if !self.pairing.load(Ordering::SeqCst) {
             return None;
         }
         *self.code.lock().unwrap_or_else(PoisonError::into_inner) = PairingCode::new();
-        self.strikes
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .clear();
         self.pairing_code()
     }
 
@@ -377,9 +374,13 @@ mod tests {
         assert!(d.pairing_paused());
         let e = pair_from(&d, "10.0.2.1:1", &page, &code).unwrap();
         assert!(e.contains("takes no more"), "{e}");
-        // Until the person at the device asks for a new code.
+        // Until the person at the device asks for a new code. Each address keeps its count of
+        // wrong codes (so the one made to wait cannot pause pairing again at once).
         let new = d.new_code().unwrap();
         assert!(!d.pairing_paused());
-        assert_eq!(pair_from(&d, "10.0.0.1:1", &page, &new), None);
+        let strikes = d.strikes.lock().unwrap();
+        assert_eq!(strikes[&"10.0.0.1".parse::<IpAddr>().unwrap()].wrong, 2);
+        drop(strikes);
+        assert_eq!(pair_from(&d, "10.0.3.1:1", &page, &new), None);
     }
 }

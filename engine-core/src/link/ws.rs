@@ -844,15 +844,18 @@ fn write_frames(
     backlog: &Backlog,
 ) -> tungstenite::Result<()> {
     while let Ok(frame) = frames.recv() {
-        let mut bytes = frame.len();
+        let bytes = frame.len();
         ws.write(Message::Binary(frame.into()))?;
+        // Counted as each frame goes (tungstenite writes to the socket past its buffer), so a
+        // bounded sender sees a peer that reads steadily through a long batch as progress.
+        backlog.written(bytes, false);
         // Frames queued meanwhile share one flush, so small ones share TCP segments.
         for frame in frames.try_iter() {
-            bytes += frame.len();
+            let bytes = frame.len();
             ws.write(Message::Binary(frame.into()))?;
+            backlog.written(bytes, false);
         }
         ws.flush()?;
-        backlog.written(bytes, false);
     }
     ws.close(None)
 }

@@ -18,15 +18,15 @@ use crate::telemetry::{self, Telemetry};
 /// no pass waits for the whole re-fill.
 const REFILL_PAGES: usize = 8;
 
-/// Pages a helper answers for before the placement judges its speed (a few steps' worth,
-/// so one slow reply does not decide).
-const JUDGE_AFTER_PAGES: u64 = 256;
+/// Attention replies a helper gives before the placement judges it (a few steps' worth, so
+/// one slow reply does not decide).
+const JUDGE_AFTER_REPLIES: u64 = 16;
 
-/// How much slower than this host attending its pages a helper may be before it is set aside.
-/// Wide: the measurements are noisy, the page file's reads are not counted in the host's
-/// speed, and a link's fixed cost per query (a helper in this very process, in a debug build,
-/// waited 3.7-5.6x what attending its pages here took) outweighs a small model's pages while
-/// costing little. What it is for is an order of magnitude: a tab on a software GPU, 12x.
+/// How much longer than this host would take for its pages the host may block for a helper
+/// before it is set aside. Wide: the measurements are noisy, the page file's reads are not
+/// counted in the host's speed, and a link's fixed cost per query outweighs a small model's
+/// pages while costing little. What it is for is an order of magnitude: a tab on a software
+/// GPU slowed a host 12x.
 const SLOW_MARGIN: f64 = 8.0;
 
 /// And by how much per attention, at least, so that small absolute costs never decide.
@@ -408,11 +408,10 @@ impl State {
         Ok(moved)
     }
 
-    /// Helpers that make every step wait: a helper holding `h` of a layer's pages, beside the
-    /// `l` this host attends itself, is worth its link only while it attends them faster than
-    /// this host would attend all `h + l` (it works while the host attends its own). Once it
-    /// has answered [`JUDGE_AFTER_PAGES`] pages and is slower than that by [`SLOW_MARGIN`] and
-    /// [`MIN_LOSS`],
+    /// Helpers that make every step wait: a helper holding `h` of a layer's pages is worth its
+    /// link only while the host, having done its own work, blocks for its reply less than it
+    /// would take to attend those `h` pages itself. Once it has given [`JUDGE_AFTER_REPLIES`]
+    /// replies and the host blocks for it longer than that by [`SLOW_MARGIN`] and [`MIN_LOSS`],
     /// its pages are attended here from the page file (which has them all) and it is offered
     /// no more (a tab on a software GPU cut a host's decode from 174 to 14 tok/s). Only with a
     /// page file, and where this host's attention is timed (see [`Backend::timed_on_return`]).
@@ -426,21 +425,22 @@ impl State {
         }) else {
             return;
         };
-        let local = kv.pages().len() as f64;
         let slow: Vec<(u32, String)> = self
             .helpers
             .iter()
-            .filter(|h| !h.slow && h.pages_attended() >= JUDGE_AFTER_PAGES)
+            .filter(|h| !h.slow && h.mean_wait().1 >= JUDGE_AFTER_REPLIES)
             .filter_map(|h| {
-                let (held, rate) = (kv.count_on(h.id) as f64, h.pages_per_sec()?);
-                let waited = held / rate;
-                let here = (held + local) / host;
-                let slow = waited > SLOW_MARGIN * here && waited - here > MIN_LOSS;
+                let (held, (wait, _)) = (kv.count_on(h.id) as f64, h.mean_wait());
+                let here = held / host;
+                let slow = wait > SLOW_MARGIN * here && wait - here > MIN_LOSS;
                 (held > 0.0 && slow).then(|| {
                     let why = format!(
-                        "helper {} attends {rate:.0} pages/s, this host {host:.0}: its pages are \
-                         attended here from the page file, and it is offered no more",
-                        h.id
+                        "helper {} makes each attention wait {:.1} ms for {held} pages, which \
+                         this host attends in {:.1} ms: its pages are attended here from the \
+                         page file, and it is offered no more",
+                        h.id,
+                        wait * 1e3,
+                        here * 1e3
                     );
                     (h.id, why)
                 })
