@@ -208,6 +208,11 @@ impl HelperClient {
         self.lost.is_some()
     }
 
+    /// Whether pages may be offered to it: not full, not set aside as slow, not lost.
+    pub fn takes_pages(&self) -> bool {
+        !self.full && !self.slow && !self.is_lost()
+    }
+
     /// The reply to request `req`. The helper answers in request order, so replies to requests
     /// sent before `req` may arrive first; they are kept for their own `reply` call.
     pub fn reply(&mut self, req: u32) -> Result<Message> {

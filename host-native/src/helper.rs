@@ -139,12 +139,44 @@ impl std::fmt::Display for Source {
     }
 }
 
-/// A helper attached to a sequence: its id there, where it came from, and its link's traffic.
+/// A helper attached to a sequence: its id there, where it came from, its link's traffic, and
+/// its link's round trip when it attached (in ms; `None` if a ping failed).
 #[derive(Clone)]
 pub struct Attached {
     pub id: u32,
     pub source: Source,
     pub stats: StatsHandle,
+    pub rtt_ms: Option<f64>,
+}
+
+/// Pings timed when a helper attaches; the least counts.
+const PINGS: usize = 3;
+
+impl Attached {
+    /// Helper `id` of `state`, just attached from `source`, its link's round trip measured
+    /// now: the least of [`PINGS`] pings (the link's latency with the helper's least work).
+    pub fn measured(state: &mut State, id: u32, source: Source, stats: StatsHandle) -> Attached {
+        let rtt_ms = state
+            .helpers
+            .iter_mut()
+            .find(|h| h.id == id)
+            .and_then(|client| {
+                (0..PINGS)
+                    .map(|_| {
+                        let t = std::time::Instant::now();
+                        client.ping().ok().map(|()| t.elapsed().as_secs_f64() * 1e3)
+                    })
+                    .collect::<Option<Vec<f64>>>()?
+                    .into_iter()
+                    .reduce(f64::min)
+            });
+        Attached {
+            id,
+            source,
+            stats,
+            rtt_ms,
+        }
+    }
 }
 
 impl HelperArgs {
@@ -230,7 +262,7 @@ impl HelperArgs {
         let wait = Duration::from_secs(self.helper_wait);
         let link = self.connect(&source, &stats, wait)?;
         let id = self.attach_link(model, be, state, shape, link, &source)?;
-        Ok(Attached { id, source, stats })
+        Ok(Attached::measured(state, id, source, stats))
     }
 
     /// The link to the helper from `source`, counting into `stats`: the part of attaching

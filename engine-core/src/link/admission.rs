@@ -38,7 +38,7 @@ struct Entry {
     since: Instant,
     /// Busy spells under way ([`Ticket::busy`]): such an entry is neither evicted nor timed.
     busy: usize,
-    close: Option<Close>,
+    close: Close,
 }
 
 #[derive(Default)]
@@ -75,9 +75,9 @@ impl Table {
 
     /// Takes entry `id` out and returns its closer.
     fn evict(&mut self, id: u64) -> Option<Close> {
-        let mut entry = self.entries.remove(&id)?;
+        let entry = self.entries.remove(&id)?;
         self.evicted += 1;
-        entry.close.take()
+        Some(entry.close)
     }
 }
 
@@ -134,7 +134,7 @@ impl Admission {
                     source,
                     since: Instant::now(),
                     busy: 0,
-                    close: Some(Box::new(close)),
+                    close: Box::new(close),
                 },
             );
             id

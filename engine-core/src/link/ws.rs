@@ -13,15 +13,15 @@
 //! takes frames, instead of this end's memory growing with whatever the peer sends.
 //!
 //! The bound cannot deadlock: the only thread that waits on it is this end's reader, and it
-//! waits for this end's owner to `recv`. A host's sending never waits on the peer: [`Link::send`]
-//! queues the frame for the writer thread, and that queue is not bounded (it holds only what
-//! the host chose to send). So a host blocks only in `recv`, which a frame from the peer or the
-//! link closing ends. A helper's replies are what its peer asks for, so a helper bounds its
-//! queue ([`WsLink::bound_sends`]): past the bound its `send` waits for the peer to read, and a
-//! peer that reads nothing for the stall time loses the link. That cannot deadlock either,
-//! since the host it waits on never waits to send. A host in a pipelined split prefill sends many `PrefillChunk`s
-//! before it reads any reply: they wait in its writer's queue and the socket while the
-//! helper's reader holds off, and TCP then stalls only the host's writer thread; the helper
+//! waits for this end's owner to `recv`. A host's sending never waits on the peer:
+//! [`Link::send`] queues the frame for the writer thread, and that queue is not bounded (it
+//! holds only what the host chose to send). So a host blocks only in `recv`, which a frame
+//! from the peer or the link closing ends. A helper's replies are what its peer asks for, so a
+//! helper bounds its queue ([`WsLink::bound_sends`]): past the bound its `send` waits for the
+//! peer to read, and a peer that reads nothing for the stall time loses the link. That cannot
+//! deadlock either, since the host it waits on never waits to send. A host in a pipelined
+//! split prefill sends many `PrefillChunk`s before it reads any reply: they wait in its
+//! writer's queue and the socket while the helper's reader holds off, and TCP then stalls only the host's writer thread; the helper
 //! answers each chunk it takes (its replies queue on its own writer, which the host's reader
 //! drains while it has room), and the host reads them once it has sent all its chunks.
 
@@ -48,7 +48,8 @@ use super::{Link, LinkError, LinkSender};
 /// closes a connection whose whole handshake takes longer.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// A listener's bounds on connections not yet let in ([`WsListener::limits`]): a helper serves
+/// A listener's bounds on connections not yet let in ([`WsListener::admitting`] shares another
+/// table instead): a helper serves
 /// one host, and a host takes a few helpers, so a few handshakes at once from one address and
 /// a few dozen in all are plenty; past them the oldest idle ones give way (see
 /// [`super::admission`]). The deadline covers the WebSocket upgrade and, for the caller that
@@ -844,20 +845,28 @@ fn write_frames(
     backlog: &Backlog,
 ) -> tungstenite::Result<()> {
     while let Ok(frame) = frames.recv() {
-        let bytes = frame.len();
-        ws.write(Message::Binary(frame.into()))?;
-        // Counted as each frame goes (tungstenite writes to the socket past its buffer), so a
-        // bounded sender sees a peer that reads steadily through a long batch as progress.
-        backlog.written(bytes, false);
+        write_frame(ws, frame, backlog)?;
         // Frames queued meanwhile share one flush, so small ones share TCP segments.
         for frame in frames.try_iter() {
-            let bytes = frame.len();
-            ws.write(Message::Binary(frame.into()))?;
-            backlog.written(bytes, false);
+            write_frame(ws, frame, backlog)?;
         }
         ws.flush()?;
     }
     ws.close(None)
+}
+
+/// Writes one frame, counted as written as it goes (tungstenite writes to the socket past its
+/// buffer), so a bounded sender sees a peer that reads steadily through a long batch as
+/// progress.
+fn write_frame(
+    ws: &mut WebSocket<TcpStream>,
+    frame: Vec<u8>,
+    backlog: &Backlog,
+) -> tungstenite::Result<()> {
+    let bytes = frame.len();
+    ws.write(Message::Binary(frame.into()))?;
+    backlog.written(bytes, false);
+    Ok(())
 }
 
 impl Link for WsLink {

@@ -168,13 +168,19 @@ impl State {
     /// (the caller has checked there were none, or fails the sequence).
     pub fn lose_helper(&mut self, id: u32) {
         self.helpers.retain(|h| h.id != id);
+        self.forget_pages_of(id);
+        if self.spill.is_none() && self.helpers.is_empty() {
+            self.host_kv_tokens = None;
+        }
+    }
+
+    /// Every layer takes helper `id`'s pages as no longer held there: they are attended from
+    /// the page file (and re-fill another helper).
+    fn forget_pages_of(&mut self, id: u32) {
         for l in &mut self.layers {
             if let LayerState::Attention(kv) = l {
                 kv.lose_helper(id);
             }
-        }
-        if self.spill.is_none() && self.helpers.is_empty() {
-            self.host_kv_tokens = None;
         }
     }
 
@@ -447,11 +453,7 @@ impl State {
             })
             .collect();
         for (id, why) in slow {
-            for l in &mut self.layers {
-                if let LayerState::Attention(kv) = l {
-                    kv.lose_helper(id);
-                }
-            }
+            self.forget_pages_of(id);
             if let Some(h) = self.helpers.iter_mut().find(|h| h.id == id) {
                 h.slow = true;
             }
@@ -490,7 +492,7 @@ impl State {
             return Ok(None);
         };
         let width = kv.row_width();
-        let takes = |h: &&HelperClient| !h.full && !h.slow && !h.is_lost();
+        let takes = |h: &&HelperClient| h.takes_pages();
         let candidates: Vec<u32> = match self.prefill_helper() {
             Some(p) if p.prefill_layers.contains(&i) => Some(p)
                 .filter(takes)
@@ -558,11 +560,7 @@ impl State {
     /// Send helpers up to [`REFILL_PAGES`] pages that no helper holds from the page file, the
     /// layer furthest behind first, so all layers catch up together.
     fn refill(&mut self) -> Result<()> {
-        if !self
-            .helpers
-            .iter()
-            .any(|h| !h.full && !h.slow && !h.is_lost())
-        {
+        if !self.helpers.iter().any(HelperClient::takes_pages) {
             return Ok(());
         }
         for _ in 0..REFILL_PAGES {

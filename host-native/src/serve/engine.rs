@@ -95,7 +95,7 @@ impl Engine {
             let job = match queue.next_within(IDLE_LOOK) {
                 Next::Job(job) => job,
                 Next::Idle => {
-                    self.take_joined();
+                    self.attach_joined();
                     continue;
                 }
                 Next::Closed => break,
@@ -220,7 +220,7 @@ impl Engine {
     /// While no request waits: attach helpers that joined (calibrated and given their layers
     /// as at a request) and tell `/v1/telemetry` at once, so the page shows a helper when it
     /// joins, and the next prefill is split with it.
-    fn take_joined(&mut self) {
+    fn attach_joined(&mut self) {
         let Some(h) = &mut self.helpers else {
             return;
         };

@@ -4,7 +4,6 @@
 //! new or returning helper takes new pages and is re-filled from the page file a few pages per
 //! pass.
 
-use std::collections::BTreeMap;
 use std::sync::{mpsc, Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -13,9 +12,6 @@ use engine_core::{Backend, Model, State};
 use tracing::{debug, info};
 
 use crate::helper::{Attached, HelperArgs, Source};
-
-/// Pings timed when a helper attaches; the least counts.
-const PINGS: usize = 3;
 
 /// Helpers attached at once at most: each costs a link and a query per layer.
 const MAX_HELPERS: usize = 8;
@@ -50,8 +46,6 @@ pub struct Helpers {
     /// Helpers the first request waits for, and how long (`--wait-helpers` on the server's
     /// own port, where none can join before it listens).
     first: Option<(usize, Duration)>,
-    /// Each attached helper's link round trip in ms, measured as it attached.
-    round_trips: BTreeMap<u32, f64>,
 }
 
 impl Helpers {
@@ -63,7 +57,6 @@ impl Helpers {
             pending: None,
             silent: false,
             first: Some(args.waits_on_port()).filter(|(n, _)| *n > 0),
-            round_trips: BTreeMap::new(),
             args,
         }
     }
@@ -87,15 +80,15 @@ impl Helpers {
     /// What the server knows of helper `id` beyond its offer, for the live page's card: how
     /// it came (`"dialed"` or `"joined"`) and its link's round trip when it attached, in ms.
     pub fn about(&self, id: u32) -> (Option<&'static str>, Option<f64>) {
-        let source = self
-            .list()
-            .iter()
-            .find(|a| a.id == id)
-            .map(|a| match a.source {
-                Source::Joined => "joined",
-                Source::Dial(_) => "dialed",
-            });
-        (source, self.round_trips.get(&id).copied())
+        let list = self.list();
+        let Some(a) = list.iter().find(|a| a.id == id) else {
+            return (None, None);
+        };
+        let source = match a.source {
+            Source::Joined => "joined",
+            Source::Dial(_) => "dialed",
+        };
+        (Some(source), a.rtt_ms)
     }
 
     /// The list `/metrics` reads.
@@ -186,12 +179,10 @@ impl Helpers {
         {
             Ok(id) => {
                 info!("{source} is attached (helper {id})");
-                if let Some(rtt) = round_trip(state, id) {
-                    self.round_trips.insert(id, rtt);
-                }
+                let attached = Attached::measured(state, id, source, stats);
                 let mut list = self.list();
-                list.retain(|a| a.source == Source::Joined || a.source != source);
-                list.push(Attached { id, source, stats });
+                list.retain(|a| a.source == Source::Joined || a.source != attached.source);
+                list.push(attached);
                 true
             }
             Err(e) => {
@@ -264,18 +255,4 @@ impl Helpers {
             });
         }
     }
-}
-
-/// Pings helper `id` of `state` a few times: the least round trip, in ms (the link's latency
-/// with the helper's least work; a failed ping leaves it unknown, the next request finds out).
-fn round_trip(state: &mut State, id: u32) -> Option<f64> {
-    let client = state.helpers.iter_mut().find(|h| h.id == id)?;
-    (0..PINGS)
-        .map(|_| {
-            let t = Instant::now();
-            client.ping().ok().map(|()| t.elapsed().as_secs_f64() * 1e3)
-        })
-        .collect::<Option<Vec<f64>>>()?
-        .into_iter()
-        .reduce(f64::min)
 }
