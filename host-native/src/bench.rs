@@ -12,7 +12,7 @@ use engine_core::split::{minimum, prefill};
 use engine_core::telemetry::Telemetry;
 use engine_core::{Logits, State};
 
-use crate::helper::stats_json;
+use crate::attach::stats_json;
 use crate::load::EngineArgs;
 
 #[derive(clap::Args)]

@@ -106,7 +106,7 @@ pub fn run(a: Args) -> Result<()> {
         split < n,
         "the model has too few layers ({n}) to split on a 4-layer cycle"
     );
-    let profile = crate::helper::link_profile(&a.link)?;
+    let profile = crate::attach::link_profile(&a.link)?;
     let tokenizer = Tokenizer::byte_level(c.vocab_size);
     // A long prompt from text: the byte-level tokenizer turns each byte into a token.
     let text = "tether lends a small computer a second device's memory and compute. "

@@ -10,7 +10,7 @@ pub use engine_core::source::{BackendOptions, LoadOptions};
 use engine_core::tokenizer::Tokenizer;
 use engine_core::{Backend, Model, State};
 
-use crate::helper::{Attached, Fixed, HelperArgs};
+use crate::attach::{Attached, Fixed, HelperArgs};
 
 /// What `run`, `eval`, `bench` and `serve` all take: the model, how its cache is paged, where
 /// its math runs, and its helper.

@@ -1,10 +1,10 @@
 //! `tether`: the host command line.
 
 mod accept;
+mod attach;
 mod bench;
 mod demo;
 mod eval;
-mod helper;
 mod lend;
 mod load;
 mod quantize;
@@ -87,7 +87,7 @@ struct PlanArgs {
     #[command(flatten)]
     backend: load::BackendOptions,
     #[command(flatten)]
-    helper: helper::HelperArgs,
+    helper: attach::HelperArgs,
 }
 
 #[derive(clap::Args)]
@@ -125,7 +125,7 @@ fn main() {
         Command::Synth(a) => synth(a),
         Command::Plan(a) => plan(a),
         Command::Quantize(a) => quantize::run(a),
-        Command::Pair(a) => helper::pair(&a.url, &a.code),
+        Command::Pair(a) => attach::pair(&a.url, &a.code),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");
@@ -161,7 +161,7 @@ fn synth(a: SynthArgs) -> anyhow::Result<()> {
 fn plan(a: PlanArgs) -> anyhow::Result<()> {
     let model = engine_core::source::load_model(&a.model, &a.synth)?;
     let h = &a.helper;
-    let fixed = helper::Fixed {
+    let fixed = attach::Fixed {
         page_size: a.page_size,
         ubatch: a.ubatch,
         host_kv_tokens: None,
@@ -170,7 +170,7 @@ fn plan(a: PlanArgs) -> anyhow::Result<()> {
     let (be, _) = a.backend.make()?;
     model.check_backend(&*be)?;
     let (_, state, _) = h.session(&model, &*be, fixed, context, prompt)?;
-    let offers = helper::HelperArgs::offers(&state);
+    let offers = attach::HelperArgs::offers(&state);
     print!(
         "{}",
         h.plan_for(&model, offers, fixed, context, prompt).text

@@ -11,7 +11,7 @@ use engine_core::link::{Link, StatsHandle};
 use engine_core::{Backend, Model, State};
 use tracing::{debug, info};
 
-use crate::helper::{Attached, HelperArgs, Source};
+use crate::attach::{Attached, HelperArgs, Source};
 
 /// Helpers attached at once at most: each costs a link and a query per layer.
 const MAX_HELPERS: usize = 8;

@@ -35,7 +35,7 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use tracing::{info, warn};
 
-use crate::helper::{Fixed, HelperArgs};
+use crate::attach::{Fixed, HelperArgs};
 use crate::load::EngineArgs;
 use conversation::Conversation;
 use cross_site::Cors;

@@ -18,7 +18,7 @@ use serde::Serialize;
 use serde_json::{json, Value};
 use tokio::sync::broadcast::{self, error::RecvError};
 
-use crate::helper::Attached;
+use crate::attach::Attached;
 
 /// Events a watcher may fall behind by before it is told it missed some.
 const BACKLOG: usize = 4096;

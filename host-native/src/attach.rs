@@ -1,4 +1,5 @@
-//! `--helper ws://ADDR`: tether a `tether-helper` to a sequence's state.
+//! The host's side of its helpers (`--helper ws://ADDR`, `--accept-helpers`): connect, pair,
+//! plan their part and attach them to a sequence.
 
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
