@@ -7,7 +7,7 @@ use rand::{Rng, SeedableRng};
 use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::model::{Logits, Model, State};
-use crate::split::{self, SplitPlan, SplitReport};
+use crate::host::split::{self, SplitPlan, SplitReport};
 
 #[derive(Clone, Debug, PartialEq)]
 pub struct SamplingParams {

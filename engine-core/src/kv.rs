@@ -11,8 +11,8 @@ use std::ops::Range;
 
 use crate::backend::{Act, ActPartials, AttnShape, Backend};
 use crate::error::{Error, Result};
-use crate::page_file::PageFile;
-use crate::remote::{AttendRate, HelperClient};
+use crate::host::page_file::PageFile;
+use crate::host::remote::{AttendRate, HelperClient};
 
 /// KV rows for positions `start .. start + len`, token-major: row `j` holds
 /// `[kv_heads, head_dim]` keys (values likewise). `k` and `v` live in the backend that made

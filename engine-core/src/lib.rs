@@ -4,29 +4,24 @@
 //! (file access and memory mapping are native-only).
 
 pub mod backend;
-pub mod calibrate;
 pub mod config;
 pub mod error;
 pub mod generate;
 pub mod gguf;
 pub mod helper;
+pub mod host;
 pub mod identity;
 pub mod kv;
 pub mod lending;
 pub mod link;
 pub mod model;
-pub mod page_file;
-pub mod plan;
 pub mod printable;
 pub mod protocol;
 pub mod quant;
-pub mod remote;
 #[cfg(not(target_arch = "wasm32"))]
 pub mod resident;
 pub mod source;
-pub mod split;
 pub mod synth;
-pub mod telemetry;
 pub mod tensor;
 pub mod tokenizer;
 pub mod weights;

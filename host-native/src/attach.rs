@@ -5,19 +5,19 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use engine_core::calibrate;
+use engine_core::host::calibrate;
 use engine_core::identity::cache_dir;
 use engine_core::link::doors::{self, DialOptions};
 use engine_core::link::keys::{config_dir, KeyStore};
 use engine_core::link::secure::{wire_limit, SecureLink};
 use engine_core::link::ws::{self, WsLink};
 use engine_core::link::{Link, LinkProfile, LinkStats, ShapedLink, StatsHandle};
-use engine_core::page_file::PageFile;
-use engine_core::plan::{self, Plan, PlanInput, Speeds, WeightBytes};
+use engine_core::host::page_file::PageFile;
+use engine_core::host::plan::{self, Plan, PlanInput, Speeds, WeightBytes};
 use engine_core::protocol::{Configure, Intro};
-use engine_core::remote::{HelperClient, DEFAULT_MAX_FRAME};
+use engine_core::host::remote::{HelperClient, DEFAULT_MAX_FRAME};
 use engine_core::source::LoadOptions;
-use engine_core::split::SplitPlan;
+use engine_core::host::split::SplitPlan;
 use engine_core::{Backend, Model, State};
 
 use crate::accept::Acceptor;
@@ -65,7 +65,7 @@ pub struct HelperArgs {
     host_kv_tokens: Option<usize>,
     /// The memory the plan may use on this host, e.g. 24G (default: what the system says is
     /// available now); `tether plan` with it plans for another machine.
-    #[arg(long, value_name = "SIZE", value_parser = engine_core::plan::parse_size)]
+    #[arg(long, value_name = "SIZE", value_parser = engine_core::host::plan::parse_size)]
     host_memory: Option<u64>,
     /// The available memory, read once so that every plan of the session sees the same.
     #[arg(skip)]

@@ -7,9 +7,9 @@ use std::time::Instant;
 
 use anyhow::{bail, Result};
 use engine_core::generate::argmax;
-use engine_core::plan;
-use engine_core::split::{minimum, prefill};
-use engine_core::telemetry::Telemetry;
+use engine_core::host::plan;
+use engine_core::host::split::{minimum, prefill};
+use engine_core::host::telemetry::Telemetry;
 use engine_core::{Logits, State};
 
 use crate::attach::stats_json;

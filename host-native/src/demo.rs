@@ -16,9 +16,9 @@ use engine_core::link::keys::{Keypair, PairingCode, PublicKey};
 use engine_core::link::secure::{self, wire_limit, Dial, Gate, Pairing};
 use engine_core::link::{ws, ShapedLink};
 use engine_core::protocol::Configure;
-use engine_core::remote::{HelperClient, DEFAULT_MAX_FRAME};
+use engine_core::host::remote::{HelperClient, DEFAULT_MAX_FRAME};
 use engine_core::source::{load_model, LoadOptions};
-use engine_core::split::{default_split_layer, prefill, SplitPlan};
+use engine_core::host::split::{default_split_layer, prefill, SplitPlan};
 use engine_core::tokenizer::{StreamDecoder, Tokenizer};
 use engine_core::{CpuBackend, Logits, Model, State};
 
@@ -63,7 +63,7 @@ fn generate(
     gen: usize,
     plan: &SplitPlan,
     tok: Option<&Tokenizer>,
-) -> Result<(Run, engine_core::split::SplitReport)> {
+) -> Result<(Run, engine_core::host::split::SplitReport)> {
     let be = CpuBackend;
     let t0 = Instant::now();
     let (mut logits, report) = prefill(m, &be, st, prompt, plan)?;

@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
-use engine_core::plan::Plan;
+use engine_core::host::plan::Plan;
 use engine_core::source::load_model;
 pub use engine_core::source::{BackendOptions, LoadOptions};
 use engine_core::tokenizer::Tokenizer;

@@ -11,7 +11,7 @@ use engine_core::link::secure::{self, wire_limit, Dial, SecureLink};
 use engine_core::link::ws::{self, WsLink};
 use engine_core::link::LinkError;
 use engine_core::protocol::Configure;
-use engine_core::remote::{HelperClient, DEFAULT_MAX_FRAME};
+use engine_core::host::remote::{HelperClient, DEFAULT_MAX_FRAME};
 use engine_core::{CpuBackend, Logits, Model, State};
 use tests::{fixtures_dir, spawn_announcing_lines, Reference};
 
@@ -197,7 +197,7 @@ fn killing_the_helper_during_decode_costs_time_not_tokens_and_a_new_one_is_refil
 
 #[test]
 fn killing_the_helper_process_during_a_split_prefill_costs_time_not_tokens() {
-    use engine_core::split::{prefill, SplitPlan};
+    use engine_core::host::split::{prefill, SplitPlan};
     let dir = fixtures_dir().join("tiny_fp32_T150");
     let m = Model::load_dir(&dir).unwrap();
     let prompt = Reference::load("tiny_fp32_T150").ids("prompt_ids");
@@ -243,7 +243,7 @@ fn killing_the_helper_process_during_a_split_prefill_costs_time_not_tokens() {
 /// with the helper's replies shaped like Wi-Fi.
 #[test]
 fn a_helper_process_splits_then_interleaves_bit_identically() {
-    use engine_core::split::{prefill, SplitPlan};
+    use engine_core::host::split::{prefill, SplitPlan};
     let dir = fixtures_dir().join("tiny_fp32_T150");
     let m = Model::load_dir(&dir).unwrap();
     let prompt = Reference::load("tiny_fp32_T150").ids("prompt_ids");

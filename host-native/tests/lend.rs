@@ -12,7 +12,7 @@ use engine_core::link::doors;
 use engine_core::link::keys::{KeyStore, Keypair};
 use engine_core::link::secure::wire_limit;
 use engine_core::link::ws;
-use engine_core::remote::DEFAULT_MAX_FRAME;
+use engine_core::host::remote::DEFAULT_MAX_FRAME;
 use tests::Process;
 
 fn scratch(name: &str) -> PathBuf {

@@ -292,7 +292,7 @@ fn start_helper() -> Helper {
     use engine_core::link::keys::{Keypair, PairingCode, PublicKey};
     use engine_core::link::secure::{self, wire_limit, Accepted, Gate, Pairing};
     use engine_core::link::ws::WsListener;
-    use engine_core::remote::DEFAULT_MAX_FRAME;
+    use engine_core::host::remote::DEFAULT_MAX_FRAME;
     let model: &'static engine_core::Model = Box::leak(Box::new(
         engine_core::source::load_model("tiny", &engine_core::source::LoadOptions::default())
             .unwrap(),

@@ -16,7 +16,7 @@ use engine_core::link::secure::wire_limit;
 use engine_core::link::ws::{Pending, WsLink, WsListener};
 use engine_core::link::{Link, LinkError, LinkProfile, LinkSender, ShapedLink, StatsHandle};
 use engine_core::protocol::{encode, Message};
-use engine_core::remote::DEFAULT_MAX_FRAME;
+use engine_core::host::remote::DEFAULT_MAX_FRAME;
 use engine_core::source::{load_identity, load_layers, BackendOptions, LoadOptions};
 use serde::Serialize;
 
@@ -42,10 +42,10 @@ pub struct Options {
     model: String,
     /// Memory for KV pages, the DeltaNet state of the layers a host assigns and the working
     /// memory of a prefill chunk while it runs, in bytes (suffixes K, M, G allowed).
-    #[arg(long, default_value = "4G", value_parser = engine_core::plan::parse_size)]
+    #[arg(long, default_value = "4G", value_parser = engine_core::host::plan::parse_size)]
     mem_budget: u64,
     /// Largest frame accepted, in bytes (suffixes allowed).
-    #[arg(long, default_value_t = DEFAULT_MAX_FRAME as u64, value_parser = engine_core::plan::parse_size)]
+    #[arg(long, default_value_t = DEFAULT_MAX_FRAME as u64, value_parser = engine_core::host::plan::parse_size)]
     max_frame: u64,
     /// Serve one host, then exit.
     #[arg(long)]

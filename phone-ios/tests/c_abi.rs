@@ -13,9 +13,9 @@ use std::time::{Duration, Instant};
 use engine_core::link::keys::Keypair;
 use engine_core::link::secure::{self, wire_limit, Dial};
 use engine_core::link::ws;
-use engine_core::remote::DEFAULT_MAX_FRAME;
+use engine_core::host::remote::DEFAULT_MAX_FRAME;
 use engine_core::source::{load_model, LoadOptions};
-use engine_core::split::{prefill, SplitPlan};
+use engine_core::host::split::{prefill, SplitPlan};
 use engine_core::{CpuBackend, Logits, Model, State};
 use serde_json::Value;
 

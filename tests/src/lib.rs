@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use engine_core::link::Link;
 use engine_core::protocol::Configure;
-use engine_core::remote::{HelperClient, DEFAULT_MAX_FRAME};
+use engine_core::host::remote::{HelperClient, DEFAULT_MAX_FRAME};
 use engine_core::{Model, State};
 
 /// The reference fixtures: `$TETHER_FIXTURES`, else `../shared/fixtures` beside the checkout,
@@ -163,9 +163,9 @@ pub fn attach(
 }
 
 /// A new page file (the disk tier of a sequence's KV) in the temp directory.
-pub fn page_file() -> engine_core::page_file::PageFile {
+pub fn page_file() -> engine_core::host::page_file::PageFile {
     let dir = std::env::temp_dir().join(format!("tether-test-pages-{}", std::process::id()));
-    engine_core::page_file::PageFile::create(&dir).unwrap()
+    engine_core::host::page_file::PageFile::create(&dir).unwrap()
 }
 
 /// A link that dies after a fixed number of operations (sends and receives): a helper
@@ -317,8 +317,8 @@ impl Drop for Process {
 
 /// The split plan of the conversation tests: a prompt over 20 tokens splits, in ubatches of
 /// 8, interleaved from position 120.
-pub fn conversation_plan() -> engine_core::split::SplitPlan {
-    engine_core::split::SplitPlan {
+pub fn conversation_plan() -> engine_core::host::split::SplitPlan {
+    engine_core::host::split::SplitPlan {
         min_tokens: 20,
         ubatch: 8,
         interleave_from: 120,
@@ -335,7 +335,7 @@ pub fn conversation(
     prompt: &[u32],
     between: &mut dyn FnMut(&mut State),
 ) -> Vec<f32> {
-    use engine_core::split::prefill;
+    use engine_core::host::split::prefill;
     let be = &engine_core::CpuBackend;
     let plan = conversation_plan();
     let (mut logits, _) = prefill(m, be, st, prompt, &plan).unwrap();

@@ -7,8 +7,8 @@
 use engine_core::helper::{Helper, HelperOptions};
 use engine_core::link::pair;
 use engine_core::protocol::Configure;
-use engine_core::remote::{HelperClient, DEFAULT_MAX_FRAME};
-use engine_core::split::prefill;
+use engine_core::host::remote::{HelperClient, DEFAULT_MAX_FRAME};
+use engine_core::host::split::prefill;
 use engine_core::{CpuBackend, Logits, Model, State};
 use tests::{conversation, conversation_plan, fixtures_dir, page_file, Fuse, Reference};
 

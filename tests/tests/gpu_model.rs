@@ -9,7 +9,7 @@ use std::sync::OnceLock;
 use engine_core::backend::gpu::{GpuBackend, GpuOptions};
 use engine_core::backend::Act;
 use engine_core::generate::argmax;
-use engine_core::split::{prefill, SplitPlan};
+use engine_core::host::split::{prefill, SplitPlan};
 use engine_core::{Backend, CpuBackend, LayerKind, Logits, Model};
 use tests::{attach, fixtures_dir, max_abs_diff, spawn_helper, Reference};
 

@@ -6,7 +6,7 @@
 use engine_core::helper::{prefill_bytes, Helper, HelperOptions};
 use engine_core::link::{pair, Link, MemoryLink};
 use engine_core::protocol::{decode, encode, Configure, Message, WireTensor};
-use engine_core::remote::DEFAULT_MAX_FRAME;
+use engine_core::host::remote::DEFAULT_MAX_FRAME;
 use engine_core::{CpuBackend, LayerKind, Model};
 use tests::{fixtures_dir, Rng};
 
@@ -65,7 +65,7 @@ fn with_helper(
         };
         scope.spawn(move || Helper::new(m, &CpuBackend, opts).serve(&mut helper_end));
         let mut host = Host { link, req: 0 };
-        let hello = engine_core::remote::hello(m, max_frame);
+        let hello = engine_core::host::remote::hello(m, max_frame);
         assert!(matches!(host.ask(hello), Message::Welcome(_)));
         assert_eq!(host.ask(Message::Configure(cfg)), Message::Ack);
         body(&mut host);

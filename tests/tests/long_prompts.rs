@@ -13,7 +13,7 @@ use std::sync::OnceLock;
 
 use engine_core::backend::gpu::{GpuBackend, GpuOptions};
 use engine_core::generate::argmax;
-use engine_core::split::{prefill, SplitPlan};
+use engine_core::host::split::{prefill, SplitPlan};
 use engine_core::{Backend, CpuBackend, Logits, Model, State};
 use tests::{attach, fixtures_dir, max_abs_diff, spawn_helper, Rng};
 

@@ -7,7 +7,7 @@ use engine_core::helper::{Helper, HelperOptions};
 use engine_core::link::pair;
 use engine_core::model::LayerState;
 use engine_core::protocol::Configure;
-use engine_core::remote::{HelperClient, DEFAULT_MAX_FRAME};
+use engine_core::host::remote::{HelperClient, DEFAULT_MAX_FRAME};
 
 use engine_core::{CpuBackend, Model, State};
 use tests::{conversation, fixtures_dir, page_file, Fuse, Reference};

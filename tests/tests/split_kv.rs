@@ -6,7 +6,7 @@ use engine_core::link::{pair, Link};
 use engine_core::protocol::{
     decode, encode, Configure, Intro, Message, Role, WireTensor, PROTOCOL_VERSION,
 };
-use engine_core::remote::{HelperClient, DEFAULT_MAX_FRAME};
+use engine_core::host::remote::{HelperClient, DEFAULT_MAX_FRAME};
 use engine_core::{CpuBackend, LayerKind, Logits, Model};
 use tests::{attach, fixtures_dir, Reference};
 
@@ -177,7 +177,7 @@ fn the_helper_budget_counts_the_deltanet_state_of_its_own_layers_only() {
             scope.spawn(move || Helper::new(mr, &CpuBackend, budget).serve(&mut helper_end));
             let mut ask = |req: u32, msg: Message| ask(&mut host, req, msg);
             assert!(matches!(
-                ask(0, engine_core::remote::hello(&m, 1 << 20)),
+                ask(0, engine_core::host::remote::hello(&m, 1 << 20)),
                 Message::Welcome(_)
             ));
             assert_eq!(
@@ -247,7 +247,7 @@ fn bad_requests_get_errors_and_leave_state_intact_bad_frames_end_the_session() {
         let h = scope.spawn(move || Helper::new(mr, &CpuBackend, opts()).serve(&mut helper_end));
         let mut ask = |req: u32, msg: Message| ask(&mut host, req, msg);
         assert!(matches!(
-            ask(0, engine_core::remote::hello(&m, 1 << 20)),
+            ask(0, engine_core::host::remote::hello(&m, 1 << 20)),
             Message::Welcome(_)
         ));
         let rows =
@@ -380,7 +380,7 @@ fn a_query_whose_partials_would_pass_the_frame_limit_is_refused() {
         scope.spawn(move || Helper::new(mr, &CpuBackend, small).serve(&mut helper_end));
         let mut ask = |req: u32, msg: Message| ask(&mut host, req, msg);
         assert!(matches!(
-            ask(0, engine_core::remote::hello(&m, 1 << 20)),
+            ask(0, engine_core::host::remote::hello(&m, 1 << 20)),
             Message::Welcome(_)
         ));
         let cfg = Configure {

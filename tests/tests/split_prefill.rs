@@ -6,8 +6,8 @@ use engine_core::generate::argmax;
 use engine_core::helper::{Helper, HelperOptions};
 use engine_core::link::{pair, Link, MemoryLink};
 use engine_core::protocol::Configure;
-use engine_core::remote::{HelperClient, DEFAULT_MAX_FRAME};
-use engine_core::split::{prefill, SplitPlan};
+use engine_core::host::remote::{HelperClient, DEFAULT_MAX_FRAME};
+use engine_core::host::split::{prefill, SplitPlan};
 use engine_core::{CpuBackend, Logits, Model, State};
 use tests::{attach, fixtures_dir, Reference};
 

@@ -28,11 +28,11 @@ use engine_core::generate::{Generation, Sampler, SamplingParams};
 use engine_core::helper::{Helper, HelperOptions, Session};
 use engine_core::link::traffic::{type_name, Wire};
 use engine_core::link::{Link, LinkError, LinkProfile, LinkSender, LinkStats};
-use engine_core::plan::{Plan, PlanInput};
+use engine_core::host::plan::{Plan, PlanInput};
 use engine_core::protocol::{decode, Configure, Message};
-use engine_core::remote::{HelperClient, DEFAULT_MAX_FRAME};
-use engine_core::split::{SplitPlan, SplitReport};
-use engine_core::telemetry::Telemetry;
+use engine_core::host::remote::{HelperClient, DEFAULT_MAX_FRAME};
+use engine_core::host::split::{SplitPlan, SplitReport};
+use engine_core::host::telemetry::Telemetry;
 use engine_core::tensor::DType;
 use engine_core::{synth, CpuBackend, Model, State};
 use futures_util::FutureExt;
@@ -195,7 +195,7 @@ pub fn run(s: &Settings) -> Result<Outcome, String> {
     // tab growing its memory, the engine's first allocations).
     let warm = &prompt[..s.ubatch.min(prompt.len())];
     let mut scratch = model.new_state(s.page_size);
-    engine_core::split::prefill(model, &CpuBackend, &mut scratch, warm, &plan)
+    engine_core::host::split::prefill(model, &CpuBackend, &mut scratch, warm, &plan)
         .map_err(|e| e.to_string())?;
     let real = Mutex::new(Clock::running());
     let state = model.new_state(s.page_size);

@@ -10,7 +10,7 @@ use crate::backend::{AttnShape, Backend};
 use crate::kv::{download_partials, KvPage, PagedKv};
 use crate::model::LayerState;
 use crate::protocol::{Configure, Message, MsgType, WireTensor};
-use crate::split::ChunkPayload;
+use crate::host::split::ChunkPayload;
 use crate::{LayerKind, State};
 
 /// A `ChunkState` request: the host's rows and states for this helper's mirror.

@@ -9,9 +9,9 @@ use crate::backend::{Act, Backend};
 use crate::config::{LayerKind, ModelConfig};
 use crate::error::{Error, Result};
 use crate::kv::{Away, PagedKv};
-use crate::page_file::PageFile;
-use crate::remote::{AttendRate, HelperClient};
-use crate::telemetry::{self, Telemetry};
+use crate::host::page_file::PageFile;
+use crate::host::remote::{AttendRate, HelperClient};
+use crate::host::telemetry::{self, Telemetry};
 
 /// Pages sent from the page file to a helper that lacks them, per forward pass at most: a
 /// helper that joins (or comes back) mid-sequence catches up a little after every pass, so

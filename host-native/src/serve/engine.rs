@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use engine_core::generate::Sampler;
 use engine_core::model::LayerState;
-use engine_core::split::{self, SplitPlan};
+use engine_core::host::split::{self, SplitPlan};
 use engine_core::tokenizer::{StreamDecoder, Tokenizer};
 use engine_core::{Backend, Error, Logits, Model, Result, State};
 use tracing::{debug, info, warn};

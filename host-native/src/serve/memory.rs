@@ -6,7 +6,7 @@
 use std::mem::size_of;
 
 use anyhow::{bail, Result};
-pub use engine_core::plan::Footprint;
+pub use engine_core::host::plan::Footprint;
 
 /// The share of the available memory the context may take (one half): the rest is for the
 /// weights a checkpoint maps (page cache, which the OS counts as available but which must stay

@@ -40,8 +40,8 @@ use crate::load::EngineArgs;
 use conversation::Conversation;
 use cross_site::Cors;
 use engine::Engine;
-use engine_core::plan::{self, Speeds};
-use engine_core::remote::HelperClient;
+use engine_core::host::plan::{self, Speeds};
+use engine_core::host::remote::HelperClient;
 use engine_core::{Model, State};
 use helpers::Helpers;
 use memory::Footprint;
@@ -79,7 +79,7 @@ pub struct Args {
     /// Bytes the waiting requests may hold together, each counted as its body plus 4 bytes per
     /// position of the context; past it requests are refused with 503. A size like 512M
     /// (default: a sixteenth of the memory available at start).
-    #[arg(long, value_parser = engine_core::plan::parse_size)]
+    #[arg(long, value_parser = engine_core::host::plan::parse_size)]
     queue_memory: Option<u64>,
     /// Time limit of a request in seconds, from its arrival (waiting included); past it the
     /// request ends with a timeout error.

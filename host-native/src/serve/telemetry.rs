@@ -1,6 +1,6 @@
 //! `GET /v1/telemetry`: the split as it runs, for the page at `/` and any other watcher, as
 //! server-sent events of one JSON object each (docs/TELEMETRY.md is the schema). The engine's
-//! events (ubatches, link transfers, page placement: engine_core::telemetry) and the server's
+//! events (ubatches, link transfers, page placement: engine_core::host::telemetry) and the server's
 //! (requests, prefill, tokens, the devices) go through one broadcast channel. A new watcher
 //! first gets `hello` (the model's layers, the split, the plan) and the latest `devices` and
 //! `pages`, then everything as it happens, and a `link` sample of every helper's traffic
@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use axum::response::sse::{Event as Sse, KeepAlive};
-use engine_core::telemetry::{Event, Telemetry};
+use engine_core::host::telemetry::{Event, Telemetry};
 use futures_util::stream;
 use serde::Serialize;
 use serde_json::{json, Value};

@@ -17,8 +17,8 @@ use crate::config::{LayerKind, ModelConfig};
 use crate::error::{Error, Result};
 use crate::model::{LayerState, Logits, Model, Pass, State};
 use crate::protocol::{Message, WireTensor};
-use crate::remote::unexpected;
-use crate::telemetry::{Device, Event};
+use crate::host::remote::unexpected;
+use crate::host::telemetry::{Device, Event};
 
 /// How prompts are split between host and helper.
 #[derive(Clone, Debug, PartialEq, Eq)]

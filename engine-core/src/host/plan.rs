@@ -8,7 +8,7 @@ use std::ops::Range;
 
 use crate::config::{LayerKind, ModelConfig};
 use crate::model::State;
-use crate::split::{default_split_layer, minimum};
+use crate::host::split::{default_split_layer, minimum};
 use crate::Model;
 
 /// DESIGN.md's page of KV storage: what the plan takes unless a small host budget needs finer

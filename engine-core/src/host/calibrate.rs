@@ -13,9 +13,9 @@ use web_time::Instant;
 
 use crate::backend::Backend;
 use crate::error::{Error, Result};
-use crate::plan::Speeds;
+use crate::host::plan::Speeds;
 use crate::protocol::{Message, WireTensor};
-use crate::remote::HelperClient;
+use crate::host::remote::HelperClient;
 use crate::Model;
 
 /// Rows each side runs: enough that a layer's matrix products dominate its fixed costs, few

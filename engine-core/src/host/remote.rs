@@ -74,7 +74,7 @@ pub struct HelperClient {
     /// The layers the helper runs in a split prefill (empty: KV pages only).
     pub prefill_layers: std::ops::Range<usize>,
     /// Its prefill speed against the host's, if `calibrate` measured it.
-    pub speeds: Option<crate::plan::Speeds>,
+    pub speeds: Option<crate::host::plan::Speeds>,
     /// The helper's mirror of its prefill layers holds rows and state for positions below this.
     pub mirror_pos: usize,
     /// A rewind left the mirror's DeltaNet states at a later position than its rows: the next
