@@ -3,8 +3,8 @@
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use engine_core::backend::cpu::attention::attend_page;
+use engine_core::backend::KvPage;
 use engine_core::backend::{Act, AttnShape};
-use engine_core::kv::KvPage;
 
 fn values(n: usize, seed: u32) -> Vec<f32> {
     (0..n as u32)

@@ -6,8 +6,9 @@ use rand::{Rng, SeedableRng};
 
 use crate::backend::Backend;
 use crate::error::{Error, Result};
-use crate::model::{Logits, Model, State};
 use crate::host::split::{self, SplitPlan, SplitReport};
+use crate::host::Sequence;
+use crate::model::{Logits, Model};
 
 #[derive(Clone, Debug, PartialEq)]
 pub struct SamplingParams {
@@ -138,7 +139,7 @@ impl Sampler {
 pub struct Generation<'a> {
     model: &'a Model,
     backend: &'a dyn Backend,
-    pub state: State,
+    pub seq: Sequence,
     sampler: Sampler,
     stop: Vec<u32>,
     logits: Vec<f32>,
@@ -149,14 +150,14 @@ impl<'a> Generation<'a> {
     pub fn new(
         model: &'a Model,
         backend: &'a dyn Backend,
-        state: State,
+        seq: Sequence,
         sampler: Sampler,
         stop: Vec<u32>,
     ) -> Self {
         Generation {
             model,
             backend,
-            state,
+            seq,
             sampler,
             stop,
             logits: Vec::new(),
@@ -164,14 +165,14 @@ impl<'a> Generation<'a> {
         }
     }
 
-    /// Run the prompt in ubatches (split with the state's helper when `plan` says so); only
+    /// Run the prompt in ubatches (split with the sequence's helper when `plan` says so); only
     /// the last row's logits are computed.
     pub fn prefill(&mut self, prompt: &[u32], plan: &SplitPlan) -> Result<SplitReport> {
         if prompt.is_empty() {
             return Err(Error::Invalid("the prompt is empty".into()));
         }
         let (logits, report) =
-            split::prefill(self.model, self.backend, &mut self.state, prompt, plan)?;
+            split::prefill(self.model, self.backend, &mut self.seq, prompt, plan)?;
         self.logits = logits;
         self.pending = None;
         Ok(report)
@@ -186,9 +187,9 @@ impl<'a> Generation<'a> {
     /// The next token, or `None` at a stop token.
     pub fn next_token(&mut self) -> Result<Option<u32>> {
         if let Some(tok) = self.pending.take() {
-            self.logits =
-                self.model
-                    .forward(self.backend, &mut self.state, &[tok], Logits::Last, None)?;
+            self.logits = self
+                .seq
+                .forward(self.model, self.backend, &[tok], Logits::Last, None)?;
         }
         if self.logits.is_empty() {
             return Err(Error::Invalid("next_token called before prefill".into()));

@@ -1,40 +1,20 @@
-//! The paged KV cache of one full-attention layer, and the exact merge of per-page attention.
+//! The paged KV cache of one full-attention layer, and attention over it page by page.
 //!
-//! Attention over a set of keys splits into pages: each page yields, per (query row, head), the
-//! normalised partial output `o`, the max score `m` and the exp-sum `l`. Partials merge without
-//! loss, always in page order and on the backend that runs the layer (`Backend::
-//! merge_partials`), so the result does not depend on where a page was computed (host or
-//! helper). [`Merger`] is that merge on the host, in f64; the GPU's `attn_merge` kernel is the
-//! same formula in f32.
+//! Every page yields its partials (see [`crate::backend::Partials`]), merged in page order on
+//! the backend that runs the layer, so the result does not depend on where a page was
+//! attended. Pages that left this device are attended wherever a [`PageSource`] says (a
+//! host's helpers and page file: `host::placement`); this module knows nothing of links.
 
 use std::ops::Range;
 
-use crate::backend::{Act, ActPartials, AttnShape, Backend};
+use crate::backend::{Act, ActPartials, AttnShape, Backend, KvPage};
 use crate::error::{Error, Result};
-use crate::host::page_file::PageFile;
-use crate::host::remote::{AttendRate, HelperClient};
-
-/// KV rows for positions `start .. start + len`, token-major: row `j` holds
-/// `[kv_heads, head_dim]` keys (values likewise). `k` and `v` live in the backend that made
-/// the page (on a GPU, buffers of a whole page's capacity written row by row); only the first
-/// `len` rows mean anything.
-#[derive(Debug)]
-pub struct KvPage {
-    pub start: usize,
-    pub len: usize,
-    pub k: Act,
-    pub v: Act,
-}
 
 /// One layer's cache: pages of `page_size` positions, the last one possibly partial. The
-/// oldest `remote_len` positions (whole pages) may have left this device: each of those pages
-/// is on one helper (by its id, see `HelperClient::id`) or only in the sequence's page file
-/// (the disk tier, which also holds a copy of every helper's). Pages keep their boundaries
-/// wherever they live, so their partials, merged in page order, are the same computation as
-/// on the host.
-///
-/// A helper's pages of one layer need not be contiguous: pages spread over several helpers
-/// interleave.
+/// oldest `remote_len` positions (whole pages) may have left this device; where each of those
+/// pages is now (a helper, the page file) is the host's placement's to know. Pages keep their
+/// boundaries wherever they live, so their partials, merged in page order, are the same
+/// computation as on the host.
 #[derive(Debug)]
 pub struct PagedKv {
     page_size: usize,
@@ -42,9 +22,6 @@ pub struct PagedKv {
     pages: Vec<KvPage>,
     len: usize,
     remote_len: usize,
-    /// Who holds each page that left, in page order: a helper's id, or `None` for the page
-    /// file alone.
-    holders: Vec<Option<u32>>,
 }
 
 impl PagedKv {
@@ -56,7 +33,6 @@ impl PagedKv {
             pages: Vec::new(),
             len: 0,
             remote_len: 0,
-            holders: Vec::new(),
         }
     }
 
@@ -68,66 +44,6 @@ impl PagedKv {
     /// Positions `0 .. remote_len()` have left this device (for the helper or the disk).
     pub fn remote_len(&self) -> usize {
         self.remote_len
-    }
-
-    /// Who holds the page that left at `start`: a helper's id, or `None` for the page file
-    /// alone (and for a page that did not leave).
-    pub fn holder(&self, start: usize) -> Option<u32> {
-        self.holders.get(start / self.page_size).copied().flatten()
-    }
-
-    /// Starts of the pages that left and are on helper `id`, oldest first.
-    pub fn pages_on(&self, id: u32) -> Vec<usize> {
-        self.holders
-            .iter()
-            .enumerate()
-            .filter(|(_, h)| **h == Some(id))
-            .map(|(i, _)| i * self.page_size)
-            .collect()
-    }
-
-    /// Pages that left and are on a helper (not the page file alone).
-    pub fn helper_pages(&self) -> usize {
-        self.holders.iter().filter(|h| h.is_some()).count()
-    }
-
-    /// Pages that left and are on helper `id`.
-    pub fn count_on(&self, id: u32) -> usize {
-        self.holders.iter().filter(|h| **h == Some(id)).count()
-    }
-
-    /// Positions `0 .. n` all on helper `id` (a helper that mirrors this layer holds its
-    /// pages as one prefix).
-    pub fn prefix_on(&self, id: u32) -> usize {
-        self.holders.iter().take_while(|h| **h == Some(id)).count() * self.page_size
-    }
-
-    /// Helper `id` is gone: its pages are on the disk only.
-    pub fn lose_helper(&mut self, id: u32) {
-        for h in self.holders.iter_mut().filter(|h| **h == Some(id)) {
-            *h = None;
-        }
-    }
-
-    /// Helper `id` now also holds the page at `start` (re-filled from the page file).
-    pub fn helper_took(&mut self, start: usize, id: u32) {
-        if let Some(h) = self.holders.get_mut(start / self.page_size) {
-            *h = Some(id);
-        }
-    }
-
-    /// The start of the oldest page that left this device and is on no helper: the next to
-    /// re-fill a helper with.
-    pub fn next_refill(&self) -> Option<usize> {
-        self.holders
-            .iter()
-            .position(Option::is_none)
-            .map(|i| i * self.page_size)
-    }
-
-    /// Whether every page that left is on a helper (none waits in the page file alone).
-    pub fn all_on_helpers(&self) -> bool {
-        self.holders.iter().all(Option::is_some)
     }
 
     /// Positions held on this device.
@@ -157,7 +73,6 @@ impl PagedKv {
         }
         self.pages.clear();
         self.remote_len = start;
-        self.holders.truncate(start / self.page_size);
         self.len = start;
         self.append(be, &be.upload(k), &be.upload(v));
         Ok(())
@@ -221,11 +136,9 @@ impl PagedKv {
         self.pages.first().filter(|p| p.len == self.page_size)
     }
 
-    /// Forget the oldest local page once it is stored elsewhere: on helper `holder`, or (for
-    /// `None`) in the page file alone.
-    pub fn drop_oldest_page(&mut self, holder: Option<u32>) {
+    /// Forget the oldest local page once it is stored elsewhere (the caller records where).
+    pub fn drop_oldest_page(&mut self) {
         let page = self.pages.remove(0);
-        self.holders.push(holder);
         self.remote_len += page.len;
     }
 
@@ -353,318 +266,131 @@ impl PagedKv {
     }
 }
 
-/// Attention partials for `rows` (query row, head) pairs: `o` `[rows, head_dim]` normalised by
-/// `l`; `m` the max scaled score, `l` the sum of `exp(score - m)`. A row that saw no key has
-/// `m = -inf, l = 0, o = 0`.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Partials {
-    pub head_dim: usize,
-    pub o: Vec<f32>,
-    pub m: Vec<f32>,
-    pub l: Vec<f32>,
+/// Where the pages of a layer that left this device are attended: a host's helpers and page
+/// file (`host::placement`). Attention asks for them first, attends this device's own pages
+/// while they are under way, and collects them before the merge.
+pub trait PageSource {
+    /// Begin attention of scaled queries `q` `[t, q_heads, head_dim]` at `positions` over the
+    /// pages of `layer` that left this device: `left` is (positions `0 .. n` left, in whole
+    /// pages of this many). Returns the partials of pages attended at once, by page start, and a
+    /// ticket for [`PageSource::finish`] if some are still under way.
+    fn begin(
+        &mut self,
+        be: &dyn Backend,
+        layer: usize,
+        shape: AttnShape,
+        q: &Act,
+        positions: &[usize],
+        left: (usize, usize),
+    ) -> Result<(Vec<PagePartials>, Option<u64>)>;
+
+    /// The partials of the pages under way for `ticket`, by page start.
+    fn finish(&mut self, be: &dyn Backend, ticket: u64) -> Result<Vec<PagePartials>>;
+
+    /// This device attended `pages` of its own in `took` while pages were under way
+    /// elsewhere: its speed, for the placement to compare helpers with.
+    fn attended_here(&mut self, pages: usize, took: std::time::Duration);
 }
 
-impl Partials {
-    pub fn empty(rows: usize, head_dim: usize) -> Self {
-        Partials {
-            head_dim,
-            o: vec![0.0; rows * head_dim],
-            m: vec![f32::NEG_INFINITY; rows],
-            l: vec![0.0; rows],
+/// The source of a sequence whose pages never left this device.
+pub struct NoPagesAway;
+
+impl PageSource for NoPagesAway {
+    fn begin(
+        &mut self,
+        _: &dyn Backend,
+        layer: usize,
+        _: AttnShape,
+        _: &Act,
+        _: &[usize],
+        (left, _): (usize, usize),
+    ) -> Result<(Vec<PagePartials>, Option<u64>)> {
+        match left {
+            0 => Ok((Vec::new(), None)),
+            _ => Err(Error::Invalid(format!(
+                "layer {layer}: positions below {left} left this device, and nothing says where"
+            ))),
         }
     }
 
-    pub fn rows(&self) -> usize {
-        self.m.len()
-    }
-}
-
-/// Merges page partials, in the order they are given, into one. Accumulates in f64 without
-/// renormalising at every step, so the result stays within ~1e-7 of attention over all keys
-/// at once even for thousands of pages:
-/// `M = max m_i; o = sum o_i l_i e^(m_i-M) / sum l_i e^(m_i-M)`.
-pub struct Merger {
-    head_dim: usize,
-    m: Vec<f32>,
-    l: Vec<f64>,
-    /// Unnormalised output, relative to the current `m`.
-    o: Vec<f64>,
-}
-
-impl Merger {
-    pub fn new(rows: usize, head_dim: usize) -> Self {
-        Merger {
-            head_dim,
-            m: vec![f32::NEG_INFINITY; rows],
-            l: vec![0.0; rows],
-            o: vec![0.0; rows * head_dim],
-        }
+    fn finish(&mut self, _: &dyn Backend, ticket: u64) -> Result<Vec<PagePartials>> {
+        Err(Error::Invalid(format!(
+            "no attention {ticket} is under way"
+        )))
     }
 
-    pub fn add(&mut self, p: &Partials) {
-        assert_eq!(self.m.len(), p.rows());
-        assert_eq!(self.head_dim, p.head_dim);
-        let d = self.head_dim;
-        for r in 0..self.m.len() {
-            if p.l[r] == 0.0 {
-                continue;
-            }
-            let o = &mut self.o[r * d..(r + 1) * d];
-            if p.m[r] > self.m[r] {
-                let rescale = (self.m[r] as f64 - p.m[r] as f64).exp();
-                o.iter_mut().for_each(|x| *x *= rescale);
-                self.l[r] *= rescale;
-                self.m[r] = p.m[r];
-            }
-            let w = p.l[r] as f64 * (p.m[r] as f64 - self.m[r] as f64).exp();
-            for (x, y) in o.iter_mut().zip(&p.o[r * d..(r + 1) * d]) {
-                *x += w * *y as f64;
-            }
-            self.l[r] += w;
-        }
-    }
-
-    pub fn finish(self) -> Partials {
-        let d = self.head_dim;
-        let mut o = vec![0.0f32; self.o.len()];
-        for (r, &l) in self.l.iter().enumerate() {
-            if l > 0.0 {
-                for (dst, src) in o[r * d..(r + 1) * d]
-                    .iter_mut()
-                    .zip(&self.o[r * d..(r + 1) * d])
-                {
-                    *dst = (src / l) as f32;
-                }
-            }
-        }
-        Partials {
-            head_dim: d,
-            o,
-            m: self.m,
-            l: self.l.iter().map(|&l| l as f32).collect(),
-        }
-    }
-}
-
-/// Where the pages of one layer that left this device are: each on one of `helpers` (the
-/// layer's cache says which, by id) or in the sequence's page file, which holds a copy of
-/// every one of them.
-pub struct Away<'a> {
-    pub layer: usize,
-    pub helpers: &'a mut [HelperClient],
-    pub disk: Option<&'a PageFile>,
-    /// This host's own attention speed, measured here when the backend's ops are timed on
-    /// return, for the placement to compare helpers with.
-    pub host_rate: Option<&'a mut AttendRate>,
-}
-
-impl Away<'_> {
-    /// A layer whose pages never left this device.
-    pub fn none(layer: usize) -> Self {
-        Away {
-            layer,
-            helpers: &mut [],
-            disk: None,
-            host_rate: None,
-        }
-    }
-}
-
-/// Pages read back from the disk at once at most, in bytes of K and V: a long sequence's
-/// spilled pages are read and attended a group at a time, never all in memory together (their
-/// partials are kept for the merge, as those of pages in memory are).
-const DISK_GROUP_BYTES: usize = 64 << 20;
-
-/// One helper's share of an attention under way: its request and the pages it was asked for.
-struct HelperShare {
-    id: u32,
-    req: u32,
-    starts: Vec<usize>,
+    fn attended_here(&mut self, _: usize, _: std::time::Duration) {}
 }
 
 /// A page's partials, by the page's start: merged in page order whatever finished first.
-type PagePartials = (usize, ActPartials);
+pub type PagePartials = (usize, ActPartials);
 
-/// Attention under way: every helper holding pages asked for their partials, the rest done
-/// here. Partials merge in page order (the oldest first), wherever each page was attended.
+/// Attention under way: the pages that left asked of their [`PageSource`], this device's own
+/// attended. Partials merge in page order (the oldest first), wherever each page was attended.
 pub struct PendingAttention {
     shape: AttnShape,
     /// (query row, head) pairs.
     rows: usize,
-    layer: usize,
-    page_size: usize,
-    shares: Vec<HelperShare>,
-    /// The scaled queries as sent and their positions, kept only when a page file can stand
-    /// in for a helper that never answers.
-    asked: Option<(Vec<f32>, Vec<usize>)>,
-    /// Partials of the pages attended here: those read back from the disk, and this device's
-    /// own.
-    local: Vec<PagePartials>,
+    /// The source's pages still under way.
+    away: Option<u64>,
+    /// Partials of the pages attended so far.
+    done: Vec<PagePartials>,
 }
 
 impl PendingAttention {
-    /// Whether a helper still owes its share.
+    /// Whether pages are still under way elsewhere.
     pub fn awaits_helper(&self) -> bool {
-        !self.shares.is_empty()
+        self.away.is_some()
     }
 
-    /// Collect the helpers' partials and merge on `be`: the attention output
-    /// `[rows, head_dim]`. A helper that fails to answer (lost, or refusing) is replaced by
-    /// the page file: the same pages, attended here, give the same partials.
-    pub fn finish(self, be: &dyn Backend, away: Away) -> Result<Act> {
-        let (rows, d) = (self.rows, self.shape.head_dim);
-        let mut parts = self.local;
-        for share in self.shares {
-            let starts: Vec<u64> = share.starts.iter().map(|&s| s as u64).collect();
-            let answer = match away.helpers.iter_mut().find(|h| h.id == share.id) {
-                Some(client) => client.attend_reply(share.req, rows, d, &starts),
-                None => Err(Error::Remote(
-                    "a helper attending this sequence's oldest pages is gone".into(),
-                )),
-            };
-            match (answer, away.disk, &self.asked) {
-                (Ok(theirs), _, _) => parts.extend(
-                    share
-                        .starts
-                        .into_iter()
-                        .zip(theirs.into_iter().map(ActPartials::from)),
-                ),
-                (Err(_), Some(disk), Some((q, positions))) => parts.extend(attend_from_disk(
-                    be,
-                    self.shape,
-                    &be.upload(q.clone()),
-                    positions,
-                    (disk, self.layer, self.page_size),
-                    &share.starts,
-                )?),
-                (Err(e), _, _) => return Err(e),
-            }
+    /// Collect the pages under way from `source` and merge on `be`: the attention output
+    /// `[rows, head_dim]`.
+    pub fn finish(self, be: &dyn Backend, source: &mut dyn PageSource) -> Result<Act> {
+        let mut parts = self.done;
+        if let Some(ticket) = self.away {
+            parts.extend(source.finish(be, ticket)?);
         }
         parts.sort_by_key(|(start, _)| *start);
         let parts = parts.into_iter().map(|(_, p)| p).collect();
-        Ok(be.merge_partials(rows, d, parts))
+        Ok(be.merge_partials(self.rows, self.shape.head_dim, parts))
     }
 }
 
 /// Start attention of scaled queries `[t, q_heads, head_dim]` at absolute `positions` over
-/// every page of `kv` that any of them can see: the queries for the helpers' pages go out
-/// first (read to the host once, then), then this device attends the pages only the disk
-/// holds and its own while the helpers work. The local pages are read now, so rows appended
-/// before [`PendingAttention::finish`] (a later ubatch's) are not seen.
+/// every page of `kv` that any of them can see: the pages that left first (asked of `source`,
+/// which may attend some here, such as the page file's), then this device's own while the
+/// rest are under way. The local pages are read now, so rows appended before
+/// [`PendingAttention::finish`] (a later ubatch's) are not seen.
 pub fn begin_attention(
     be: &dyn Backend,
     shape: AttnShape,
     q: &Act,
     positions: &[usize],
-    kv: &PagedKv,
-    away: Away,
+    (layer, kv): (usize, &PagedKv),
+    source: &mut dyn PageSource,
 ) -> Result<PendingAttention> {
     let last = positions.iter().copied().max().unwrap_or(0);
-    let mut sent: Option<Vec<f32>> = None;
-    let mut shares = Vec::new();
-    for client in away.helpers.iter_mut().filter(|c| !c.is_lost()) {
-        let starts = kv.pages_on(client.id);
-        let Some(&newest) = starts.last() else {
-            continue;
-        };
-        let q_host = sent.get_or_insert_with(|| be.download(q)).clone();
-        // The helper attends every page it holds below `end`: exactly these.
-        let end = newest + kv.page_size;
-        match client.attend_send(away.layer, shape, q_host, positions, end, starts.len()) {
-            Ok(req) => shares.push(HelperShare {
-                id: client.id,
-                req,
-                starts,
-            }),
-            // The disk holds the same pages; without it the error stands.
-            Err(_) if away.disk.is_some() => {}
-            Err(e) => return Err(e),
-        }
-    }
-    let on_helpers: std::collections::BTreeSet<usize> =
-        shares.iter().flat_map(|s| s.starts.clone()).collect();
-    let from_disk: Vec<usize> = (0..kv.remote_len)
-        .step_by(kv.page_size)
-        .filter(|s| !on_helpers.contains(s))
-        .collect();
-    let mut local = Vec::new();
-    if !from_disk.is_empty() {
-        let disk = away.disk.ok_or_else(|| {
-            Error::Remote(
-                "this sequence's oldest KV pages were on a helper that is gone, and no page \
-                 file holds them"
-                    .into(),
-            )
-        })?;
-        local = attend_from_disk(
-            be,
-            shape,
-            q,
-            positions,
-            (disk, away.layer, kv.page_size),
-            &from_disk,
-        )?;
-    }
+    let (mut done, away) = source.begin(
+        be,
+        layer,
+        shape,
+        q,
+        positions,
+        (kv.remote_len, kv.page_size),
+    )?;
     let pages: Vec<&KvPage> = kv.pages().iter().filter(|p| p.start <= last).collect();
     let began = web_time::Instant::now();
     let own = be.attend_pages(shape, q, positions, &pages);
-    if let Some(rate) = away
-        .host_rate
-        .filter(|_| be.timed_on_return() && !shares.is_empty())
-    {
-        rate.add(pages.len(), began.elapsed());
+    if be.timed_on_return() && away.is_some() {
+        source.attended_here(pages.len(), began.elapsed());
     }
-    local.extend(pages.iter().map(|p| p.start).zip(own));
-    let asked = (away.disk.is_some() && !shares.is_empty())
-        .then(|| (sent.unwrap_or_default(), positions.to_vec()));
+    done.extend(pages.iter().map(|p| p.start).zip(own));
     Ok(PendingAttention {
         shape,
         rows: positions.len() * shape.q_heads,
-        layer: away.layer,
-        page_size: kv.page_size,
-        shares,
-        asked,
-        local,
+        away,
+        done,
     })
-}
-
-/// One partial per page of `layer` at `starts` (whole pages of `page_size`), read back from
-/// the page file a group at a time and attended on `be` exactly as pages held in memory are.
-fn attend_from_disk(
-    be: &dyn Backend,
-    shape: AttnShape,
-    q: &Act,
-    positions: &[usize],
-    (disk, layer, page_size): (&PageFile, usize, usize),
-    starts: &[usize],
-) -> Result<Vec<PagePartials>> {
-    let page_bytes = page_size * shape.kv_heads * shape.head_dim * 2 * 4;
-    let per_group = (DISK_GROUP_BYTES / page_bytes.max(1)).max(1);
-    let mut parts = Vec::with_capacity(starts.len());
-    for group in starts.chunks(per_group) {
-        let pages = group
-            .iter()
-            .map(|&start| {
-                let (k, v) = disk.read(layer, start)?;
-                let len = k.len() / (shape.kv_heads * shape.head_dim).max(1);
-                if len != page_size {
-                    return Err(Error::Invalid(format!(
-                        "the page file's page of layer {layer} at {start} holds {len} rows, not {page_size}"
-                    )));
-                }
-                Ok(KvPage {
-                    start,
-                    len,
-                    k: be.upload(k),
-                    v: be.upload(v),
-                })
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let refs: Vec<&KvPage> = pages.iter().collect();
-        let got = be.attend_pages(shape, q, positions, &refs);
-        parts.extend(group.iter().copied().zip(got));
-    }
-    Ok(parts)
 }
 
 /// Host copies of `parts` (a helper's answer, which crosses the link) in one read, laid out

@@ -5,6 +5,7 @@
 
 pub mod backend;
 pub mod config;
+pub mod convert;
 pub mod error;
 pub mod generate;
 pub mod gguf;

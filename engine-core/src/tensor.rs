@@ -283,8 +283,8 @@ impl Data {
     pub fn to_f32_into(&self, range: Range<usize>, out: &mut [f32]) {
         match_quant!(self, e => dequantise_range(e, range, out),
             Data::F32(e) => out.copy_from_slice(&e[range]),
-            Data::BF16(e) => crate::backend::cpu::convert::bf16_to_f32(&e[range], out),
-            Data::F16(e) => crate::backend::cpu::convert::f16_to_f32(&e[range], out),
+            Data::BF16(e) => crate::convert::bf16_to_f32(&e[range], out),
+            Data::F16(e) => crate::convert::f16_to_f32(&e[range], out),
         )
     }
 

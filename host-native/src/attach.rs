@@ -6,19 +6,20 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use engine_core::host::calibrate;
+use engine_core::host::page_file::PageFile;
+use engine_core::host::plan::{self, Plan, PlanInput, Speeds, WeightBytes};
+use engine_core::host::remote::{HelperClient, DEFAULT_MAX_FRAME};
+use engine_core::host::split::SplitPlan;
+use engine_core::host::Sequence;
 use engine_core::identity::cache_dir;
 use engine_core::link::doors::{self, DialOptions};
 use engine_core::link::keys::{config_dir, KeyStore};
 use engine_core::link::secure::{wire_limit, SecureLink};
 use engine_core::link::ws::{self, WsLink};
 use engine_core::link::{Link, LinkProfile, LinkStats, ShapedLink, StatsHandle};
-use engine_core::host::page_file::PageFile;
-use engine_core::host::plan::{self, Plan, PlanInput, Speeds, WeightBytes};
 use engine_core::protocol::{Configure, Intro};
-use engine_core::host::remote::{HelperClient, DEFAULT_MAX_FRAME};
 use engine_core::source::LoadOptions;
-use engine_core::host::split::SplitPlan;
-use engine_core::{Backend, Model, State};
+use engine_core::{Backend, Model};
 
 use crate::accept::Acceptor;
 use crate::lend::{Lent, LentSlot};
@@ -154,10 +155,11 @@ pub struct Attached {
 const PINGS: usize = 3;
 
 impl Attached {
-    /// Helper `id` of `state`, just attached from `source`, its link's round trip measured
+    /// Helper `id` of `seq`, just attached from `source`, its link's round trip measured
     /// now: the least of [`PINGS`] pings (the link's latency with the helper's least work).
-    pub fn measured(state: &mut State, id: u32, source: Source, stats: StatsHandle) -> Attached {
-        let rtt_ms = state
+    pub fn measured(seq: &mut Sequence, id: u32, source: Source, stats: StatsHandle) -> Attached {
+        let rtt_ms = seq
+            .placement
             .helpers
             .iter_mut()
             .find(|h| h.id == id)
@@ -188,7 +190,7 @@ impl HelperArgs {
         &self,
         model: &Model,
         be: &dyn Backend,
-        state: &mut State,
+        seq: &mut Sequence,
         page_size: usize,
         context: usize,
     ) -> Result<Vec<Attached>> {
@@ -210,7 +212,7 @@ impl HelperArgs {
         let joining = std::iter::repeat_n(Source::Joined, self.joining());
         let sources = self.helper.iter().cloned().map(Source::Dial).chain(joining);
         sources
-            .map(|source| self.attach_from(model, be, state, (page_size, context), source))
+            .map(|source| self.attach_from(model, be, seq, (page_size, context), source))
             .collect()
     }
 
@@ -255,15 +257,15 @@ impl HelperArgs {
         &self,
         model: &Model,
         be: &dyn Backend,
-        state: &mut State,
+        seq: &mut Sequence,
         shape: (usize, usize),
         source: Source,
     ) -> Result<Attached> {
         let stats = StatsHandle::default();
         let wait = Duration::from_secs(self.helper_wait);
         let link = self.connect(&source, &stats, wait)?;
-        let id = self.attach_link(model, be, state, shape, link, &source)?;
-        Ok(Attached::measured(state, id, source, stats))
+        let id = self.attach_link(model, be, seq, shape, link, &source)?;
+        Ok(Attached::measured(seq, id, source, stats))
     }
 
     /// The link to the helper from `source`, counting into `stats`: the part of attaching
@@ -376,7 +378,7 @@ impl HelperArgs {
         &self,
         model: &Model,
         be: &dyn Backend,
-        state: &mut State,
+        seq: &mut Sequence,
         (page_size, context): (usize, usize),
         link: Box<dyn Link>,
         source: &Source,
@@ -387,7 +389,7 @@ impl HelperArgs {
                 bail!("--split-layer {split}: must be a multiple of 4 (a whole L L L F cycle) and at most {n}");
             }
         }
-        let prefills = state.prefill_helper().is_none();
+        let prefills = seq.placement.prefill_helper().is_none();
         let page = u32::try_from(page_size).context("--page-size")?;
         let ubatch = self.split_ubatch.unwrap_or(plan::SPLIT_UBATCH);
         let configure = |first: usize| Configure {
@@ -425,14 +427,14 @@ impl HelperArgs {
                 .with_context(|| format!("configuring {source} after measuring it"))?;
             client.speeds = Some(speeds);
         }
-        if state.spill.is_none() {
-            state.spill = Some(self.page_file()?);
+        if seq.placement.spill.is_none() {
+            seq.placement.spill = Some(self.page_file()?);
         }
         // A state that lost a helper keeps its pages in the page file; helpers are re-filled
         // from it a few pages per pass.
-        let id = state.attach(client);
+        let id = seq.placement.attach(client);
         // A budget the caller set (a server's, from its memory) stays unless one is given.
-        state.host_kv_tokens = self.host_kv_tokens.or(state.host_kv_tokens);
+        seq.placement.host_kv_tokens = self.host_kv_tokens.or(seq.placement.host_kv_tokens);
         Ok(id)
     }
 
@@ -506,18 +508,18 @@ impl HelperArgs {
         fixed: Fixed,
         context: usize,
         prompt: usize,
-    ) -> Result<(Plan, State, Vec<Attached>)> {
+    ) -> Result<(Plan, Sequence, Vec<Attached>)> {
         if fixed.page_size == Some(0) || fixed.ubatch == Some(0) || self.split_ubatch == Some(0) {
             bail!("--page-size, --ubatch and --split-ubatch must be at least 1");
         }
         let expected = (self.expected_offers(), None);
         let plan = self.plan_for(model, expected, fixed, context, prompt);
-        let mut state = model.new_state(plan.page_size);
-        let attached = self.attach(model, be, &mut state, plan.page_size, context)?;
+        let mut seq = Sequence::new(&model.config, plan.page_size);
+        let attached = self.attach(model, be, &mut seq, plan.page_size, context)?;
         if !attached.is_empty() {
-            state.host_kv_tokens = plan.host_kv_tokens;
+            seq.placement.host_kv_tokens = plan.host_kv_tokens;
         }
-        Ok((plan, state, attached))
+        Ok((plan, seq, attached))
     }
 
     /// The offers to plan with before any helper attaches: one unknown (0 bytes) if a helper
@@ -532,9 +534,17 @@ impl HelperArgs {
 
     /// The offers of the helpers attached to `state`, and the prefill helper's measured
     /// speeds.
-    pub fn offers(state: &State) -> (Vec<u64>, Option<Speeds>) {
-        let offers = state.helpers.iter().map(|h| h.helper.mem_offer).collect();
-        (offers, state.prefill_helper().and_then(|h| h.speeds))
+    pub fn offers(seq: &Sequence) -> (Vec<u64>, Option<Speeds>) {
+        let offers = seq
+            .placement
+            .helpers
+            .iter()
+            .map(|h| h.helper.mem_offer)
+            .collect();
+        (
+            offers,
+            seq.placement.prefill_helper().and_then(|h| h.speeds),
+        )
     }
 
     pub fn host_kv_tokens(&self) -> Option<usize> {

@@ -7,10 +7,12 @@ use std::time::Instant;
 
 use anyhow::{bail, Result};
 use engine_core::generate::argmax;
+use engine_core::host::minimum;
 use engine_core::host::plan;
-use engine_core::host::split::{minimum, prefill};
+use engine_core::host::split::prefill;
 use engine_core::host::telemetry::Telemetry;
-use engine_core::{Logits, State};
+use engine_core::host::Sequence;
+use engine_core::Logits;
 
 use crate::attach::stats_json;
 use crate::load::EngineArgs;
@@ -53,11 +55,11 @@ struct Watched {
     bytes: AtomicU64,
 }
 
-/// Serialise every event of `state` from now on, counting them, as a watcher costs.
-fn watch(state: &mut State) -> Arc<Watched> {
+/// Serialise every event of `seq` from now on, counting them, as a watcher costs.
+fn watch(seq: &mut Sequence) -> Arc<Watched> {
     let (epoch, watched) = (Instant::now(), Arc::new(Watched::default()));
     let counts = watched.clone();
-    state.telemetry = Telemetry::new(
+    seq.placement.telemetry = Telemetry::new(
         move || epoch.elapsed().as_secs_f64() * 1e3,
         move |e| {
             let text = serde_json::to_string(&e).unwrap_or_default();
@@ -89,25 +91,25 @@ pub fn run(a: Args) -> Result<()> {
     let depth: Vec<u32> = (0..a.depth).map(|_| next_id()).collect();
     let prompt: Vec<u32> = (0..a.prompt_tokens).map(|_| next_id()).collect();
     let context = a.depth + a.prompt_tokens + a.gen;
-    let (session, mut state, helpers) =
+    let (session, mut seq, helpers) =
         a.engine
             .session(&model, be, context, a.prompt_tokens, a.ubatch)?;
     let page_size = session.page_size;
     // The link figures are the first helper's (the one that runs the split prefill).
     let link = helpers.first().map(|h| &h.stats);
     for chunk in depth.chunks(a.ubatch.unwrap_or(plan::HOST_UBATCH)) {
-        model.forward(be, &mut state, chunk, Logits::None, None)?;
+        seq.forward(&model, be, chunk, Logits::None, None)?;
     }
     for h in &helpers {
         h.stats.reset();
     }
-    let watched = a.telemetry.then(|| watch(&mut state));
+    let watched = a.telemetry.then(|| watch(&mut seq));
     let c = &model.config;
-    let (moved_before, pos_before) = (state.remote_kv_len(), state.pos);
+    let (moved_before, pos_before) = (seq.state.remote_kv_len(), seq.state.pos);
     let plan = a.engine.helper.split_plan(&session);
     let split_ubatch = plan.ubatch.max(1);
     let t0 = Instant::now();
-    let (mut logits, split) = prefill(&model, be, &mut state, &prompt, &plan)?;
+    let (mut logits, split) = prefill(&model, be, &mut seq, &prompt, &plan)?;
     let prefill_s = t0.elapsed().as_secs_f64();
     let prefill_link = link.map(|l| l.snapshot());
     for h in &helpers {
@@ -116,7 +118,7 @@ pub fn run(a: Args) -> Result<()> {
     // During the prefill the remote pages are those moved before it; the host's layers attend
     // over them for every row, the tail's only for the rows it ran itself.
     let n = c.num_hidden_layers;
-    let prefill_min = state.prefill_helper().map_or(0, |r| {
+    let prefill_min = seq.placement.prefill_helper().map_or(0, |r| {
         let tail = r.prefill_layers.clone();
         let moves = minimum::prefill(
             c,
@@ -124,7 +126,7 @@ pub fn run(a: Args) -> Result<()> {
             split.rows_on_helper,
             split.synced_rows,
             split.mirror_synced,
-        ) + minimum::offload(c, state.remote_kv_len() - moved_before);
+        ) + minimum::offload(c, seq.state.remote_kv_len() - moved_before);
         let pages = moved_before / page_size;
         if split.on_helper > 0 {
             // A split prefill moves pages only at its end: every ubatch sees the pages moved
@@ -140,7 +142,7 @@ pub fn run(a: Args) -> Result<()> {
         } else {
             // Ubatch by ubatch on the host (in pairs past interleave_from), pages moving after
             // each step as the budget demands.
-            let budget = state.host_kv_tokens.unwrap_or(usize::MAX);
+            let budget = seq.placement.host_kv_tokens.unwrap_or(usize::MAX);
             let (mut remote, mut pos, mut attend) = (moved_before, pos_before, 0);
             let chunks: Vec<usize> = prompt.chunks(split_ubatch).map(|c| c.len()).collect();
             let mut i = 0;
@@ -160,10 +162,10 @@ pub fn run(a: Args) -> Result<()> {
     let mut decode_min = 0;
     let t1 = Instant::now();
     for _ in 0..a.gen {
-        let before = state.remote_kv_len();
-        logits = model.forward(be, &mut state, &[argmax(&logits)], Logits::Last, None)?;
+        let before = seq.state.remote_kv_len();
+        logits = seq.forward(&model, be, &[argmax(&logits)], Logits::Last, None)?;
         decode_min += minimum::attend(c, 0..n, 1, before / page_size)
-            + minimum::offload(c, state.remote_kv_len() - before);
+            + minimum::offload(c, seq.state.remote_kv_len() - before);
     }
     let decode_s = t1.elapsed().as_secs_f64();
     let decode_link = link.map(|l| l.snapshot());
@@ -172,10 +174,10 @@ pub fn run(a: Args) -> Result<()> {
         .iter()
         .map(|h| {
             let s = h.stats.snapshot();
-            let client = state.helpers.iter().find(|c| c.id == h.id);
+            let client = seq.placement.helpers.iter().find(|c| c.id == h.id);
             serde_json::json!({
                 "id": h.id,
-                "pages": state.pages_on(h.id),
+                "pages": seq.placement.pages_on(h.id),
                 // Query to reply, link included: what the host waits for, prefill and decode.
                 "attend_pages_per_s": client.and_then(|c| c.pages_per_sec()),
                 "decode_bytes": s.sent_total.bytes + s.received_total.bytes,
@@ -206,7 +208,7 @@ pub fn run(a: Args) -> Result<()> {
             "decode_weight_gb_s": weight_bytes * decode_tok_s / 1e9,
             "weights_in_huge_pages_bytes": engine_core::resident::copied(),
             "peak_rss_bytes": peak,
-            "kv_cache_bytes": state.kv_bytes(),
+            "kv_cache_bytes": seq.state.kv_bytes(),
             "split_ubatches_on_helper": split.on_helper,
             "split_ubatches_interleaved": split.interleaved,
             "split_fallback": split.fallback,
@@ -244,7 +246,7 @@ pub fn run(a: Args) -> Result<()> {
             "decode reads {:.1} GB/s of weights ({}); KV cache {:.1} MB; peak RSS {}",
             weight_bytes * decode_tok_s / 1e9,
             crate::load::residence(),
-            state.kv_bytes() as f64 / 1e6,
+            seq.state.kv_bytes() as f64 / 1e6,
             peak.map_or("unknown".to_string(), |b| format!(
                 "{:.2} GB",
                 b as f64 / 1e9

@@ -12,15 +12,17 @@ use engine_core::generate::argmax;
 use std::sync::Mutex;
 
 use engine_core::helper::{Helper, HelperOptions};
+use engine_core::host::plan::default_split_layer;
+use engine_core::host::remote::{HelperClient, DEFAULT_MAX_FRAME};
+use engine_core::host::split::{prefill, SplitPlan};
+use engine_core::host::Sequence;
 use engine_core::link::keys::{Keypair, PairingCode, PublicKey};
 use engine_core::link::secure::{self, wire_limit, Dial, Gate, Pairing};
 use engine_core::link::{ws, ShapedLink};
 use engine_core::protocol::Configure;
-use engine_core::host::remote::{HelperClient, DEFAULT_MAX_FRAME};
 use engine_core::source::{load_model, LoadOptions};
-use engine_core::host::split::{default_split_layer, prefill, SplitPlan};
 use engine_core::tokenizer::{StreamDecoder, Tokenizer};
-use engine_core::{CpuBackend, Logits, Model, State};
+use engine_core::{CpuBackend, Logits, Model};
 
 use crate::load;
 
@@ -58,7 +60,7 @@ struct Run {
 /// Greedy generation after a prefill through `split::prefill`, streaming text if `show`.
 fn generate(
     m: &Model,
-    st: &mut State,
+    seq: &mut Sequence,
     prompt: &[u32],
     gen: usize,
     plan: &SplitPlan,
@@ -66,7 +68,7 @@ fn generate(
 ) -> Result<(Run, engine_core::host::split::SplitReport)> {
     let be = CpuBackend;
     let t0 = Instant::now();
-    let (mut logits, report) = prefill(m, &be, st, prompt, plan)?;
+    let (mut logits, report) = prefill(m, &be, seq, prompt, plan)?;
     let prefill_s = t0.elapsed().as_secs_f64();
     let mut decoder = tok.map(StreamDecoder::new);
     let mut out = std::io::stdout().lock();
@@ -80,7 +82,7 @@ fn generate(
             write!(out, "{}", d.push(next)?)?;
             out.flush()?;
         }
-        logits = m.forward(&be, st, &[next], Logits::Last, None)?;
+        logits = seq.forward(m, &be, &[next], Logits::Last, None)?;
     }
     if let Some(d) = decoder.as_mut() {
         writeln!(out, "{}", d.finish()?)?;
@@ -158,29 +160,29 @@ pub fn run(a: Args) -> Result<()> {
             end_layer: n as u32,
             page_size: a.page_size as u32,
         };
-        let mut st = model.new_state(a.page_size);
-        st.attach(HelperClient::connect(
+        let mut seq = Sequence::new(&model.config, a.page_size);
+        seq.placement.attach(HelperClient::connect(
             Box::new(link),
             &model,
             cfg,
             DEFAULT_MAX_FRAME,
         )?);
-        st.host_kv_tokens = Some(a.host_kv_tokens);
+        seq.placement.host_kv_tokens = Some(a.host_kv_tokens);
         eprintln!(
             "[demo] helper on {url} ({} link); host layers 0..{split}, helper layers {split}..{n}; host keeps {} KV positions per layer",
             profile.name, a.host_kv_tokens
         );
         eprintln!("[demo] prompt: {} tokens; output:", prompt.len());
-        let (run, report) = generate(&model, &mut st, &prompt, a.gen, &plan, Some(&tokenizer))?;
-        let remote_rows = (st.remote_kv_len(), st.pos);
+        let (run, report) = generate(&model, &mut seq, &prompt, a.gen, &plan, Some(&tokenizer))?;
+        let remote_rows = (seq.state.remote_kv_len(), seq.state.pos);
         Ok((run, report, stats.snapshot(), remote_rows))
-        // Dropping the state closes the link; the helper's session ends and its thread joins.
+        // Dropping the sequence closes the link; the helper's session ends and its thread joins.
     })?;
 
     eprintln!("[demo] the same request on the host alone, for the check ...");
     let (host_run, _) = generate(
         &model,
-        &mut model.new_state(a.page_size),
+        &mut Sequence::new(&model.config, a.page_size),
         &prompt,
         a.gen,
         &plan,

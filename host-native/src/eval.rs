@@ -49,8 +49,8 @@ pub fn run(a: Args) -> Result<()> {
     eprintln!("backend: {what}; weights: {}", crate::load::residence());
     let v = model.config.vocab_size;
     let context = ids.len() + a.gen;
-    let (_, mut state, _) = a.engine.session(&model, be, context, ids.len(), None)?;
-    let prefill = model.forward(be, &mut state, &ids, Logits::All, None)?;
+    let (_, mut seq, _) = a.engine.session(&model, be, context, ids.len(), None)?;
+    let prefill = seq.forward(&model, be, &ids, Logits::All, None)?;
     let mut gen_ids: Vec<i64> = Vec::with_capacity(a.gen);
     let mut gen_logits: Vec<f32> = Vec::with_capacity(a.gen * v);
     let mut logits = prefill[prefill.len() - v..].to_vec();
@@ -59,7 +59,7 @@ pub fn run(a: Args) -> Result<()> {
         gen_ids.push(next as i64);
         gen_logits.extend_from_slice(&logits);
         if i + 1 < a.gen {
-            logits = model.forward(be, &mut state, &[next], Logits::Last, None)?;
+            logits = seq.forward(&model, be, &[next], Logits::Last, None)?;
         }
     }
     let tensors = vec![

@@ -5,10 +5,11 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use engine_core::host::plan::Plan;
+use engine_core::host::Sequence;
 use engine_core::source::load_model;
 pub use engine_core::source::{BackendOptions, LoadOptions};
 use engine_core::tokenizer::Tokenizer;
-use engine_core::{Backend, Model, State};
+use engine_core::{Backend, Model};
 
 use crate::attach::{Attached, Fixed, HelperArgs};
 
@@ -54,7 +55,7 @@ impl EngineArgs {
         context: usize,
         prompt: usize,
         ubatch: Option<usize>,
-    ) -> Result<(Plan, State, Vec<Attached>)> {
+    ) -> Result<(Plan, Sequence, Vec<Attached>)> {
         let fixed = Fixed {
             page_size: self.page_size,
             ubatch,

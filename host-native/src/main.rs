@@ -169,8 +169,8 @@ fn plan(a: PlanArgs) -> anyhow::Result<()> {
     let (context, prompt) = (a.context, a.prompt_tokens);
     let (be, _) = a.backend.make()?;
     model.check_backend(&*be)?;
-    let (_, state, _) = h.session(&model, &*be, fixed, context, prompt)?;
-    let offers = attach::HelperArgs::offers(&state);
+    let (_, seq, _) = h.session(&model, &*be, fixed, context, prompt)?;
+    let offers = attach::HelperArgs::offers(&seq);
     print!(
         "{}",
         h.plan_for(&model, offers, fixed, context, prompt).text

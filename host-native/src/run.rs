@@ -72,10 +72,10 @@ pub fn run(a: Args) -> Result<()> {
     let be = &*be;
     eprintln!("backend: {what}; weights: {}", crate::load::residence());
     let context = prompt.len() + a.max_tokens;
-    let (plan, state, link_stats) =
+    let (plan, seq, link_stats) =
         a.engine
             .session(&l.model, be, context, prompt.len(), a.ubatch)?;
-    let mut generation = Generation::new(&l.model, be, state, sampler, stop);
+    let mut generation = Generation::new(&l.model, be, seq, sampler, stop);
     let t0 = Instant::now();
     let split = generation.prefill(&prompt, &a.engine.helper.split_plan(&plan))?;
     let prefill_s = t0.elapsed().as_secs_f64();
@@ -113,10 +113,10 @@ pub fn run(a: Args) -> Result<()> {
             ))
         );
     }
-    if let Some(why) = &generation.state.helper_set_aside {
+    if let Some(why) = &generation.seq.placement.helper_set_aside {
         eprintln!("a helper was set aside: {why}");
     }
-    if let Some(why) = &generation.state.helper_lost {
+    if let Some(why) = &generation.seq.placement.helper_lost {
         eprintln!(
             "a helper was lost ({why}); the pages it held were attended from the page file, so \
              the tokens are the host-alone ones"
@@ -124,7 +124,7 @@ pub fn run(a: Args) -> Result<()> {
     }
     for helper in &link_stats {
         let s = helper.stats.snapshot();
-        let pages = generation.state.pages_on(helper.id);
+        let pages = generation.seq.placement.pages_on(helper.id);
         eprintln!(
             "link to helper {} ({}, {pages} pages held now): sent {} bytes in {} messages, \
              received {} bytes in {} messages",

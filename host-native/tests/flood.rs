@@ -9,12 +9,12 @@ use std::net::{SocketAddr, TcpStream};
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
+use engine_core::host::remote::DEFAULT_MAX_FRAME;
 use engine_core::link::keys::Keypair;
 use engine_core::link::secure::{self, wire_limit, Dial};
 use engine_core::link::ws;
 use engine_core::link::Link;
 use engine_core::protocol::{decode, encode, Message};
-use engine_core::host::remote::DEFAULT_MAX_FRAME;
 use tests::{fixtures_dir, spawn_announcing, spawn_announcing_lines};
 
 /// Sockets held open against the process under test.

@@ -6,13 +6,14 @@
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
 
+use engine_core::host::remote::{HelperClient, DEFAULT_MAX_FRAME};
+use engine_core::host::Sequence;
 use engine_core::link::keys::{KeyStore, Keypair};
 use engine_core::link::secure::{self, wire_limit, Dial, SecureLink};
 use engine_core::link::ws::{self, WsLink};
 use engine_core::link::LinkError;
 use engine_core::protocol::Configure;
-use engine_core::host::remote::{HelperClient, DEFAULT_MAX_FRAME};
-use engine_core::{CpuBackend, Logits, Model, State};
+use engine_core::{CpuBackend, Logits, Model};
 use tests::{fixtures_dir, spawn_announcing_lines, Reference};
 
 mod broken;
@@ -91,15 +92,16 @@ impl HelperProcess {
         self.dial(&Keypair::generate(), Dial::Pair(code)).unwrap()
     }
 
-    fn attach(&self, m: &Model, st: &mut State, page: usize, budget: usize) {
+    fn attach(&self, m: &Model, st: &mut Sequence, page: usize, budget: usize) {
         let link = self.link();
         let cfg = Configure {
             first_layer: 0,
             end_layer: 0,
             page_size: page as u32,
         };
-        st.attach(HelperClient::connect(Box::new(link), m, cfg, DEFAULT_MAX_FRAME).unwrap());
-        st.host_kv_tokens = Some(budget);
+        st.placement
+            .attach(HelperClient::connect(Box::new(link), m, cfg, DEFAULT_MAX_FRAME).unwrap());
+        st.placement.host_kv_tokens = Some(budget);
     }
 }
 
@@ -112,7 +114,7 @@ impl Drop for HelperProcess {
 
 fn generate(
     m: &Model,
-    st: &mut State,
+    st: &mut Sequence,
     prompt: &[u32],
     n: usize,
 ) -> engine_core::Result<(Vec<u32>, Vec<f32>)> {
@@ -123,19 +125,19 @@ fn generate(
 /// replaced at a chosen step).
 fn generate_with(
     m: &Model,
-    st: &mut State,
+    st: &mut Sequence,
     prompt: &[u32],
     n: usize,
-    before: &mut dyn FnMut(usize, &mut State),
+    before: &mut dyn FnMut(usize, &mut Sequence),
 ) -> engine_core::Result<(Vec<u32>, Vec<f32>)> {
-    let mut logits = m.forward(&CpuBackend, st, prompt, Logits::Last, None)?;
+    let mut logits = st.forward(m, &CpuBackend, prompt, Logits::Last, None)?;
     let (mut ids, mut all) = (Vec::new(), Vec::new());
     for i in 0..n {
         before(i, st);
         let next = engine_core::generate::argmax(&logits);
         ids.push(next);
         all.extend_from_slice(&logits);
-        logits = m.forward(&CpuBackend, st, &[next], Logits::Last, None)?;
+        logits = st.forward(m, &CpuBackend, &[next], Logits::Last, None)?;
     }
     Ok((ids, all))
 }
@@ -148,8 +150,9 @@ fn helper_process_gives_the_host_alone_result() {
     let prompt = r.ids("prompt_ids");
     let want = r.ids("gen_ids");
     let helper = HelperProcess::start(dir.to_str().unwrap());
-    let (host_ids, host_logits) = generate(&m, &mut m.new_state(16), &prompt, want.len()).unwrap();
-    let mut st = m.new_state(16);
+    let (host_ids, host_logits) =
+        generate(&m, &mut Sequence::new(&m.config, 16), &prompt, want.len()).unwrap();
+    let mut st = Sequence::new(&m.config, 16);
     helper.attach(&m, &mut st, 16, 48);
     let (ids, logits) = generate(&m, &mut st, &prompt, want.len()).unwrap();
     assert_eq!(host_ids, want);
@@ -169,19 +172,20 @@ fn killing_the_helper_during_decode_costs_time_not_tokens_and_a_new_one_is_refil
     let m = Model::load_dir(&dir).unwrap();
     let r = Reference::load("tiny_fp32_T150");
     let (prompt, want) = (r.ids("prompt_ids"), r.ids("gen_ids"));
-    let (_, host_logits) = generate(&m, &mut m.new_state(16), &prompt, want.len()).unwrap();
+    let (_, host_logits) =
+        generate(&m, &mut Sequence::new(&m.config, 16), &prompt, want.len()).unwrap();
     let mut helper = HelperProcess::start(dir.to_str().unwrap());
-    let mut st = m.new_state(16);
-    st.spill = Some(tests::page_file());
+    let mut st = Sequence::new(&m.config, 16);
+    st.placement.spill = Some(tests::page_file());
     helper.attach(&m, &mut st, 16, 48);
     let (ids, all) = generate_with(&m, &mut st, &prompt, want.len(), &mut |i, st| {
         if i == 3 {
-            assert!(st.remote_kv_len() > 0, "no page on the helper yet");
+            assert!(st.state.remote_kv_len() > 0, "no page on the helper yet");
             helper.child.kill().unwrap();
             helper.child.wait().unwrap();
         }
         if i == 7 {
-            assert!(st.helper_lost.is_some() && st.helpers.is_empty());
+            assert!(st.placement.helper_lost.is_some() && st.placement.helpers.is_empty());
             helper = HelperProcess::start(dir.to_str().unwrap());
             helper.attach(&m, st, 16, 48);
         }
@@ -190,7 +194,7 @@ fn killing_the_helper_during_decode_costs_time_not_tokens_and_a_new_one_is_refil
     assert_eq!(ids, want);
     assert!(all == host_logits, "logits differ from the host alone's");
     assert!(
-        !st.helpers.is_empty() && st.pages_all_on_helpers(),
+        !st.placement.helpers.is_empty() && st.placement.pages_all_on_helpers(),
         "the new helper was not re-filled"
     );
 }
@@ -206,7 +210,14 @@ fn killing_the_helper_process_during_a_split_prefill_costs_time_not_tokens() {
         ubatch: 8,
         ..SplitPlan::default()
     };
-    let (want, _) = prefill(&m, &CpuBackend, &mut m.new_state(16), &prompt, &plan).unwrap();
+    let (want, _) = prefill(
+        &m,
+        &CpuBackend,
+        &mut Sequence::new(&m.config, 16),
+        &prompt,
+        &plan,
+    )
+    .unwrap();
     let mut fell_back = 0;
     // The kill lands at different points of the batch (or after it): whenever it lands, the
     // host finishes with the host-alone logits.
@@ -218,8 +229,9 @@ fn killing_the_helper_process_during_a_split_prefill_costs_time_not_tokens() {
             end_layer: 8,
             page_size: 16,
         };
-        let mut st = m.new_state(16);
-        st.attach(HelperClient::connect(Box::new(link), &m, cfg, DEFAULT_MAX_FRAME).unwrap());
+        let mut st = Sequence::new(&m.config, 16);
+        st.placement
+            .attach(HelperClient::connect(Box::new(link), &m, cfg, DEFAULT_MAX_FRAME).unwrap());
         let (got, report) = std::thread::scope(|scope| {
             let child = &mut helper.child;
             scope.spawn(move || {
@@ -267,9 +279,10 @@ fn a_helper_process_splits_then_interleaves_bit_identically() {
         end_layer: 8,
         page_size: 8,
     };
-    let mut st = m.new_state(8);
-    st.attach(HelperClient::connect(Box::new(link), &m, cfg, DEFAULT_MAX_FRAME).unwrap());
-    st.host_kv_tokens = Some(16);
+    let mut st = Sequence::new(&m.config, 8);
+    st.placement
+        .attach(HelperClient::connect(Box::new(link), &m, cfg, DEFAULT_MAX_FRAME).unwrap());
+    st.placement.host_kv_tokens = Some(16);
     let plan = SplitPlan {
         min_tokens: 20,
         ubatch: 8,
@@ -454,15 +467,15 @@ fn an_idle_host_is_let_go_and_another_gets_in() {
         true,
     );
     let prompt: Vec<u32> = (0..40).collect();
-    let want = generate(&m, &mut m.new_state(8), &prompt, 4).unwrap();
-    let mut st = m.new_state(8);
-    st.spill = Some(tests::page_file());
+    let want = generate(&m, &mut Sequence::new(&m.config, 8), &prompt, 4).unwrap();
+    let mut st = Sequence::new(&m.config, 8);
+    st.placement.spill = Some(tests::page_file());
     helper.attach(&m, &mut st, 8, 8);
     let got = generate_with(&m, &mut st, &prompt, 4, &mut |i, st| {
         if i > 0 {
             return;
         }
-        assert!(st.remote_kv_len() > 0);
+        assert!(st.state.remote_kv_len() > 0);
         std::thread::sleep(std::time::Duration::from_millis(2500));
         let cfg = Configure {
             first_layer: 0,
@@ -477,7 +490,10 @@ fn an_idle_host_is_let_go_and_another_gets_in() {
             .expect("the idle host no longer holds the helper");
     })
     .unwrap();
-    assert!(st.helper_lost.is_some(), "the first host saw no loss");
+    assert!(
+        st.placement.helper_lost.is_some(),
+        "the first host saw no loss"
+    );
     assert!(got == want, "the first host's tokens changed");
     let _ = std::fs::remove_dir_all(keys);
 }
@@ -495,7 +511,8 @@ fn a_helper_that_joins_the_host_pairs_by_its_code_and_gives_the_host_alone_resul
     let m = Model::load_dir(&dir).unwrap();
     let r = Reference::load("tiny_fp32_T150");
     let (prompt, want) = (r.ids("prompt_ids"), r.ids("gen_ids"));
-    let (_, host_logits) = generate(&m, &mut m.new_state(16), &prompt, want.len()).unwrap();
+    let (_, host_logits) =
+        generate(&m, &mut Sequence::new(&m.config, 16), &prompt, want.len()).unwrap();
 
     let listener = WsListener::bind("127.0.0.1:0", wire_limit(DEFAULT_MAX_FRAME)).unwrap();
     let url = format!("ws://{}", listener.local_addr());
@@ -539,11 +556,12 @@ fn a_helper_that_joins_the_host_pairs_by_its_code_and_gives_the_host_alone_resul
         end_layer: 0,
         page_size: 16,
     };
-    let mut st = m.new_state(16);
-    st.attach(HelperClient::connect(Box::new(link), &m, cfg, DEFAULT_MAX_FRAME).unwrap());
-    st.host_kv_tokens = Some(48);
+    let mut st = Sequence::new(&m.config, 16);
+    st.placement
+        .attach(HelperClient::connect(Box::new(link), &m, cfg, DEFAULT_MAX_FRAME).unwrap());
+    st.placement.host_kv_tokens = Some(48);
     let (ids, logits) = generate(&m, &mut st, &prompt, want.len()).unwrap();
-    assert!(st.remote_kv_len() > 0, "no page went to the helper");
+    assert!(st.state.remote_kv_len() > 0, "no page went to the helper");
     assert_eq!(ids, want);
     assert!(logits == host_logits, "logits differ from the host alone's");
     drop(st);

@@ -7,9 +7,9 @@ use std::path::PathBuf;
 use std::process::Command;
 
 use engine_core::helper::{Helper, HelperOptions, SessionEnd};
+use engine_core::host::remote::DEFAULT_MAX_FRAME;
 use engine_core::link::doors::{self, DialOptions};
 use engine_core::link::LinkError;
-use engine_core::host::remote::DEFAULT_MAX_FRAME;
 use tests::{Process, SPLIT_FLAGS as SPLIT, SPLIT_PROMPT as PROMPT};
 
 fn scratch(name: &str) -> PathBuf {

@@ -7,12 +7,12 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use engine_core::host::remote::DEFAULT_MAX_FRAME;
 use engine_core::lending::{lending_key, signed, tensor_path, Lent, Sealed, MANIFEST_PATH};
 use engine_core::link::doors;
 use engine_core::link::keys::{KeyStore, Keypair};
 use engine_core::link::secure::wire_limit;
 use engine_core::link::ws;
-use engine_core::host::remote::DEFAULT_MAX_FRAME;
 use tests::Process;
 
 fn scratch(name: &str) -> PathBuf {

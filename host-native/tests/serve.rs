@@ -289,10 +289,10 @@ fn chat_on_a_synthetic_model_reuses_the_conversation() {
 /// A helper in this process, over a real WebSocket on loopback, for any number of hosts in
 /// turn; returns its URL.
 fn start_helper() -> Helper {
+    use engine_core::host::remote::DEFAULT_MAX_FRAME;
     use engine_core::link::keys::{Keypair, PairingCode, PublicKey};
     use engine_core::link::secure::{self, wire_limit, Accepted, Gate, Pairing};
     use engine_core::link::ws::WsListener;
-    use engine_core::host::remote::DEFAULT_MAX_FRAME;
     let model: &'static engine_core::Model = Box::leak(Box::new(
         engine_core::source::load_model("tiny", &engine_core::source::LoadOptions::default())
             .unwrap(),

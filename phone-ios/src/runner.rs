@@ -10,13 +10,13 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use engine_core::helper::{Helper, HelperOptions, Loading, SessionEnd, Weights};
+use engine_core::host::remote::DEFAULT_MAX_FRAME;
 use engine_core::link::doors::{self, DialOptions, Doors};
 use engine_core::link::idle::IdleLink;
 use engine_core::link::secure::wire_limit;
 use engine_core::link::ws::{Pending, WsLink, WsListener};
 use engine_core::link::{Link, LinkError, LinkProfile, LinkSender, ShapedLink, StatsHandle};
 use engine_core::protocol::{encode, Message};
-use engine_core::host::remote::DEFAULT_MAX_FRAME;
 use engine_core::source::{load_identity, load_layers, BackendOptions, LoadOptions};
 use serde::Serialize;
 

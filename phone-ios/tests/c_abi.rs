@@ -10,13 +10,14 @@ use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::mpsc::{self, Receiver};
 use std::time::{Duration, Instant};
 
+use engine_core::host::remote::DEFAULT_MAX_FRAME;
+use engine_core::host::split::{prefill, SplitPlan};
+use engine_core::host::Sequence;
 use engine_core::link::keys::Keypair;
 use engine_core::link::secure::{self, wire_limit, Dial};
 use engine_core::link::ws;
-use engine_core::host::remote::DEFAULT_MAX_FRAME;
 use engine_core::source::{load_model, LoadOptions};
-use engine_core::host::split::{prefill, SplitPlan};
-use engine_core::{CpuBackend, Logits, Model, State};
+use engine_core::{CpuBackend, Logits, Model};
 use serde_json::Value;
 
 /// This crate's static library, which cargo built beside this test.
@@ -138,7 +139,7 @@ fn keys(name: &str) -> PathBuf {
 }
 
 /// Prefill `prompt` (split when `st` has a helper) and 4 greedy steps: every logit.
-fn run(m: &Model, st: &mut State, prompt: &[u32]) -> Vec<f32> {
+fn run(m: &Model, st: &mut Sequence, prompt: &[u32]) -> Vec<f32> {
     let plan = SplitPlan {
         min_tokens: 8,
         ubatch: 8,
@@ -149,8 +150,8 @@ fn run(m: &Model, st: &mut State, prompt: &[u32]) -> Vec<f32> {
     let mut all = logits.clone();
     for _ in 0..4 {
         let next = engine_core::generate::argmax(&logits);
-        logits = m
-            .forward(&CpuBackend, st, &[next], Logits::Last, None)
+        logits = st
+            .forward(m, &CpuBackend, &[next], Logits::Last, None)
             .unwrap();
         all.extend_from_slice(&logits);
     }
@@ -172,8 +173,8 @@ fn a_c_caller_starts_a_helper_watches_it_serve_and_stops_it() {
 
     let m = load_model("tiny", &LoadOptions::default()).unwrap();
     let prompt: Vec<u32> = (0..40).map(|i| (i * 37 + 11) % 256).collect();
-    let alone = run(&m, &mut m.new_state(8), &prompt);
-    let mut st = m.new_state(8);
+    let alone = run(&m, &mut Sequence::new(&m.config, 8), &prompt);
+    let mut st = Sequence::new(&m.config, 8);
     let ws = ws::connect(&url, wire_limit(DEFAULT_MAX_FRAME)).unwrap();
     let (link, _) = secure::connect(ws, &Keypair::generate(), Dial::Pair(code)).unwrap();
     tests::attach(&m, &mut st, link, 4, 8, Some(16));
@@ -211,7 +212,7 @@ fn a_c_caller_starts_a_helper_watches_it_serve_and_stops_it() {
     assert!(helper.child.wait().unwrap().success());
     let next = engine_core::generate::argmax(&split[split.len() - 256..]);
     assert!(
-        m.forward(&CpuBackend, &mut st, &[next], Logits::Last, None)
+        st.forward(&m, &CpuBackend, &[next], Logits::Last, None)
             .is_err(),
         "the host's pages were on the stopped helper"
     );

@@ -4,10 +4,11 @@
 use std::collections::HashMap;
 use std::path::PathBuf;
 
+use engine_core::host::remote::{HelperClient, DEFAULT_MAX_FRAME};
+use engine_core::host::Sequence;
 use engine_core::link::Link;
 use engine_core::protocol::Configure;
-use engine_core::host::remote::{HelperClient, DEFAULT_MAX_FRAME};
-use engine_core::{Model, State};
+use engine_core::Model;
 
 /// The reference fixtures: `$TETHER_FIXTURES`, else `../shared/fixtures` beside the checkout,
 /// else `/work/shared/fixtures` (where a clone made elsewhere, as CI's is, finds them).
@@ -141,12 +142,12 @@ pub fn spawn_helper<'scope, 'env>(
     host_end
 }
 
-/// Tether `st` to the helper at the other end of `link`: it runs the layers from `split` on
+/// Tether `st` (a host's sequence) to the helper at the other end of `link`: it runs the layers from `split` on
 /// (none when `split` is the layer count) and holds KV pages of `page` positions; the host
 /// keeps at most `budget` positions of KV (`None`: all of them).
 pub fn attach(
     m: &Model,
-    st: &mut State,
+    st: &mut Sequence,
     link: impl Link + 'static,
     split: usize,
     page: usize,
@@ -158,8 +159,9 @@ pub fn attach(
         end_layer: layers,
         page_size: page as u32,
     };
-    st.attach(HelperClient::connect(Box::new(link), m, cfg, DEFAULT_MAX_FRAME).unwrap());
-    st.host_kv_tokens = budget;
+    let client = HelperClient::connect(Box::new(link), m, cfg, DEFAULT_MAX_FRAME).unwrap();
+    st.placement.attach(client);
+    st.placement.host_kv_tokens = budget;
 }
 
 /// A new page file (the disk tier of a sequence's KV) in the temp directory.
@@ -331,19 +333,19 @@ pub fn conversation_plan() -> engine_core::host::split::SplitPlan {
 /// joins there).
 pub fn conversation(
     m: &Model,
-    st: &mut State,
+    st: &mut Sequence,
     prompt: &[u32],
-    between: &mut dyn FnMut(&mut State),
+    between: &mut dyn FnMut(&mut Sequence),
 ) -> Vec<f32> {
     use engine_core::host::split::prefill;
     let be = &engine_core::CpuBackend;
     let plan = conversation_plan();
     let (mut logits, _) = prefill(m, be, st, prompt, &plan).unwrap();
     let mut all = logits.clone();
-    let step = |st: &mut State, logits: &mut Vec<f32>, all: &mut Vec<f32>| {
+    let step = |st: &mut Sequence, logits: &mut Vec<f32>, all: &mut Vec<f32>| {
         let next = engine_core::generate::argmax(logits);
-        *logits = m
-            .forward(be, st, &[next], engine_core::Logits::Last, None)
+        *logits = st
+            .forward(m, be, &[next], engine_core::Logits::Last, None)
             .unwrap();
         all.extend_from_slice(logits);
     };

@@ -5,11 +5,12 @@
 //! alone's logits bit for bit.
 
 use engine_core::helper::{Helper, HelperOptions};
-use engine_core::link::pair;
-use engine_core::protocol::Configure;
 use engine_core::host::remote::{HelperClient, DEFAULT_MAX_FRAME};
 use engine_core::host::split::prefill;
-use engine_core::{CpuBackend, Logits, Model, State};
+use engine_core::host::Sequence;
+use engine_core::link::pair;
+use engine_core::protocol::Configure;
+use engine_core::{CpuBackend, Logits, Model};
 use tests::{conversation, conversation_plan, fixtures_dir, page_file, Fuse, Reference};
 
 const PAGE: usize = 8;
@@ -21,7 +22,7 @@ const BUDGET: usize = 16;
 fn attach<'s>(
     scope: &'s std::thread::Scope<'s, '_>,
     m: &'s Model,
-    st: &mut State,
+    st: &mut Sequence,
     fuse: usize,
 ) -> std::sync::Arc<std::sync::atomic::AtomicUsize> {
     let (host_end, mut helper_end) = pair();
@@ -39,8 +40,8 @@ fn attach<'s>(
     };
     // Cut during the handshake: no helper, the sequence runs on the host alone.
     if let Ok(client) = HelperClient::connect(Box::new(link), m, cfg, DEFAULT_MAX_FRAME) {
-        st.attach(client);
-        st.host_kv_tokens = Some(BUDGET);
+        st.placement.attach(client);
+        st.placement.host_kv_tokens = Some(BUDGET);
     }
     ops
 }
@@ -48,7 +49,12 @@ fn attach<'s>(
 fn setup() -> (Model, Vec<u32>, Vec<f32>) {
     let m = Model::load_dir(&fixtures_dir().join("tiny_fp32_T150")).unwrap();
     let prompt = Reference::load("tiny_fp32_T150").ids("prompt_ids");
-    let alone = conversation(&m, &mut m.new_state(PAGE), &prompt, &mut |_| {});
+    let alone = conversation(
+        &m,
+        &mut Sequence::new(&m.config, PAGE),
+        &prompt,
+        &mut |_| {},
+    );
     (m, prompt, alone)
 }
 
@@ -61,24 +67,24 @@ fn cuts(total: usize, runs: usize) -> impl Iterator<Item = usize> {
 fn a_helper_lost_at_any_point_costs_time_not_tokens() {
     let (m, prompt, alone) = setup();
     let total = std::thread::scope(|scope| {
-        let mut st = m.new_state(PAGE);
-        st.spill = Some(page_file());
+        let mut st = Sequence::new(&m.config, PAGE);
+        st.placement.spill = Some(page_file());
         let ops = attach(scope, &m, &mut st, usize::MAX);
         let got = conversation(&m, &mut st, &prompt, &mut |_| {});
         assert!(got == alone, "uncut: logits differ from the host alone's");
-        assert!(st.remote_kv_len() > 0 && st.helper_lost.is_none());
+        assert!(st.state.remote_kv_len() > 0 && st.placement.helper_lost.is_none());
         ops.load(std::sync::atomic::Ordering::Relaxed)
     });
     let (mut lost, mut runs) = (0, 0);
     for cut in cuts(total, 24) {
         runs += 1;
         std::thread::scope(|scope| {
-            let mut st = m.new_state(PAGE);
-            st.spill = Some(page_file());
+            let mut st = Sequence::new(&m.config, PAGE);
+            st.placement.spill = Some(page_file());
             attach(scope, &m, &mut st, cut);
             let got = conversation(&m, &mut st, &prompt, &mut |_| {});
             assert!(got == alone, "cut after {cut} of {total}: logits differ");
-            lost += usize::from(st.helper_lost.is_some());
+            lost += usize::from(st.placement.helper_lost.is_some());
         });
     }
     eprintln!("{lost} of {runs} runs cut over {total} link operations lost their helper");
@@ -91,12 +97,12 @@ fn a_new_helper_is_refilled_from_the_page_file_and_may_be_lost_too() {
     // The first helper is lost during the first prompt; a second joins after the first steps.
     for second_cut in [usize::MAX, 0, 3, 9, 20, 40, 80] {
         std::thread::scope(|scope| {
-            let mut st = m.new_state(PAGE);
-            st.spill = Some(page_file());
+            let mut st = Sequence::new(&m.config, PAGE);
+            st.placement.spill = Some(page_file());
             attach(scope, &m, &mut st, 30);
             let mut joined = false;
             let got = conversation(&m, &mut st, &prompt, &mut |st| {
-                assert!(st.helpers.is_empty() && st.helper_lost.is_some());
+                assert!(st.placement.helpers.is_empty() && st.placement.helper_lost.is_some());
                 attach(scope, &m, st, second_cut);
                 joined = true;
             });
@@ -107,7 +113,7 @@ fn a_new_helper_is_refilled_from_the_page_file_and_may_be_lost_too() {
             );
             if second_cut == usize::MAX {
                 assert!(
-                    !st.helpers.is_empty() && st.pages_all_on_helpers(),
+                    !st.placement.helpers.is_empty() && st.placement.pages_all_on_helpers(),
                     "the second helper was not re-filled"
                 );
             }
@@ -119,14 +125,12 @@ fn a_new_helper_is_refilled_from_the_page_file_and_may_be_lost_too() {
 fn without_a_page_file_a_helper_lost_with_pages_fails_the_sequence_clearly() {
     let (m, prompt, _) = setup();
     std::thread::scope(|scope| {
-        let mut st = m.new_state(PAGE);
+        let mut st = Sequence::new(&m.config, PAGE);
         attach(scope, &m, &mut st, 60);
         let be = &CpuBackend;
         let err = prefill(&m, be, &mut st, &prompt, &conversation_plan())
             .err()
-            .or_else(|| {
-                (0..20).find_map(|_| m.forward(be, &mut st, &[1], Logits::Last, None).err())
-            })
+            .or_else(|| (0..20).find_map(|_| st.forward(&m, be, &[1], Logits::Last, None).err()))
             .expect("the helper holding pages was lost without an error")
             .to_string();
         assert!(err.starts_with("helper:"), "{err}");
@@ -140,18 +144,18 @@ fn without_a_page_file_a_helper_lost_with_pages_fails_the_sequence_clearly() {
 fn a_rewind_into_pages_only_on_disk_while_a_new_helper_is_refilled() {
     let (m, prompt, _) = setup();
     let be = &CpuBackend;
-    let run = |st: &mut State, join: &mut dyn FnMut(&mut State)| -> Vec<f32> {
+    let run = |st: &mut Sequence, join: &mut dyn FnMut(&mut Sequence)| -> Vec<f32> {
         let mut all = prefill(&m, be, st, &prompt[..100], &conversation_plan())
             .unwrap()
             .0;
-        let cp = st.checkpoint(be);
+        let cp = st.state.checkpoint(be);
         all.extend(
             prefill(&m, be, st, &prompt[100..], &conversation_plan())
                 .unwrap()
                 .0,
         );
         join(st);
-        all.extend(m.forward(be, st, &[9], Logits::Last, None).unwrap());
+        all.extend(st.forward(&m, be, &[9], Logits::Last, None).unwrap());
         st.rewind(be, &cp).unwrap();
         let mut logits = prefill(&m, be, st, &[5, 6, 7], &conversation_plan())
             .unwrap()
@@ -159,24 +163,31 @@ fn a_rewind_into_pages_only_on_disk_while_a_new_helper_is_refilled() {
         for _ in 0..8 {
             all.extend_from_slice(&logits);
             let next = engine_core::generate::argmax(&logits);
-            logits = m.forward(be, st, &[next], Logits::Last, None).unwrap();
+            logits = st.forward(&m, be, &[next], Logits::Last, None).unwrap();
         }
         all
     };
-    let alone = run(&mut m.new_state(PAGE), &mut |_| {});
+    let alone = run(&mut Sequence::new(&m.config, PAGE), &mut |_| {});
     std::thread::scope(|scope| {
         // No helper at first: pages past the budget go to the page file only.
-        let mut st = m.new_state(PAGE);
-        st.spill = Some(page_file());
-        st.host_kv_tokens = Some(BUDGET);
+        let mut st = Sequence::new(&m.config, PAGE);
+        st.placement.spill = Some(page_file());
+        st.placement.host_kv_tokens = Some(BUDGET);
         let got = run(&mut st, &mut |st| {
-            assert!(st.remote_kv_len() > 100, "{}", st.remote_kv_len());
+            assert!(
+                st.state.remote_kv_len() > 100,
+                "{}",
+                st.state.remote_kv_len()
+            );
             attach(scope, &m, st, usize::MAX);
         });
         assert!(got == alone, "logits differ from the host alone's");
-        let client = st.helpers.first().expect("the helper stays");
+        let client = st.placement.helpers.first().expect("the helper stays");
         assert!(!client.is_lost());
-        assert!(st.pages_all_on_helpers(), "the re-fill did not finish");
+        assert!(
+            st.placement.pages_all_on_helpers(),
+            "the re-fill did not finish"
+        );
     });
 }
 
@@ -186,13 +197,13 @@ fn a_rewind_into_pages_only_on_disk_while_a_new_helper_is_refilled() {
 fn a_refused_query_is_answered_from_the_page_file() {
     let (m, prompt, _) = setup();
     let be = &CpuBackend;
-    let run = |st: &mut State| -> Vec<f32> {
+    let run = |st: &mut Sequence| -> Vec<f32> {
         prompt
             .chunks(16)
-            .flat_map(|c| m.forward(be, st, c, Logits::Last, None).unwrap())
+            .flat_map(|c| st.forward(&m, be, c, Logits::Last, None).unwrap())
             .collect()
     };
-    let alone = run(&mut m.new_state(PAGE));
+    let alone = run(&mut Sequence::new(&m.config, PAGE));
     std::thread::scope(|scope| {
         let (host_end, mut helper_end) = pair();
         let mr = &m;
@@ -204,13 +215,13 @@ fn a_refused_query_is_answered_from_the_page_file() {
             };
             Helper::new(mr, &CpuBackend, opts).serve(&mut helper_end)
         });
-        let mut st = m.new_state(PAGE);
-        st.spill = Some(page_file());
+        let mut st = Sequence::new(&m.config, PAGE);
+        st.placement.spill = Some(page_file());
         // Pages only: no layer split, so no prefill chunk either.
         tests::attach(&m, &mut st, host_end, 8, PAGE, Some(BUDGET));
         assert!(run(&mut st) == alone, "logits differ from the host alone's");
-        let client = st.helpers.first().expect("the helper stays");
-        assert!(!client.is_lost() && st.helper_lost.is_none());
-        assert!(st.remote_kv_len() > 100);
+        let client = st.placement.helpers.first().expect("the helper stays");
+        assert!(!client.is_lost() && st.placement.helper_lost.is_none());
+        assert!(st.state.remote_kv_len() > 100);
     });
 }

@@ -10,6 +10,7 @@ use engine_core::backend::gpu::{GpuBackend, GpuOptions};
 use engine_core::backend::Act;
 use engine_core::generate::argmax;
 use engine_core::host::split::{prefill, SplitPlan};
+use engine_core::host::Sequence;
 use engine_core::{Backend, CpuBackend, LayerKind, Logits, Model};
 use tests::{attach, fixtures_dir, max_abs_diff, spawn_helper, Reference};
 
@@ -24,15 +25,15 @@ fn gpu() -> &'static GpuBackend {
 
 /// Prefill logits of every row, then `n` greedy steps: (all prefill logits, ids, step logits).
 fn run(m: &Model, be: &dyn Backend, prompt: &[u32], n: usize) -> (Vec<f32>, Vec<u32>, Vec<f32>) {
-    let mut st = m.new_state(16);
-    let all = m.forward(be, &mut st, prompt, Logits::All, None).unwrap();
+    let mut st = Sequence::new(&m.config, 16);
+    let all = st.forward(m, be, prompt, Logits::All, None).unwrap();
     let v = m.config.vocab_size;
     let mut logits = all[all.len() - v..].to_vec();
     let (mut ids, mut steps) = (Vec::new(), Vec::new());
     for _ in 0..n {
         ids.push(argmax(&logits));
-        logits = m
-            .forward(be, &mut st, &[*ids.last().unwrap()], Logits::Last, None)
+        logits = st
+            .forward(m, be, &[*ids.last().unwrap()], Logits::Last, None)
             .unwrap();
         steps.extend_from_slice(&logits);
     }
@@ -79,18 +80,18 @@ fn gpu_host_with_cpu_helper_and_the_reverse_give_the_same_tokens() {
     for (host, helper) in pairs {
         std::thread::scope(|scope| {
             let host_end = spawn_helper(scope, m, helper);
-            let mut st = m.new_state(16);
+            let mut st = Sequence::new(&m.config, 16);
             attach(m, &mut st, host_end, 4, 16, Some(48));
             let (mut logits, report) = prefill(m, host, &mut st, &prompt, &plan).unwrap();
             assert!(report.on_helper > 0 && report.interleaved > 0, "{report:?}");
             let mut ids = Vec::new();
             for _ in 0..want.len() {
                 ids.push(argmax(&logits));
-                logits = m
-                    .forward(host, &mut st, &[*ids.last().unwrap()], Logits::Last, None)
+                logits = st
+                    .forward(m, host, &[*ids.last().unwrap()], Logits::Last, None)
                     .unwrap();
             }
-            assert!(st.remote_kv_len() > 0);
+            assert!(st.state.remote_kv_len() > 0);
             assert_eq!(ids, want, "host {} helper {}", host.name(), helper.name());
         });
     }
@@ -105,21 +106,21 @@ fn gpu_host_and_gpu_helper_match_the_gpu_host_alone_bit_for_bit() {
     let m = &Model::load_dir(&fixtures_dir().join("tiny_fp32_T150")).unwrap();
     let prompt = Reference::load("tiny_fp32_T150").ids("prompt_ids");
     let (ubatch, page, steps) = (32, 16, 6);
-    let decode = |st: &mut engine_core::State, mut logits: Vec<f32>| {
+    let decode = |st: &mut engine_core::host::Sequence, mut logits: Vec<f32>| {
         let mut all = logits.clone();
         for _ in 0..steps {
-            logits = m
-                .forward(gpu(), st, &[argmax(&logits)], Logits::Last, None)
+            logits = st
+                .forward(m, gpu(), &[argmax(&logits)], Logits::Last, None)
                 .unwrap();
             all.extend_from_slice(&logits);
         }
         all
     };
     // The reference: the host alone, one ubatch after another, no split code.
-    let mut st = m.new_state(page);
+    let mut st = Sequence::new(&m.config, page);
     let mut logits = Vec::new();
     for c in prompt.chunks(ubatch) {
-        logits = m.forward(gpu(), &mut st, c, Logits::Last, None).unwrap();
+        logits = st.forward(m, gpu(), c, Logits::Last, None).unwrap();
     }
     let want = decode(&mut st, logits);
     // The helper's own device, as on another machine.
@@ -131,12 +132,12 @@ fn gpu_host_and_gpu_helper_match_the_gpu_host_alone_bit_for_bit() {
     };
     std::thread::scope(|scope| {
         let host_end = spawn_helper(scope, m, &helper);
-        let mut st = m.new_state(page);
+        let mut st = Sequence::new(&m.config, page);
         attach(m, &mut st, host_end, 4, page, Some(48));
         let (logits, report) = prefill(m, gpu(), &mut st, &prompt, &plan).unwrap();
         assert!(report.on_helper > 0 && report.interleaved > 0, "{report:?}");
         let got = decode(&mut st, logits);
-        assert!(st.remote_kv_len() > 0);
+        assert!(st.state.remote_kv_len() > 0);
         assert!(got == want, "split logits differ from the host alone's");
     });
 }
@@ -160,15 +161,15 @@ fn a_gpu_decode_step_reads_back_only_the_logits() {
     // sine per rotated pair) and the query position for attention; 4 bytes each.
     let step_uploads = 4 + full * (2 * c.rotary_dim() as u64 + 1) * 4;
     // A 40-token prompt in pages of 16: every step attends three pages per layer.
-    let mut st = m.new_state(16);
-    let mut logits = m
-        .forward(&be, &mut st, &r.ids("prompt_ids"), Logits::Last, None)
+    let mut st = Sequence::new(&m.config, 16);
+    let mut logits = st
+        .forward(&m, &be, &r.ids("prompt_ids"), Logits::Last, None)
         .unwrap();
     let want = r.ids("gen_ids");
     for &id in &want[..4] {
         assert_eq!(argmax(&logits), id);
         let (submits, uploaded) = (be.gpu().submits(), be.gpu().uploaded_bytes());
-        logits = m.forward(&be, &mut st, &[id], Logits::Last, None).unwrap();
+        logits = st.forward(&m, &be, &[id], Logits::Last, None).unwrap();
         let submits = be.gpu().submits() - submits;
         let uploaded = be.gpu().uploaded_bytes() - uploaded;
         eprintln!("decode step: {submits} submissions, {uploaded} bytes uploaded");

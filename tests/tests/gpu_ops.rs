@@ -16,7 +16,7 @@ use engine_core::backend::cpu::{self, attention::attend_page as cpu_attend};
 use engine_core::backend::gpu::ops::{self, GpuDeltaInputs, GpuKvPage, GpuPartials, MatmulKernel};
 use engine_core::backend::gpu::{Gpu, GpuBackend, GpuMatrix, GpuOptions, GpuTensor, WeightFormat};
 use engine_core::backend::{Act, AttnShape, Backend, DeltaInputs, DeltaShape};
-use engine_core::kv::{KvPage, Merger, Partials};
+use engine_core::backend::{KvPage, Merger, Partials};
 use engine_core::tensor::{DType, Data, Matrix};
 use tests::Rng;
 

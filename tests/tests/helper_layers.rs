@@ -3,6 +3,7 @@
 //! model, and refuses clearly to run anything else.
 
 use engine_core::backend::{cpu::host, Act};
+use engine_core::kv::NoPagesAway;
 use engine_core::source::{load_identity, load_layers, load_model, LoadOptions};
 use engine_core::synth;
 use engine_core::tensor::DType;
@@ -41,13 +42,37 @@ fn assigned_layers_run_like_the_whole_model_and_nothing_else() {
         let (mut a, mut b) = (Act::Host(x0.clone()), Act::Host(x0));
         let (mut sa, mut sb) = (whole.new_state(4), part.new_state(4));
         whole
-            .run_layers(&CpuBackend, &mut sa, &mut a, 0, 4..8, None)
+            .run_layers(
+                &CpuBackend,
+                &mut sa,
+                &mut NoPagesAway,
+                &mut a,
+                0,
+                4..8,
+                None,
+            )
             .unwrap();
-        part.run_layers(&CpuBackend, &mut sb, &mut b, 0, 4..8, None)
-            .unwrap();
+        part.run_layers(
+            &CpuBackend,
+            &mut sb,
+            &mut NoPagesAway,
+            &mut b,
+            0,
+            4..8,
+            None,
+        )
+        .unwrap();
         assert!(host(&a) == host(&b), "{spec}: layers 4..8 differ");
         let err = part
-            .run_layers(&CpuBackend, &mut sb, &mut b, 5, 3..4, None)
+            .run_layers(
+                &CpuBackend,
+                &mut sb,
+                &mut NoPagesAway,
+                &mut b,
+                5,
+                3..4,
+                None,
+            )
             .unwrap_err()
             .to_string();
         assert!(err.contains("layer 3 is not loaded"), "{err}");

@@ -4,9 +4,9 @@
 //! request is answered as it would have been, with everything stored before intact.
 
 use engine_core::helper::{prefill_bytes, Helper, HelperOptions};
+use engine_core::host::remote::DEFAULT_MAX_FRAME;
 use engine_core::link::{pair, Link, MemoryLink};
 use engine_core::protocol::{decode, encode, Configure, Message, WireTensor};
-use engine_core::host::remote::DEFAULT_MAX_FRAME;
 use engine_core::{CpuBackend, LayerKind, Model};
 use tests::{fixtures_dir, Rng};
 

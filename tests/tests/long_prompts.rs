@@ -14,7 +14,8 @@ use std::sync::OnceLock;
 use engine_core::backend::gpu::{GpuBackend, GpuOptions};
 use engine_core::generate::argmax;
 use engine_core::host::split::{prefill, SplitPlan};
-use engine_core::{Backend, CpuBackend, Logits, Model, State};
+use engine_core::host::Sequence;
+use engine_core::{Backend, CpuBackend, Logits, Model};
 use tests::{attach, fixtures_dir, max_abs_diff, spawn_helper, Rng};
 
 const LENGTHS: [usize; 8] = [1, 31, 33, 511, 513, 700, 1100, 2100];
@@ -57,14 +58,14 @@ struct Answer {
 }
 
 /// `STEPS` greedy steps on `be` from the prefill's last row.
-fn decode(be: &dyn Backend, st: &mut State, prefill: Vec<f32>) -> Answer {
+fn decode(be: &dyn Backend, st: &mut Sequence, prefill: Vec<f32>) -> Answer {
     let v = model().config.vocab_size;
     let mut logits = prefill[prefill.len() - v..].to_vec();
     let (mut ids, mut steps) = (Vec::new(), Vec::new());
     for _ in 0..STEPS {
         ids.push(argmax(&logits));
-        logits = model()
-            .forward(be, st, &[*ids.last().unwrap()], Logits::Last, None)
+        logits = st
+            .forward(model(), be, &[*ids.last().unwrap()], Logits::Last, None)
             .unwrap();
         steps.push(logits.clone());
     }
@@ -83,9 +84,9 @@ fn reference(len: usize) -> &'static Answer {
             .iter()
             .map(|&n| {
                 let m = model();
-                let mut st = m.new_state(4096);
-                let all = m
-                    .forward(&CpuBackend, &mut st, &prompt(n), Logits::All, None)
+                let mut st = Sequence::new(&m.config, 4096);
+                let all = st
+                    .forward(m, &CpuBackend, &prompt(n), Logits::All, None)
                     .unwrap();
                 decode(&CpuBackend, &mut st, all)
             })
@@ -137,10 +138,10 @@ fn check(path: &str, len: usize, got: &Answer) {
 /// Prefill in ubatches of [`UBATCH`] with every row's logits, pages of [`PAGE`].
 fn ubatches(be: &dyn Backend, len: usize) -> Answer {
     let m = model();
-    let mut st = m.new_state(PAGE);
+    let mut st = Sequence::new(&m.config, PAGE);
     let mut all = Vec::new();
     for c in prompt(len).chunks(UBATCH) {
-        all.extend(m.forward(be, &mut st, c, Logits::All, None).unwrap());
+        all.extend(st.forward(m, be, c, Logits::All, None).unwrap());
     }
     decode(be, &mut st, all)
 }
@@ -156,9 +157,9 @@ fn the_cpu_in_ubatches() {
 fn the_gpu_in_one_pass() {
     let (m, gpu) = (model(), gpu());
     for len in LENGTHS {
-        let mut st = m.new_state(4096);
-        let all = m
-            .forward(&gpu, &mut st, &prompt(len), Logits::All, None)
+        let mut st = Sequence::new(&m.config, 4096);
+        let all = st
+            .forward(m, &gpu, &prompt(len), Logits::All, None)
             .unwrap();
         check("gpu, one pass", len, &decode(&gpu, &mut st, all));
     }
@@ -184,7 +185,7 @@ fn split(host: &dyn Backend, helper: &dyn Backend, len: usize) -> Answer {
     };
     std::thread::scope(|scope| {
         let host_end = spawn_helper(scope, m, helper);
-        let mut st = m.new_state(PAGE);
+        let mut st = Sequence::new(&m.config, PAGE);
         attach(m, &mut st, host_end, 4, PAGE, Some(256));
         let (last, report) = prefill(m, host, &mut st, &prompt(len), &plan).unwrap();
         assert_eq!(report.fallback, None);

@@ -3,7 +3,7 @@
 
 use engine_core::backend::cpu::delta;
 use engine_core::backend::{Act, AttnShape, Backend, DeltaInputs, DeltaShape};
-use engine_core::kv::{begin_attention, Away, PagedKv};
+use engine_core::kv::{begin_attention, NoPagesAway, PagedKv};
 use engine_core::CpuBackend;
 use tests::{max_abs_diff, Rng};
 
@@ -112,10 +112,17 @@ fn paged_attention_equals_unpaged_for_any_page_size() {
         let mut kv = PagedKv::new(page, shape.kv_heads, shape.head_dim);
         kv.append(&CpuBackend, &rows(&k[..37 * row]), &rows(&v[..37 * row]));
         kv.append(&CpuBackend, &rows(&k[37 * row..]), &rows(&v[37 * row..]));
-        begin_attention(&CpuBackend, shape, &rows(q), pos, &kv, Away::none(0))
-            .and_then(|a| a.finish(&CpuBackend, Away::none(0)))
-            .map(|o| CpuBackend.download_owned(o))
-            .unwrap()
+        begin_attention(
+            &CpuBackend,
+            shape,
+            &rows(q),
+            pos,
+            (0, &kv),
+            &mut NoPagesAway,
+        )
+        .and_then(|a| a.finish(&CpuBackend, &mut NoPagesAway))
+        .map(|o| CpuBackend.download_owned(o))
+        .unwrap()
     };
     // One page holding every key is plain attention; it must match the definition (in f64).
     let whole = paged(n, &q, &all);

@@ -2,11 +2,12 @@
 //! the same tokens, and bit-identical logits, as the host alone.
 
 use engine_core::helper::{Helper, HelperOptions, SessionEnd};
+use engine_core::host::remote::{HelperClient, DEFAULT_MAX_FRAME};
+use engine_core::host::Sequence;
 use engine_core::link::{pair, Link};
 use engine_core::protocol::{
     decode, encode, Configure, Intro, Message, Role, WireTensor, PROTOCOL_VERSION,
 };
-use engine_core::host::remote::{HelperClient, DEFAULT_MAX_FRAME};
 use engine_core::{CpuBackend, LayerKind, Logits, Model};
 use tests::{attach, fixtures_dir, Reference};
 
@@ -32,7 +33,7 @@ fn run(
     ubatch: usize,
 ) -> (Vec<Vec<f32>>, Vec<u32>) {
     std::thread::scope(|scope| {
-        let mut st = m.new_state(page);
+        let mut st = Sequence::new(&m.config, page);
         if budget.is_some() {
             let (host_end, mut helper_end) = pair();
             scope.spawn(move || Helper::new(m, &CpuBackend, opts()).serve(&mut helper_end));
@@ -48,8 +49,8 @@ fn run(
         }
         let mut logits = Vec::new();
         for chunk in prompt.chunks(ubatch) {
-            logits = m
-                .forward(&CpuBackend, &mut st, chunk, Logits::Last, None)
+            logits = st
+                .forward(m, &CpuBackend, chunk, Logits::Last, None)
                 .unwrap();
         }
         let (mut all, mut ids) = (Vec::new(), Vec::new());
@@ -57,13 +58,13 @@ fn run(
             let next = engine_core::generate::argmax(&logits);
             all.push(logits.clone());
             ids.push(next);
-            logits = m
-                .forward(&CpuBackend, &mut st, &[next], Logits::Last, None)
+            logits = st
+                .forward(m, &CpuBackend, &[next], Logits::Last, None)
                 .unwrap();
         }
         if budget.is_some() {
             assert!(
-                st.remote_kv_len() > 0,
+                st.state.remote_kv_len() > 0,
                 "the budget never pushed a page to the helper"
             );
         }
@@ -329,18 +330,18 @@ fn a_page_the_helper_refuses_stays_on_the_host() {
     let m = model("tiny_fp32");
     let prompt: Vec<u32> = (0..40).map(|i| (i * 7 % 256) as u32).collect();
     // Prompt, then two steps: the steps attend pages wherever they ended up.
-    let steps = |st: &mut engine_core::State| -> Vec<f32> {
-        m.forward(&CpuBackend, st, &prompt, Logits::Last, None)
+    let steps = |st: &mut Sequence| -> Vec<f32> {
+        st.forward(&m, &CpuBackend, &prompt, Logits::Last, None)
             .unwrap();
         [1u32, 2]
             .iter()
             .flat_map(|&t| {
-                m.forward(&CpuBackend, st, &[t], Logits::Last, None)
+                st.forward(&m, &CpuBackend, &[t], Logits::Last, None)
                     .unwrap()
             })
             .collect()
     };
-    let alone = steps(&mut m.new_state(4));
+    let alone = steps(&mut Sequence::new(&m.config, 4));
     std::thread::scope(|scope| {
         let (host_end, mut helper_end) = pair();
         // Room for three of the pages (1 KiB each: 4 rows of k and v, 32 wide).
@@ -350,7 +351,7 @@ fn a_page_the_helper_refuses_stays_on_the_host() {
         };
         let mr = &m;
         scope.spawn(move || Helper::new(mr, &CpuBackend, tight).serve(&mut helper_end));
-        let mut st = m.new_state(4);
+        let mut st = Sequence::new(&m.config, 4);
         attach(
             &m,
             &mut st,
@@ -360,7 +361,7 @@ fn a_page_the_helper_refuses_stays_on_the_host() {
             Some(8),
         );
         let got = steps(&mut st);
-        assert!(st.helpers[0].full && st.remote_kv_len() > 0);
+        assert!(st.placement.helpers[0].full && st.state.remote_kv_len() > 0);
         assert!(got == alone, "logits differ from the host alone's");
     });
 }
@@ -459,13 +460,13 @@ fn a_vanished_helper_fails_the_request_with_a_clear_error() {
         };
         HelperClient::connect(Box::new(host_end), mr, cfg, DEFAULT_MAX_FRAME).unwrap()
     });
-    let mut st = m.new_state(4);
-    st.attach(client);
-    st.host_kv_tokens = Some(2);
-    let err = m
+    let mut st = Sequence::new(&m.config, 4);
+    st.placement.attach(client);
+    st.placement.host_kv_tokens = Some(2);
+    let err = st
         .forward(
+            &m,
             &CpuBackend,
-            &mut st,
             &[1, 2, 3, 4, 5, 6, 7, 8, 9],
             Logits::Last,
             None,
@@ -492,33 +493,33 @@ fn a_helper_slower_than_the_host_is_set_aside_and_the_page_file_serves() {
     };
     let m = &m;
     std::thread::scope(|scope| {
-        let mut st = m.new_state(4);
-        st.spill = Some(tests::page_file());
+        let mut st = Sequence::new(&m.config, 4);
+        st.placement.spill = Some(tests::page_file());
         let (host_end, mut helper_end) = pair();
         scope.spawn(move || Helper::new(m, &CpuBackend, opts()).serve(&mut helper_end));
         let host_end = ShapedLink::new(host_end, slow);
         attach(m, &mut st, host_end, m.config.num_hidden_layers, 4, Some(8));
-        let mut logits = m
-            .forward(&CpuBackend, &mut st, &prompt, Logits::Last, None)
+        let mut logits = st
+            .forward(m, &CpuBackend, &prompt, Logits::Last, None)
             .unwrap();
-        let on_helper = st.pages_on(st.helpers[0].id);
+        let on_helper = st.placement.pages_on(st.placement.helpers[0].id);
         assert!(on_helper > 0, "no page went to the helper");
         let mut ids = Vec::new();
         for _ in 0..want.len() {
             let next = engine_core::generate::argmax(&logits);
             ids.push(next);
-            logits = m
-                .forward(&CpuBackend, &mut st, &[next], Logits::Last, None)
+            logits = st
+                .forward(m, &CpuBackend, &[next], Logits::Last, None)
                 .unwrap();
         }
         assert_eq!(ids, want, "the host alone's tokens");
-        let helper = &st.helpers[0];
+        let helper = &st.placement.helpers[0];
         assert!(
             helper.slow,
             "never set aside ({on_helper} pages were on it)"
         );
-        assert_eq!(st.pages_on(helper.id), 0);
-        let why = st.helper_set_aside.clone().unwrap_or_default();
+        assert_eq!(st.placement.pages_on(helper.id), 0);
+        let why = st.placement.helper_set_aside.clone().unwrap_or_default();
         assert!(
             why.contains(" ms for ") && why.contains("page file"),
             "{why}"

@@ -4,11 +4,12 @@
 
 use engine_core::generate::argmax;
 use engine_core::helper::{Helper, HelperOptions};
-use engine_core::link::{pair, Link, MemoryLink};
-use engine_core::protocol::Configure;
 use engine_core::host::remote::{HelperClient, DEFAULT_MAX_FRAME};
 use engine_core::host::split::{prefill, SplitPlan};
-use engine_core::{CpuBackend, Logits, Model, State};
+use engine_core::host::Sequence;
+use engine_core::link::{pair, Link, MemoryLink};
+use engine_core::protocol::Configure;
+use engine_core::{CpuBackend, Logits, Model};
 use tests::{attach, fixtures_dir, Reference};
 
 fn model(fixture: &str) -> Model {
@@ -18,7 +19,7 @@ fn model(fixture: &str) -> Model {
 /// Two turns: prompt 1, `gen` greedy tokens, prompt 2, `gen` more. Returns all logits.
 fn two_turns(
     m: &Model,
-    st: &mut State,
+    st: &mut Sequence,
     p1: &[u32],
     p2: &[u32],
     gen: usize,
@@ -32,8 +33,8 @@ fn two_turns(
         on_helper.push(report.on_helper);
         for _ in 0..gen {
             out.push(logits.clone());
-            logits = m
-                .forward(&CpuBackend, st, &[argmax(&logits)], Logits::Last, None)
+            logits = st
+                .forward(m, &CpuBackend, &[argmax(&logits)], Logits::Last, None)
                 .unwrap();
         }
         out.push(logits);
@@ -51,7 +52,14 @@ fn t150_alone(ubatch: usize) -> (Model, Vec<u32>, SplitPlan, Vec<f32>) {
         ubatch,
         ..SplitPlan::default()
     };
-    let (want, _) = prefill(&m, &CpuBackend, &mut m.new_state(16), &prompt, &plan).unwrap();
+    let (want, _) = prefill(
+        &m,
+        &CpuBackend,
+        &mut Sequence::new(&m.config, 16),
+        &prompt,
+        &plan,
+    )
+    .unwrap();
     (m, prompt, plan, want)
 }
 
@@ -83,11 +91,11 @@ fn split_prefill_is_bit_identical_to_the_host_alone() {
             ubatch,
             ..SplitPlan::default()
         };
-        let (want, _) = two_turns(&m, &mut m.new_state(page), p1, p2, 6, &plan);
+        let (want, _) = two_turns(&m, &mut Sequence::new(&m.config, page), p1, p2, 6, &plan);
         std::thread::scope(|scope| {
             let (host_end, helper_end) = pair();
             scope.spawn(|| serve(&m, helper_end, 1 << 30));
-            let mut st = m.new_state(page);
+            let mut st = Sequence::new(&m.config, page);
             attach(&m, &mut st, host_end, split, page, budget);
             let (got, on_helper) = two_turns(&m, &mut st, p1, p2, 6, &plan);
             assert!(
@@ -104,7 +112,7 @@ fn split_prefill_is_bit_identical_to_the_host_alone() {
     std::thread::scope(|scope| {
         let (host_end, helper_end) = pair();
         scope.spawn(|| serve(&m, helper_end, 1 << 30));
-        let mut st = m.new_state(16);
+        let mut st = Sequence::new(&m.config, 16);
         attach(&m, &mut st, host_end, 4, 16, None);
         let plan = SplitPlan {
             min_tokens: 20,
@@ -115,14 +123,8 @@ fn split_prefill_is_bit_identical_to_the_host_alone() {
         let mut ids = Vec::new();
         for _ in 0..r.ids("gen_ids").len() {
             ids.push(argmax(&logits));
-            logits = m
-                .forward(
-                    &CpuBackend,
-                    &mut st,
-                    &[*ids.last().unwrap()],
-                    Logits::Last,
-                    None,
-                )
+            logits = st
+                .forward(&m, &CpuBackend, &[*ids.last().unwrap()], Logits::Last, None)
                 .unwrap();
         }
         assert_eq!(ids, r.ids("gen_ids"));
@@ -158,18 +160,18 @@ fn a_helper_that_dies_mid_batch_costs_time_not_tokens() {
         ubatch: 16,
         ..SplitPlan::default()
     };
-    let mut alone = m.new_state(16);
+    let mut alone = Sequence::new(&m.config, 16);
     let (want, _) = prefill(&m, &CpuBackend, &mut alone, &prompt, &plan).unwrap();
     let next = argmax(&want);
-    let want_next = m
-        .forward(&CpuBackend, &mut alone, &[next], Logits::Last, None)
+    let want_next = alone
+        .forward(&m, &CpuBackend, &[next], Logits::Last, None)
         .unwrap();
     // 2 frames: Hello and Configure; then it dies after 0, 1 or 4 ubatches.
     for (frames, budget) in [(2, None), (3, None), (6, None), (3, Some(1000))] {
         std::thread::scope(|scope| {
             let (host_end, relay) = pair();
             scope.spawn(|| dying_helper(&m, relay, frames));
-            let mut st = m.new_state(16);
+            let mut st = Sequence::new(&m.config, 16);
             attach(&m, &mut st, host_end, 4, 16, budget);
             let (got, report) = prefill(&m, &CpuBackend, &mut st, &prompt, &plan).unwrap();
             assert!(
@@ -180,9 +182,9 @@ fn a_helper_that_dies_mid_batch_costs_time_not_tokens() {
                 got == want,
                 "after {frames} frames: logits differ from the host alone"
             );
-            assert!(st.helpers.is_empty());
-            let got_next = m
-                .forward(&CpuBackend, &mut st, &[next], Logits::Last, None)
+            assert!(st.placement.helpers.is_empty());
+            let got_next = st
+                .forward(&m, &CpuBackend, &[next], Logits::Last, None)
                 .unwrap_or_else(|e| panic!("budget {budget:?}: decoding after the loss: {e}"));
             assert!(got_next == want_next, "budget {budget:?}: decode differs");
         });
@@ -202,13 +204,13 @@ fn rewinding_an_edited_turn_matches_a_run_that_never_had_it() {
         ubatch: 16,
         ..SplitPlan::default()
     };
-    let turn = |st: &mut State, p: &[u32]| -> Vec<Vec<f32>> {
+    let turn = |st: &mut Sequence, p: &[u32]| -> Vec<Vec<f32>> {
         let (mut logits, _) = prefill(&m, &CpuBackend, st, p, &plan).unwrap();
         let mut out = Vec::new();
         for _ in 0..5 {
             out.push(logits.clone());
-            logits = m
-                .forward(&CpuBackend, st, &[argmax(&logits)], Logits::Last, None)
+            logits = st
+                .forward(&m, &CpuBackend, &[argmax(&logits)], Logits::Last, None)
                 .unwrap();
         }
         out.push(logits);
@@ -217,15 +219,15 @@ fn rewinding_an_edited_turn_matches_a_run_that_never_had_it() {
     // (page size, budget): turn 1 ends at 75, inside page 64..80 on the helper (budget 8), or
     // at a boundary of pages of 25 (75 = 3 x 25).
     for (page, budget) in [(16, 8), (25, 10)] {
-        let mut host = m.new_state(page);
+        let mut host = Sequence::new(&m.config, page);
         let want = [turn(&mut host, p1), turn(&mut host, p2b)].concat();
         std::thread::scope(|scope| {
             let (host_end, helper_end) = pair();
             scope.spawn(|| serve(&m, helper_end, 1 << 30));
-            let mut st = m.new_state(page);
+            let mut st = Sequence::new(&m.config, page);
             attach(&m, &mut st, host_end, 4, page, Some(budget));
             let mut got = turn(&mut st, p1);
-            let cp = st.checkpoint(&CpuBackend);
+            let cp = st.state.checkpoint(&CpuBackend);
             turn(&mut st, p2a);
             st.rewind(&CpuBackend, &cp).unwrap();
             got.extend(turn(&mut st, p2b));
@@ -249,7 +251,7 @@ fn a_mirror_far_behind_syncs_in_pieces() {
         ubatch: 16,
         ..SplitPlan::default()
     };
-    let turns = |st: &mut State| -> Vec<Vec<f32>> {
+    let turns = |st: &mut Sequence| -> Vec<Vec<f32>> {
         let (a, r1) = prefill(
             &m,
             &CpuBackend,
@@ -264,23 +266,24 @@ fn a_mirror_far_behind_syncs_in_pieces() {
         .unwrap();
         let (b, r2) = prefill(&m, &CpuBackend, st, p2, &plan).unwrap();
         assert_eq!(r1.on_helper, 0);
-        if !st.helpers.is_empty() {
+        if !st.placement.helpers.is_empty() {
             assert!(r2.on_helper > 0 && r2.synced_rows == 70, "{r2:?}");
         }
         vec![a, b]
     };
-    let want = turns(&mut m.new_state(16));
+    let want = turns(&mut Sequence::new(&m.config, 16));
     std::thread::scope(|scope| {
         let (host_end, helper_end) = pair();
         scope.spawn(|| serve(&m, helper_end, 1 << 30));
-        let mut st = m.new_state(16);
+        let mut st = Sequence::new(&m.config, 16);
         let cfg = Configure {
             first_layer: 4,
             end_layer: 8,
             page_size: 16,
         };
         // 16 KiB frames: 32 rows of this model's tail KV per sync piece.
-        st.attach(HelperClient::connect(Box::new(host_end), &m, cfg, 16 << 10).unwrap());
+        st.placement
+            .attach(HelperClient::connect(Box::new(host_end), &m, cfg, 16 << 10).unwrap());
         assert!(turns(&mut st) == want);
     });
 }
@@ -293,13 +296,14 @@ fn a_refusing_helper_stays_tethered_and_the_host_does_the_batch() {
     std::thread::scope(|scope| {
         let (host_end, helper_end) = pair();
         scope.spawn(|| serve(&m, helper_end, 4096));
-        let mut st = m.new_state(16);
+        let mut st = Sequence::new(&m.config, 16);
         attach(&m, &mut st, host_end, 4, 16, None);
         let (got, report) = prefill(&m, &CpuBackend, &mut st, &prompt, &plan).unwrap();
         let why = report.fallback.clone().unwrap_or_default();
         assert!(why.starts_with("helper refused: memory"), "{report:?}");
         assert!(got == want);
-        st.helpers
+        st.placement
+            .helpers
             .first_mut()
             .expect("still tethered")
             .ping()
@@ -326,25 +330,19 @@ fn interleaved_prefill_past_the_threshold_is_bit_identical() {
             interleave_from: from,
         };
         // The reference: plain forward passes, one ubatch after another, no split code.
-        let mut host = m.new_state(page);
+        let mut host = Sequence::new(&m.config, page);
         let mut want = Vec::new();
         for p in [p1, p2] {
             let mut logits = Vec::new();
             for c in p.chunks(ubatch) {
-                logits = m
-                    .forward(&CpuBackend, &mut host, c, Logits::Last, None)
+                logits = host
+                    .forward(&m, &CpuBackend, c, Logits::Last, None)
                     .unwrap();
             }
             for _ in 0..4 {
                 want.push(logits.clone());
-                logits = m
-                    .forward(
-                        &CpuBackend,
-                        &mut host,
-                        &[argmax(&logits)],
-                        Logits::Last,
-                        None,
-                    )
+                logits = host
+                    .forward(&m, &CpuBackend, &[argmax(&logits)], Logits::Last, None)
                     .unwrap();
             }
             want.push(logits);
@@ -352,7 +350,7 @@ fn interleaved_prefill_past_the_threshold_is_bit_identical() {
         std::thread::scope(|scope| {
             let (host_end, helper_end) = pair();
             scope.spawn(|| serve(&m, helper_end, 1 << 30));
-            let mut st = m.new_state(page);
+            let mut st = Sequence::new(&m.config, page);
             attach(&m, &mut st, host_end, split, page, Some(budget));
             let mut got = Vec::new();
             let mut interleaved = 0;
@@ -362,8 +360,8 @@ fn interleaved_prefill_past_the_threshold_is_bit_identical() {
                 interleaved += report.interleaved;
                 for _ in 0..4 {
                     got.push(logits.clone());
-                    logits = m
-                        .forward(&CpuBackend, &mut st, &[argmax(&logits)], Logits::Last, None)
+                    logits = st
+                        .forward(&m, &CpuBackend, &[argmax(&logits)], Logits::Last, None)
                         .unwrap();
                 }
                 got.push(logits);
@@ -422,7 +420,7 @@ fn a_slow_helper_is_sent_a_bounded_window_of_ubatches() {
         });
         let link = tests::Fuse::new(host_end, usize::MAX);
         let peak = link.peak.clone();
-        let mut st = m.new_state(16);
+        let mut st = Sequence::new(&m.config, 16);
         attach(&m, &mut st, link, 4, 16, None);
         let (got, report) = prefill(&m, &CpuBackend, &mut st, &prompt, &plan).unwrap();
         assert!(report.on_helper > 30, "{report:?}");
@@ -452,7 +450,7 @@ fn a_pipeline_deeper_than_the_incoming_queue_completes_over_a_websocket() {
             };
             Helper::new(m, &CpuBackend, opts).serve(&mut link)
         });
-        let mut st = m.new_state(16);
+        let mut st = Sequence::new(&m.config, 16);
         let link = connect(&url, DEFAULT_MAX_FRAME).unwrap();
         attach(m, &mut st, link, 4, 16, None);
         let (got, report) = prefill(m, &CpuBackend, &mut st, &prompt, &plan).unwrap();
@@ -481,9 +479,16 @@ fn a_helper_whose_layers_hold_no_kv_takes_every_chunk() {
         ubatch: 16,
         ..SplitPlan::default()
     };
-    let (want, _) = prefill(&m, &CpuBackend, &mut m.new_state(16), &prompt, &plan).unwrap();
+    let (want, _) = prefill(
+        &m,
+        &CpuBackend,
+        &mut Sequence::new(&m.config, 16),
+        &prompt,
+        &plan,
+    )
+    .unwrap();
     std::thread::scope(|scope| {
-        let mut st = m.new_state(16);
+        let mut st = Sequence::new(&m.config, 16);
         attach(
             &m,
             &mut st,

@@ -343,7 +343,10 @@ mod tests {
         let script = vec![
             // The host's keep-alive is not answered; the tab's own go out on its ticks.
             Incoming::Frame(Vec::new()),
-            Incoming::Frame(encode(1, &engine_core::host::remote::hello(&model, MAX_FRAME))),
+            Incoming::Frame(encode(
+                1,
+                &engine_core::host::remote::hello(&model, MAX_FRAME),
+            )),
             Incoming::Tick,
             Incoming::Tick,
         ];

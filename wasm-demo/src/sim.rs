@@ -26,15 +26,16 @@ use std::time::Duration;
 
 use engine_core::generate::{Generation, Sampler, SamplingParams};
 use engine_core::helper::{Helper, HelperOptions, Session};
-use engine_core::link::traffic::{type_name, Wire};
-use engine_core::link::{Link, LinkError, LinkProfile, LinkSender, LinkStats};
 use engine_core::host::plan::{Plan, PlanInput};
-use engine_core::protocol::{decode, Configure, Message};
 use engine_core::host::remote::{HelperClient, DEFAULT_MAX_FRAME};
 use engine_core::host::split::{SplitPlan, SplitReport};
 use engine_core::host::telemetry::Telemetry;
+use engine_core::host::Sequence;
+use engine_core::link::traffic::{type_name, Wire};
+use engine_core::link::{Link, LinkError, LinkProfile, LinkSender, LinkStats};
+use engine_core::protocol::{decode, Configure, Message};
 use engine_core::tensor::DType;
-use engine_core::{synth, CpuBackend, Model, State};
+use engine_core::{synth, CpuBackend, Model};
 use futures_util::FutureExt;
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -194,12 +195,12 @@ pub fn run(s: &Settings) -> Result<Outcome, String> {
     // A first pass over every layer, untimed, so the first timed run pays no warm-up (the
     // tab growing its memory, the engine's first allocations).
     let warm = &prompt[..s.ubatch.min(prompt.len())];
-    let mut scratch = model.new_state(s.page_size);
+    let mut scratch = Sequence::new(&model.config, s.page_size);
     engine_core::host::split::prefill(model, &CpuBackend, &mut scratch, warm, &plan)
         .map_err(|e| e.to_string())?;
     let real = Mutex::new(Clock::running());
-    let state = model.new_state(s.page_size);
-    let (alone, _) = generate(model, state, &prompt, &plan, s, &real, &mut |_| {})?;
+    let seq = Sequence::new(&model.config, s.page_size);
+    let (alone, _) = generate(model, seq, &prompt, &plan, s, &real, &mut |_| {})?;
     let (split, report, events) = split(model, helper, s, &prompt, &plan)?;
     Ok(Outcome {
         events,
@@ -227,12 +228,12 @@ fn split(
     };
     let client = HelperClient::connect(Box::new(link), model, configure, DEFAULT_MAX_FRAME)
         .map_err(|e| format!("the simulated helper: {e}"))?;
-    let mut state = model.new_state(s.page_size);
-    state.host_kv_tokens = s.host_kv_tokens;
-    let device = format!("helper:{}", state.attach(client));
+    let mut seq = Sequence::new(&model.config, s.page_size);
+    seq.placement.host_kv_tokens = s.host_kv_tokens;
+    let device = format!("helper:{}", seq.placement.attach(client));
     let events = Arc::new(Mutex::new(opening(model, s, &device)));
     let (sink, time) = (events.clone(), clock.clone());
-    state.telemetry = Telemetry::new(
+    seq.placement.telemetry = Telemetry::new(
         move || lock(&time).now(),
         move |e| lock(&sink).push(serde_json::to_value(e).expect("events serialise")),
     );
@@ -245,7 +246,7 @@ fn split(
         }]}));
     };
     sample(lock(&clock).now());
-    let (answer, report) = generate(model, state, prompt, plan, s, &clock, &mut |at| sample(at))?;
+    let (answer, report) = generate(model, seq, prompt, plan, s, &clock, &mut |at| sample(at))?;
     sample(answer.end_ms);
     let ms = answer.prefill_end_ms - answer.start_ms;
     emit(
@@ -270,7 +271,7 @@ fn split(
 /// told when the prefill ended.
 fn generate(
     model: &Model,
-    state: State,
+    seq: Sequence,
     prompt: &[u32],
     plan: &SplitPlan,
     s: &Settings,
@@ -278,7 +279,7 @@ fn generate(
     prefilled: &mut dyn FnMut(f64),
 ) -> Result<(Answer, SplitReport), String> {
     let sampler = Sampler::new(SamplingParams::greedy()).map_err(|e| e.to_string())?;
-    let mut g = Generation::new(model, &CpuBackend, state, sampler, Vec::new());
+    let mut g = Generation::new(model, &CpuBackend, seq, sampler, Vec::new());
     let start_ms = lock(clock).now();
     let report = g.prefill(prompt, plan).map_err(|e| e.to_string())?;
     let prefill_end_ms = lock(clock).now();

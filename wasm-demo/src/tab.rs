@@ -10,10 +10,10 @@ use engine_core::backend::gpu::{GpuBackend, GpuOptions};
 use std::ops::Range;
 
 use engine_core::helper::{Helper, HelperOptions, Loading, Session, SessionEnd, Weights};
+use engine_core::host::remote::DEFAULT_MAX_FRAME;
 use engine_core::link::keys::{hex, short, unhex, Keypair, PublicKey};
 use engine_core::link::secure::{self, Dial};
 use engine_core::link::LinkError;
-use engine_core::host::remote::DEFAULT_MAX_FRAME;
 use engine_core::{Backend, CpuBackend};
 use futures_channel::{mpsc, oneshot};
 use serde_json::{json, Value};

@@ -11,8 +11,10 @@
 pub mod cpu;
 #[cfg(feature = "gpu")]
 pub mod gpu;
+mod pages;
 
 pub use cpu::CpuBackend;
+pub use pages::{KvPage, Merger, Partials};
 
 /// The backend called `name` (`cpu`; `gpu` in builds with the `gpu` feature; `metal` in Apple
 /// builds with the `metal` feature), and a line saying what it runs on.
@@ -57,7 +59,6 @@ use std::ops::{Deref, Range};
 use std::pin::Pin;
 use std::sync::Arc;
 
-use crate::kv::{KvPage, Partials};
 use crate::tensor::Matrix;
 
 /// A value the model computes with (activations, DeltaNet state, KV rows), row-major f32, where
@@ -122,7 +123,7 @@ impl Deref for Param {
     }
 }
 
-/// Attention partials (kv.rs's [`Partials`]) where a backend keeps them: what
+/// Attention partials ([`Partials`]) where a backend keeps them: what
 /// [`Backend::attend_pages`] makes for each page, and what [`Backend::merge_partials`] merges.
 /// A helper's partials arrive as host values ([`From<Partials>`]).
 #[derive(Debug)]
@@ -314,7 +315,7 @@ pub trait Backend: Send + Sync {
 
     /// The attention output `[rows, head_dim]` of partials merged in the order given (page
     /// order: a helper's, the oldest, first), staying on the backend. Each backend has one
-    /// merge (the CPU's is `kv::Merger`, in f64; the GPU's is `attn_merge`, in f32), used
+    /// merge (the CPU's is `backend::Merger`, in f64; the GPU's is `attn_merge`, in f32), used
     /// whether the pages were attended here or arrived from a helper, so moving a page
     /// never changes a bit.
     fn merge_partials(&self, rows: usize, head_dim: usize, parts: Vec<ActPartials>) -> Act;

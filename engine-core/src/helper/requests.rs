@@ -6,11 +6,12 @@ use std::collections::BTreeMap;
 
 use super::limits::{check_reply, prefill_bytes, Cost, F32, REPLY_SLACK};
 use super::{Held, Helper, Refusal, MAX_SEQS};
+use crate::backend::KvPage;
 use crate::backend::{AttnShape, Backend};
-use crate::kv::{download_partials, KvPage, PagedKv};
+use crate::host::split::ChunkPayload;
+use crate::kv::{download_partials, NoPagesAway, PagedKv};
 use crate::model::LayerState;
 use crate::protocol::{Configure, Message, MsgType, WireTensor};
-use crate::host::split::ChunkPayload;
 use crate::{LayerKind, State};
 
 /// A `ChunkState` request: the host's rows and states for this helper's mirror.
@@ -287,7 +288,15 @@ impl Helper<'_> {
         s.layers
             .as_deref()
             .unwrap_or(self.model())
-            .run_layers(self.backend, st, &mut x, pos as usize, layers.clone(), None)
+            .run_layers(
+                self.backend,
+                st,
+                &mut NoPagesAway,
+                &mut x,
+                pos as usize,
+                layers.clone(),
+                None,
+            )
             .map_err(|e| Refusal("prefill", e.to_string()))?;
         st.pos += rows;
         let pos = pos as usize;

@@ -14,8 +14,9 @@ use web_time::Instant;
 use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::host::plan::Speeds;
-use crate::protocol::{Message, WireTensor};
 use crate::host::remote::HelperClient;
+use crate::kv::NoPagesAway;
+use crate::protocol::{Message, WireTensor};
 use crate::Model;
 
 /// Rows each side runs: enough that a layer's matrix products dominate its fixed costs, few
@@ -45,7 +46,7 @@ pub fn measure(
         let mut st = model.new_state(ROWS);
         let mut x = be.upload(rows.clone());
         let t = Instant::now();
-        model.run_layers(be, &mut st, &mut x, 0, 0..4, None)?;
+        model.run_layers(be, &mut st, &mut NoPagesAway, &mut x, 0, 0..4, None)?;
         // The read-back waits for a device's queue.
         be.download(&x);
         Ok(t.elapsed().as_secs_f64())

@@ -5,8 +5,96 @@
 //! for the partials of the pages that left this device.
 
 pub mod calibrate;
+pub mod minimum;
 pub mod page_file;
+pub mod placement;
 pub mod plan;
 pub mod remote;
 pub mod split;
 pub mod telemetry;
+
+use std::ops::Range;
+
+use crate::backend::{Act, Backend};
+use crate::config::ModelConfig;
+use crate::error::Result;
+use crate::model::{Checkpoint, Logits, Model, Pass, State};
+use placement::Placement;
+
+/// A host's sequence: its [`State`] (position, pages here, recurrent states) and the
+/// [`Placement`] of the pages that left it. Every pass attends the pages that left through the
+/// placement and ends by moving pages past the host's budget out.
+pub struct Sequence {
+    pub state: State,
+    pub placement: Placement,
+}
+
+impl Sequence {
+    /// A fresh sequence of a model of config `c`, in pages of `page_size` positions, all on
+    /// this host until helpers or a page file are attached.
+    pub fn new(c: &ModelConfig, page_size: usize) -> Sequence {
+        Sequence {
+            state: State::new(c, page_size),
+            placement: Placement::new(c, page_size),
+        }
+    }
+
+    /// [`Model::forward`] for a host's sequence: run `tokens` at `state.pos ..`, then move
+    /// the pages past the budget out; logits `[rows, vocab]` of the rows `logits` asks for.
+    pub fn forward(
+        &mut self,
+        model: &Model,
+        be: &dyn Backend,
+        tokens: &[u32],
+        logits: Logits,
+        trace: Option<&mut Vec<Vec<f32>>>,
+    ) -> Result<Vec<f32>> {
+        let mut x = model.embed(be, tokens)?;
+        let (pos, layers) = (self.state.pos, 0..model.config.num_hidden_layers);
+        self.run_layers(model, be, &mut x, pos, layers, trace)?;
+        self.state.pos += tokens.len();
+        self.offload(be)?;
+        model.head(be, x, logits)
+    }
+
+    /// [`Model::run_layers`], with the pages that left attended where the placement says.
+    pub fn run_layers(
+        &mut self,
+        model: &Model,
+        be: &dyn Backend,
+        x: &mut Act,
+        pos: usize,
+        layers: Range<usize>,
+        trace: Option<&mut Vec<Vec<f32>>>,
+    ) -> Result<()> {
+        let (state, source) = (&mut self.state, &mut self.placement);
+        model.run_layers(be, state, source, x, pos, layers, trace)
+    }
+
+    /// [`Model::advance`], with the pages that left attended where the placement says.
+    pub fn advance(
+        &mut self,
+        model: &Model,
+        be: &dyn Backend,
+        pass: &mut Pass,
+        pause: bool,
+    ) -> Result<()> {
+        model.advance(be, &mut self.state, &mut self.placement, pass, pause, None)
+    }
+
+    /// Move the pages past the host's budget out (see [`Placement::offload`]).
+    pub fn offload(&mut self, be: &dyn Backend) -> Result<usize> {
+        self.placement.offload(be, &mut self.state)
+    }
+
+    /// Return to `cp` (an edited conversation): cut every KV cache (the helpers' and the page
+    /// file's too) back to its position and restore the DeltaNet states. Pages the cut falls
+    /// into come back whole (from the page file, else the helper), so page boundaries, and so
+    /// results, stay those of an uncut run. On error nothing of the state has changed. `cp`
+    /// stays valid for another rewind.
+    pub fn rewind(&mut self, be: &dyn Backend, cp: &Checkpoint) -> Result<()> {
+        self.state.check_checkpoint(cp)?;
+        let refills = self.placement.cut_pages(&self.state, cp.pos)?;
+        self.state.rewind(be, cp, refills)
+    }
+}

@@ -7,8 +7,8 @@ use std::mem::size_of;
 use std::ops::Range;
 
 use crate::config::{LayerKind, ModelConfig};
+use crate::host::minimum;
 use crate::model::State;
-use crate::host::split::{default_split_layer, minimum};
 use crate::Model;
 
 /// DESIGN.md's page of KV storage: what the plan takes unless a small host budget needs finer
@@ -557,6 +557,13 @@ fn choose_page(p: &PlanInput, budget: Option<usize>) -> (usize, String) {
     (page, why)
 }
 
+/// The helper's share of the layers by default: the last ~3/8, cut on a 4-layer cycle
+/// boundary (40 of 64 on the host for the 27B), so DeltaNet state never splits mid-cycle.
+pub fn default_split_layer(layers: usize) -> usize {
+    let host = (layers * 5).div_ceil(8);
+    (host.div_ceil(4) * 4).min(layers)
+}
+
 /// The first layer the prefill helper runs, for a helper that offers `offer` bytes and (once
 /// measured) runs at `speeds`, unless `--split-layer` gave it: see [`choose_split`].
 pub fn split_layer(
@@ -710,6 +717,13 @@ fn link_time(link: Option<(f64, f64)>, bytes: f64, messages: usize) -> String {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn split_layer_is_on_a_cycle_boundary() {
+        assert_eq!(super::default_split_layer(64), 40);
+        assert_eq!(super::default_split_layer(24), 16);
+        assert_eq!(super::default_split_layer(8), 8);
+    }
+
     #[test]
     fn sizes() {
         use super::parse_size;

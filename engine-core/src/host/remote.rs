@@ -3,8 +3,8 @@
 //! reply with its id; anything else is a protocol violation that ends the session.
 
 use crate::backend::AttnShape;
+use crate::backend::Partials;
 use crate::error::{Error, Result};
-use crate::kv::Partials;
 use crate::link::{Link, LinkError};
 use crate::model::Model;
 use crate::protocol::{

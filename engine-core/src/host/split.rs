@@ -13,12 +13,13 @@
 use crate::backend::{Act, Backend};
 use std::ops::Range;
 
+use super::Sequence;
 use crate::config::{LayerKind, ModelConfig};
 use crate::error::{Error, Result};
-use crate::model::{LayerState, Logits, Model, Pass, State};
-use crate::protocol::{Message, WireTensor};
 use crate::host::remote::unexpected;
 use crate::host::telemetry::{Device, Event};
+use crate::model::{LayerState, Logits, Model, Pass, State};
+use crate::protocol::{Message, WireTensor};
 
 /// How prompts are split between host and helper.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -43,13 +44,6 @@ impl Default for SplitPlan {
     }
 }
 
-/// The helper's share of the layers by default: the last ~3/8, cut on a 4-layer cycle
-/// boundary (40 of 64 on the host for the 27B), so DeltaNet state never splits mid-cycle.
-pub fn default_split_layer(layers: usize) -> usize {
-    let host = (layers * 5).div_ceil(8);
-    (host.div_ceil(4) * 4).min(layers)
-}
-
 /// What happened to a split prefill.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct SplitReport {
@@ -67,7 +61,7 @@ pub struct SplitReport {
     pub fallback: Option<String>,
 }
 
-/// Prefill `tokens` at `state.pos` in ubatches of `plan.ubatch`, with the prefill helper as the
+/// Prefill `tokens` at `seq.state.pos` in ubatches of `plan.ubatch`, with the prefill helper as the
 /// plan says, and return the last row's logits. Below `plan.interleave_from` a long enough
 /// prompt streams through a layer pipeline with the helper; from there on ubatches run in
 /// staggered pairs. Every ubatch computes exactly what it would on the host alone with the
@@ -75,12 +69,12 @@ pub struct SplitReport {
 pub fn prefill(
     model: &Model,
     be: &dyn Backend,
-    state: &mut State,
+    seq: &mut Sequence,
     tokens: &[u32],
     plan: &SplitPlan,
 ) -> Result<(Vec<f32>, SplitReport)> {
     let ubatch = plan.ubatch.max(1);
-    let start = state.pos;
+    let start = seq.state.pos;
     let chunks: Vec<&[u32]> = tokens.chunks(ubatch).collect();
     let mut report = SplitReport {
         ubatches: chunks.len(),
@@ -93,20 +87,22 @@ pub fn prefill(
     let mut x = None;
     if !early.is_empty() {
         // A helper still being re-filled from the page file lacks rows its mirror needs.
-        let pipeline = state.prefill_helper().is_some_and(|c| {
+        let pipeline = seq.placement.prefill_helper().is_some_and(|c| {
             c.prefill_layers.end == model.config.num_hidden_layers
                 && !c.is_lost()
-                && state.holds_all_pages_of(c.id, c.prefill_layers.clone())
+                && seq
+                    .placement
+                    .holds_all_pages_of(c.id, c.prefill_layers.clone())
         }) && tokens.len() > plan.min_tokens
             && early.len() > 1;
         x = Some(if pipeline {
-            pipelined(model, be, state, early, &mut report)?
+            pipelined(model, be, seq, early, &mut report)?
         } else {
-            plain(model, be, state, early)?
+            plain(model, be, seq, early)?
         });
     }
     if !late.is_empty() {
-        x = Some(interleaved(model, be, state, late, &mut report)?);
+        x = Some(interleaved(model, be, seq, late, &mut report)?);
     }
     let x = x.ok_or_else(|| Error::Invalid("prefill needs at least one token".into()))?;
     Ok((model.head(be, x, Logits::Last)?, report))
@@ -114,16 +110,16 @@ pub fn prefill(
 
 /// Ubatches one after another on the host (the helper only attends pages it holds); returns
 /// the last one's final residual.
-fn plain(model: &Model, be: &dyn Backend, state: &mut State, chunks: &[&[u32]]) -> Result<Act> {
+fn plain(model: &Model, be: &dyn Backend, seq: &mut Sequence, chunks: &[&[u32]]) -> Result<Act> {
     let mut x = None;
     let n = model.config.num_hidden_layers;
     for c in chunks {
-        let (t0, pos) = (state.telemetry.now(), state.pos);
+        let (t0, pos) = (seq.placement.telemetry.now(), seq.state.pos);
         let mut rows = model.embed(be, c)?;
-        model.run_layers(be, state, &mut rows, pos, 0..n, None)?;
-        host_bar(state, pos, c.len(), 0..n, t0);
-        state.pos += c.len();
-        state.offload(be)?;
+        seq.run_layers(model, be, &mut rows, pos, 0..n, None)?;
+        host_bar(seq, pos, c.len(), 0..n, t0);
+        seq.state.pos += c.len();
+        seq.offload(be)?;
         x = Some(rows);
     }
     Ok(x.expect("the caller passes at least one chunk"))
@@ -136,13 +132,13 @@ fn plain(model: &Model, be: &dyn Backend, state: &mut State, chunks: &[&[u32]]) 
 fn interleaved(
     model: &Model,
     be: &dyn Backend,
-    state: &mut State,
+    seq: &mut Sequence,
     chunks: &[&[u32]],
     report: &mut SplitReport,
 ) -> Result<Act> {
     let mut x = None;
     for pair in chunks.chunks(2) {
-        let (t0, mut pos) = (state.telemetry.now(), state.pos);
+        let (t0, mut pos) = (seq.placement.telemetry.now(), seq.state.pos);
         let mut passes = Vec::with_capacity(2);
         for c in pair {
             passes.push(Pass::new(
@@ -155,7 +151,7 @@ fn interleaved(
         let mut waited = false;
         while passes.iter().any(|p| !p.is_done()) {
             for p in passes.iter_mut().filter(|p| !p.is_done()) {
-                model.advance(be, state, p, true, None)?;
+                seq.advance(model, be, p, true)?;
                 waited |= p.is_waiting();
             }
         }
@@ -164,9 +160,9 @@ fn interleaved(
         }
         // One bar for the pair: its ubatches run by turns.
         let n = model.config.num_hidden_layers;
-        host_bar(state, state.pos, pos - state.pos, 0..n, t0);
-        state.pos = pos;
-        state.offload(be)?;
+        host_bar(seq, seq.state.pos, pos - seq.state.pos, 0..n, t0);
+        seq.state.pos = pos;
+        seq.offload(be)?;
         x = passes.pop().map(|p| p.x);
     }
     Ok(x.expect("the caller passes at least one chunk"))
@@ -178,16 +174,17 @@ fn interleaved(
 fn pipelined(
     model: &Model,
     be: &dyn Backend,
-    state: &mut State,
+    seq: &mut Sequence,
     chunks: &[&[u32]],
     report: &mut SplitReport,
 ) -> Result<Act> {
-    let helper = state
+    let helper = seq
+        .placement
         .prefill_helper()
         .expect("the caller checked for a helper");
     let (tail, id) = (helper.prefill_layers.clone(), helper.id);
     let n = model.config.num_hidden_layers;
-    let start = state.pos;
+    let start = seq.state.pos;
     let ubatch = chunks[0].len();
     let total: usize = chunks.iter().map(|c| c.len()).sum();
     let at = |i: usize| start + i * ubatch;
@@ -201,52 +198,52 @@ fn pipelined(
     // Replies taken off the link so far; a refused batch drains the rest.
     let mut replies = Replies::new(model, &tail, start, head.len());
     let pipelined = (|| -> Result<()> {
-        if let Some(rows) = sync_mirror(be, &model.config, state)? {
+        if let Some(rows) = sync_mirror(be, &model.config, seq)? {
             report.synced_rows = rows;
             report.mirror_synced = true;
         }
         for (i, c) in head.iter().enumerate() {
-            let t0 = state.telemetry.now();
+            let t0 = seq.placement.telemetry.now();
             let mut x = model.embed(be, c)?;
-            model.run_layers(be, state, &mut x, at(i), 0..tail.start, None)?;
+            seq.run_layers(model, be, &mut x, at(i), 0..tail.start, None)?;
             let x = be.download_owned(x);
-            host_bar(state, at(i), c.len(), 0..tail.start, t0);
+            host_bar(seq, at(i), c.len(), 0..tail.start, t0);
             let bytes = x.len() * size_of::<f32>();
             sent.push(x.clone());
             let msg = Message::PrefillChunk {
-                seq: state.prefill_helper().expect("checked above").seq(),
+                seq: seq.placement.prefill_helper().expect("checked above").seq(),
                 pos: at(i) as u64,
                 want_state: i + 1 == head.len(),
                 residual: WireTensor::f32(vec![c.len(), model.config.hidden_size], x),
             };
             reqs.push(
-                state
+                seq.placement
                     .prefill_helper_mut()
                     .expect("checked above")
                     .send(&msg)?,
             );
-            replies.handed_on(state, bytes);
+            replies.handed_on(seq, bytes);
             // Back-pressure: a helper slower than the host holds a bounded queue.
             while reqs.len() - replies.taken > MAX_IN_FLIGHT {
-                replies.take(be, state, reqs[replies.taken], head[replies.taken].len())?;
+                replies.take(be, seq, reqs[replies.taken], head[replies.taken].len())?;
             }
         }
         // The host's share of the last ubatch overlaps the helper's work on the ones before.
-        let t0 = state.telemetry.now();
-        model.run_layers(be, state, &mut x_last, at(head.len()), 0..tail.start, None)?;
-        host_bar(state, at(head.len()), last.len(), 0..tail.start, t0);
+        let t0 = seq.placement.telemetry.now();
+        seq.run_layers(model, be, &mut x_last, at(head.len()), 0..tail.start, None)?;
+        host_bar(seq, at(head.len()), last.len(), 0..tail.start, t0);
         last_head_done = true;
         while replies.taken < reqs.len() {
-            replies.take(be, state, reqs[replies.taken], head[replies.taken].len())?;
+            replies.take(be, seq, reqs[replies.taken], head[replies.taken].len())?;
         }
-        replies.finish(be, state)
+        replies.finish(be, seq)
     })();
     match pipelined {
         Ok(()) => {
             report.on_helper = head.len();
             report.rows_on_helper =
                 sent.iter().map(|x| x.len()).sum::<usize>() / model.config.hidden_size;
-            state
+            seq.placement
                 .prefill_helper_mut()
                 .expect("checked above")
                 .mirror_pos = at(head.len());
@@ -259,17 +256,17 @@ fn pipelined(
             // A refusal leaves a working helper: take its outstanding replies off the link,
             // cut its mirror back to the batch start, and keep it. Anything else: it is gone.
             let kept = matches!(e, Error::Refused { .. })
-                && state.prefill_helper_mut().is_some_and(|client| {
+                && seq.placement.prefill_helper_mut().is_some_and(|client| {
                     reqs[replies.taken.min(reqs.len())..]
                         .iter()
                         .all(|&r| !matches!(client.reply(r), Err(Error::Remote(_))))
                         && client.truncate(start).is_ok()
                 });
             // Without a page file, pages the helper held are lost with it.
-            let holds_pages = state.pages_on(id) > 0 && state.spill.is_none();
+            let holds_pages = seq.placement.pages_on(id) > 0 && seq.placement.spill.is_none();
             if !kept {
-                state.helper_lost = Some(e.to_string());
-                state.lose_helper(id);
+                seq.placement.helper_lost = Some(e.to_string());
+                seq.placement.lose_helper(id);
             }
             if holds_pages && !kept {
                 return Err(Error::Remote(format!(
@@ -279,34 +276,34 @@ fn pipelined(
             // Rerun the batch here: drop any rows the helper's replies added, run the tail
             // layers over the kept residuals, then whole ubatches that were never sent.
             for l in tail.clone() {
-                if let LayerState::Attention(kv) = &mut state.layers[l] {
+                if let LayerState::Attention(kv) = &mut seq.state.layers[l] {
                     kv.truncate(start)?;
                 }
             }
             let kept = sent.len();
             for (i, x) in sent.drain(..).enumerate() {
-                model.run_layers(be, state, &mut be.upload(x), at(i), tail.clone(), None)?;
+                seq.run_layers(model, be, &mut be.upload(x), at(i), tail.clone(), None)?;
             }
             for (i, c) in head.iter().enumerate().skip(kept) {
                 let mut x = model.embed(be, c)?;
-                model.run_layers(be, state, &mut x, at(i), 0..n, None)?;
+                seq.run_layers(model, be, &mut x, at(i), 0..n, None)?;
             }
             if !last_head_done {
-                model.run_layers(be, state, &mut x_last, at(head.len()), 0..tail.start, None)?;
+                seq.run_layers(model, be, &mut x_last, at(head.len()), 0..tail.start, None)?;
             }
         }
     }
-    let t0 = state.telemetry.now();
-    model.run_layers(be, state, &mut x_last, at(head.len()), tail.start..n, None)?;
-    host_bar(state, at(head.len()), last.len(), tail.start..n, t0);
-    state.pos = start + total;
-    state.offload(be)?;
+    let t0 = seq.placement.telemetry.now();
+    seq.run_layers(model, be, &mut x_last, at(head.len()), tail.start..n, None)?;
+    host_bar(seq, at(head.len()), last.len(), tail.start..n, t0);
+    seq.state.pos = start + total;
+    seq.offload(be)?;
     Ok(x_last)
 }
 
 /// Report that `layers` of the ubatch of `tokens` at `pos` ran on the host since `t0`.
-fn host_bar(state: &State, pos: usize, tokens: usize, layers: Range<usize>, t0: f64) {
-    state.telemetry.emit(|end_ms| Event::Ubatch {
+fn host_bar(seq: &Sequence, pos: usize, tokens: usize, layers: Range<usize>, t0: f64) {
+    seq.placement.telemetry.emit(|end_ms| Event::Ubatch {
         device: Device::Host,
         pos,
         tokens,
@@ -323,23 +320,28 @@ fn full_layers(model: &Model, layers: &std::ops::Range<usize>) -> Vec<usize> {
         .collect()
 }
 
-/// Bring the helper's mirror of its layers up to `state.pos`: the KV rows the host produced
+/// Bring the helper's mirror of its layers up to `seq.state.pos`: the KV rows the host produced
 /// since the watermark (rows already handed over as pages are there) and the DeltaNet states.
 /// Returns the KV rows pushed, or `None` if the mirror was current. `be` reads them to the host.
-fn sync_mirror(be: &dyn Backend, c: &ModelConfig, state: &mut State) -> Result<Option<usize>> {
-    let client = state.prefill_helper().expect("a helper is attached");
-    let (from, to) = (client.mirror_pos, state.pos);
+fn sync_mirror(be: &dyn Backend, c: &ModelConfig, seq: &mut Sequence) -> Result<Option<usize>> {
+    let client = seq
+        .placement
+        .prefill_helper()
+        .expect("a helper is attached");
+    let (from, to) = (client.mirror_pos, seq.state.pos);
     if from >= to && !client.mirror_stale {
         return Ok(None);
     }
     let tail = client.prefill_layers.clone();
     // Rows already handed over as pages are on the helper (a pipeline runs only once it holds
-    // every page of these layers that left: `State::holds_all_pages_of`).
+    // every page of these layers that left: `Placement::holds_all_pages_of`).
     let mut rows_from = None;
     let mut row_bytes = 0;
     for l in tail.clone() {
-        if let LayerState::Attention(cache) = &state.layers[l] {
-            let held = from.max(cache.prefix_on(client.id));
+        if let (LayerState::Attention(cache), Some(pages)) =
+            (&seq.state.layers[l], seq.placement.holders(l))
+        {
+            let held = from.max(pages.prefix_on(client.id));
             rows_from = Some(rows_from.map_or(held, |r: usize| r.min(held)));
             row_bytes += 2 * cache.row_width() * 4;
         }
@@ -355,12 +357,15 @@ fn sync_mirror(be: &dyn Backend, c: &ModelConfig, state: &mut State) -> Result<O
         let payload = pollster::block_on(ChunkPayload::read(
             be,
             c,
-            state,
+            &seq.state,
             tail.clone(),
             at..end,
             last,
         )?);
-        let client = state.prefill_helper_mut().expect("a helper is attached");
+        let client = seq
+            .placement
+            .prefill_helper_mut()
+            .expect("a helper is attached");
         let seq = client.seq();
         let req = client.send(&payload.into_message(seq, at))?;
         match client.reply(req)? {
@@ -522,12 +527,12 @@ impl Replies {
     }
 
     /// An ubatch of `bytes` of residuals was just handed to the prefill helper.
-    fn handed_on(&mut self, state: &State, bytes: usize) {
-        let Some(id) = state.prefill_helper().map(|h| h.id) else {
+    fn handed_on(&mut self, seq: &Sequence, bytes: usize) {
+        let Some(id) = seq.placement.prefill_helper().map(|h| h.id) else {
             return;
         };
-        self.handed_at.push(state.telemetry.now());
-        state.telemetry.emit(|at_ms| Event::Transfer {
+        self.handed_at.push(seq.placement.telemetry.now());
+        seq.placement.telemetry.emit(|at_ms| Event::Transfer {
             from: Device::Host,
             to: Device::Helper(id),
             kind: "PrefillChunk",
@@ -538,20 +543,20 @@ impl Replies {
 
     /// Report the reply just taken: the helper's bar for the ubatch of `rows` at `pos`, and
     /// the `bytes` of rows and states it sent back.
-    fn report(&mut self, state: &State, pos: usize, rows: usize, bytes: usize) {
+    fn report(&mut self, seq: &Sequence, pos: usize, rows: usize, bytes: usize) {
         let (Some(id), true) = (
-            state.prefill_helper().map(|h| h.id),
-            state.telemetry.is_on(),
+            seq.placement.prefill_helper().map(|h| h.id),
+            seq.placement.telemetry.is_on(),
         ) else {
             return;
         };
-        let end = state.telemetry.now();
+        let end = seq.placement.telemetry.now();
         let handed = self.handed_at.get(self.taken - 1).copied().unwrap_or(end);
         let start = handed.max(self.helper_free);
         self.helper_free = end;
         let helper = Device::Helper(id);
         let tail = [self.tail.start, self.tail.end];
-        state.telemetry.emit(|_| Event::Ubatch {
+        seq.placement.telemetry.emit(|_| Event::Ubatch {
             device: helper,
             pos,
             tokens: rows,
@@ -559,7 +564,7 @@ impl Replies {
             start_ms: start,
             end_ms: end,
         });
-        state.telemetry.emit(|_| Event::Transfer {
+        seq.placement.telemetry.emit(|_| Event::Transfer {
             from: helper,
             to: Device::Host,
             kind: "ChunkState",
@@ -569,8 +574,9 @@ impl Replies {
     }
 
     /// Take the reply to request `req`, an ubatch of `len` rows, and append its KV rows.
-    fn take(&mut self, be: &dyn Backend, state: &mut State, req: u32, len: usize) -> Result<()> {
-        let reply = state
+    fn take(&mut self, be: &dyn Backend, seq: &mut Sequence, req: u32, len: usize) -> Result<()> {
+        let reply = seq
+            .placement
             .prefill_helper_mut()
             .expect("a helper is attached")
             .reply(req);
@@ -613,9 +619,9 @@ impl Replies {
                 .iter()
                 .map(|(s, c)| s.data.len() + c.data.len())
                 .sum::<usize>();
-        self.report(state, pos, rows, bytes * size_of::<f32>());
+        self.report(seq, pos, rows, bytes * size_of::<f32>());
         for (&l, (k, v)) in layers.iter().zip(kv) {
-            let LayerState::Attention(cache) = &mut state.layers[l] else {
+            let LayerState::Attention(cache) = &mut seq.state.layers[l] else {
                 unreachable!("full layers")
             };
             if k.shape != [rows, cache.row_width()] || cache.len() != pos {
@@ -634,14 +640,14 @@ impl Replies {
     }
 
     /// Check and apply the DeltaNet states the last reply carried.
-    fn finish(&mut self, be: &dyn Backend, state: &mut State) -> Result<()> {
+    fn finish(&mut self, be: &dyn Backend, seq: &mut Sequence) -> Result<()> {
         let (ids, states) = self
             .final_states
             .take()
             .ok_or_else(|| Error::Remote("the helper sent no DeltaNet states".into()))?;
         let mut checked = Vec::with_capacity(ids.len());
         for (&l, (s, conv)) in ids.iter().zip(states) {
-            match state.layers.get(l as usize) {
+            match seq.state.layers.get(l as usize) {
                 Some(LayerState::DeltaNet(d))
                     if self.tail.contains(&(l as usize))
                         && d.s.len() == s.data.len()
@@ -657,71 +663,11 @@ impl Replies {
             }
         }
         for (l, s, conv) in checked {
-            if let LayerState::DeltaNet(d) = &mut state.layers[l] {
+            if let LayerState::DeltaNet(d) = &mut seq.state.layers[l] {
                 d.s = be.upload(s);
                 d.conv = be.upload(conv);
             }
         }
         Ok(())
-    }
-}
-
-/// The least a link can carry, in tensor bytes (f32), for the traffic a split causes; the
-/// benchmark compares what crossed with these.
-pub mod minimum {
-    use crate::config::{LayerKind, ModelConfig};
-
-    fn delta_state(c: &ModelConfig) -> usize {
-        let (s, conv) = c.delta_state_len();
-        (s + conv) * 4
-    }
-
-    /// A split prefill: residual rows to the helper, their new KV rows of the tail's full
-    /// layers back, the tail's DeltaNet states once back and (if the mirror was behind) once
-    /// out, and the mirror sync's KV rows.
-    pub fn prefill(
-        c: &ModelConfig,
-        tail: std::ops::Range<usize>,
-        sent_rows: usize,
-        synced_rows: usize,
-        synced: bool,
-    ) -> u64 {
-        let full = c.count_layers(tail.clone(), LayerKind::FullAttention);
-        let delta = c.count_layers(tail, LayerKind::LinearAttention);
-        let states = if sent_rows > 0 { 1 } else { 0 } + usize::from(synced);
-        (sent_rows * c.hidden_size * 4
-            + (sent_rows + synced_rows) * full * c.kv_row_bytes()
-            + states * delta * delta_state(c)) as u64
-    }
-
-    /// Attention of `tokens` queries over remote pages in `layers`: the queries out and one
-    /// (o, m, l) per page back, for each full-attention layer (nothing without remote pages).
-    pub fn attend(
-        c: &ModelConfig,
-        layers: std::ops::Range<usize>,
-        tokens: usize,
-        remote_pages: usize,
-    ) -> u64 {
-        if remote_pages == 0 {
-            return 0;
-        }
-        let full = c.count_layers(layers, LayerKind::FullAttention);
-        let rows = tokens * c.num_attention_heads;
-        (full * (rows * c.head_dim * 4 + remote_pages * rows * (c.head_dim + 2) * 4)) as u64
-    }
-
-    /// Moving `rows` positions of every full-attention layer to the helper.
-    pub fn offload(c: &ModelConfig, rows: usize) -> u64 {
-        (c.kv_bytes(0..c.num_hidden_layers, rows)) as u64
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn split_layer_is_on_a_cycle_boundary() {
-        assert_eq!(super::default_split_layer(64), 40);
-        assert_eq!(super::default_split_layer(24), 16);
-        assert_eq!(super::default_split_layer(8), 8);
     }
 }

@@ -13,6 +13,7 @@ use std::sync::Arc;
 
 use serde::{Serialize, Serializer};
 
+use super::placement::{Holders, Placement};
 use crate::kv::PagedKv;
 use crate::model::LayerState;
 
@@ -157,38 +158,35 @@ impl fmt::Debug for Telemetry {
     }
 }
 
-/// The `pages` event for a sequence's `layers`: where every full-attention layer's pages are.
-pub fn pages(at_ms: f64, layers: &[LayerState]) -> Event {
-    let mut page_size = 0;
+/// The `pages` event for a sequence's `layers` whose pages that left are where `placement`
+/// says: where every full-attention layer's pages are.
+pub fn pages(at_ms: f64, layers: &[LayerState], placement: &Placement) -> Event {
     let layers = layers
         .iter()
         .enumerate()
-        .filter_map(|(layer, l)| match l {
-            LayerState::Attention(kv) => {
-                page_size = kv.page_size();
-                Some(LayerPages {
-                    layer,
-                    len: kv.len(),
-                    runs: runs(kv),
-                })
-            }
-            LayerState::DeltaNet(_) | LayerState::Elsewhere => None,
+        .filter_map(|(layer, l)| match (l, placement.holders(layer)) {
+            (LayerState::Attention(kv), Some(held)) => Some(LayerPages {
+                layer,
+                len: kv.len(),
+                runs: runs(kv, held),
+            }),
+            _ => None,
         })
         .collect();
     Event::Pages {
         at_ms,
-        page_size,
+        page_size: placement.page_size(),
         layers,
     }
 }
 
 /// The pages that left in order of position (each on its helper, or the disk alone), then the
 /// pages still here, merged into runs.
-fn runs(kv: &PagedKv) -> Vec<PageRun> {
+fn runs(kv: &PagedKv, held: &Holders) -> Vec<PageRun> {
     let away = kv.remote_len() / kv.page_size();
     let places = (0..away)
         .map(|i| {
-            kv.holder(i * kv.page_size())
+            held.holder(i * kv.page_size())
                 .map_or(Place::Disk, |id| Place::On(Device::Helper(id)))
         })
         .chain((0..kv.pages().len()).map(|_| Place::On(Device::Host)));
@@ -235,9 +233,12 @@ mod tests {
         let row = |n: usize| Act::Host(vec![0.0; n]);
         kv.append(&be, &row(9), &row(9));
         // Pages [0,2) and [2,4) leave: one to helper 7, one to the disk alone.
-        kv.drop_oldest_page(Some(7));
-        kv.drop_oldest_page(None);
-        let r = runs(&kv);
+        let mut held = Holders::new(2);
+        kv.drop_oldest_page();
+        held.push(Some(7));
+        kv.drop_oldest_page();
+        held.push(None);
+        let r = runs(&kv, &held);
         assert_eq!(
             r,
             vec![

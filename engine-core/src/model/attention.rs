@@ -5,7 +5,7 @@ use super::Loader;
 use crate::backend::{Act, AttnShape, Backend, Param};
 use crate::config::ModelConfig;
 use crate::error::Result;
-use crate::kv::{begin_attention, Away, PagedKv, PendingAttention};
+use crate::kv::{begin_attention, PageSource, PagedKv, PendingAttention};
 use crate::tensor::Matrix;
 
 pub(super) struct Attention {
@@ -54,15 +54,15 @@ impl Attention {
     }
 
     /// The layer up to attention: project, norm and rotate q and k, append this step's K and V
-    /// rows to the cache, and start attention over it (helper pages and local ones). Returns the
-    /// output gate for [`Self::finish`].
+    /// rows to layer `layer`'s cache `kv`, and start attention over it (the pages that left
+    /// asked of `source`, then the local ones). Returns the output gate for [`Self::finish`].
     pub(super) fn begin(
         &self,
         be: &dyn Backend,
         x: &Act,
         positions: &[usize],
-        kv: &mut PagedKv,
-        away: Away,
+        (layer, kv): (usize, &mut PagedKv),
+        source: &mut dyn PageSource,
     ) -> Result<(PendingAttention, Act)> {
         let hd = self.shape.head_dim;
         let qg = be.matmul(x, &self.q_proj);
@@ -78,7 +78,7 @@ impl Attention {
         kv.append(be, &k, &v);
         be.scale(&mut q, 1.0 / (hd as f32).sqrt());
         Ok((
-            begin_attention(be, self.shape, &q, positions, kv, away)?,
+            begin_attention(be, self.shape, &q, positions, (layer, kv), source)?,
             gate,
         ))
     }

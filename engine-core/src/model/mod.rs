@@ -11,13 +11,13 @@ mod attention;
 mod deltanet;
 mod state;
 
-pub use state::{Checkpoint, DeltaState, LayerState, State};
+pub use state::{Checkpoint, DeltaState, LayerState, Refills, State};
 
 use crate::backend::{Act, Backend, Param};
 use crate::config::{LayerKind, ModelConfig, WeightLayout};
 use crate::error::{Error, Result};
 use crate::identity::ModelIdentity;
-use crate::kv::{Away, PendingAttention};
+use crate::kv::{NoPagesAway, PageSource, PendingAttention};
 use crate::tensor::{Matrix, Tensor};
 use crate::weights::TensorMap;
 
@@ -402,9 +402,11 @@ impl Model {
             .map(|l| l.mlp.gate.dtype())
     }
 
-    /// Run `tokens` at positions `state.pos ..`, advancing `state`; returns logits `[rows, vocab]`
-    /// for the rows `logits` asks for (the only values read back, besides link traffic). If `trace` is given, the residual after each layer is read back and
-    /// pushed to it (`[tokens, hidden]` per layer) to find the first layer that diverges.
+    /// Run `tokens` at positions `state.pos ..`, advancing `state` (a sequence whose pages all
+    /// stay on this device: a host's distributed one runs through `host::Sequence::forward`);
+    /// returns logits `[rows, vocab]` for the rows `logits` asks for (the only values read
+    /// back). If `trace` is given, the residual after each layer is read back and pushed to it
+    /// (`[tokens, hidden]` per layer) to find the first layer that diverges.
     pub fn forward(
         &self,
         be: &dyn Backend,
@@ -414,10 +416,9 @@ impl Model {
         trace: Option<&mut Vec<Vec<f32>>>,
     ) -> Result<Vec<f32>> {
         let mut x = self.embed(be, tokens)?;
-        let pos = state.pos;
-        self.run_layers(be, state, &mut x, pos, 0..self.layers.len(), trace)?;
+        let (pos, layers) = (state.pos, 0..self.layers.len());
+        self.run_layers(be, state, &mut NoPagesAway, &mut x, pos, layers, trace)?;
         state.pos += tokens.len();
-        state.offload(be)?;
         self.head(be, x, logits)
     }
 
@@ -437,13 +438,16 @@ impl Model {
     }
 
     /// Advance the residual rows `x` (positions `pos ..`) through `layers`, updating those
-    /// layers' state. The seam of a split: host and helper each run a range of layers on the
-    /// same rows. `state.pos` is left to the caller. On error `x` holds the rows as far as
-    /// they got (the state has moved on too, so a caller cannot simply rerun them).
+    /// layers' state; pages that left this device are attended where `source` says. The seam
+    /// of a split: host and helper each run a range of layers on the same rows. `state.pos` is
+    /// left to the caller. On error `x` holds the rows as far as they got (the state has moved
+    /// on too, so a caller cannot simply rerun them).
+    #[allow(clippy::too_many_arguments)]
     pub fn run_layers(
         &self,
         be: &dyn Backend,
         state: &mut State,
+        source: &mut dyn PageSource,
         x: &mut Act,
         pos: usize,
         layers: std::ops::Range<usize>,
@@ -451,7 +455,7 @@ impl Model {
     ) -> Result<()> {
         // The rows move into the pass and back: no copy.
         let mut pass = Pass::new(std::mem::replace(x, Act::Host(Vec::new())), pos, layers);
-        let done = self.advance(be, state, &mut pass, false, trace);
+        let done = self.advance(be, state, source, &mut pass, false, trace);
         *x = pass.x;
         done
     }
@@ -465,6 +469,7 @@ impl Model {
         &self,
         be: &dyn Backend,
         state: &mut State,
+        source: &mut dyn PageSource,
         pass: &mut Pass,
         pause: bool,
         mut trace: Option<&mut Vec<Vec<f32>>>,
@@ -485,7 +490,7 @@ impl Model {
             let Mixer::Attention(a) = &self.layer(pass.next)?.mixer else {
                 unreachable!("a pass waits only at full-attention layers")
             };
-            let y = a.finish(be, w.attention.finish(be, state.away(pass.next))?, &w.gate);
+            let y = a.finish(be, w.attention.finish(be, source)?, &w.gate);
             self.close_layer(be, pass, &y, trace.as_deref_mut())?;
         }
         while pass.next < pass.end {
@@ -495,18 +500,12 @@ impl Model {
             be.rms_norm(&mut normed, &layer.norm_in, c.rms_norm_eps);
             let y = match (&layer.mixer, &mut state.layers[i]) {
                 (Mixer::Attention(a), LayerState::Attention(kv)) => {
-                    let away = Away {
-                        layer: i,
-                        helpers: &mut state.helpers,
-                        disk: state.spill.as_ref(),
-                        host_rate: Some(&mut state.host_rate),
-                    };
-                    let (attention, gate) = a.begin(be, &normed, &positions, kv, away)?;
+                    let (attention, gate) = a.begin(be, &normed, &positions, (i, kv), source)?;
                     if pause && attention.awaits_helper() {
                         pass.waiting = Some(Waiting { attention, gate });
                         return Ok(());
                     }
-                    a.finish(be, attention.finish(be, state.away(i))?, &gate)
+                    a.finish(be, attention.finish(be, source)?, &gate)
                 }
                 (Mixer::DeltaNet(d), LayerState::DeltaNet(st)) => d.forward(be, c, &normed, st),
                 (Mixer::DeltaNet(_), LayerState::Elsewhere) => {

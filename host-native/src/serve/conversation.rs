@@ -12,6 +12,7 @@
 //! `State::rewind` also cuts the helper's pages and mirror, so host and helper alike keep the
 //! shared prefix.
 
+use engine_core::host::Sequence;
 use engine_core::model::Checkpoint;
 use engine_core::{Backend, Result, State};
 
@@ -53,12 +54,12 @@ impl Conversation {
         }
     }
 
-    /// Bring `state` to the longest reusable prefix of `prompt` (non-empty). On error the
-    /// state is unchanged.
+    /// Bring `seq` to the longest reusable prefix of `prompt` (non-empty). On error the
+    /// sequence is unchanged.
     pub fn restore(
         &mut self,
         be: &dyn Backend,
-        state: &mut State,
+        seq: &mut Sequence,
         prompt: &[u32],
     ) -> Result<Restored> {
         let common = self
@@ -78,7 +79,7 @@ impl Conversation {
             Some(s) => (&s.cp, (s.cp.pos == prompt.len()).then(|| s.logits.clone())),
             None => (&self.origin, None),
         };
-        state.rewind(be, cp)?;
+        seq.rewind(be, cp)?;
         let pos = cp.pos;
         self.saved.retain(|s| s.cp.pos <= pos);
         self.tokens.truncate(pos);
@@ -127,28 +128,29 @@ mod tests {
     use engine_core::synth::preset;
     use engine_core::CpuBackend;
 
-    fn state() -> State {
-        State::new(&preset("tiny").unwrap(), 16)
+    fn state() -> Sequence {
+        let c = preset("tiny").unwrap();
+        Sequence::new(&c, 16)
     }
 
     /// Pretend the state consumed `tokens` (positions only: no model is run here).
-    fn feed(conv: &mut Conversation, st: &mut State, tokens: &[u32]) {
-        st.pos += tokens.len();
+    fn feed(conv: &mut Conversation, st: &mut Sequence, tokens: &[u32]) {
+        st.state.pos += tokens.len();
         conv.consumed(tokens);
     }
 
     #[test]
     fn reuse_the_longest_checkpointed_prefix() {
         let mut st = state();
-        let mut conv = Conversation::new(&CpuBackend, &st, 4);
-        let restore = |conv: &mut Conversation, st: &mut State, p: &[u32]| {
+        let mut conv = Conversation::new(&CpuBackend, &st.state, 4);
+        let restore = |conv: &mut Conversation, st: &mut Sequence, p: &[u32]| {
             let r = conv.restore(&CpuBackend, st, p).unwrap();
-            assert_eq!(st.pos, r.reused);
+            assert_eq!(st.state.pos, r.reused);
             (r.reused, r.logits)
         };
         assert_eq!(restore(&mut conv, &mut st, &[1, 2, 3]), (0, None));
         feed(&mut conv, &mut st, &[1, 2, 3]);
-        conv.checkpoint(&CpuBackend, &st, &[0.5]);
+        conv.checkpoint(&CpuBackend, &st.state, &[0.5]);
         feed(&mut conv, &mut st, &[9, 9]);
         // Extends everything held: no rewind.
         assert_eq!(restore(&mut conv, &mut st, &[1, 2, 3, 9, 9, 4]), (5, None));
@@ -169,10 +171,10 @@ mod tests {
     #[test]
     fn checkpoints_are_bounded() {
         let mut st = state();
-        let mut conv = Conversation::new(&CpuBackend, &st, 2);
+        let mut conv = Conversation::new(&CpuBackend, &st.state, 2);
         for t in 0..5 {
             feed(&mut conv, &mut st, &[t]);
-            conv.checkpoint(&CpuBackend, &st, &[]);
+            conv.checkpoint(&CpuBackend, &st.state, &[]);
         }
         assert_eq!(
             conv.saved.iter().map(|s| s.cp.pos).collect::<Vec<_>>(),

@@ -12,10 +12,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use engine_core::generate::Sampler;
-use engine_core::model::LayerState;
 use engine_core::host::split::{self, SplitPlan};
+use engine_core::host::Sequence;
+use engine_core::model::LayerState;
 use engine_core::tokenizer::{StreamDecoder, Tokenizer};
-use engine_core::{Backend, Error, Logits, Model, Result, State};
+use engine_core::{Backend, Error, Logits, Model, Result};
 use tracing::{debug, info, warn};
 
 use super::api::ApiError;
@@ -31,7 +32,7 @@ pub struct Engine {
     pub model: Model,
     pub backend: Box<dyn Backend>,
     pub tokenizer: Tokenizer,
-    pub state: State,
+    pub seq: Sequence,
     pub page_size: usize,
     pub plan: SplitPlan,
     /// Prompt tokens per `split::prefill` call: the unit of the progress bar and of the
@@ -48,7 +49,7 @@ pub struct Engine {
     /// contains this text, to exercise the recovery from a panic.
     pub panic_on: Option<String>,
     /// Where requests, tokens and the helpers are reported for `/v1/telemetry` (the sequence
-    /// reports its own ubatches and pages through `state.telemetry`).
+    /// reports its own ubatches and pages through `seq.placement.telemetry`).
     pub hub: Arc<Hub>,
     /// The context and prompt lengths the plan is made for (`tether serve` prints it at start).
     pub plan_for: (usize, usize),
@@ -108,7 +109,7 @@ impl Engine {
             self.metrics.job_done(
                 t.elapsed().as_secs_f64(),
                 self.kv_placement(),
-                self.state.helpers.len(),
+                self.seq.placement.helpers.len(),
             );
             // After the metrics: a client that reads /metrics once answered sees this job.
             if let Some(event) = last {
@@ -160,7 +161,7 @@ impl Engine {
             request = job.id,
             "the engine panicked ({why}); restarting it with a fresh sequence"
         );
-        self.start_afresh(self.model.new_state(self.page_size));
+        self.start_afresh(Sequence::new(&self.model.config, self.page_size));
         self.metrics.engine_restarted();
         Event::Failed(
             ApiError::server(format!(
@@ -174,21 +175,21 @@ impl Engine {
     /// host alone if the helper is what failed.
     fn recover(&mut self) {
         let be = &*self.backend;
-        if let Err(e) = self.state.rewind(be, self.conversation.origin()) {
+        if let Err(e) = self.seq.rewind(be, self.conversation.origin()) {
             warn!("the helper is gone ({e}); continuing on the host alone");
-            self.start_afresh(self.model.new_state(self.page_size));
+            self.start_afresh(Sequence::new(&self.model.config, self.page_size));
         } else {
-            self.conversation.reset(be, &self.state);
+            self.conversation.reset(be, &self.seq.state);
         }
     }
 
-    /// Make `state` the sequence, with no cached conversation (none of it is in `state`).
-    fn start_afresh(&mut self, state: State) {
-        let telemetry = self.state.telemetry.clone();
-        self.state = state;
-        self.state.telemetry = telemetry;
+    /// Make `seq` the sequence, with no cached conversation (none of it is in `seq`).
+    fn start_afresh(&mut self, seq: Sequence) {
+        let telemetry = self.seq.placement.telemetry.clone();
+        self.seq = seq;
+        self.seq.placement.telemetry = telemetry;
         self.report_devices();
-        self.conversation.reset(&*self.backend, &self.state);
+        self.conversation.reset(&*self.backend, &self.seq.state);
     }
 
     /// Before a request: note a lost helper, and attach helpers that joined or came back
@@ -196,17 +197,17 @@ impl Engine {
     /// that went to the page file meanwhile re-fill them a few per pass. A failed attempt
     /// leaves everything as it was.
     fn refresh_helpers(&mut self) {
-        if let Some(why) = self.state.helper_lost.take() {
+        if let Some(why) = self.seq.placement.helper_lost.take() {
             warn!("a helper was lost ({why}); its pages are attended from the page file");
         }
-        if let Some(why) = self.state.helper_set_aside.take() {
+        if let Some(why) = self.seq.placement.helper_set_aside.take() {
             warn!("a helper was set aside: {why}");
         }
         let Some(h) = &mut self.helpers else {
             return;
         };
         let shape = (self.page_size, self.plan_for.0);
-        let (joined, back) = h.refresh(&self.model, &*self.backend, &mut self.state, shape);
+        let (joined, back) = h.refresh(&self.model, &*self.backend, &mut self.seq, shape);
         if back {
             info!("a lost helper is back; it is re-filled from the page file as requests run");
             self.metrics.helper_reconnected();
@@ -225,10 +226,11 @@ impl Engine {
             return;
         };
         let shape = (self.page_size, self.plan_for.0);
-        let joined = h.joined_meanwhile(&self.model, &*self.backend, &mut self.state, shape);
+        let joined = h.joined_meanwhile(&self.model, &*self.backend, &mut self.seq, shape);
         if joined > 0 {
             info!("{joined} helper(s) joined; they take part from the next request on");
-            self.metrics.set_helpers_attached(self.state.helpers.len());
+            self.metrics
+                .set_helpers_attached(self.seq.placement.helpers.len());
             self.report_devices();
         }
     }
@@ -238,7 +240,8 @@ impl Engine {
     /// one printed at start predates helpers that joined).
     fn report_devices(&self) {
         let devices: Vec<_> = self
-            .state
+            .seq
+            .placement
             .helpers
             .iter()
             .map(|h| {
@@ -260,7 +263,7 @@ impl Engine {
             .collect();
         let plan = self.helpers.as_ref().map(|h| {
             let shape = (self.page_size, self.plan.ubatch);
-            h.plan(&self.model, &self.state, shape, self.plan_for)
+            h.plan(&self.model, &self.seq, shape, self.plan_for)
         });
         self.hub.devices(devices.into(), plan);
     }
@@ -276,7 +279,7 @@ impl Engine {
             scan: StopScan::new(&job.stop),
             tokens: Vec::new(),
         };
-        let had_helper = !self.state.helpers.is_empty();
+        let had_helper = !self.seq.placement.helpers.is_empty();
         match self.attempt(job, &mut d) {
             // The host holds every token of the request: it redoes the request alone, in the
             // same ubatches, and feeds the tokens already sent instead of sampling them
@@ -286,7 +289,7 @@ impl Engine {
                     request = job.id,
                     "the helper was lost ({why}); the host redoes the request alone"
                 );
-                self.start_afresh(self.model.new_state(self.page_size));
+                self.start_afresh(Sequence::new(&self.model.config, self.page_size));
                 self.attempt(job, &mut d)
             }
             r => r,
@@ -298,9 +301,7 @@ impl Engine {
     fn attempt(&mut self, job: &Job, d: &mut Decoding) -> Result<Outcome> {
         let be = &*self.backend;
         let t0 = Instant::now();
-        let restored = self
-            .conversation
-            .restore(be, &mut self.state, &job.prompt)?;
+        let restored = self.conversation.restore(be, &mut self.seq, &job.prompt)?;
         let new = &job.prompt[restored.reused..];
         self.hub.event("request", || {
             json!({"id": job.id, "prompt_tokens": job.prompt.len(),
@@ -320,8 +321,7 @@ impl Engine {
                 if let Some(o) = interrupted(job) {
                     return Ok(o);
                 }
-                let (l, report) =
-                    split::prefill(&self.model, be, &mut self.state, seg, &self.plan)?;
+                let (l, report) = split::prefill(&self.model, be, &mut self.seq, seg, &self.plan)?;
                 self.conversation.consumed(seg);
                 if let Some(why) = &report.fallback {
                     warn!("the helper failed during prefill ({why}); the host redid its share");
@@ -330,7 +330,7 @@ impl Engine {
                 bar.inc(seg.len());
             }
             pos = end;
-            self.conversation.checkpoint(be, &self.state, &logits);
+            self.conversation.checkpoint(be, &self.seq.state, &logits);
         }
         drop(bar);
         self.debug_panic(job);
@@ -344,8 +344,8 @@ impl Engine {
         let t1 = Instant::now();
         for &tok in &d.tokens {
             logits = self
-                .model
-                .forward(be, &mut self.state, &[tok], Logits::Last, None)?;
+                .seq
+                .forward(&self.model, be, &[tok], Logits::Last, None)?;
             self.conversation.consumed(&[tok]);
         }
         let mut n = d.tokens.len();
@@ -377,8 +377,8 @@ impl Engine {
             // The last token is never fed: its forward pass would serve no one.
             if n < job.max_tokens {
                 logits = self
-                    .model
-                    .forward(be, &mut self.state, &[tok], Logits::Last, None)?;
+                    .seq
+                    .forward(&self.model, be, &[tok], Logits::Last, None)?;
                 self.conversation.consumed(&[tok]);
             }
         }
@@ -434,13 +434,14 @@ impl Engine {
 
     fn kv_placement(&self) -> KvPlacement {
         let mut p = KvPlacement::default();
-        for l in &self.state.layers {
-            if let LayerState::Attention(kv) = l {
+        let placement = &self.seq.placement;
+        for (i, l) in self.seq.state.layers.iter().enumerate() {
+            if let (LayerState::Attention(kv), Some(held)) = (l, placement.holders(i)) {
                 p.host_pages += kv.pages().len();
-                for h in &self.state.helpers {
-                    *p.per_helper.entry(h.id).or_default() += kv.count_on(h.id);
+                for h in &placement.helpers {
+                    *p.per_helper.entry(h.id).or_default() += held.count_on(h.id);
                 }
-                let on_helpers = kv.helper_pages();
+                let on_helpers = held.helper_pages();
                 p.helper_pages += on_helpers;
                 p.host_positions = kv.local_len();
                 p.helper_positions = on_helpers * kv.page_size();

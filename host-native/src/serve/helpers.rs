@@ -7,8 +7,9 @@
 use std::sync::{mpsc, Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
+use engine_core::host::Sequence;
 use engine_core::link::{Link, StatsHandle};
-use engine_core::{Backend, Model, State};
+use engine_core::{Backend, Model};
 use tracing::{debug, info};
 
 use crate::attach::{Attached, HelperArgs, Source};
@@ -61,17 +62,17 @@ impl Helpers {
         }
     }
 
-    /// `tether plan`'s text for `state` as it is now (pages of `page_size`, prefill in
+    /// `tether plan`'s text for `seq` as it is now (pages of `page_size`, prefill in
     /// `ubatch`es), for a `context`-token context and a `prompt`-token prompt.
     pub fn plan(
         &self,
         model: &Model,
-        state: &State,
+        seq: &Sequence,
         (page_size, ubatch): (usize, usize),
         (context, prompt): (usize, usize),
     ) -> String {
-        let offers = super::serving_offers(&self.args, state);
-        let fixed = super::fixed(state, page_size, ubatch);
+        let offers = super::serving_offers(&self.args, seq);
+        let fixed = super::fixed(seq, page_size, ubatch);
         self.args
             .plan_for(model, offers, fixed, context, prompt)
             .text
@@ -107,19 +108,19 @@ impl Helpers {
         &mut self,
         model: &Model,
         be: &dyn Backend,
-        state: &mut State,
+        seq: &mut Sequence,
         shape: (usize, usize),
     ) -> (usize, bool) {
-        let live: Vec<u32> = state.helpers.iter().map(|h| h.id).collect();
+        let live: Vec<u32> = seq.placement.helpers.iter().map(|h| h.id).collect();
         self.list()
             .retain(|a| a.source != Source::Joined || live.contains(&a.id));
         let waiting = match self.first.take() {
             Some((n, wait)) => (n, Instant::now() + wait),
             None => (0, Instant::now()),
         };
-        let added = self.take_joined((model, be), state, shape, waiting);
+        let added = self.take_joined((model, be), seq, shape, waiting);
         let back = self.returning(&live).is_some_and(|(source, stats, link)| {
-            self.attach((model, be), state, shape, link, source, stats)
+            self.attach((model, be), seq, shape, link, source, stats)
         });
         (added, back)
     }
@@ -131,10 +132,10 @@ impl Helpers {
         &mut self,
         model: &Model,
         be: &dyn Backend,
-        state: &mut State,
+        seq: &mut Sequence,
         shape: (usize, usize),
     ) -> usize {
-        self.take_joined((model, be), state, shape, (0, Instant::now()))
+        self.take_joined((model, be), seq, shape, (0, Instant::now()))
     }
 
     /// Attach the helpers that joined, waiting until `deadline` while the sequence has fewer
@@ -142,21 +143,21 @@ impl Helpers {
     fn take_joined(
         &mut self,
         (model, be): (&Model, &dyn Backend),
-        state: &mut State,
+        seq: &mut Sequence,
         shape: (usize, usize),
         (wait_for, deadline): (usize, Instant),
     ) -> usize {
         let mut added = 0;
-        while self.args.sources().1 && state.helpers.len() < MAX_HELPERS {
+        while self.args.sources().1 && seq.placement.helpers.len() < MAX_HELPERS {
             let stats = StatsHandle::default();
-            let wait = match state.helpers.len() < wait_for {
+            let wait = match seq.placement.helpers.len() < wait_for {
                 true => deadline.saturating_duration_since(Instant::now()),
                 false => Duration::ZERO,
             };
             let Ok(link) = self.args.connect(&Source::Joined, &stats, wait) else {
                 break;
             };
-            let joined = self.attach((model, be), state, shape, link, Source::Joined, stats);
+            let joined = self.attach((model, be), seq, shape, link, Source::Joined, stats);
             added += usize::from(joined);
         }
         added
@@ -167,19 +168,16 @@ impl Helpers {
     fn attach(
         &mut self,
         (model, be): (&Model, &dyn Backend),
-        state: &mut State,
+        seq: &mut Sequence,
         shape: (usize, usize),
         link: Box<dyn Link>,
         source: Source,
         stats: StatsHandle,
     ) -> bool {
-        match self
-            .args
-            .attach_link(model, be, state, shape, link, &source)
-        {
+        match self.args.attach_link(model, be, seq, shape, link, &source) {
             Ok(id) => {
                 info!("{source} is attached (helper {id})");
-                let attached = Attached::measured(state, id, source, stats);
+                let attached = Attached::measured(seq, id, source, stats);
                 let mut list = self.list();
                 list.retain(|a| a.source == Source::Joined || a.source != attached.source);
                 list.push(attached);

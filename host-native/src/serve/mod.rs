@@ -42,6 +42,7 @@ use cross_site::Cors;
 use engine::Engine;
 use engine_core::host::plan::{self, Speeds};
 use engine_core::host::remote::HelperClient;
+use engine_core::host::Sequence;
 use engine_core::{Model, State};
 use helpers::Helpers;
 use memory::Footprint;
@@ -145,13 +146,13 @@ pub fn run(a: Args) -> Result<()> {
     );
     let (backend, what) = a.engine.backend_for(&l.model)?;
     info!("backend: {what}");
-    let mut state = l.model.new_state(page_size);
+    let mut seq = Sequence::new(&l.model.config, page_size);
     // The helper's layers are chosen for the largest context the server may choose.
     let most = a.ctx_size.unwrap_or(config.max_position_embeddings);
     let attached = a
         .engine
         .helper
-        .attach(&l.model, &*backend, &mut state, page_size, most)?;
+        .attach(&l.model, &*backend, &mut seq, page_size, most)?;
     let has_helpers = a.engine.helper.has_helper();
     let available = memory::available();
     let footprint = Footprint::of(config, a.checkpoints);
@@ -161,7 +162,7 @@ pub fn run(a: Args) -> Result<()> {
         available,
         page_size,
         config.max_position_embeddings,
-        helper_positions(&l.model, &state, footprint, page_size),
+        helper_positions(&l.model, &seq, footprint, page_size),
     )?;
     let ctx = context.tokens;
     info!(
@@ -175,14 +176,14 @@ pub fn run(a: Args) -> Result<()> {
     }
     // With a helper the host keeps what fits here, older pages move out, unless
     // --host-kv-tokens said otherwise.
-    if !state.helpers.is_empty() && state.host_kv_tokens.is_none() {
-        state.host_kv_tokens = context.on_host;
+    if !seq.placement.helpers.is_empty() && seq.placement.host_kv_tokens.is_none() {
+        seq.placement.host_kv_tokens = context.on_host;
     }
     let prompt = ctx.min(2048);
     let plan = a.engine.helper.plan_for(
         &l.model,
-        serving_offers(&a.engine.helper, &state),
-        fixed(&state, page_size, a.ubatch),
+        serving_offers(&a.engine.helper, &seq),
+        fixed(&seq, page_size, a.ubatch),
         ctx,
         prompt,
     );
@@ -198,14 +199,14 @@ pub fn run(a: Args) -> Result<()> {
         "layers": config.layer_types,
         "page_size": page_size,
         "ubatch": split.ubatch,
-        "host_kv_tokens": a.engine.helper.host_kv_tokens().or(state.host_kv_tokens),
+        "host_kv_tokens": a.engine.helper.host_kv_tokens().or(seq.placement.host_kv_tokens),
         "context_tokens": ctx,
         "kv_bytes_per_position": 2 * config.num_key_value_heads * config.head_dim * size_of::<f32>(),
         "weights_bytes": l.model.weight_bytes(),
         "plan": plan.text,
         "link_capacity_bps": a.engine.helper.link_capacity_bps(),
     }));
-    state.telemetry = hub.telemetry();
+    seq.placement.telemetry = hub.telemetry();
     // Segments of whole ubatches (pairs stay pairs past interleave_from); with a helper long
     // enough that only one ubatch in 32 misses the pipeline (the last runs on the host).
     let segment = split.ubatch * if has_helpers { 32 } else { 4 };
@@ -216,7 +217,7 @@ pub fn run(a: Args) -> Result<()> {
             .filter_map(|t| l.tokenizer.token_id(t)),
     );
     let metrics = Arc::new(Metrics::default());
-    metrics.set_helpers_attached(state.helpers.len());
+    metrics.set_helpers_attached(seq.placement.helpers.len());
     let helpers = has_helpers.then(|| {
         Helpers::new(
             a.engine.helper.clone(),
@@ -255,11 +256,11 @@ pub fn run(a: Args) -> Result<()> {
         hub: hub.clone(),
     });
     let engine = Engine {
-        conversation: Conversation::new(&*backend, &state, a.checkpoints),
+        conversation: Conversation::new(&*backend, &seq.state, a.checkpoints),
         backend,
         tokenizer: l.tokenizer,
         model: l.model,
-        state,
+        seq,
         page_size,
         plan: split,
         segment,
@@ -355,26 +356,26 @@ impl Drop for CloseOnDrop {
 
 /// The helpers' offers a server plans with: the attached ones' (and the prefill helper's
 /// measured speeds), else one not known yet if helpers may come.
-pub fn serving_offers(h: &HelperArgs, state: &State) -> (Vec<u64>, Option<Speeds>) {
-    match state.helpers.is_empty() {
+pub fn serving_offers(h: &HelperArgs, seq: &Sequence) -> (Vec<u64>, Option<Speeds>) {
+    match seq.placement.helpers.is_empty() {
         true => (h.expected_offers(), None),
-        false => HelperArgs::offers(state),
+        false => HelperArgs::offers(seq),
     }
 }
 
 /// What a server fixed before planning: its page size, its ubatch on the host alone, and the
 /// host's KV budget its context rule chose.
-pub fn fixed(state: &State, page_size: usize, ubatch: usize) -> Fixed {
+pub fn fixed(seq: &Sequence, page_size: usize, ubatch: usize) -> Fixed {
     Fixed {
         page_size: Some(page_size),
         ubatch: Some(ubatch),
-        host_kv_tokens: state.host_kv_tokens,
+        host_kv_tokens: seq.placement.host_kv_tokens,
     }
 }
 
 /// Positions of KV the attached helpers offered to hold, each beside the DeltaNet states of
 /// the layers it runs in a split prefill (0 without a helper).
-fn helper_positions(model: &Model, state: &State, fp: Footprint, page_size: usize) -> usize {
+fn helper_positions(model: &Model, seq: &Sequence, fp: Footprint, page_size: usize) -> usize {
     let fits = |helper: &HelperClient| {
         let kv_only = Footprint {
             per_token: fp.per_token,
@@ -382,5 +383,5 @@ fn helper_positions(model: &Model, state: &State, fp: Footprint, page_size: usiz
         };
         kv_only.fitting(helper.helper.mem_offer, page_size)
     };
-    state.helpers.iter().map(fits).sum()
+    seq.placement.helpers.iter().map(fits).sum()
 }

@@ -7,12 +7,12 @@ use std::process::Command;
 use std::thread::JoinHandle;
 
 use engine_core::helper::{Helper, HelperOptions, SessionEnd};
+use engine_core::host::remote::DEFAULT_MAX_FRAME;
 use engine_core::link::doors;
 use engine_core::link::keys::KeyStore;
 use engine_core::link::secure::wire_limit;
 use engine_core::link::ws;
 use engine_core::link::LinkError;
-use engine_core::host::remote::DEFAULT_MAX_FRAME;
 use engine_core::CpuBackend;
 pub use tests::{SPLIT_FLAGS as SPLIT, SPLIT_PROMPT as PROMPT};
 

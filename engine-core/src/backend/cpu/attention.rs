@@ -6,7 +6,7 @@ use super::gemm::{product, Mat};
 use super::matmul::dot;
 use super::matmul::{axpy, dots_task};
 use crate::backend::AttnShape;
-use crate::kv::{KvPage, Merger, Partials};
+use crate::backend::{KvPage, Merger, Partials};
 
 /// Keys per task of the streamed form: a task reads whole key and value rows (every KV head),
 /// one after the other, so each thread streams contiguous memory. Split per KV head instead,
@@ -275,8 +275,8 @@ fn weights_values(weights: &[f32], values: Strided, out: &mut [f32]) {
 mod tests {
     use super::super::matmul::tests::values;
     use super::{attend_page, SPAN};
+    use crate::backend::KvPage;
     use crate::backend::{Act, AttnShape};
-    use crate::kv::KvPage;
 
     /// Attention of each query head over the keys it sees, in f64: (o, m, l) with `o`
     /// normalised and `l` relative to the largest score `m`.

@@ -17,9 +17,10 @@ use half::{bf16, f16};
 use super::quant_neon;
 #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 use super::quant_rows::Rows8;
-use super::{convert, spread};
+use super::spread;
 #[cfg(target_arch = "x86_64")]
 use super::{quant_dots, quant_panels};
+use crate::convert;
 #[cfg(target_arch = "x86_64")]
 use crate::tensor::DType;
 use crate::tensor::{match_quant, Data, Matrix, QuantBlock, QK_K};
@@ -554,7 +555,8 @@ mod blocked {
     use super::super::gemm::{gemm_f32, View};
     use std::cell::RefCell;
 
-    use super::{column_blocks, convert, rows_per_task};
+    use super::{column_blocks, rows_per_task};
+    use crate::convert;
     use crate::tensor::{Data, Matrix};
 
     /// Weight rows widened per `gemm` call. Throughput is flat from 64 to 256 rows (measured,

@@ -6,7 +6,6 @@
 //! values around as `Act` costs the CPU no copies.
 
 pub mod attention;
-pub mod convert;
 pub mod delta;
 mod gemm;
 pub mod matmul;
@@ -30,7 +29,7 @@ use std::ops::Range;
 use rayon::prelude::*;
 
 use super::{Act, ActPartials, AttnShape, Backend, DeltaInputs, DeltaShape, Param};
-use crate::kv::{KvPage, Merger, Partials};
+use crate::backend::{KvPage, Merger, Partials};
 use crate::tensor::Matrix;
 
 #[derive(Clone, Copy, Debug, Default)]

@@ -12,10 +12,10 @@ use std::sync::{Arc, Mutex};
 use super::ops::{self, GpuDeltaInputs, GpuKvPage, GpuPartials};
 use super::packing::quant_format;
 use super::{Gpu, GpuError, GpuMatrix, GpuOptions, GpuTensor, WeightFormat};
+use crate::backend::KvPage;
 use crate::backend::{
     Act, ActPartials, AttnShape, Backend, DeltaInputs, DeltaShape, Param, Readback,
 };
-use crate::kv::KvPage;
 use crate::tensor::{DType, Data, Matrix};
 
 pub struct GpuBackend {

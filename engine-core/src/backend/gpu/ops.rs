@@ -498,7 +498,7 @@ pub fn delta_rule_chunked(
 }
 
 /// KV rows of positions `start .. start + len` on the device: `k`, `v` `[len, kv_heads *
-/// head_dim]` (kv.rs's `KvPage`).
+/// head_dim]` (backend's `KvPage`).
 pub struct GpuKvPage {
     pub start: usize,
     pub len: usize,
@@ -506,7 +506,7 @@ pub struct GpuKvPage {
     pub v: GpuTensor,
 }
 
-/// Attention partials of `rows` (query row, head) pairs, kv.rs's `Partials` on the device:
+/// Attention partials of `rows` (query row, head) pairs, backend's `Partials` on the device:
 /// `o` `[rows, head_dim]` normalised by `l`, `m` the max scaled score, `l` the exp-sum; a row
 /// that saw no key has `m = -inf, l = 0, o = 0`.
 pub struct GpuPartials {

@@ -1,4 +1,5 @@
-//! Storage-dtype to f32 conversion, the inner loop of every bf16/f16 matmul.
+//! Storage-dtype to f32 conversion: the inner loop of every bf16/f16 matmul, and of reading
+//! a bf16/f16 tensor's rows to f32 (tensor.rs).
 
 use half::{bf16, f16};
 
