@@ -85,10 +85,12 @@ pub struct Configure {
     pub page_size: u32,
 }
 
-/// The messages, one entry each; the entry is all there is to a message's encoding. From the
-/// entries come [`MsgType`], [`Message`], `Message::msg_type`, the metadata and tensors `encode`
-/// writes and what `decode` reads and checks. An entry's doc comment goes on both enums; its
-/// code is the header's byte 3. Its payload takes one of four forms:
+/// The messages, one entry each; the entry is all there is to a message's encoding, so adding
+/// a message is adding an entry (and, for a request a helper serves, its handler in
+/// `helper/requests.rs`). From the entries come [`MsgType`], [`Message`], `Message::msg_type`,
+/// the metadata and tensors `encode` writes and what `decode` reads and checks. An entry's doc
+/// comment goes on both enums; its code is the header's byte 3. Its payload takes one of four
+/// forms:
 ///
 /// - `Name(Type) = code`: the metadata is `Type`'s own JSON object, no tensors.
 /// - `Name(Type) under key = code`: the metadata is `{"key": Type}`, no tensors.
@@ -96,8 +98,9 @@ pub struct Configure {
 /// - `Name { field: Type, .. } [tensor, list per field, ..] = code, check expr`: the fields
 ///   are the metadata, in order; the tensors, if any, follow in wire order: `tensor` is one
 ///   [`WireTensor`], `list per field` is a `Vec<(WireTensor, WireTensor)>` with one pair per
-///   entry of the metadata list `field`. `check` (a `Result<(), String>`, over the fields and
-///   tensors by name) runs once they are decoded; its error is the frame's.
+///   entry of the metadata list `field`. `check`, a `Result<(), String>` over the fields and
+///   tensors by name, runs once they are decoded; its error refuses the frame
+///   (`ProtocolError::Tensors`).
 ///
 /// A message without tensors must carry no data. Every message decodes by `decode`'s checks
 /// first: the frame limit, the lengths, then each tensor's description against the data.
@@ -174,8 +177,8 @@ macro_rules! messages {
                 }
             }
 
-            /// The message of a frame of type `payload.msg`.
-            fn decode(payload: Payload<'_>) -> Result<Message, ProtocolError> {
+            /// The message of a frame of type `payload.msg`, checked.
+            fn from_payload(payload: Payload<'_>) -> Result<Message, ProtocolError> {
                 Ok(match payload.msg {
                     $(
                         MsgType::$name => form!(@decode payload, $name
@@ -599,7 +602,7 @@ pub fn decode(frame: &[u8], max_frame: usize) -> Result<(u32, Message), Protocol
         meta: &frame[HEADER_LEN..HEADER_LEN + meta_len],
         data: &frame[HEADER_LEN + meta_len..],
     };
-    Ok((req, Message::decode(payload)?))
+    Ok((req, Message::from_payload(payload)?))
 }
 
 #[cfg(test)]
