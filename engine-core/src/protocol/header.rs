@@ -17,53 +17,8 @@ pub const MAGIC: [u8; 2] = *b"TH";
 pub const PROTOCOL_VERSION: u8 = 2;
 pub const HEADER_LEN: usize = 16;
 
-macro_rules! msg_types {
-    ($($name:ident = $code:literal, $doc:literal;)*) => {
-        /// What a frame carries. The code is the header's byte 3.
-        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-        pub enum MsgType {
-            $(#[doc = $doc] $name = $code,)*
-        }
-
-        impl MsgType {
-            pub const ALL: &'static [MsgType] = &[$(MsgType::$name),*];
-
-            pub fn from_code(code: u8) -> Option<MsgType> {
-                match code {
-                    $($code => Some(MsgType::$name),)*
-                    _ => None,
-                }
-            }
-
-            /// A stable name, used as the key of per-type byte counts.
-            pub fn name(self) -> &'static str {
-                match self {
-                    $(MsgType::$name => stringify!($name),)*
-                }
-            }
-        }
-    };
-}
-
-msg_types! {
-    Hello = 1, "Either side's introduction: version, model name and digest, role, memory, backends, frame limit.";
-    Welcome = 2, "The helper accepts a host's Hello.";
-    Configure = 3, "The host assigns layers and page geometry to the helper.";
-    PrefillChunk = 4, "Residual rows entering the helper's layers for one ubatch.";
-    ChunkState = 5, "New KV rows of the helper's full layers (and DeltaNet state at batch end).";
-    KvAppend = 6, "KV rows the helper keeps for a layer.";
-    KvTruncate = 7, "Drop positions at and after a length (a rewind).";
-    KvFetch = 8, "Ask for KV rows back.";
-    KvRows = 9, "KV rows, answering KvFetch.";
-    AttnQuery = 10, "A decode step's queries for one full-attention layer.";
-    AttnPartials = 11, "Per-page (o, m, l) partials answering AttnQuery.";
-    Stats = 12, "Counters of a peer.";
-    Ping = 13, "Liveness probe.";
-    Pong = 14, "Answer to Ping.";
-    Ack = 15, "A request without a payload answer completed.";
-    Error = 16, "A request failed; the message says why.";
-    Bye = 17, "Orderly close.";
-}
+/// The message types are described with the messages (`message.rs`).
+pub use super::message::MsgType;
 
 /// The message type of an encoded frame, if its header is well formed. Links use this to
 /// count bytes by type without decoding the payload.

@@ -12,7 +12,7 @@ use crate::printable::{printable, printable_json};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
-use super::header::{MsgType, HEADER_LEN, MAGIC, PROTOCOL_VERSION};
+use super::header::{HEADER_LEN, MAGIC, PROTOCOL_VERSION};
 use super::tensor::{TensorDesc, WireTensor};
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -85,20 +85,211 @@ pub struct Configure {
     pub page_size: u32,
 }
 
-#[derive(Clone, Debug, PartialEq)]
-pub enum Message {
-    Hello(Intro),
-    Welcome(Intro),
-    Configure(Configure),
+/// The messages, one entry each; the entry is all there is to a message's encoding, so adding
+/// a message is adding an entry (and, for a request a helper serves, its handler in
+/// `helper/requests.rs`). From the entries come [`MsgType`], [`Message`], `Message::msg_type`,
+/// the metadata and tensors `encode` writes and what `decode` reads and checks. An entry's doc
+/// comment goes on both enums; its code is the header's byte 3. Its payload takes one of four
+/// forms:
+///
+/// - `Name(Type) = code`: the metadata is `Type`'s own JSON object, no tensors.
+/// - `Name(Type) under key = code`: the metadata is `{"key": Type}`, no tensors.
+/// - `Name = code`: the metadata is `{}`, no tensors.
+/// - `Name { field: Type, .. } [tensor, list per field, ..] = code, check expr`: the fields
+///   are the metadata, in order; the tensors, if any, follow in wire order: `tensor` is one
+///   [`WireTensor`], `list per field` is a `Vec<(WireTensor, WireTensor)>` with one pair per
+///   entry of the metadata list `field`. `check`, a `Result<(), String>` over the fields and
+///   tensors by name, runs once they are decoded; its error refuses the frame
+///   (`ProtocolError::Tensors`).
+///
+/// A message without tensors must carry no data. Every message decodes by `decode`'s checks
+/// first: the frame limit, the lengths, then each tensor's description against the data.
+macro_rules! messages {
+    ($(
+        $(#[$doc:meta])*
+        $name:ident
+        $(($tuple:ty) $(under $key:ident)?)?
+        $({ $($field:ident: $fty:ty),* $(,)? } $([$($tensor:ident $(per $list:ident)?),* $(,)?])?)?
+        = $code:literal
+        $(, check $check:expr)?;
+    )*) => {
+        /// What a frame carries. The code is the header's byte 3.
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+        pub enum MsgType {
+            $($(#[$doc])* $name = $code,)*
+        }
+
+        impl MsgType {
+            pub const ALL: &'static [MsgType] = &[$(MsgType::$name),*];
+
+            pub fn from_code(code: u8) -> Option<MsgType> {
+                match code {
+                    $($code => Some(MsgType::$name),)*
+                    _ => None,
+                }
+            }
+
+            /// A stable name, used as the key of per-type byte counts.
+            pub fn name(self) -> &'static str {
+                match self {
+                    $(MsgType::$name => stringify!($name),)*
+                }
+            }
+        }
+
+        #[derive(Clone, Debug, PartialEq)]
+        pub enum Message {
+            $(
+                $(#[$doc])*
+                $name
+                $(($tuple))?
+                $({
+                    $($field: $fty,)*
+                    $($($tensor: form!(@type $($list)?),)*)?
+                })?,
+            )*
+        }
+
+        /// The metadata of each message that is not a type of its own, as decoded.
+        mod meta {
+            use super::*;
+
+            $(form!(@meta $name $(($tuple) $(under $key)?)? $({ $($field: $fty),* })?);)*
+        }
+
+        impl Message {
+            pub fn msg_type(&self) -> MsgType {
+                match self {
+                    $(Message::$name { .. } => MsgType::$name,)*
+                }
+            }
+
+            /// The metadata and the tensors, in wire order.
+            fn parts(&self) -> (serde_json::Value, Vec<&WireTensor>) {
+                match self {
+                    $(
+                        form!(@pattern body, $name
+                            $(($tuple))? $({ $($field),* } $([$($tensor),*])?)?)
+                        => form!(@parts body
+                            $(($tuple) $(under $key)?)?
+                            $({ $($field),* } $([$($tensor $(per $list)?),*])?)?),
+                    )*
+                }
+            }
+
+            /// The message of a frame of type `payload.msg`, checked.
+            fn from_payload(payload: Payload<'_>) -> Result<Message, ProtocolError> {
+                Ok(match payload.msg {
+                    $(
+                        MsgType::$name => form!(@decode payload, $name
+                            $(($tuple) $(under $key)?)?
+                            $({ $($field),* } $([$($tensor $(per $list)?),*])?)?
+                            $(check $check)?),
+                    )*
+                })
+            }
+        }
+    };
+}
+
+/// One piece of `messages!`'s code for one message, by the form of its entry.
+macro_rules! form {
+    // The Rust type of a tensor field.
+    (@type) => { WireTensor };
+    (@type $list:ident) => { Vec<(WireTensor, WireTensor)> };
+
+    // The decoded metadata's struct, for the forms that need one.
+    (@meta $name:ident ($tuple:ty)) => {};
+    (@meta $name:ident ($tuple:ty) under $key:ident) => {
+        #[derive(Deserialize)]
+        pub(super) struct $name {
+            pub(super) $key: $tuple,
+        }
+    };
+    (@meta $name:ident) => {
+        #[derive(Deserialize)]
+        pub(super) struct $name {}
+    };
+    (@meta $name:ident { $($field:ident: $fty:ty),* }) => {
+        #[derive(Deserialize)]
+        pub(super) struct $name {
+            $(pub(super) $field: $fty,)*
+        }
+    };
+
+    // A pattern binding the message's contents (by reference).
+    (@pattern $body:ident, $name:ident ($tuple:ty)) => { Message::$name($body) };
+    (@pattern $body:ident, $name:ident) => { Message::$name };
+    (@pattern $body:ident, $name:ident { $($field:ident),* } $([$($tensor:ident),*])?) => {
+        Message::$name { $($field,)* $($($tensor,)*)? }
+    };
+
+    // Metadata and tensors for `encode`.
+    (@parts $body:ident ($tuple:ty)) => { (json($body), Vec::new()) };
+    (@parts $body:ident ($tuple:ty) under $key:ident) => {
+        (object([(stringify!($key), json($body))]), Vec::new())
+    };
+    (@parts $body:ident) => { (object([]), Vec::new()) };
+    (@parts $body:ident { $($field:ident),* } $([$($tensor:ident $(per $list:ident)?),*])?) => {
+        (
+            object([$((stringify!($field), json($field))),*]),
+            std::iter::empty()
+                $($(.chain(form!(@wire $tensor $($list)?)))*)?
+                .collect(),
+        )
+    };
+    (@wire $tensor:ident) => { [$tensor] };
+    (@wire $tensor:ident $list:ident) => { $tensor.iter().flat_map(|(a, b)| [a, b]) };
+
+    // The message decoded from a payload (and checked).
+    (@decode $p:ident, $name:ident ($tuple:ty)) => { Message::$name($p.plain::<$tuple>()?) };
+    (@decode $p:ident, $name:ident ($tuple:ty) under $key:ident) => {
+        Message::$name($p.plain::<meta::$name>()?.$key)
+    };
+    (@decode $p:ident, $name:ident) => {{
+        $p.plain::<meta::$name>()?;
+        Message::$name
+    }};
+    (@decode $p:ident, $name:ident { $($field:ident),* }) => {{
+        let meta::$name { $($field),* } = $p.plain()?;
+        Message::$name { $($field),* }
+    }};
+    (@decode $p:ident, $name:ident { $($field:ident),* }
+        [$($tensor:ident $(per $list:ident)?),*] $(check $check:expr)?) => {{
+        let (meta::$name { $($field),* }, mut tensors) = $p.with_tensors()?;
+        let count = [$(form!(@count $($list)?)),*]
+            .into_iter()
+            .try_fold(0usize, |n, more| n.checked_add(more?));
+        tensors.expect_count(count.unwrap_or(usize::MAX))?;
+        $(let $tensor: form!(@type $($list)?) = form!(@take tensors $($list)?);)*
+        $($check.map_err(|reason| $p.tensors_err(reason))?;)?
+        Message::$name { $($field,)* $($tensor,)* }
+    }};
+    (@count) => { Some(1) };
+    (@count $list:ident) => { $list.len().checked_mul(2) };
+    (@take $r:ident) => { $r.take() };
+    (@take $r:ident $list:ident) => { $list.iter().map(|_| ($r.take(), $r.take())).collect() };
+}
+
+messages! {
+    /// Either side's introduction: version, model name and digest, role, memory, backends,
+    /// frame limit.
+    Hello(Intro) = 1;
+    /// The helper accepts a host's Hello.
+    Welcome(Intro) = 2;
+    /// The host assigns layers and page geometry to the helper.
+    Configure(Configure) = 3;
+    /// Residual rows entering the helper's layers for one ubatch.
+    ///
     /// Residual rows `[rows, hidden]` entering layer `first_layer` for positions `pos ..`;
     /// `want_state` asks for the DeltaNet states after this chunk (the batch's last for the
     /// helper).
-    PrefillChunk {
-        seq: u64,
-        pos: u64,
-        want_state: bool,
-        residual: WireTensor,
-    },
+    PrefillChunk { seq: u64, pos: u64, want_state: bool } [residual] = 4,
+    check ensure(residual.shape.len() == 2, || {
+        format!("residual must be [rows, hidden], got {:?}", residual.shape)
+    });
+    /// New KV rows of the helper's full layers (and DeltaNet state at batch end).
+    ///
     /// The helper's new KV rows `[rows, kv_heads * head_dim]` per full-attention layer it runs
     /// (`kv_layers[i]` owns `kv[i]`), and at batch end its DeltaNet states (`delta_layers[i]`
     /// owns `states[i] = (s [v_heads, dk, dv], conv [kernel - 1, conv_dim])`).
@@ -106,320 +297,103 @@ pub enum Message {
         seq: u64,
         pos: u64,
         kv_layers: Vec<u32>,
-        kv: Vec<(WireTensor, WireTensor)>,
         delta_layers: Vec<u32>,
-        states: Vec<(WireTensor, WireTensor)>,
-    },
+    } [kv per kv_layers, states per delta_layers] = 5,
+    check kv.iter().try_for_each(|(k, v)| rows(k, v));
+    /// KV rows the helper keeps for a layer.
+    ///
     /// KV rows `[rows, kv_heads * head_dim]` of one layer at positions `start ..`.
-    KvAppend {
-        seq: u64,
-        layer: u32,
-        start: u64,
-        k: WireTensor,
-        v: WireTensor,
-    },
-    KvTruncate {
-        seq: u64,
-        len: u64,
-    },
-    KvFetch {
-        seq: u64,
-        layer: u32,
-        start: u64,
-        len: u64,
-    },
-    KvRows {
-        seq: u64,
-        layer: u32,
-        start: u64,
-        k: WireTensor,
-        v: WireTensor,
-    },
+    KvAppend { seq: u64, layer: u32, start: u64 } [k, v] = 6, check rows(&k, &v);
+    /// Drop positions at and after a length (a rewind).
+    KvTruncate { seq: u64, len: u64 } = 7;
+    /// Ask for KV rows back.
+    KvFetch { seq: u64, layer: u32, start: u64, len: u64 } = 8;
+    /// KV rows, answering KvFetch.
+    KvRows { seq: u64, layer: u32, start: u64 } [k, v] = 9, check rows(&k, &v);
+    /// A decode step's queries for one full-attention layer.
+    ///
     /// Scaled queries `[t, q_heads, head_dim]` of one layer at absolute `positions`, over the
     /// helper's pages below position `end` (the ones the host has handed over).
-    AttnQuery {
-        seq: u64,
-        layer: u32,
-        positions: Vec<u64>,
-        end: u64,
-        q: WireTensor,
-    },
+    AttnQuery { seq: u64, layer: u32, positions: Vec<u64>, end: u64 } [q] = 10,
+    check ensure(q.shape.len() == 3 && q.shape[0] == positions.len(), || {
+        format!(
+            "q must be [positions ({}), heads, head_dim], got {:?}",
+            positions.len(),
+            q.shape
+        )
+    });
+    /// Per-page (o, m, l) partials answering AttnQuery.
+    ///
     /// One partial per page the helper holds, in page order: `o [pages, t * q_heads, head_dim]`,
     /// `m` and `l` `[pages, t * q_heads]`; `page_starts[i]` is page i's first position.
-    AttnPartials {
-        seq: u64,
-        layer: u32,
-        page_starts: Vec<u64>,
-        o: WireTensor,
-        m: WireTensor,
-        l: WireTensor,
-    },
-    Stats(BTreeMap<String, u64>),
-    Ping {
-        nonce: u64,
-    },
-    Pong {
-        nonce: u64,
-    },
-    Ack,
-    Error {
-        code: String,
-        message: String,
-    },
-    Bye {
-        reason: String,
-    },
-}
-
-/// Metadata of each message type: the typed fields plus the tensor descriptions.
-#[derive(Serialize, Deserialize)]
-struct Meta<T> {
-    #[serde(flatten)]
-    body: T,
-    #[serde(default)]
-    tensors: Vec<TensorDesc>,
-}
-
-#[derive(Serialize, Deserialize)]
-struct ChunkMeta {
-    seq: u64,
-    pos: u64,
-    want_state: bool,
-}
-
-#[derive(Serialize, Deserialize)]
-struct ChunkStateMeta {
-    seq: u64,
-    pos: u64,
-    kv_layers: Vec<u32>,
-    delta_layers: Vec<u32>,
-}
-
-#[derive(Serialize, Deserialize)]
-struct LayerRows {
-    seq: u64,
-    layer: u32,
-    start: u64,
-}
-
-#[derive(Serialize, Deserialize)]
-struct Truncate {
-    seq: u64,
-    len: u64,
-}
-
-#[derive(Serialize, Deserialize)]
-struct Fetch {
-    seq: u64,
-    layer: u32,
-    start: u64,
-    len: u64,
-}
-
-#[derive(Serialize, Deserialize)]
-struct Query {
-    seq: u64,
-    layer: u32,
-    positions: Vec<u64>,
-    end: u64,
-}
-
-#[derive(Serialize, Deserialize)]
-struct PartialsMeta {
-    seq: u64,
-    layer: u32,
-    page_starts: Vec<u64>,
-}
-
-#[derive(Serialize, Deserialize)]
-struct Nonce {
-    nonce: u64,
-}
-
-#[derive(Serialize, Deserialize)]
-struct ErrorMeta {
-    code: String,
-    message: String,
-}
-
-#[derive(Serialize, Deserialize)]
-struct ByeMeta {
-    reason: String,
-}
-
-#[derive(Serialize, Deserialize)]
-struct Empty {}
-
-/// Counters sit under their own key so no counter name can collide with `tensors`.
-#[derive(Serialize, Deserialize)]
-struct StatsMeta {
-    counters: BTreeMap<String, u64>,
+    AttnPartials { seq: u64, layer: u32, page_starts: Vec<u64> } [o, m, l] = 11,
+    check partials(page_starts.len(), &o, &m, &l);
+    /// Counters of a peer.
+    ///
+    /// They sit under their own key so no counter name can collide with `tensors`.
+    Stats(BTreeMap<String, u64>) under counters = 12;
+    /// Liveness probe.
+    Ping { nonce: u64 } = 13;
+    /// Answer to Ping.
+    Pong { nonce: u64 } = 14;
+    /// A request without a payload answer completed.
+    Ack = 15;
+    /// A request failed; the message says why.
+    Error { code: String, message: String } = 16;
+    /// Orderly close.
+    Bye { reason: String } = 17;
 }
 
 impl Message {
-    pub fn msg_type(&self) -> MsgType {
-        match self {
-            Message::Hello(_) => MsgType::Hello,
-            Message::Welcome(_) => MsgType::Welcome,
-            Message::Configure(_) => MsgType::Configure,
-            Message::PrefillChunk { .. } => MsgType::PrefillChunk,
-            Message::ChunkState { .. } => MsgType::ChunkState,
-            Message::KvAppend { .. } => MsgType::KvAppend,
-            Message::KvTruncate { .. } => MsgType::KvTruncate,
-            Message::KvFetch { .. } => MsgType::KvFetch,
-            Message::KvRows { .. } => MsgType::KvRows,
-            Message::AttnQuery { .. } => MsgType::AttnQuery,
-            Message::AttnPartials { .. } => MsgType::AttnPartials,
-            Message::Stats(_) => MsgType::Stats,
-            Message::Ping { .. } => MsgType::Ping,
-            Message::Pong { .. } => MsgType::Pong,
-            Message::Ack => MsgType::Ack,
-            Message::Error { .. } => MsgType::Error,
-            Message::Bye { .. } => MsgType::Bye,
-        }
-    }
-
     pub fn error(code: &str, message: impl Into<String>) -> Message {
         Message::Error {
             code: code.to_string(),
             message: message.into(),
         }
     }
+}
 
-    /// The typed metadata and the tensors, in wire order.
-    fn parts(&self) -> (serde_json::Value, Vec<&WireTensor>) {
-        fn v<T: Serialize>(t: T) -> serde_json::Value {
-            serde_json::to_value(t).expect("metadata serialises")
-        }
-        match self {
-            Message::Hello(i) | Message::Welcome(i) => (v(i), vec![]),
-            Message::Configure(c) => (v(c), vec![]),
-            Message::PrefillChunk {
-                seq,
-                pos,
-                want_state,
-                residual,
-            } => (
-                v(ChunkMeta {
-                    seq: *seq,
-                    pos: *pos,
-                    want_state: *want_state,
-                }),
-                vec![residual],
-            ),
-            Message::ChunkState {
-                seq,
-                pos,
-                kv_layers,
-                kv,
-                delta_layers,
-                states,
-            } => (
-                v(ChunkStateMeta {
-                    seq: *seq,
-                    pos: *pos,
-                    kv_layers: kv_layers.clone(),
-                    delta_layers: delta_layers.clone(),
-                }),
-                kv.iter().chain(states).flat_map(|(a, b)| [a, b]).collect(),
-            ),
-            Message::KvAppend {
-                seq,
-                layer,
-                start,
-                k,
-                v: vv,
-            }
-            | Message::KvRows {
-                seq,
-                layer,
-                start,
-                k,
-                v: vv,
-            } => (
-                v(LayerRows {
-                    seq: *seq,
-                    layer: *layer,
-                    start: *start,
-                }),
-                vec![k, vv],
-            ),
-            Message::KvTruncate { seq, len } => (
-                v(Truncate {
-                    seq: *seq,
-                    len: *len,
-                }),
-                vec![],
-            ),
-            Message::KvFetch {
-                seq,
-                layer,
-                start,
-                len,
-            } => (
-                v(Fetch {
-                    seq: *seq,
-                    layer: *layer,
-                    start: *start,
-                    len: *len,
-                }),
-                vec![],
-            ),
-            Message::AttnQuery {
-                seq,
-                layer,
-                positions,
-                end,
-                q,
-            } => (
-                v(Query {
-                    seq: *seq,
-                    layer: *layer,
-                    positions: positions.clone(),
-                    end: *end,
-                }),
-                vec![q],
-            ),
-            Message::AttnPartials {
-                seq,
-                layer,
-                page_starts,
-                o,
-                m,
-                l,
-            } => (
-                v(PartialsMeta {
-                    seq: *seq,
-                    layer: *layer,
-                    page_starts: page_starts.clone(),
-                }),
-                vec![o, m, l],
-            ),
-            Message::Stats(s) => (
-                v(StatsMeta {
-                    counters: s.clone(),
-                }),
-                vec![],
-            ),
-            Message::Ping { nonce } | Message::Pong { nonce } => {
-                (v(Nonce { nonce: *nonce }), vec![])
-            }
-            Message::Ack => (v(Empty {}), vec![]),
-            Message::Error { code, message } => (
-                v(ErrorMeta {
-                    code: code.clone(),
-                    message: message.clone(),
-                }),
-                vec![],
-            ),
-            Message::Bye { reason } => (
-                v(ByeMeta {
-                    reason: reason.clone(),
-                }),
-                vec![],
-            ),
-        }
+/// `Ok` if `ok`, else the reason `why` gives.
+fn ensure(ok: bool, why: impl FnOnce() -> String) -> Result<(), String> {
+    if ok {
+        Ok(())
+    } else {
+        Err(why())
     }
+}
+
+/// `k` and `v` rows: rank 2, same shape.
+fn rows(k: &WireTensor, v: &WireTensor) -> Result<(), String> {
+    ensure(k.shape.len() == 2 && k.shape == v.shape, || {
+        format!(
+            "k and v must be [rows, width] of one shape, got {:?} and {:?}",
+            k.shape, v.shape
+        )
+    })
+}
+
+/// One partial per page: `o [pages, rows, head_dim]`, `m` and `l` `[pages, rows]`.
+fn partials(pages: usize, o: &WireTensor, m: &WireTensor, l: &WireTensor) -> Result<(), String> {
+    let ok = o.shape.len() == 3
+        && o.shape[0] == pages
+        && m.shape == o.shape[..2]
+        && l.shape == o.shape[..2];
+    ensure(ok, || {
+        format!(
+            "partials of {pages} pages must be o [pages, rows, head_dim], m and l [pages, rows]; got {:?}, {:?}, {:?}",
+            o.shape, m.shape, l.shape
+        )
+    })
+}
+
+/// Metadata as JSON.
+fn json<T: Serialize>(t: T) -> serde_json::Value {
+    serde_json::to_value(t).expect("metadata serialises")
+}
+
+/// A JSON object of `fields`, in order (as a struct of them serialises).
+fn object<const N: usize>(fields: [(&str, serde_json::Value); N]) -> serde_json::Value {
+    serde_json::Value::Object(fields.into_iter().map(|(k, v)| (k.into(), v)).collect())
 }
 
 /// Encode `msg` as one frame with request id `req`.
@@ -536,22 +510,49 @@ fn meta<T: DeserializeOwned>(msg: MsgType, bytes: &[u8]) -> Result<Meta<T>, Prot
     serde_json::from_value(printable_json(value)).map_err(err)
 }
 
-fn shape_err(msg: MsgType, reason: String) -> ProtocolError {
-    ProtocolError::Tensors { msg, reason }
+/// A frame's metadata: the message's fields and the tensors' descriptions.
+#[derive(Deserialize)]
+struct Meta<T> {
+    #[serde(flatten)]
+    body: T,
+    #[serde(default)]
+    tensors: Vec<TensorDesc>,
 }
 
-/// `k` and `v` rows: rank 2, same shape.
-fn check_rows(msg: MsgType, k: &WireTensor, v: &WireTensor) -> Result<(), ProtocolError> {
-    if k.shape.len() != 2 || k.shape != v.shape {
-        return Err(shape_err(
-            msg,
-            format!(
-                "k and v must be [rows, width] of one shape, got {:?} and {:?}",
-                k.shape, v.shape
-            ),
-        ));
+/// A frame's metadata and data, for the message type its header names.
+struct Payload<'a> {
+    msg: MsgType,
+    meta: &'a [u8],
+    data: &'a [u8],
+}
+
+impl<'a> Payload<'a> {
+    /// The metadata of a message without tensors, which must not carry data either.
+    fn plain<T: DeserializeOwned>(&self) -> Result<T, ProtocolError> {
+        let m: Meta<T> = meta(self.msg, self.meta)?;
+        if !m.tensors.is_empty() {
+            let n = m.tensors.len();
+            return Err(self.tensors_err(format!("carries {n} tensors, expected none")));
+        }
+        if !self.data.is_empty() {
+            let n = self.data.len();
+            return Err(self.tensors_err(format!("{n} data bytes, expected none")));
+        }
+        Ok(m.body)
     }
-    Ok(())
+
+    /// The metadata of a message with tensors, and its tensors, checked against the data.
+    fn with_tensors<T: DeserializeOwned>(&self) -> Result<(T, TensorReader<'a>), ProtocolError> {
+        let m: Meta<T> = meta(self.msg, self.meta)?;
+        Ok((m.body, TensorReader::new(self.msg, m.tensors, self.data)?))
+    }
+
+    fn tensors_err(&self, reason: String) -> ProtocolError {
+        ProtocolError::Tensors {
+            msg: self.msg,
+            reason,
+        }
+    }
 }
 
 /// Decode one frame. `max_frame` is the limit agreed in the handshake.
@@ -596,192 +597,188 @@ pub fn decode(frame: &[u8], max_frame: usize) -> Result<(u32, Message), Protocol
             extra: frame.len() - need,
         });
     }
-    let meta_bytes = &frame[HEADER_LEN..HEADER_LEN + meta_len];
-    let data = &frame[HEADER_LEN + meta_len..];
-    let no_tensors = |descs: &[TensorDesc]| -> Result<(), ProtocolError> {
-        if descs.is_empty() {
-            Ok(())
-        } else {
-            Err(shape_err(
-                msg,
-                format!("carries {} tensors, expected none", descs.len()),
-            ))
-        }
+    let payload = Payload {
+        msg,
+        meta: &frame[HEADER_LEN..HEADER_LEN + meta_len],
+        data: &frame[HEADER_LEN + meta_len..],
     };
-    // Messages without tensors must not carry data either.
-    macro_rules! plain {
-        ($t:ty) => {{
-            let m: Meta<$t> = meta(msg, meta_bytes)?;
-            no_tensors(&m.tensors)?;
-            if !data.is_empty() {
-                return Err(shape_err(
-                    msg,
-                    format!("{} data bytes, expected none", data.len()),
-                ));
-            }
-            m.body
-        }};
+    Ok((req, Message::from_payload(payload)?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A tensor of `shape` whose every value is `n`: the `n`-th tensor on the wire.
+    fn t(n: u8, shape: &[usize]) -> WireTensor {
+        WireTensor::f32(shape.to_vec(), vec![f32::from(n); shape.iter().product()])
     }
-    let message = match msg {
-        MsgType::Hello => Message::Hello(plain!(Intro)),
-        MsgType::Welcome => Message::Welcome(plain!(Intro)),
-        MsgType::Configure => Message::Configure(plain!(Configure)),
-        MsgType::KvTruncate => {
-            let b = plain!(Truncate);
-            Message::KvTruncate {
-                seq: b.seq,
-                len: b.len,
-            }
-        }
-        MsgType::KvFetch => {
-            let b = plain!(Fetch);
-            Message::KvFetch {
-                seq: b.seq,
-                layer: b.layer,
-                start: b.start,
-                len: b.len,
-            }
-        }
-        MsgType::Stats => Message::Stats(plain!(StatsMeta).counters),
-        MsgType::Ping => Message::Ping {
-            nonce: plain!(Nonce).nonce,
-        },
-        MsgType::Pong => Message::Pong {
-            nonce: plain!(Nonce).nonce,
-        },
-        MsgType::Ack => {
-            plain!(Empty);
-            Message::Ack
-        }
-        MsgType::Error => {
-            let b = plain!(ErrorMeta);
-            Message::Error {
-                code: b.code,
-                message: b.message,
-            }
-        }
-        MsgType::Bye => Message::Bye {
-            reason: plain!(ByeMeta).reason,
-        },
-        MsgType::PrefillChunk => {
-            let m: Meta<ChunkMeta> = meta(msg, meta_bytes)?;
-            let mut r = TensorReader::new(msg, m.tensors, data)?;
-            r.expect_count(1)?;
-            let residual = r.take();
-            if residual.shape.len() != 2 {
-                return Err(shape_err(
-                    msg,
-                    format!("residual must be [rows, hidden], got {:?}", residual.shape),
-                ));
-            }
-            Message::PrefillChunk {
-                seq: m.body.seq,
-                pos: m.body.pos,
-                want_state: m.body.want_state,
-                residual,
-            }
-        }
-        MsgType::ChunkState => {
-            let m: Meta<ChunkStateMeta> = meta(msg, meta_bytes)?;
-            let b = m.body;
-            let mut r = TensorReader::new(msg, m.tensors, data)?;
-            let pairs = b.kv_layers.len().checked_add(b.delta_layers.len());
-            r.expect_count(pairs.and_then(|p| p.checked_mul(2)).unwrap_or(usize::MAX))?;
-            let kv: Vec<(WireTensor, WireTensor)> =
-                b.kv_layers.iter().map(|_| (r.take(), r.take())).collect();
-            for (k, v) in &kv {
-                check_rows(msg, k, v)?;
-            }
-            let states = b
-                .delta_layers
-                .iter()
-                .map(|_| (r.take(), r.take()))
-                .collect();
-            Message::ChunkState {
-                seq: b.seq,
-                pos: b.pos,
-                kv_layers: b.kv_layers,
-                kv,
-                delta_layers: b.delta_layers,
-                states,
-            }
-        }
-        MsgType::KvAppend | MsgType::KvRows => {
-            let m: Meta<LayerRows> = meta(msg, meta_bytes)?;
-            let mut r = TensorReader::new(msg, m.tensors, data)?;
-            r.expect_count(2)?;
-            let (k, v) = (r.take(), r.take());
-            check_rows(msg, &k, &v)?;
-            let b = m.body;
-            if msg == MsgType::KvAppend {
+
+    /// One message of type `ty` with every field set, its metadata as sent, and the values of
+    /// its tensors in wire order. The match names every type: a new message needs one here.
+    fn sample(ty: MsgType) -> (Message, &'static str, Vec<u8>) {
+        let intro = |role| Intro {
+            version: PROTOCOL_VERSION,
+            model: "m".into(),
+            model_digest: "d".into(),
+            role,
+            mem_offer: 5,
+            backends: vec!["cpu".into()],
+            max_frame: 6,
+            device: "tab".into(),
+        };
+        match ty {
+            MsgType::Hello => (
+                Message::Hello(intro(Role::Host)),
+                r#"{"backends":["cpu"],"device":"tab","max_frame":6,"mem_offer":5,"model":"m","model_digest":"d","role":"host","version":2}"#,
+                vec![],
+            ),
+            MsgType::Welcome => (
+                Message::Welcome(intro(Role::Helper)),
+                r#"{"backends":["cpu"],"device":"tab","max_frame":6,"mem_offer":5,"model":"m","model_digest":"d","role":"helper","version":2}"#,
+                vec![],
+            ),
+            MsgType::Configure => (
+                Message::Configure(Configure {
+                    first_layer: 1,
+                    end_layer: 2,
+                    page_size: 3,
+                }),
+                r#"{"end_layer":2,"first_layer":1,"page_size":3}"#,
+                vec![],
+            ),
+            MsgType::PrefillChunk => (
+                Message::PrefillChunk {
+                    seq: 1,
+                    pos: 2,
+                    want_state: true,
+                    residual: t(1, &[2, 3]),
+                },
+                r#"{"pos":2,"seq":1,"tensors":[{"dtype":"f32","shape":[2,3]}],"want_state":true}"#,
+                vec![1; 6],
+            ),
+            MsgType::ChunkState => (
+                Message::ChunkState {
+                    seq: 1,
+                    pos: 2,
+                    kv_layers: vec![3],
+                    kv: vec![(t(1, &[1, 2]), t(2, &[1, 2]))],
+                    delta_layers: vec![0, 1],
+                    states: vec![(t(3, &[1]), t(4, &[2])), (t(5, &[3]), t(6, &[1]))],
+                },
+                r#"{"delta_layers":[0,1],"kv_layers":[3],"pos":2,"seq":1,"tensors":[{"dtype":"f32","shape":[1,2]},{"dtype":"f32","shape":[1,2]},{"dtype":"f32","shape":[1]},{"dtype":"f32","shape":[2]},{"dtype":"f32","shape":[3]},{"dtype":"f32","shape":[1]}]}"#,
+                vec![1, 1, 2, 2, 3, 4, 4, 5, 5, 5, 6],
+            ),
+            MsgType::KvAppend => (
                 Message::KvAppend {
-                    seq: b.seq,
-                    layer: b.layer,
-                    start: b.start,
-                    k,
-                    v,
-                }
-            } else {
+                    seq: 1,
+                    layer: 2,
+                    start: 3,
+                    k: t(1, &[1, 2]),
+                    v: t(2, &[1, 2]),
+                },
+                r#"{"layer":2,"seq":1,"start":3,"tensors":[{"dtype":"f32","shape":[1,2]},{"dtype":"f32","shape":[1,2]}]}"#,
+                vec![1, 1, 2, 2],
+            ),
+            MsgType::KvTruncate => (
+                Message::KvTruncate { seq: 1, len: 2 },
+                r#"{"len":2,"seq":1}"#,
+                vec![],
+            ),
+            MsgType::KvFetch => (
+                Message::KvFetch {
+                    seq: 1,
+                    layer: 2,
+                    start: 3,
+                    len: 4,
+                },
+                r#"{"layer":2,"len":4,"seq":1,"start":3}"#,
+                vec![],
+            ),
+            MsgType::KvRows => (
                 Message::KvRows {
-                    seq: b.seq,
-                    layer: b.layer,
-                    start: b.start,
-                    k,
-                    v,
-                }
-            }
+                    seq: 1,
+                    layer: 2,
+                    start: 3,
+                    k: t(1, &[2, 1]),
+                    v: t(2, &[2, 1]),
+                },
+                r#"{"layer":2,"seq":1,"start":3,"tensors":[{"dtype":"f32","shape":[2,1]},{"dtype":"f32","shape":[2,1]}]}"#,
+                vec![1, 1, 2, 2],
+            ),
+            MsgType::AttnQuery => (
+                Message::AttnQuery {
+                    seq: 1,
+                    layer: 2,
+                    positions: vec![3, 4],
+                    end: 5,
+                    q: t(1, &[2, 1, 3]),
+                },
+                r#"{"end":5,"layer":2,"positions":[3,4],"seq":1,"tensors":[{"dtype":"f32","shape":[2,1,3]}]}"#,
+                vec![1; 6],
+            ),
+            MsgType::AttnPartials => (
+                Message::AttnPartials {
+                    seq: 1,
+                    layer: 2,
+                    page_starts: vec![0, 8],
+                    o: t(1, &[2, 1, 3]),
+                    m: t(2, &[2, 1]),
+                    l: t(3, &[2, 1]),
+                },
+                r#"{"layer":2,"page_starts":[0,8],"seq":1,"tensors":[{"dtype":"f32","shape":[2,1,3]},{"dtype":"f32","shape":[2,1]},{"dtype":"f32","shape":[2,1]}]}"#,
+                vec![1, 1, 1, 1, 1, 1, 2, 2, 3, 3],
+            ),
+            MsgType::Stats => (
+                Message::Stats([("tensors".to_string(), 1)].into_iter().collect()),
+                r#"{"counters":{"tensors":1}}"#,
+                vec![],
+            ),
+            MsgType::Ping => (Message::Ping { nonce: 1 }, r#"{"nonce":1}"#, vec![]),
+            MsgType::Pong => (Message::Pong { nonce: 2 }, r#"{"nonce":2}"#, vec![]),
+            MsgType::Ack => (Message::Ack, "{}", vec![]),
+            MsgType::Error => (
+                Message::error("c", "m"),
+                r#"{"code":"c","message":"m"}"#,
+                vec![],
+            ),
+            MsgType::Bye => (
+                Message::Bye { reason: "r".into() },
+                r#"{"reason":"r"}"#,
+                vec![],
+            ),
         }
-        MsgType::AttnQuery => {
-            let m: Meta<Query> = meta(msg, meta_bytes)?;
-            let mut r = TensorReader::new(msg, m.tensors, data)?;
-            r.expect_count(1)?;
-            let q = r.take();
-            if q.shape.len() != 3 || q.shape[0] != m.body.positions.len() {
-                return Err(shape_err(
-                    msg,
-                    format!(
-                        "q must be [positions ({}), heads, head_dim], got {:?}",
-                        m.body.positions.len(),
-                        q.shape
-                    ),
-                ));
-            }
-            Message::AttnQuery {
-                seq: m.body.seq,
-                layer: m.body.layer,
-                positions: m.body.positions,
-                end: m.body.end,
-                q,
-            }
+    }
+
+    /// Every message type's frame, byte for byte (header, metadata, tensors in order), and its
+    /// way back to the same message: a field or tensor the description lost would show here.
+    #[test]
+    fn every_message_has_its_wire_form_and_round_trips() {
+        for (code, &ty) in (1u8..).zip(MsgType::ALL) {
+            let (msg, meta, values) = sample(ty);
+            assert_eq!(msg.msg_type(), ty);
+            assert_eq!(ty as u8, code, "{ty:?}");
+            assert_eq!(MsgType::from_code(code), Some(ty));
+            assert_eq!(ty.name(), format!("{ty:?}"));
+            let data: Vec<u8> = values
+                .into_iter()
+                .flat_map(|n| f32::from(n).to_le_bytes())
+                .collect();
+            let frame = encode(0x0403_0201, &msg);
+            let head = [
+                &b"TH"[..],
+                &[PROTOCOL_VERSION, code, 1, 2, 3, 4],
+                &(meta.len() as u32).to_le_bytes(),
+                &(data.len() as u32).to_le_bytes(),
+            ]
+            .concat();
+            assert_eq!(frame[..HEADER_LEN], head, "{ty:?}");
+            let (sent_meta, sent_data) = frame[HEADER_LEN..].split_at(meta.len());
+            assert_eq!(std::str::from_utf8(sent_meta), Ok(meta), "{ty:?}");
+            assert_eq!(sent_data, data, "{ty:?}");
+            assert_eq!(decode(&frame, 1 << 20), Ok((0x0403_0201, msg)));
         }
-        MsgType::AttnPartials => {
-            let m: Meta<PartialsMeta> = meta(msg, meta_bytes)?;
-            let mut r = TensorReader::new(msg, m.tensors, data)?;
-            r.expect_count(3)?;
-            let (o, mm, l) = (r.take(), r.take(), r.take());
-            let pages = m.body.page_starts.len();
-            let ok = o.shape.len() == 3
-                && o.shape[0] == pages
-                && mm.shape == o.shape[..2]
-                && l.shape == o.shape[..2];
-            if !ok {
-                return Err(shape_err(
-                    msg,
-                    format!(
-                        "partials of {pages} pages must be o [pages, rows, head_dim], m and l [pages, rows]; got {:?}, {:?}, {:?}",
-                        o.shape, mm.shape, l.shape
-                    ),
-                ));
-            }
-            Message::AttnPartials {
-                seq: m.body.seq,
-                layer: m.body.layer,
-                page_starts: m.body.page_starts,
-                o,
-                m: mm,
-                l,
-            }
-        }
-    };
-    Ok((req, message))
+        assert_eq!(MsgType::from_code(MsgType::ALL.len() as u8 + 1), None);
+        assert_eq!(MsgType::from_code(0), None);
+    }
 }
