@@ -18,7 +18,7 @@ use std::thread::JoinHandle;
 use clap::Parser;
 use serde_json::Value;
 
-use crate::runner::{self, Control, Options};
+use engine_core::helper::runner::{self, Control, Options};
 
 /// A running helper (opaque to C).
 pub struct TetherHelper {
@@ -140,7 +140,7 @@ pub unsafe extern "C" fn tether_helper_start(
     }
 }
 
-/// What the helper is doing, as a JSON object (phone_ios::runner::Status), to be freed with
+/// What the helper is doing, as a JSON object (engine_core::helper::runner::Status), to be freed with
 /// `tether_string_free`; NULL for a NULL helper.
 ///
 /// # Safety

@@ -1,8 +1,7 @@
-//! The helper's device side. The runtime every helper runs is engine-core's `helper` module
-//! (the same code in a browser tab); this crate holds the runner that serves it over the
-//! network (listening for hosts, or joining one), which the `tether-helper` binary
-//! (host-native) runs, and the C ABI an iOS app calls it through (ffi.rs; built as a static
-//! library for the phone).
+//! The phone's library: the C ABI an iOS app starts, watches and stops a helper through
+//! (ffi.rs, include/tether_helper.h), built as a static library for the phone; the Swift app
+//! that links it is app/. What runs is engine-core's helper runner
+//! (`engine_core::helper::runner`), the same one `tether-helper` (host-native) runs from a
+//! command line.
 
 pub mod ffi;
-pub mod runner;

@@ -11,6 +11,8 @@
 
 mod limits;
 mod requests;
+#[cfg(all(feature = "runner", not(target_arch = "wasm32")))]
+pub mod runner;
 
 use std::collections::BTreeMap;
 use std::future::Future;

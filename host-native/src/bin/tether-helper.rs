@@ -1,6 +1,7 @@
 //! `tether-helper`: lend this machine's memory and compute to a tether host over WebSocket
-//! (Linux, Windows, macOS: "swapping in other GPU hosts"). The helper itself is phone-ios's
-//! runner, which the iOS library runs too; this is its command line.
+//! (Linux, Windows, macOS: "swapping in other GPU hosts"). The helper itself is engine-core's
+//! runner (`engine_core::helper::runner`), which the iOS library (phone-ios) runs too; this is
+//! its command line.
 
 use anyhow::{bail, Result};
 use clap::Parser;
@@ -18,7 +19,7 @@ static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 )]
 struct Cli {
     #[command(flatten)]
-    helper: phone_ios::runner::Options,
+    helper: engine_core::helper::runner::Options,
     #[arg(long)]
     threads: Option<usize>,
 }
@@ -39,5 +40,5 @@ fn run(cli: Cli) -> Result<()> {
             .num_threads(n)
             .build_global()?;
     }
-    phone_ios::runner::run(cli.helper)
+    engine_core::helper::runner::run(cli.helper)
 }

@@ -5,7 +5,7 @@ import os
 import TetherHelperFFI
 import UIKit
 
-/// What `tether_helper_status` reports (phone_ios::runner::Status).
+/// What `tether_helper_status` reports (engine_core::helper::runner::Status).
 struct HelperStatus: Decodable {
     var state: String
     var address: String?

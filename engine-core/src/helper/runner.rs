@@ -1,6 +1,8 @@
-//! A helper on a device: serve its memory and compute to a tether host over WebSocket,
-//! listening for hosts or dialing one (`--join`), paired and encrypted. The `tether-helper`
-//! binary (host-native) parses [`Options`] from its command line and calls [`run`].
+//! Serve this device's helper over the network: listen for hosts or join one (`--join`),
+//! paired and encrypted, one host at a time, with an idle timeout and link shaping, reporting
+//! to a [`Control`] (status, stop). The `tether-helper` binary (host-native) parses
+//! [`Options`] from its command line and calls [`run`]; the iOS library (phone-ios) runs
+//! [`run_with`] on a thread of its own. Native only, with the `runner` feature.
 
 use std::collections::BTreeMap;
 use std::net::{SocketAddr, TcpStream};
@@ -8,16 +10,16 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
+use crate::helper::{Helper, HelperOptions, Loading, SessionEnd, Weights};
+use crate::host::remote::DEFAULT_MAX_FRAME;
+use crate::link::doors::{self, DialOptions, Doors};
+use crate::link::idle::IdleLink;
+use crate::link::secure::wire_limit;
+use crate::link::ws::{Pending, WsLink, WsListener};
+use crate::link::{Link, LinkError, LinkProfile, LinkSender, ShapedLink, StatsHandle};
+use crate::protocol::{encode, Message};
+use crate::source::{load_identity, load_layers, BackendOptions, LoadOptions};
 use anyhow::{bail, Context, Result};
-use engine_core::helper::{Helper, HelperOptions, Loading, SessionEnd, Weights};
-use engine_core::host::remote::DEFAULT_MAX_FRAME;
-use engine_core::link::doors::{self, DialOptions, Doors};
-use engine_core::link::idle::IdleLink;
-use engine_core::link::secure::wire_limit;
-use engine_core::link::ws::{Pending, WsLink, WsListener};
-use engine_core::link::{Link, LinkError, LinkProfile, LinkSender, ShapedLink, StatsHandle};
-use engine_core::protocol::{encode, Message};
-use engine_core::source::{load_identity, load_layers, BackendOptions, LoadOptions};
 use serde::Serialize;
 
 /// How often a session waiting for its host's next frame looks whether the helper was stopped.
@@ -42,10 +44,10 @@ pub struct Options {
     model: String,
     /// Memory for KV pages, the DeltaNet state of the layers a host assigns and the working
     /// memory of a prefill chunk while it runs, in bytes (suffixes K, M, G allowed).
-    #[arg(long, default_value = "4G", value_parser = engine_core::host::plan::parse_size)]
+    #[arg(long, default_value = "4G", value_parser = crate::host::plan::parse_size)]
     mem_budget: u64,
     /// Largest frame accepted, in bytes (suffixes allowed).
-    #[arg(long, default_value_t = DEFAULT_MAX_FRAME as u64, value_parser = engine_core::host::plan::parse_size)]
+    #[arg(long, default_value_t = DEFAULT_MAX_FRAME as u64, value_parser = crate::host::plan::parse_size)]
     max_frame: u64,
     /// Serve one host, then exit.
     #[arg(long)]
@@ -351,7 +353,7 @@ impl<'c> Listening<'c> {
     fn paused(&self) {
         eprintln!(
             "pairing paused: {} wrong codes were tried; press Enter here for a new code",
-            engine_core::link::keys::MAX_WRONG
+            crate::link::keys::MAX_WRONG
         );
         self.session.control.update(|s| s.pairing_paused = true);
     }
@@ -360,7 +362,7 @@ impl<'c> Listening<'c> {
     /// was served.
     fn session(&self, helper: &Helper, mut pending: Pending) -> bool {
         let peer = pending.peer_addr();
-        // Bounded and timed until the host is let in (engine_core::link::admission).
+        // Bounded and timed until the host is let in (crate::link::admission).
         let ticket = pending.take_ticket();
         let let_in = |ws: WsLink| {
             let origin = ws.origin().clone();
