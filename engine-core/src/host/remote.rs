@@ -21,6 +21,95 @@ const REPLY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(120);
 /// Replies held for later requests at most (a pipeline keeps one per ubatch in flight).
 const MAX_EARLY: usize = 4096;
 
+/// The request/reply protocol of one helper link, without the link (sans-IO, as the
+/// helper's `Session` is): it numbers and frames requests, files replies that arrive while an
+/// earlier one is awaited, decodes them, and knows when the helper counts as lost.
+/// [`HelperClient`] drives it over a blocking [`Link`]; a driver on another kind of link
+/// feeds it the same way.
+#[derive(Debug)]
+pub struct Exchange {
+    next_req: u32,
+    /// The frame limit both sides agreed on.
+    max_frame: usize,
+    /// Replies that arrived while a later request was awaited: a pipelined prefill chunk's
+    /// reply can come in while the host waits for an attention query.
+    early: std::collections::BTreeMap<u32, Vec<u8>>,
+    /// Why the helper counts as gone (its link failed, it stopped answering or broke the
+    /// protocol): every later request fails at once with this, and the sequence's owner
+    /// detaches it (see `Placement::offload`).
+    lost: Option<String>,
+}
+
+impl Exchange {
+    pub fn new(max_frame: usize) -> Exchange {
+        Exchange {
+            next_req: 0,
+            max_frame,
+            early: Default::default(),
+            lost: None,
+        }
+    }
+
+    /// The next request: its id and the frame that carries `msg`.
+    pub fn frame(&mut self, msg: &Message) -> Result<(u32, Vec<u8>)> {
+        let req = self.next_req;
+        self.next_req = self.next_req.wrapping_add(1);
+        let frame = encode(req, msg);
+        if frame.len() > self.max_frame {
+            return Err(Error::Remote(format!(
+                "a {:?} of {} bytes exceeds the agreed frame limit of {} (raise --max-frame on both sides)",
+                msg.msg_type(),
+                frame.len(),
+                self.max_frame
+            )));
+        }
+        if let Some(why) = &self.lost {
+            return Err(Error::Remote(why.clone()));
+        }
+        Ok((req, frame))
+    }
+
+    /// The helper is gone for `why`: the error to return, and every later one.
+    pub fn fail(&mut self, why: String) -> Error {
+        self.lost = Some(why.clone());
+        Error::Remote(why)
+    }
+
+    /// The reply to `req`, if it arrived while another was awaited.
+    pub fn early(&mut self, req: u32) -> Option<Result<Message>> {
+        let frame = self.early.remove(&req)?;
+        Some(self.decode(&frame))
+    }
+
+    /// `frame` came in while `req` is awaited: the reply to `req` if it is that one; the reply
+    /// to an earlier request is kept for it. A frame without a header, the reply to a later
+    /// request (replies come in order) or too many kept is the helper out of protocol.
+    pub fn deliver(&mut self, req: u32, frame: Vec<u8>) -> Result<Option<Result<Message>>> {
+        let id = crate::protocol::message::request_id(&frame)
+            .ok_or_else(|| Error::Remote("a frame without a header from the helper".into()))?;
+        if id == req {
+            return Ok(Some(self.decode(&frame)));
+        }
+        if self.early.len() >= MAX_EARLY || id.wrapping_sub(req) < u32::MAX / 2 {
+            return Err(Error::Remote(format!(
+                "reply to request {id} while waiting for {req}"
+            )));
+        }
+        self.early.insert(id, frame);
+        Ok(None)
+    }
+
+    /// A reply frame as a message; an `Error` reply is the helper's refusal.
+    fn decode(&self, frame: &[u8]) -> Result<Message> {
+        let (_, reply) = decode(frame, self.max_frame)
+            .map_err(|e| Error::Remote(format!("bad frame from helper: {e}")))?;
+        match reply {
+            Message::Error { code, message } => Err(Error::Refused { code, message }),
+            other => Ok(other),
+        }
+    }
+}
+
 impl From<LinkError> for Error {
     fn from(e: LinkError) -> Self {
         Error::Remote(e.to_string())
@@ -48,7 +137,7 @@ impl AttendRate {
 }
 
 pub struct HelperClient {
-    /// This helper among a sequence's helpers (`State::attach` numbers them): the KV cache
+    /// This helper among a sequence's helpers (`Placement::attach` numbers them): the placement
     /// records which holds each page by it.
     pub id: u32,
     /// The helper refused a page for lack of memory: no more pages are offered to it (a round
@@ -61,14 +150,14 @@ pub struct HelperClient {
     /// work: the time this helper cost it).
     waited: (u64, f64),
     /// The placement found attending its pages here faster than waiting for it: it holds no
-    /// pages and is offered none ([`crate::State`]'s placement).
+    /// pages and is offered none (`Placement`, set_aside_slow_helpers).
     pub slow: bool,
     /// When each attention query still unanswered was sent, with its page count.
     asked_at: std::collections::BTreeMap<u32, (web_time::Instant, usize)>,
     link: Box<dyn Link>,
-    next_req: u32,
+    /// The request/reply protocol over `link`.
+    exchange: Exchange,
     seq: u64,
-    max_frame: usize,
     /// What the helper said of itself.
     pub helper: Intro,
     /// The layers the helper runs in a split prefill (empty: KV pages only).
@@ -80,13 +169,6 @@ pub struct HelperClient {
     /// A rewind left the mirror's DeltaNet states at a later position than its rows: the next
     /// split prefill must push the host's states even if no rows are new.
     pub mirror_stale: bool,
-    /// Replies that arrived while a later request was awaited: a pipelined
-    /// prefill chunk's reply can come in while the host waits for an attention query.
-    early: std::collections::BTreeMap<u32, Vec<u8>>,
-    /// Why the helper counts as gone (its link failed, it stopped answering or broke the
-    /// protocol): every later request fails at once with this, and the sequence's owner
-    /// detaches it (see `State::offload`).
-    lost: Option<String>,
 }
 
 impl HelperClient {
@@ -117,15 +199,12 @@ impl HelperClient {
             slow: false,
             asked_at: Default::default(),
             link,
-            next_req: 0,
+            exchange: Exchange::new(max_frame),
             seq: 0,
-            max_frame,
             prefill_layers: 0..0,
             speeds: None,
             mirror_pos: 0,
             mirror_stale: false,
-            early: Default::default(),
-            lost: None,
             helper: Intro {
                 version: PROTOCOL_VERSION,
                 model: String::new(),
@@ -149,7 +228,7 @@ impl HelperClient {
             }
             other => return Err(unexpected("Welcome", &other)),
         }
-        c.max_frame = c.max_frame.min(c.helper.max_frame as usize);
+        c.exchange.max_frame = c.exchange.max_frame.min(c.helper.max_frame as usize);
         let configure = configure(&c.helper);
         c.configure(configure)?;
         Ok(c)
@@ -178,34 +257,20 @@ impl HelperClient {
     /// Queue `msg` without waiting; returns its request id for [`Self::reply`]. Replies come
     /// back in request order, so a pipeline sends ahead and collects later.
     pub fn send(&mut self, msg: &Message) -> Result<u32> {
-        let req = self.next_req;
-        self.next_req = self.next_req.wrapping_add(1);
-        let frame = encode(req, msg);
-        if frame.len() > self.max_frame {
-            return Err(Error::Remote(format!(
-                "a {:?} of {} bytes exceeds the agreed frame limit of {} (raise --max-frame on both sides)",
-                msg.msg_type(),
-                frame.len(),
-                self.max_frame
-            )));
-        }
-        if let Some(why) = &self.lost {
-            return Err(Error::Remote(why.clone()));
-        }
+        let (req, frame) = self.exchange.frame(msg)?;
         if let Err(e) = self.link.send(frame) {
-            self.lost = Some(e.to_string());
-            return Err(e.into());
+            return Err(self.exchange.fail(e.to_string()));
         }
         Ok(req)
     }
 
     /// Why the helper is gone, if it is.
     pub fn lost(&self) -> Option<&str> {
-        self.lost.as_deref()
+        self.exchange.lost.as_deref()
     }
 
     pub fn is_lost(&self) -> bool {
-        self.lost.is_some()
+        self.exchange.lost.is_some()
     }
 
     /// Whether pages may be offered to it: not full, not set aside as slow, not lost.
@@ -213,57 +278,44 @@ impl HelperClient {
         !self.full && !self.slow && !self.is_lost()
     }
 
-    /// The reply to request `req`. The helper answers in request order, so replies to requests
-    /// sent before `req` may arrive first; they are kept for their own `reply` call.
+    /// The reply to request `req`, waiting on the link for it. The helper answers in request
+    /// order, so replies to requests sent before `req` may arrive first; they are kept for
+    /// their own `reply` call. A link that fails or stays silent, or a reply out of protocol,
+    /// loses the helper.
     pub fn reply(&mut self, req: u32) -> Result<Message> {
-        if let Some(why) = &self.lost {
-            return Err(Error::Remote(why.clone()));
+        if let Some(why) = self.lost() {
+            return Err(Error::Remote(why.to_string()));
         }
-        let reply = self.take_reply(req);
-        if let Err(Error::Remote(why)) = &reply {
-            self.lost = Some(why.clone());
+        let reply = match self.exchange.early(req) {
+            Some(reply) => reply,
+            None => self.wait_for(req),
+        };
+        match reply {
+            Err(Error::Remote(why)) => Err(self.exchange.fail(why)),
+            other => other,
         }
-        reply
     }
 
-    /// [`Self::reply`] on a helper not known to be gone.
-    fn take_reply(&mut self, req: u32) -> Result<Message> {
-        let frame = match self.early.remove(&req) {
-            Some(f) => f,
-            None => loop {
-                // A helper that stops answering without closing the link (a suspended phone)
-                // counts as gone, so the host falls back instead of waiting forever.
-                let f = self.link.recv_timeout(REPLY_TIMEOUT)?.ok_or_else(|| {
-                    Error::Remote(format!(
-                        "no reply to request {req} in {} s",
-                        REPLY_TIMEOUT.as_secs()
-                    ))
-                })?;
-                let id = crate::protocol::message::request_id(&f).ok_or_else(|| {
-                    Error::Remote("a frame without a header from the helper".into())
-                })?;
-                if id == req {
-                    break f;
-                }
-                if self.early.len() >= MAX_EARLY || id.wrapping_sub(req) < u32::MAX / 2 {
-                    return Err(Error::Remote(format!(
-                        "reply to request {id} while waiting for {req}"
-                    )));
-                }
-                self.early.insert(id, f);
-            },
-        };
-        let (_, reply) = decode(&frame, self.max_frame)
-            .map_err(|e| Error::Remote(format!("bad frame from helper: {e}")))?;
-        match reply {
-            Message::Error { code, message } => Err(Error::Refused { code, message }),
-            other => Ok(other),
+    /// Frames off the link until the reply to `req` (the blocking driver of [`Exchange`]).
+    fn wait_for(&mut self, req: u32) -> Result<Message> {
+        loop {
+            // A helper that stops answering without closing the link (a suspended phone)
+            // counts as gone, so the host falls back instead of waiting forever.
+            let frame = self.link.recv_timeout(REPLY_TIMEOUT)?.ok_or_else(|| {
+                Error::Remote(format!(
+                    "no reply to request {req} in {} s",
+                    REPLY_TIMEOUT.as_secs()
+                ))
+            })?;
+            if let Some(reply) = self.exchange.deliver(req, frame)? {
+                return reply;
+            }
         }
     }
 
     /// The frame limit both sides agreed on.
     pub fn max_frame(&self) -> usize {
-        self.max_frame
+        self.exchange.max_frame
     }
 
     pub fn seq(&self) -> u64 {
@@ -455,8 +507,7 @@ impl HelperClient {
 
     /// A reply out of protocol: the helper counts as lost from now on.
     fn broke(&mut self, why: String) -> Error {
-        self.lost = Some(why.clone());
-        Error::Remote(why)
+        self.exchange.fail(why)
     }
 
     fn broke_with(&mut self, e: Error) -> Error {
@@ -464,5 +515,63 @@ impl HelperClient {
             Error::Remote(why) => self.broke(why),
             other => other,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The helper's reply to request `req`.
+    fn reply(req: u32, msg: &Message) -> Vec<u8> {
+        encode(req, msg)
+    }
+
+    #[test]
+    fn replies_to_earlier_requests_wait_for_their_own_call() {
+        let mut x = Exchange::new(DEFAULT_MAX_FRAME);
+        let (first, _) = x.frame(&Message::Ping { nonce: 1 }).unwrap();
+        let (second, _) = x.frame(&Message::Ping { nonce: 2 }).unwrap();
+        // The second is awaited first: the first's reply is filed, not taken for it.
+        let filed = x.deliver(second, reply(first, &Message::Pong { nonce: 1 }));
+        assert!(matches!(filed, Ok(None)));
+        let got = x.deliver(second, reply(second, &Message::Pong { nonce: 2 }));
+        assert!(matches!(got, Ok(Some(Ok(Message::Pong { nonce: 2 })))));
+        assert!(matches!(
+            x.early(first),
+            Some(Ok(Message::Pong { nonce: 1 }))
+        ));
+        assert!(x.early(first).is_none(), "a reply is taken once");
+    }
+
+    #[test]
+    fn out_of_protocol_frames_and_refusals_are_told_apart() {
+        let mut x = Exchange::new(DEFAULT_MAX_FRAME);
+        let (req, _) = x.frame(&Message::Ping { nonce: 1 }).unwrap();
+        // A reply to a request not yet sent: the helper is out of protocol.
+        let later = x.deliver(req, reply(req + 1, &Message::Ack));
+        assert!(matches!(later, Err(Error::Remote(_))));
+        assert!(matches!(
+            x.deliver(req, vec![1, 2, 3]),
+            Err(Error::Remote(_))
+        ));
+        // An Error reply is a refusal, which leaves the helper usable.
+        let refused = x.deliver(req, reply(req, &Message::error("memory", "full")));
+        assert!(matches!(refused, Ok(Some(Err(Error::Refused { .. })))));
+        assert!(x.frame(&Message::Ack).is_ok());
+    }
+
+    #[test]
+    fn a_lost_helper_takes_no_more_requests_and_frames_keep_the_limit() {
+        let mut x = Exchange::new(64);
+        let big = Message::Bye {
+            reason: "x".repeat(100),
+        };
+        assert!(matches!(x.frame(&big), Err(Error::Remote(why)) if why.contains("frame limit")));
+        let e = x.fail("the link closed".into());
+        assert!(matches!(e, Error::Remote(_)));
+        assert!(
+            matches!(x.frame(&Message::Ack), Err(Error::Remote(why)) if why == "the link closed")
+        );
     }
 }
