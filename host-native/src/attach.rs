@@ -7,7 +7,7 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use engine_core::host::calibrate;
 use engine_core::host::page_file::PageFile;
-use engine_core::host::plan::{self, Plan, PlanInput, Speeds, WeightBytes};
+use engine_core::host::plan::{Plan, PlanInput, Speeds, WeightBytes};
 use engine_core::host::remote::{HelperClient, DEFAULT_MAX_FRAME};
 use engine_core::host::split::SplitPlan;
 use engine_core::host::Sequence;
@@ -17,7 +17,7 @@ use engine_core::link::keys::{config_dir, KeyStore};
 use engine_core::link::secure::{wire_limit, SecureLink};
 use engine_core::link::ws::{self, WsLink};
 use engine_core::link::{Link, LinkProfile, LinkStats, ShapedLink, StatsHandle};
-use engine_core::protocol::{Configure, Intro};
+use engine_core::protocol::Intro;
 use engine_core::source::LoadOptions;
 use engine_core::{Backend, Model};
 
@@ -115,12 +115,14 @@ pub struct HelperArgs {
 }
 
 /// What a command fixed before planning: its flags (`--page-size`, and `--ubatch` for a
-/// prefill on the host alone) or a server's own choices; `None`: the plan decides.
+/// prefill on the host alone) or what a server already chose (its host KV budget, the split
+/// its prefill helper was configured with); `None`: the plan decides.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Fixed {
     pub page_size: Option<usize>,
     pub ubatch: Option<usize>,
     pub host_kv_tokens: Option<usize>,
+    pub split_layer: Option<usize>,
 }
 
 /// Where a helper comes from.
@@ -390,27 +392,21 @@ impl HelperArgs {
             }
         }
         let prefills = seq.placement.prefill_helper().is_none();
-        let page = u32::try_from(page_size).context("--page-size")?;
-        let ubatch = self.split_ubatch.unwrap_or(plan::SPLIT_UBATCH);
-        let configure = |first: usize| Configure {
-            first_layer: first as u32,
-            end_layer: n as u32,
-            page_size: page,
+        u32::try_from(page_size).context("--page-size")?;
+        // The helper's part comes from the plan for its offer (and, once measured, its
+        // speed): the same choice `tether plan` and a server's plan print.
+        let fixed = Fixed {
+            page_size: Some(page_size),
+            ..Fixed::default()
         };
-        let first = |helper: &Intro, speeds: Option<&Speeds>| match prefills {
-            true => plan::split_layer(
-                &model.config,
-                self.split_layer,
-                helper.mem_offer,
-                speeds,
-                (context, ubatch),
-            ),
-            false => n,
+        let configure = |helper: &Intro, speeds: Option<Speeds>| {
+            self.plan_for(model, (vec![helper.mem_offer], speeds), fixed, context, 0)
+                .configure_helper(&model.config, prefills)
         };
         let mut client = HelperClient::connect_with(
             link,
             model,
-            |helper| configure(first(helper, None)),
+            |helper| configure(helper, None),
             self.max_frame,
         )
         .with_context(|| format!("handshake with {source}"))?;
@@ -421,9 +417,9 @@ impl HelperArgs {
             false => None,
         };
         if let Some(speeds) = speeds {
-            let balanced = first(&client.helper, Some(&speeds));
+            let balanced = configure(&client.helper, Some(speeds));
             client
-                .configure(configure(balanced))
+                .configure(balanced)
                 .with_context(|| format!("configuring {source} after measuring it"))?;
             client.speeds = Some(speeds);
         }
@@ -484,7 +480,7 @@ impl HelperArgs {
             helpers: offers,
             page_size: fixed.page_size,
             host_kv_tokens: fixed.host_kv_tokens.or(self.host_kv_tokens),
-            split_layer: self.split_layer,
+            split_layer: self.split_layer.or(fixed.split_layer),
             ubatch,
             split_min: self.split_min,
             interleave_from: self.interleave_from,

@@ -12,14 +12,13 @@ use engine_core::generate::argmax;
 use std::sync::Mutex;
 
 use engine_core::helper::{Helper, HelperOptions};
-use engine_core::host::plan::default_split_layer;
+use engine_core::host::plan::{Plan, PlanInput};
 use engine_core::host::remote::{HelperClient, DEFAULT_MAX_FRAME};
 use engine_core::host::split::{prefill, SplitPlan};
 use engine_core::host::Sequence;
 use engine_core::link::keys::{Keypair, PairingCode, PublicKey};
 use engine_core::link::secure::{self, wire_limit, Dial, Gate, Pairing};
 use engine_core::link::{ws, ShapedLink};
-use engine_core::protocol::Configure;
 use engine_core::source::{load_model, LoadOptions};
 use engine_core::tokenizer::{StreamDecoder, Tokenizer};
 use engine_core::{CpuBackend, Logits, Model};
@@ -49,6 +48,9 @@ pub struct Args {
     #[command(flatten)]
     synth: LoadOptions,
 }
+
+/// The memory the demo's helper offers.
+const HELPER_OFFER: u64 = 8 << 30;
 
 struct Run {
     ids: Vec<u32>,
@@ -103,7 +105,28 @@ pub fn run(a: Args) -> Result<()> {
     let model = load_model(&a.model, &a.synth)?;
     let c = &model.config;
     let n = c.num_hidden_layers;
-    let split = default_split_layer(n);
+    let plan = SplitPlan::default();
+    // The plan decides the helper's layers for its offer (the page size and host budget are
+    // the demo's flags).
+    let decided = Plan::new(
+        c,
+        &PlanInput {
+            context: a.prompt_tokens + a.gen,
+            prompt: a.prompt_tokens,
+            weights: Default::default(),
+            host_memory: None,
+            helpers: vec![HELPER_OFFER],
+            page_size: Some(a.page_size),
+            host_kv_tokens: Some(a.host_kv_tokens),
+            split_layer: None,
+            ubatch: Some(plan.ubatch),
+            split_min: plan.min_tokens,
+            interleave_from: plan.interleave_from,
+            link: None,
+            speeds: None,
+        },
+    );
+    let split = decided.split_layer;
     ensure!(
         split < n,
         "the model has too few layers ({n}) to split on a 4-layer cycle"
@@ -118,7 +141,6 @@ pub fn run(a: Args) -> Result<()> {
         .into_iter()
         .take(a.prompt_tokens)
         .collect();
-    let plan = SplitPlan::default();
 
     let listener = ws::WsListener::bind("127.0.0.1:0", wire_limit(DEFAULT_MAX_FRAME))?;
     let url = format!("ws://{}", listener.local_addr());
@@ -127,7 +149,7 @@ pub fn run(a: Args) -> Result<()> {
         &model,
         &backend,
         HelperOptions {
-            mem_budget: 8 << 30,
+            mem_budget: HELPER_OFFER,
             max_frame: DEFAULT_MAX_FRAME,
         },
     );
@@ -155,11 +177,7 @@ pub fn run(a: Args) -> Result<()> {
         eprintln!("[demo] paired with the helper (code {shown}); the link is encrypted (Noise)");
         let link = ShapedLink::new(link, profile.clone());
         let stats = link.stats_handle();
-        let cfg = Configure {
-            first_layer: split as u32,
-            end_layer: n as u32,
-            page_size: a.page_size as u32,
-        };
+        let cfg = decided.configure_helper(c, true);
         let mut seq = Sequence::new(&model.config, a.page_size);
         seq.placement.attach(HelperClient::connect(
             Box::new(link),

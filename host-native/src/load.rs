@@ -59,7 +59,7 @@ impl EngineArgs {
         let fixed = Fixed {
             page_size: self.page_size,
             ubatch,
-            host_kv_tokens: None,
+            ..Fixed::default()
         };
         self.helper.session(model, be, fixed, context, prompt)
     }

@@ -164,7 +164,7 @@ fn plan(a: PlanArgs) -> anyhow::Result<()> {
     let fixed = attach::Fixed {
         page_size: a.page_size,
         ubatch: a.ubatch,
-        host_kv_tokens: None,
+        ..attach::Fixed::default()
     };
     let (context, prompt) = (a.context, a.prompt_tokens);
     let (be, _) = a.backend.make()?;

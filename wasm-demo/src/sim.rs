@@ -24,6 +24,7 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
+use engine_core::config::ModelConfig;
 use engine_core::generate::{Generation, Sampler, SamplingParams};
 use engine_core::helper::{Helper, HelperOptions, Session};
 use engine_core::host::plan::{Plan, PlanInput};
@@ -33,7 +34,7 @@ use engine_core::host::telemetry::Telemetry;
 use engine_core::host::Sequence;
 use engine_core::link::traffic::{type_name, Wire};
 use engine_core::link::{Link, LinkError, LinkProfile, LinkSender, LinkStats};
-use engine_core::protocol::{decode, Configure, Message};
+use engine_core::protocol::{decode, Message};
 use engine_core::tensor::DType;
 use engine_core::{synth, CpuBackend, Model};
 use futures_util::FutureExt;
@@ -221,11 +222,7 @@ fn split(
     let clock = Arc::new(Mutex::new(Clock::running()));
     let link = SimLink::new(helper.session(), s, clock.clone());
     let far = link.far.clone();
-    let configure = Configure {
-        first_layer: s.split_layer as u32,
-        end_layer: s.layers as u32,
-        page_size: s.page_size as u32,
-    };
+    let configure = planned(&model.config, s).configure_helper(&model.config, true);
     let client = HelperClient::connect(Box::new(link), model, configure, DEFAULT_MAX_FRAME)
         .map_err(|e| format!("the simulated helper: {e}"))?;
     let mut seq = Sequence::new(&model.config, s.page_size);
@@ -304,11 +301,10 @@ fn generate(
     Ok((answer, report))
 }
 
-/// The events a watcher of a server gets first: the model, the helper, the request.
-fn opening(model: &Model, s: &Settings, device: &str) -> Vec<Value> {
-    let c = &model.config;
-    let n = c.num_hidden_layers;
-    let plan = Plan::new(
+/// The plan of a run: the visitor's settings are its fixed choices (split layer, page size,
+/// host KV budget, ubatch), the simulated helper's offer and link its inputs.
+fn planned(c: &ModelConfig, s: &Settings) -> Plan {
+    Plan::new(
         c,
         &PlanInput {
             context: s.prompt_tokens + s.gen_tokens,
@@ -326,7 +322,13 @@ fn opening(model: &Model, s: &Settings, device: &str) -> Vec<Value> {
             speeds: None,
         },
     )
-    .text;
+}
+
+/// The events a watcher of a server gets first: the model, the helper, the request.
+fn opening(model: &Model, s: &Settings, device: &str) -> Vec<Value> {
+    let c = &model.config;
+    let n = c.num_hidden_layers;
+    let plan = planned(c, s).text;
     let prefill_layers = (s.split_layer < n).then_some([s.split_layer, n]);
     vec![
         json!({"type": "hello", "version": 1,

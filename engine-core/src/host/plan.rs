@@ -9,6 +9,7 @@ use std::ops::Range;
 use crate::config::{LayerKind, ModelConfig};
 use crate::host::minimum;
 use crate::model::State;
+use crate::protocol::Configure;
 use crate::Model;
 
 /// DESIGN.md's page of KV storage: what the plan takes unless a small host budget needs finer
@@ -306,6 +307,22 @@ impl Plan {
     }
 }
 
+impl Plan {
+    /// What a helper is configured with: this plan's page size and, for the prefill helper
+    /// (`prefills`), its split layer (the helper runs layers `split_layer..n`); a helper that
+    /// only holds pages runs none. The split a plan prints and the one a helper is given are
+    /// this one number.
+    pub fn configure_helper(&self, c: &ModelConfig, prefills: bool) -> Configure {
+        let n = c.num_hidden_layers;
+        let first = if prefills { self.split_layer.min(n) } else { n };
+        Configure {
+            first_layer: first as u32,
+            end_layer: n as u32,
+            page_size: u32::try_from(self.page_size).unwrap_or(u32::MAX),
+        }
+    }
+}
+
 /// The plan's four choices and the reason for each.
 struct Choices {
     page_size: usize,
@@ -559,21 +576,9 @@ fn choose_page(p: &PlanInput, budget: Option<usize>) -> (usize, String) {
 
 /// The helper's share of the layers by default: the last ~3/8, cut on a 4-layer cycle
 /// boundary (40 of 64 on the host for the 27B), so DeltaNet state never splits mid-cycle.
-pub fn default_split_layer(layers: usize) -> usize {
+fn default_split_layer(layers: usize) -> usize {
     let host = (layers * 5).div_ceil(8);
     (host.div_ceil(4) * 4).min(layers)
-}
-
-/// The first layer the prefill helper runs, for a helper that offers `offer` bytes and (once
-/// measured) runs at `speeds`, unless `--split-layer` gave it: see [`choose_split`].
-pub fn split_layer(
-    c: &ModelConfig,
-    given: Option<usize>,
-    offer: u64,
-    speeds: Option<&Speeds>,
-    (context, ubatch): (usize, usize),
-) -> usize {
-    choose_split(c, given, Some(offer), speeds, (context, ubatch)).0
 }
 
 /// The prefill helper's first layer before its speed is measured: DESIGN.md's share, except

@@ -40,7 +40,7 @@ use crate::load::EngineArgs;
 use conversation::Conversation;
 use cross_site::Cors;
 use engine::Engine;
-use engine_core::host::plan::{self, Speeds};
+use engine_core::host::plan::Speeds;
 use engine_core::host::remote::HelperClient;
 use engine_core::host::Sequence;
 use engine_core::{Model, State};
@@ -127,10 +127,7 @@ fn model_id(spec: &str) -> String {
 pub fn run(a: Args) -> Result<()> {
     terminal::init_logging(&a.log)?;
     a.engine.start(true)?;
-    // The server pages its KV in DESIGN.md's pages and sizes its context by its own rule
-    // (memory::choose_context), which counts conversation checkpoints the plan does not.
-    let page_size = a.engine.page_size.unwrap_or(plan::STORAGE_PAGE);
-    if page_size == 0 || a.ubatch == 0 {
+    if a.engine.page_size == Some(0) || a.ubatch == 0 {
         bail!("--page-size and --ubatch must be at least 1");
     }
     let l = terminal::spinner(format!("loading {}", a.engine.model), || {
@@ -146,9 +143,24 @@ pub fn run(a: Args) -> Result<()> {
     );
     let (backend, what) = a.engine.backend_for(&l.model)?;
     info!("backend: {what}");
-    let mut seq = Sequence::new(&l.model.config, page_size);
-    // The helper's layers are chosen for the largest context the server may choose.
+    // The helper's layers are chosen for the largest context the server may choose; the page
+    // size is the plan's for it, made before the state as a session's is (the server then
+    // sizes its context and host KV budget by its own rule, memory::choose_context, which
+    // counts conversation checkpoints the plan does not).
     let most = a.ctx_size.unwrap_or(config.max_position_embeddings);
+    let start = a.engine.helper.plan_for(
+        &l.model,
+        (a.engine.helper.expected_offers(), None),
+        Fixed {
+            page_size: a.engine.page_size,
+            ubatch: Some(a.ubatch),
+            ..Fixed::default()
+        },
+        most,
+        most.min(2048),
+    );
+    let page_size = start.page_size;
+    let mut seq = Sequence::new(&l.model.config, page_size);
     let attached = a
         .engine
         .helper
@@ -363,13 +375,18 @@ pub fn serving_offers(h: &HelperArgs, seq: &Sequence) -> (Vec<u64>, Option<Speed
     }
 }
 
-/// What a server fixed before planning: its page size, its ubatch on the host alone, and the
-/// host's KV budget its context rule chose.
+/// What a server fixed before planning: its page size, its ubatch on the host alone, the
+/// host's KV budget its context rule chose and the split its prefill helper was configured
+/// with (so the plan it prints gives the split that runs).
 pub fn fixed(seq: &Sequence, page_size: usize, ubatch: usize) -> Fixed {
     Fixed {
         page_size: Some(page_size),
         ubatch: Some(ubatch),
         host_kv_tokens: seq.placement.host_kv_tokens,
+        split_layer: seq
+            .placement
+            .prefill_helper()
+            .map(|h| h.prefill_layers.start),
     }
 }
 
