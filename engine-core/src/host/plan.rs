@@ -1,6 +1,6 @@
 //! The plan of a session: what runs where and why, and what it costs on the link, made once
 //! from the model, the host's KV budget, the helper's offer and the link (DESIGN.md, "Modes").
-//! `tether plan` prints it; the same numbers drive `split::prefill` and `State::offload`.
+//! `tether plan` prints it; the same numbers drive `split::prefill` and `Sequence::offload`.
 
 use std::fmt::Write;
 use std::mem::size_of;
@@ -664,7 +664,7 @@ fn choose_split(
 
 /// Where the `pages` pages of each full-attention layer that leave the host go: the first
 /// helper takes its prefill layers' pages, the others spread over all helpers in proportion to
-/// their offers (`State::place`; by measured speed once every helper has answered a query).
+/// their offers (`Placement::place`; by measured speed once every helper has answered a query).
 fn placement(
     t: &mut String,
     c: &ModelConfig,
