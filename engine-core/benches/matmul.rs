@@ -65,6 +65,8 @@ fn gemv(c: &mut Criterion) {
             (248320, 1024, DType::F16),
             (3584, 1024, DType::F16),
             (3584, 1024, DType::Q8_0),
+            // In L2 (139 KB): the kernel's own speed, apart from memory.
+            (128, 1024, DType::Q8_0),
             (1024, 3584, DType::Q8_0),
             (248320, 1024, DType::Q6K),
             (3584, 1024, DType::Q4K),
