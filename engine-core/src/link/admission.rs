@@ -27,6 +27,28 @@ pub struct Limits {
     pub deadline: Option<Duration>,
 }
 
+/// The address the bounds count a peer under: an IPv4 address itself, an IPv6 address by its
+/// /64 prefix (a network hands each host a whole /64, so one stranger holds 2^64 addresses:
+/// counted one by one, each would get its own places here and its own pairing attempts), and
+/// an IPv4-mapped IPv6 address (a dual-stack listener's IPv4 peer) as the IPv4 address.
+pub fn source_of(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V4(v4) => IpAddr::V4(v4),
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => IpAddr::V4(v4),
+            None => IpAddr::V6((u128::from(v6) & !((1u128 << 64) - 1)).into()),
+        },
+    }
+}
+
+/// A source as people read it: `2001:db8:1:2::/64` for an IPv6 prefix ([`source_of`]).
+pub fn source_name(source: IpAddr) -> String {
+    match source {
+        IpAddr::V4(v4) => v4.to_string(),
+        IpAddr::V6(v6) => format!("{v6}/64"),
+    }
+}
+
 /// How often the deadline is checked: a connection past it is closed within this.
 const REAP_EVERY: Duration = Duration::from_millis(250);
 
@@ -103,11 +125,12 @@ impl Admission {
         Admission { table, limits }
     }
 
-    /// Lets a connection from `source` in, closing older idle ones to stay in bounds; `None`
+    /// Lets a connection from `source` (counted by [`source_of`]) in, closing older idle ones to stay in bounds; `None`
     /// if every one in the way is busy (the caller closes the new one). `close` closes it, if
     /// it is pushed out or overstays; dropping the ticket (its handshake done, or failed)
     /// takes it out of the table.
     pub fn admit(&self, source: IpAddr, close: impl FnOnce() + Send + 'static) -> Option<Ticket> {
+        let source = source_of(source);
         let mut closers = Vec::new();
         let id = {
             let mut t = lock(&self.table);
@@ -264,6 +287,37 @@ mod tests {
             .iter()
             .map(|(_, c)| c.load(Ordering::SeqCst))
             .collect()
+    }
+
+    #[test]
+    fn ipv6_peers_count_by_their_64_prefix_and_mapped_ipv4_as_ipv4() {
+        let v6 = |s: &str| s.parse::<IpAddr>().unwrap();
+        assert_eq!(
+            source_of(v6("2001:db8:1:2:aaaa:bbbb:cccc:dddd")),
+            v6("2001:db8:1:2::")
+        );
+        assert_ne!(source_of(v6("2001:db8:1:3::1")), v6("2001:db8:1:2::"));
+        assert_eq!(source_of(v6("::ffff:10.0.0.7")), ip(7));
+        assert_eq!(source_of(ip(7)), ip(7));
+        assert_eq!(source_name(v6("2001:db8:1:2::")), "2001:db8:1:2::/64");
+    }
+
+    /// A stranger with a /64 (2^64 addresses) is one source: a flood from fresh addresses in
+    /// it pushes out its own oldest connections, not another peer's.
+    #[test]
+    fn a_flood_from_one_ipv6_prefix_is_one_source() {
+        let a = Admission::new(Limits {
+            per_source: 3,
+            total: 5,
+            deadline: None,
+        });
+        let other = admitted(&a, "2001:db8:9::1".parse().unwrap());
+        let flood: Vec<_> = (1..=6u16)
+            .map(|i| admitted(&a, format!("2001:db8:1:2::{i:x}").parse().unwrap()))
+            .collect();
+        assert_eq!(closed(&flood), [true, true, true, false, false, false]);
+        assert!(!other.1.load(Ordering::SeqCst));
+        assert_eq!(a.len(), 4);
     }
 
     #[test]

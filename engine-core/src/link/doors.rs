@@ -10,6 +10,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
+use super::admission::{source_name, source_of};
 use super::keys::{config_dir, short, KeyStore, Keypair, PairingCode, PublicKey};
 use super::secure::{self, wire_limit, Accepted, Dial, Gate, Pairing, SecureLink};
 use super::ws::{self, PageOrigin, WsLink};
@@ -151,7 +152,7 @@ impl Doors {
         crate::lending::lending_key(&self.keys, peer).ok()
     }
 
-    /// How a peer from `source`, opened by `origin`, may pair now.
+    /// How a peer from `source` (as [`source_of`] counts it), opened by `origin`, may pair now.
     fn pairing_for(&self, source: IpAddr, origin: &PageOrigin) -> Pairing<'_> {
         if !self.pairing.load(Ordering::SeqCst) {
             return Pairing::closed();
@@ -168,7 +169,8 @@ impl Doors {
             .map(|s| s.until.saturating_duration_since(Instant::now()))
         {
             Some(wait) if !wait.is_zero() => Pairing::Closed(format!(
-                "too many wrong pairing codes from {source}: try again in {} s",
+                "too many wrong pairing codes from {}: try again in {} s",
+                source_name(source),
                 wait.as_secs().max(1)
             )),
             _ => Pairing::Open(&self.code),
@@ -212,12 +214,12 @@ impl Doors {
         let gate = Gate {
             insecure: self.store.is_none(),
             known: &known,
-            pairing: self.pairing_for(peer.ip(), origin),
+            pairing: self.pairing_for(source_of(peer.ip()), origin),
         };
         let result = secure::accept(link, &self.keys, &gate);
         if let Err(e) = &result {
             if secure::is_wrong_code(e) {
-                self.strike(peer.ip());
+                self.strike(source_of(peer.ip()));
                 if self.pairing_paused() {
                     paused();
                 }
@@ -378,6 +380,12 @@ mod tests {
         // wrong codes (so the one made to wait cannot pause pairing again at once).
         let new = d.new_code().unwrap();
         assert!(!d.pairing_paused());
+        // A fresh address in a /64 that was made to wait waits too: the prefix is the source.
+        for _ in 0..2 {
+            pair_from(&d, "[2001:db8:1:2::1]:1", &page, wrong).unwrap();
+        }
+        let e = pair_from(&d, "[2001:db8:1:2::9]:1", &page, &new).unwrap();
+        assert!(e.contains("from 2001:db8:1:2::/64: try again"), "{e}");
         let strikes = d.strikes.lock().unwrap();
         assert_eq!(strikes[&"10.0.0.1".parse::<IpAddr>().unwrap()].wrong, 2);
         drop(strikes);
