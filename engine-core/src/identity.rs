@@ -61,7 +61,7 @@ impl ModelIdentity {
                 .flat_map(|d| (*d as u64).to_le_bytes())
                 .collect();
             field(&mut h, &dims);
-            field(&mut h, t.data.as_bytes());
+            field(&mut h, &t.data.as_bytes());
         }
         ModelIdentity {
             name: name.to_string(),

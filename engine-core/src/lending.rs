@@ -158,7 +158,7 @@ impl Manifest {
                 name: name.clone(),
                 dtype: t.dtype().name().into(),
                 shape: t.shape.clone(),
-                blake3: blake3::hash(t.data.as_bytes()).to_hex().to_string(),
+                blake3: blake3::hash(&t.data.as_bytes()).to_hex().to_string(),
             })
             .collect();
         entries.sort_by(|a, b| a.name.cmp(&b.name));

@@ -12,6 +12,7 @@ pub mod gguf;
 pub mod helper;
 pub mod host;
 pub mod identity;
+pub mod interleaved;
 pub mod kv;
 pub mod lending;
 pub mod link;

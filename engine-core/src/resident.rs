@@ -16,7 +16,8 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use crate::tensor::Data;
+use crate::interleaved;
+use crate::tensor::{Data, Elems, QK};
 use crate::weights::TensorMap;
 use crate::{Error, Result};
 
@@ -30,7 +31,8 @@ static COPIED: AtomicU64 = AtomicU64::new(0);
 /// Copies the mapped tensors of `tensors` that `wanted` names into one anonymous mapping
 /// advised for huge pages, and points them at it. Returns the bytes copied: 0 where it is not
 /// done (not Linux, nothing mapped, or more than [`fits`] allows). Owned tensors (converted or
-/// reordered at load) stay where they are.
+/// reordered at load) stay where they are. Q8_0 matrices go in with eight rows interleaved
+/// where the CPU's decode takes them so ([`crate::interleaved`]); every other tensor as is.
 pub fn settle(tensors: &mut TensorMap, wanted: impl Fn(&str) -> bool) -> Result<u64> {
     let mut chosen: Vec<(&String, &mut crate::tensor::Tensor)> = tensors
         .iter_mut()
@@ -56,20 +58,44 @@ pub fn settle(tensors: &mut TensorMap, wanted: impl Fn(&str) -> bool) -> Result<
     #[cfg(target_os = "linux")]
     // Only advice: without huge pages the copy is still correct, merely no faster.
     let _ = copy.advise(memmap2::Advice::HugePage);
+    let interleave = crate::backend::cpu::matmul::interleaves_q8_0();
+    let mut per_rows = Vec::with_capacity(chosen.len());
     for ((_, t), place) in chosen.iter().zip(&places) {
-        if let Some(bytes) = t.data.mapped() {
-            copy[place.clone()].copy_from_slice(bytes);
+        let per_row = interleave.then(|| interleaved_rows(t)).flatten();
+        match (&t.data, per_row) {
+            (Data::Q8_0(blocks), Some(per_row)) => interleaved::interleave_into(
+                blocks,
+                per_row,
+                bytemuck::cast_slice_mut(&mut copy[place.clone()]),
+            ),
+            (data, _) => copy[place.clone()].copy_from_slice(data.stored()),
         }
+        per_rows.push(per_row);
     }
     let copy: crate::tensor::SharedBytes = Arc::new(
         copy.make_read_only()
             .map_err(|e| Error::Weights(format!("sealing the weights' copy: {e}")))?,
     );
-    for ((_, t), place) in chosen.iter_mut().zip(places) {
-        t.data = Data::from_bytes(t.data.dtype(), &copy, place);
+    for (((_, t), place), per_row) in chosen.iter_mut().zip(places).zip(per_rows) {
+        t.data = match per_row {
+            Some(per_row) => Data::Q8_0x8 {
+                blocks: Elems::from_bytes(&copy, place),
+                per_row,
+            },
+            None => Data::from_bytes(t.data.dtype(), &copy, place),
+        };
     }
     COPIED.fetch_add(total as u64, Ordering::Relaxed);
     Ok(total as u64)
+}
+
+/// Blocks per row of `t` if it is a Q8_0 matrix the CPU's decode takes interleaved
+/// ([`crate::interleaved::fits`]): whole groups of eight rows.
+fn interleaved_rows(t: &crate::tensor::Tensor) -> Option<usize> {
+    match (&t.data, t.shape.as_slice()) {
+        (Data::Q8_0(_), &[rows, cols]) if interleaved::fits(rows, cols) => Some(cols / QK),
+        _ => None,
+    }
 }
 
 /// Bytes of weights this process copied into huge pages so far (0: they stay mapped).
@@ -149,5 +175,33 @@ mod tests {
         assert_eq!(tensors["a"].data.to_f32_vec(), values[0..3]);
         assert_eq!(tensors["b"].data.to_f32_vec(), values[3..1000]);
         assert_eq!(tensors["skip"].data.to_f32_vec(), values[10..20]);
+    }
+
+    /// A Q8_0 matrix copied in keeps its values and gives the file's bytes back, interleaved
+    /// by eight rows exactly where the CPU's decode takes that (and only whole groups of eight
+    /// rows are).
+    #[test]
+    fn q8_0_matrices_are_interleaved_where_the_cpu_takes_them() {
+        use crate::tensor::DType;
+        let values: Vec<f32> = (0..24 * 64).map(|i| (i % 53) as f32 * 0.1 - 2.0).collect();
+        let q = Data::from_f32(&values, DType::Q8_0);
+        let file: SharedBytes = Arc::new(q.as_bytes().to_vec());
+        let matrix = |rows: usize| Tensor {
+            shape: vec![rows, 64],
+            data: Data::from_bytes(DType::Q8_0, &file, 0..rows * 2 * 34),
+        };
+        let mut tensors = TensorMap::new();
+        tensors.insert("whole".into(), matrix(24));
+        tensors.insert("ragged".into(), matrix(20));
+        settle(&mut tensors, |_| true).unwrap();
+        let cpu = crate::backend::cpu::matmul::interleaves_q8_0();
+        for (name, rows, fits) in [("whole", 24, true), ("ragged", 20, false)] {
+            let data = &tensors[name].data;
+            let layout = matches!(data, Data::Q8_0x8 { .. });
+            assert_eq!(layout, cpu && fits, "{name}");
+            assert_eq!(data.dtype(), DType::Q8_0);
+            assert_eq!(data.to_f32_vec(), q.to_f32_vec()[..rows * 64]);
+            assert_eq!(*data.as_bytes(), file.as_ref().as_ref()[..rows * 2 * 34]);
+        }
     }
 }

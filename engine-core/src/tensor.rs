@@ -2,10 +2,13 @@
 //! file (native; zero-copy, so a 1.5 GB checkpoint costs page cache, not heap) or by owned memory
 //! (synthetic models, wasm, and files whose tensor offsets are not aligned for their dtype).
 
+use std::borrow::Cow;
 use std::ops::Range;
 use std::sync::Arc;
 
 use half::{bf16, f16};
+
+use crate::interleaved::{self, BlockQ8_0x8};
 
 pub use crate::quant::{
     BlockIq4Nl, BlockIq4Xs, BlockQ2K, BlockQ3K, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5K,
@@ -210,6 +213,14 @@ pub enum Data {
     Q5K(Elems<BlockQ5K>),
     Q6K(Elems<BlockQ6K>),
     Iq4Xs(Elems<BlockIq4Xs>),
+    /// Q8_0 weights with eight rows interleaved ([`crate::interleaved`]): made in memory for
+    /// the CPU's decode, never read from a file; its dtype is Q8_0 and its [`Data::as_bytes`]
+    /// the file's.
+    Q8_0x8 {
+        blocks: Elems<BlockQ8_0x8>,
+        /// Blocks per row.
+        per_row: usize,
+    },
 }
 
 /// The type of quantised `blocks`.
@@ -250,6 +261,7 @@ impl Data {
     /// [`crate::resident`]'s copy) rather than owned.
     pub fn mapped(&self) -> Option<&[u8]> {
         match_quant!(self, e => e.mapped(),
+            Data::Q8_0x8 { blocks, .. } => blocks.mapped(),
             Data::F32(e) => e.mapped(),
             Data::BF16(e) => e.mapped(),
             Data::F16(e) => e.mapped(),
@@ -258,6 +270,7 @@ impl Data {
 
     pub fn dtype(&self) -> DType {
         match_quant!(self, e => quant_dtype(e),
+            Data::Q8_0x8 { .. } => DType::Q8_0,
             Data::F32(_) => DType::F32,
             Data::BF16(_) => DType::BF16,
             Data::F16(_) => DType::F16,
@@ -267,6 +280,7 @@ impl Data {
     /// Elements (weights), not blocks.
     pub fn len(&self) -> usize {
         match_quant!(self, e => quant_len(e),
+            Data::Q8_0x8 { blocks, .. } => blocks.len() * interleaved::ROWS * QK,
             Data::F32(e) => e.len(),
             Data::BF16(e) => e.len(),
             Data::F16(e) => e.len(),
@@ -282,6 +296,7 @@ impl Data {
     /// width is a whole number of blocks do).
     pub fn to_f32_into(&self, range: Range<usize>, out: &mut [f32]) {
         match_quant!(self, e => dequantise_range(e, range, out),
+            Data::Q8_0x8 { blocks, per_row } => interleaved::to_f32_into(blocks, *per_row, range, out),
             Data::F32(e) => out.copy_from_slice(&e[range]),
             Data::BF16(e) => crate::convert::bf16_to_f32(&e[range], out),
             Data::F16(e) => crate::convert::f16_to_f32(&e[range], out),
@@ -294,13 +309,26 @@ impl Data {
         out
     }
 
-    /// Raw little-endian bytes (for writing safetensors and GGUF files).
-    pub fn as_bytes(&self) -> &[u8] {
+    /// The bytes as they lie in memory (interleaved weights in their own order): what tells
+    /// one tensor's storage from another's, as a cache key.
+    pub fn stored(&self) -> &[u8] {
         match_quant!(self, e => bytemuck::cast_slice(e),
+            Data::Q8_0x8 { blocks, .. } => bytemuck::cast_slice(blocks),
             Data::F32(e) => bytemuck::cast_slice(e),
             Data::BF16(e) => bytemuck::cast_slice(e),
             Data::F16(e) => bytemuck::cast_slice(e),
         )
+    }
+
+    /// Raw little-endian bytes in the file's layout (for writing safetensors and GGUF files,
+    /// and the model's identity): borrowed, except for interleaved weights, put back in order.
+    pub fn as_bytes(&self) -> Cow<'_, [u8]> {
+        match self {
+            Data::Q8_0x8 { blocks, per_row } => {
+                Cow::Owned(interleaved::file_bytes(blocks, *per_row))
+            }
+            data => Cow::Borrowed(data.stored()),
+        }
     }
 
     /// Owned data from f32 values, stored as `dtype` (round to nearest even; the quantised
@@ -374,7 +402,7 @@ impl Matrix {
 
     /// Bytes the matrix occupies in its storage dtype.
     pub fn nbytes(&self) -> usize {
-        self.data.as_bytes().len()
+        self.data.stored().len()
     }
 
     /// Row `r` converted to f32 (embedding lookup).

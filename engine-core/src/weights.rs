@@ -213,11 +213,10 @@ pub fn save_safetensors(tensors: &TensorMap, path: &std::path::Path) -> Result<(
     let mut raw: Vec<(String, RawTensor)> = tensors
         .iter()
         .map(|(n, t)| {
-            use crate::tensor::DType;
-            let dtype = match t.dtype() {
-                DType::F32 => StDtype::F32,
-                DType::BF16 => StDtype::BF16,
-                DType::F16 => StDtype::F16,
+            let (dtype, bytes): (_, &[u8]) = match &t.data {
+                Data::F32(e) => (StDtype::F32, bytemuck::cast_slice(e)),
+                Data::BF16(e) => (StDtype::BF16, bytemuck::cast_slice(e)),
+                Data::F16(e) => (StDtype::F16, bytemuck::cast_slice(e)),
                 _ => {
                     return Err(Error::Weights(format!(
                         "{n} is {}, which a safetensors file cannot hold",
@@ -230,7 +229,7 @@ pub fn save_safetensors(tensors: &TensorMap, path: &std::path::Path) -> Result<(
                 RawTensor {
                     dtype,
                     shape: t.shape.clone(),
-                    bytes: t.data.as_bytes(),
+                    bytes,
                 },
             ))
         })

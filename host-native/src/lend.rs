@@ -126,12 +126,13 @@ impl Answer {
     }
 }
 
-/// A tensor's bytes, shared with the memory map: no copy per request.
+/// A tensor's bytes, shared with the memory map: no copy per request. (`load_dir` maps the
+/// checkpoint as it lies, so what is stored is the file's layout.)
 struct TensorBytes(Arc<Hashed>, String);
 
 impl AsRef<[u8]> for TensorBytes {
     fn as_ref(&self) -> &[u8] {
-        self.0.tensors[&self.1].data.as_bytes()
+        self.0.tensors[&self.1].data.stored()
     }
 }
 

@@ -127,7 +127,7 @@ fn a_paired_helper_gets_the_weights_and_nobody_else_does() {
     let url = format!("{base}{}", signed(&path, &store.keypair().public, &key));
     let (status, _, bytes) = get(&agent, &url);
     assert_eq!(status, 200);
-    assert_eq!(bytes, on_disk[&entry.name].data.as_bytes());
+    assert_eq!(bytes, *on_disk[&entry.name].data.as_bytes());
     entry.tensor(bytes).unwrap();
     // The manifest's MAC does not open a tensor.
     let manifest_query = signed(MANIFEST_PATH, &store.keypair().public, &key);

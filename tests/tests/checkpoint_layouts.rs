@@ -33,7 +33,7 @@ fn sharded_multimodal_layout_loads_the_same_model() {
             RawTensor {
                 dtype: Dtype::F32,
                 shape: t.shape.clone(),
-                bytes: t.data.as_bytes(),
+                bytes: t.data.stored(),
             },
         ));
     }

@@ -61,7 +61,8 @@ fn requantise(file: &str, source: &[u8]) -> BTreeMap<&'static str, usize> {
         let ours = Data::from_f32(&values, t.dtype);
         let theirs = &bytes[t.range.clone()];
         let (elems, size) = t.dtype.block();
-        let blocks = ours.as_bytes().chunks(size).zip(theirs.chunks(size));
+        let ours = ours.as_bytes();
+        let blocks = ours.chunks(size).zip(theirs.chunks(size));
         let differ: Vec<usize> = (blocks.enumerate())
             .filter(|(_, (a, b))| a != b)
             .map(|(i, _)| i)
@@ -77,7 +78,7 @@ fn requantise(file: &str, source: &[u8]) -> BTreeMap<&'static str, usize> {
                 differ.len(),
                 theirs.len() / size,
                 i * elems / row_len,
-                &ours.as_bytes()[i * size..][..size],
+                &ours[i * size..][..size],
                 &theirs[i * size..][..size],
                 &values[i * elems..][..elems],
             );

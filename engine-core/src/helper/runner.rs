@@ -443,7 +443,7 @@ pub struct Control {
 
 impl Control {
     /// Ask the helper to stop: a waiting helper stops at once, a serving one within
-    /// [`STOP_POLL`] of its host's next frame (the session ends as if the link closed).
+    /// `STOP_POLL` of its host's next frame (the session ends as if the link closed).
     pub fn stop(&self) {
         self.stop.store(true, Ordering::SeqCst);
         let wake = *lock(&self.wake);

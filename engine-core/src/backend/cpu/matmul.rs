@@ -19,8 +19,9 @@ use super::quant_neon;
 use super::quant_rows::Rows8;
 use super::spread;
 #[cfg(target_arch = "x86_64")]
-use super::{quant_dots, quant_panels};
+use super::{interleaved_dots, quant_dots, quant_panels};
 use crate::convert;
+use crate::interleaved::BlockQ8_0x8;
 #[cfg(target_arch = "x86_64")]
 use crate::tensor::DType;
 use crate::tensor::{match_quant, Data, Matrix, QuantBlock, QK_K};
@@ -86,6 +87,7 @@ pub fn matmul(x: &[f32], w: &Matrix, out: &mut [f32]) {
         Data::F32(e) => matmul_dots(t, e, n, |w, o| dots_task(x, k, w, o), out),
         Data::BF16(e) => matmul_dots(t, e, n, |w, o| dots_task(x, k, w, o), out),
         Data::F16(e) => matmul_dots(t, e, n, |w, o| dots_task(x, k, w, o), out),
+        Data::Q8_0x8 { blocks, per_row } => matmul_interleaved(x, t, blocks, *per_row, w, out),
         quant => match_quant!(quant, e => matmul_quant(x, t, k, e, n, out),
             _ => unreachable!("matched above"),
         ),
@@ -137,6 +139,59 @@ fn matmul_quant<B: QuantKernel>(x: &[f32], t: usize, k: usize, w: &[B], n: usize
         }
     }
     matmul_dots(t, w, n, |w, o| dots_task_quant(x, k, w, o), out);
+}
+
+/// Whether this CPU's decode takes Q8_0 weights interleaved by eight rows
+/// ([`crate::interleaved`], made by [`crate::resident`]): where it has AVX2 but not AVX-512.
+/// On an AVX2-only AMD EPYC (Zen 1) the interleaved kernel made Q8_0 decode memory bound,
+/// where the one-row kernel was bound by its per-block work (docs/PERFORMANCE.md); on the
+/// AVX-512 CPUs measured, the one-row kernel already reads at 80-90% of the bandwidth.
+pub fn interleaves_q8_0() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return quant_dots::Isa::best() == Some(quant_dots::Isa::Avx2);
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// Interleaved Q8_0 weights (`per_row` blocks a row): decode on the interleaved kernel where
+/// this CPU has it and `x` is finite; otherwise (several rows of `x` below gemm's threshold,
+/// or infinite or NaN activations) each task widens its weight rows to f32 one at a time and
+/// multiplies them in f32, as the portable kernel does a block at a time.
+#[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
+fn matmul_interleaved(
+    x: &[f32],
+    t: usize,
+    blocks: &[BlockQ8_0x8],
+    per_row: usize,
+    w: &Matrix,
+    out: &mut [f32],
+) {
+    let (n, k) = (w.rows, w.cols);
+    #[cfg(target_arch = "x86_64")]
+    if t == 1 && avx2_available() {
+        if let Some(rows) = Rows8::quantise(x, k, crate::quant::QK) {
+            use crate::interleaved::ROWS;
+            // Tasks of whole groups: `rows_per_task` is a multiple of 16, `n` of 8.
+            let task_rows = rows_per_task(n);
+            let groups = task_rows / ROWS * per_row;
+            return spread(out, task_rows, |i, o| {
+                let w = &blocks[i * groups..][..o.len() / ROWS * per_row];
+                // SAFETY: the CPU has AVX2, FMA and F16C.
+                unsafe { interleaved_dots::task(&rows, w, o) }
+            });
+        }
+    }
+    let ids: Vec<usize> = (0..n).collect();
+    let task = |ids: &[usize], o: &mut [f32]| {
+        let mut row = vec![0.0f32; k];
+        for (&r, o) in ids.iter().zip(o.chunks_exact_mut(t)) {
+            w.row_f32(r, &mut row);
+            for (o, x) in o.iter_mut().zip(x.chunks_exact(k)) {
+                *o = dot(x, &row);
+            }
+        }
+    };
+    matmul_dots(t, &ids, n, task, out);
 }
 
 /// Output rows per rayon task: several tasks per thread so that a thread slowed by other work on
@@ -635,7 +690,8 @@ mod blocked {
 #[cfg(test)]
 pub(super) mod tests {
     use super::*;
-    use crate::tensor::DType;
+    use crate::interleaved;
+    use crate::tensor::{DType, QK};
 
     /// Deterministic values in [-1, 1) with a scale spread, so cancellation is exercised
     /// (attention's tests use them too).
@@ -661,6 +717,7 @@ pub(super) mod tests {
         let t = x.len() / k;
         let mut out_t = vec![0.0; n * t];
         match_quant!(&w.data, e => dots_task_quant(x, k, e, &mut out_t),
+            Data::Q8_0x8 { .. } => unreachable!("the portable kernel reads the file's layout"),
             Data::F32(e) => dots_task_portable(x, k, e, &mut out_t),
             Data::BF16(e) => dots_task_portable(x, k, e, &mut out_t),
             Data::F16(e) => dots_task_portable(x, k, e, &mut out_t),
@@ -863,6 +920,53 @@ pub(super) mod tests {
                 check(t, n, k, DType::Q8_0, matmul);
                 check(t, n, k, DType::Q8_0, portable);
             }
+        }
+    }
+
+    /// `w` (Q8_0) with its rows interleaved by eight, as `resident` stores it where the CPU's
+    /// decode takes it, through `matmul`.
+    fn interleaved(x: &[f32], w: &Matrix, out: &mut [f32]) {
+        let Data::Q8_0(blocks) = &w.data else {
+            panic!("Q8_0 weights to interleave")
+        };
+        let per_row = w.cols / QK;
+        let mut x8 = vec![bytemuck::Zeroable::zeroed(); blocks.len() / interleaved::ROWS];
+        interleaved::interleave_into(blocks, per_row, &mut x8);
+        let data = Data::Q8_0x8 {
+            blocks: crate::tensor::Elems::Owned(x8.into()),
+            per_row,
+        };
+        matmul(x, &Matrix { data, ..*w }, out);
+    }
+
+    /// Interleaved Q8_0: decode on its kernel (where the CPU has AVX2; with activations
+    /// rounded as `Rows8` rounds them, within f32 rounding alone) over one task and several,
+    /// several rows of `x` on the widened fallback and gemm, and a NaN or infinity carried
+    /// through.
+    #[test]
+    fn interleaved_q8_0_matches_f64_reference() {
+        for (n, k) in [(8, 32), (16, 96), (400, 1024), (88, 64)] {
+            for t in [1, 2, 3, 16, 17] {
+                check(t, n, k, DType::Q8_0, interleaved);
+            }
+            #[cfg(target_arch = "x86_64")]
+            if avx2_available() {
+                let x = values(k, 7);
+                let rounded = Rows8::quantise(&x, k, QK).unwrap().values();
+                check_against(&x, &rounded, n, k, DType::Q8_0, interleaved, |_, _| 0.0);
+            }
+        }
+        let w = Matrix {
+            rows: 8,
+            cols: 64,
+            data: Data::from_f32(&values(8 * 64, 5), DType::Q8_0),
+        };
+        for bad in [f32::INFINITY, f32::NAN] {
+            let mut x = values(64, 9);
+            x[10] = bad;
+            let mut out = [0.0; 8];
+            interleaved(&x, &w, &mut out);
+            assert!(out.iter().all(|v| !v.is_finite()), "{bad}: {out:?}");
         }
     }
 

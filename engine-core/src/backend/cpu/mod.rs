@@ -8,6 +8,8 @@
 pub mod attention;
 pub mod delta;
 mod gemm;
+#[cfg(target_arch = "x86_64")]
+mod interleaved_dots;
 pub mod matmul;
 #[cfg(target_arch = "x86_64")]
 mod quant_dots;

@@ -80,7 +80,7 @@ impl GpuBackend {
     /// exact in f16's normal range), natively where the adapter has `shader-f16`; quantised
     /// blocks in their own type's device layout (packing.rs; only the types [`Self::reads`]).
     fn matrix(&self, w: &Matrix) -> Arc<GpuMatrix> {
-        let bytes = w.data.as_bytes();
+        let bytes = w.data.stored();
         let key = (bytes.as_ptr() as usize, bytes.len());
         let mut cache = self.weights.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(u) = cache.get(&key) {

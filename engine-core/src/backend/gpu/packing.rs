@@ -12,6 +12,7 @@ use std::ops::Range;
 
 use shaders::WeightFormat;
 
+use crate::interleaved;
 use crate::quant::scale_min_k4;
 use crate::tensor::{
     BlockQ4K, BlockQ4_0, BlockQ5K, BlockQ5_0, BlockQ6K, BlockQ8_0, DType, Data, QuantBlock, QK,
@@ -190,6 +191,10 @@ fn pack_rows<B: DeviceBlock>(blocks: &[B], cols: usize, rows: Range<usize>) -> V
 pub(super) fn quant_rows(data: &Data, cols: usize, rows: Range<usize>) -> Vec<u8> {
     match data {
         Data::Q8_0(b) => pack_rows(b, cols, rows),
+        Data::Q8_0x8 { blocks, per_row } => {
+            let n = rows.len();
+            pack_rows(&interleaved::row_blocks(blocks, *per_row, rows), cols, 0..n)
+        }
         Data::Q4_0(b) => pack_rows(b, cols, rows),
         Data::Q5_0(b) => pack_rows(b, cols, rows),
         Data::Q4K(b) => pack_rows(b, cols, rows),
