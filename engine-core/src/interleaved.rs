@@ -54,7 +54,7 @@ impl BlockQ8_0x8 {
 
 /// Whether a `[rows, cols]` Q8_0 matrix can be interleaved: whole groups of eight rows.
 pub fn fits(rows: usize, cols: usize) -> bool {
-    rows > 0 && rows.is_multiple_of(ROWS) && cols.is_multiple_of(QK)
+    rows > 0 && cols > 0 && rows.is_multiple_of(ROWS) && cols.is_multiple_of(QK)
 }
 
 /// `blocks` (a `[rows, per_row * 32]` matrix in the file's order, [`fits`]) interleaved, group
@@ -95,7 +95,7 @@ pub fn row_blocks(x: &[BlockQ8_0x8], per_row: usize, rows: Range<usize>) -> Vec<
 
 /// The bytes of interleaved blocks in the file's order.
 pub fn file_bytes(x: &[BlockQ8_0x8], per_row: usize) -> Vec<u8> {
-    let rows = x.len() / per_row.max(1) * ROWS;
+    let rows = x.len() / per_row * ROWS;
     bytemuck::cast_slice(&row_blocks(x, per_row, 0..rows)).to_vec()
 }
 

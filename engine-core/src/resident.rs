@@ -61,13 +61,14 @@ pub fn settle(tensors: &mut TensorMap, wanted: impl Fn(&str) -> bool) -> Result<
     let interleave = crate::backend::cpu::matmul::interleaves_q8_0();
     let mut per_rows = Vec::with_capacity(chosen.len());
     for ((_, t), place) in chosen.iter().zip(&places) {
-        let per_row = interleave.then(|| interleaved_rows(t)).flatten();
+        let per_row = interleaved_rows(t, interleave);
         match (&t.data, per_row) {
             (Data::Q8_0(blocks), Some(per_row)) => interleaved::interleave_into(
                 blocks,
                 per_row,
                 bytemuck::cast_slice_mut(&mut copy[place.clone()]),
             ),
+            // As they lie: another layout, or weights this copy interleaved before.
             (data, _) => copy[place.clone()].copy_from_slice(data.stored()),
         }
         per_rows.push(per_row);
@@ -89,11 +90,15 @@ pub fn settle(tensors: &mut TensorMap, wanted: impl Fn(&str) -> bool) -> Result<
     Ok(total as u64)
 }
 
-/// Blocks per row of `t` if it is a Q8_0 matrix the CPU's decode takes interleaved
-/// ([`crate::interleaved::fits`]): whole groups of eight rows.
-fn interleaved_rows(t: &crate::tensor::Tensor) -> Option<usize> {
+/// Blocks per row of `t` if it goes into the copy interleaved: a Q8_0 matrix of whole groups
+/// of eight rows ([`crate::interleaved::fits`]) where the CPU's decode takes that
+/// (`interleave`), or weights already interleaved (a second copy keeps their layout).
+fn interleaved_rows(t: &crate::tensor::Tensor, interleave: bool) -> Option<usize> {
     match (&t.data, t.shape.as_slice()) {
-        (Data::Q8_0(_), &[rows, cols]) if interleaved::fits(rows, cols) => Some(cols / QK),
+        (Data::Q8_0x8 { per_row, .. }, _) => Some(*per_row),
+        (Data::Q8_0(_), &[rows, cols]) if interleave && interleaved::fits(rows, cols) => {
+            Some(cols / QK)
+        }
         _ => None,
     }
 }
@@ -195,6 +200,8 @@ mod tests {
         tensors.insert("ragged".into(), matrix(20));
         settle(&mut tensors, |_| true).unwrap();
         let cpu = crate::backend::cpu::matmul::interleaves_q8_0();
+        // A second copy (of what the first made) keeps each layout.
+        settle(&mut tensors, |_| true).unwrap();
         for (name, rows, fits) in [("whole", 24, true), ("ragged", 20, false)] {
             let data = &tensors[name].data;
             let layout = matches!(data, Data::Q8_0x8 { .. });

@@ -125,10 +125,10 @@ impl Admission {
         Admission { table, limits }
     }
 
-    /// Lets a connection from `source` (counted by [`source_of`]) in, closing older idle ones to stay in bounds; `None`
-    /// if every one in the way is busy (the caller closes the new one). `close` closes it, if
-    /// it is pushed out or overstays; dropping the ticket (its handshake done, or failed)
-    /// takes it out of the table.
+    /// Lets a connection from `source` (counted by [`source_of`]) in, closing older idle ones
+    /// to stay in bounds; `None` if every one in the way is busy (the caller closes the new
+    /// one). `close` closes it, if it is pushed out or overstays; dropping the ticket (its
+    /// handshake done, or failed) takes it out of the table.
     pub fn admit(&self, source: IpAddr, close: impl FnOnce() + Send + 'static) -> Option<Ticket> {
         let source = source_of(source);
         let mut closers = Vec::new();

@@ -10,7 +10,7 @@
 
 use std::arch::x86_64::*;
 
-use super::matmul::PREFETCH_BYTES;
+use super::matmul::prefetch_ahead;
 use super::quant_rows::Rows8;
 use crate::interleaved::{BlockQ8_0x8, ROWS};
 use crate::quant::QK;
@@ -29,12 +29,7 @@ pub(super) unsafe fn task(x: &Rows8, w: &[BlockQ8_0x8], out: &mut [f32]) {
     for (group, dst) in w.chunks_exact(per_row).zip(out.chunks_exact_mut(ROWS)) {
         let mut acc = _mm256_setzero_ps();
         for (b, block) in group.iter().enumerate() {
-            let ahead = (block as *const BlockQ8_0x8)
-                .cast::<i8>()
-                .wrapping_add(PREFETCH_BYTES);
-            for line in (0..size_of::<BlockQ8_0x8>()).step_by(64) {
-                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line));
-            }
+            prefetch_ahead(block);
             let xq: &[i8; QK] = x.q[QK * b..][..QK].try_into().expect("32 values");
             let mut dots = _mm256_setzero_si256();
             for j in 0..QK / 4 {

@@ -40,6 +40,21 @@ const GEMM_MIN_T: usize = 16;
 #[cfg(target_arch = "x86_64")]
 pub(super) const PREFETCH_BYTES: usize = 2048;
 
+/// Prefetches the cache lines [`PREFETCH_BYTES`] past `block`, a block the kernel is about to
+/// multiply: a kernel that calls this for each block of a row in turn keeps the weights coming.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(super) fn prefetch_ahead<B>(block: &B) {
+    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+    let ahead = (block as *const B)
+        .cast::<i8>()
+        .wrapping_add(PREFETCH_BYTES);
+    for line in (0..size_of::<B>()).step_by(64) {
+        // SAFETY: SSE is part of x86_64; a prefetch of any address does not fault.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line)) };
+    }
+}
+
 /// Rows of `x` whose dot products with one weight row are taken together, so that each weight
 /// element loaded feeds several FMAs.
 const X_GROUP: usize = 4;
@@ -941,8 +956,8 @@ pub(super) mod tests {
 
     /// Interleaved Q8_0: decode on its kernel (where the CPU has AVX2; with activations
     /// rounded as `Rows8` rounds them, within f32 rounding alone) over one task and several,
-    /// several rows of `x` on the widened fallback and gemm, and a NaN or infinity carried
-    /// through.
+    /// and several rows of `x` on the widened fallback and gemm. (Non-finite activations:
+    /// `non_finite_activations_propagate_through_quantised_weights`.)
     #[test]
     fn interleaved_q8_0_matches_f64_reference() {
         for (n, k) in [(8, 32), (16, 96), (400, 1024), (88, 64)] {
@@ -955,18 +970,6 @@ pub(super) mod tests {
                 let rounded = Rows8::quantise(&x, k, QK).unwrap().values();
                 check_against(&x, &rounded, n, k, DType::Q8_0, interleaved, |_, _| 0.0);
             }
-        }
-        let w = Matrix {
-            rows: 8,
-            cols: 64,
-            data: Data::from_f32(&values(8 * 64, 5), DType::Q8_0),
-        };
-        for bad in [f32::INFINITY, f32::NAN] {
-            let mut x = values(64, 9);
-            x[10] = bad;
-            let mut out = [0.0; 8];
-            interleaved(&x, &w, &mut out);
-            assert!(out.iter().all(|v| !v.is_finite()), "{bad}: {out:?}");
         }
     }
 
@@ -1028,20 +1031,24 @@ pub(super) mod tests {
     }
 
     /// A NaN or infinite activation reaches the output as it would through f32 products (the
-    /// integer kernel cannot scale it), not as a finite number.
+    /// integer kernels cannot scale it), not as a finite number: Q8_0 in the file's layout
+    /// (3 rows) and interleaved (8).
     #[test]
     fn non_finite_activations_propagate_through_quantised_weights() {
-        let w = Matrix {
-            rows: 3,
-            cols: 64,
-            data: Data::from_f32(&values(3 * 64, 5), DType::Q8_0),
-        };
-        for bad in [f32::INFINITY, f32::NAN] {
-            let mut x = values(64, 9);
-            x[10] = bad;
-            let mut out = [0.0; 3];
-            matmul(&x, &w, &mut out);
-            assert!(out.iter().all(|v| !v.is_finite()), "{bad}: {out:?}");
+        let kernels: [(usize, Kernel); 2] = [(3, matmul), (8, interleaved)];
+        for (rows, kernel) in kernels {
+            let w = Matrix {
+                rows,
+                cols: 64,
+                data: Data::from_f32(&values(rows * 64, 5), DType::Q8_0),
+            };
+            for bad in [f32::INFINITY, f32::NAN] {
+                let mut x = values(64, 9);
+                x[10] = bad;
+                let mut out = vec![0.0; rows];
+                kernel(&x, &w, &mut out);
+                assert!(out.iter().all(|v| !v.is_finite()), "{bad}: {out:?}");
+            }
         }
     }
 

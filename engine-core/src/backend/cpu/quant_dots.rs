@@ -14,7 +14,7 @@
 
 use std::arch::x86_64::*;
 
-use super::matmul::{avx2_available, sum_lanes, PREFETCH_BYTES};
+use super::matmul::{avx2_available, prefetch_ahead, sum_lanes};
 use super::quant_rows::{Rows8, SUM_LEN};
 use super::vnni_dots;
 use crate::quant::{
@@ -849,12 +849,7 @@ unsafe fn dots<B: Dot8, const R: usize, const WIDE: bool>(
         let mut acc = [[_mm256_setzero_ps(); R]; 2];
         let mut mins = [0.0f32; R];
         for (b, block) in w.iter().enumerate() {
-            let ahead = (block as *const B)
-                .cast::<i8>()
-                .wrapping_add(PREFETCH_BYTES);
-            for line in (0..size_of::<B>()).step_by(64) {
-                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line));
-            }
+            prefetch_ahead(block);
             match WIDE {
                 true => accumulate_wide(block, &rows, b, &mut acc[0], &mut mins),
                 false => accumulate(block, &rows, b, &mut acc[0], &mut mins),
