@@ -3,8 +3,8 @@
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use engine_core::backend::cpu::attention::attend_page;
-use engine_core::backend::KvPage;
 use engine_core::backend::{Act, AttnShape};
+use engine_core::backend::{KvPage, PageRows};
 
 fn values(n: usize, seed: u32) -> Vec<f32> {
     (0..n as u32)
@@ -28,8 +28,8 @@ fn decode(c: &mut Criterion) {
         let page = KvPage {
             start: 0,
             len,
-            k: Act::Host(values(len * row, 1)),
-            v: Act::Host(values(len * row, 2)),
+            k: PageRows::Values(Act::Host(values(len * row, 1))),
+            v: PageRows::Values(Act::Host(values(len * row, 2))),
         };
         let q = values(shape.q_heads * shape.head_dim, 3);
         group.throughput(Throughput::Bytes((len * row * 2 * 4) as u64));

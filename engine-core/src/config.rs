@@ -5,6 +5,7 @@
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use crate::cache_types::CacheTypes;
 use crate::error::{Error, Result};
 
 /// Most layers a config may have: far past any real model's, and few enough that the layer
@@ -204,15 +205,20 @@ impl ModelConfig {
             .count()
     }
 
-    /// Bytes of one position's K and V rows (f32) in one full-attention layer.
-    pub fn kv_row_bytes(&self) -> usize {
-        2 * self.num_key_value_heads * self.head_dim * std::mem::size_of::<f32>()
+    /// Bytes of one position's K and V rows in one full-attention layer, stored as `types`.
+    pub fn kv_row_bytes(&self, types: CacheTypes) -> usize {
+        types.position_bytes(self.num_key_value_heads * self.head_dim)
     }
 
-    /// Bytes of the K and V rows (f32) of `positions` positions in the full-attention layers
-    /// among `layers`.
-    pub fn kv_bytes(&self, layers: std::ops::Range<usize>, positions: usize) -> usize {
-        self.count_layers(layers, LayerKind::FullAttention) * self.kv_row_bytes() * positions
+    /// Bytes of the K and V rows, stored as `types`, of `positions` positions in the
+    /// full-attention layers among `layers`.
+    pub fn kv_bytes(
+        &self,
+        types: CacheTypes,
+        layers: std::ops::Range<usize>,
+        positions: usize,
+    ) -> usize {
+        self.count_layers(layers, LayerKind::FullAttention) * self.kv_row_bytes(types) * positions
     }
 
     /// Layer i is full attention iff (i + 1) % interval == 0: L L L F, repeated.

@@ -7,29 +7,35 @@
 
 use std::ops::Range;
 
-use crate::backend::{Act, ActPartials, AttnShape, Backend, KvPage};
+use crate::backend::{Act, ActPartials, AttnShape, Backend, CacheTypes, KvPage, KvType, PageRows};
 use crate::error::{Error, Result};
 
 /// One layer's cache: pages of `page_size` positions, the last one possibly partial. The
 /// oldest `remote_len` positions (whole pages) may have left this device; where each of those
 /// pages is now (a helper, the page file) is the host's placement's to know. Pages keep their
 /// boundaries wherever they live, so their partials, merged in page order, are the same
-/// computation as on the host.
+/// computation as on the host. Keys and values are stored as `types` say: f32 rows where the
+/// backend keeps values, compact rows on the host (see [`PageRows`]); only f32 pages leave
+/// this device so far.
 #[derive(Debug)]
 pub struct PagedKv {
     page_size: usize,
     row: usize,
+    types: CacheTypes,
     pages: Vec<KvPage>,
     len: usize,
     remote_len: usize,
 }
 
 impl PagedKv {
-    pub fn new(page_size: usize, kv_heads: usize, head_dim: usize) -> Self {
+    /// A cache of rows of `kv_heads * head_dim` values, stored as `types` (the caller has
+    /// checked [`CacheTypes::check_row`]).
+    pub fn new(page_size: usize, kv_heads: usize, head_dim: usize, types: CacheTypes) -> Self {
         assert!(page_size > 0, "page size must be positive");
         PagedKv {
             page_size,
             row: kv_heads * head_dim,
+            types,
             pages: Vec::new(),
             len: 0,
             remote_len: 0,
@@ -39,6 +45,11 @@ impl PagedKv {
     /// Values per position: `kv_heads * head_dim`.
     pub fn row_width(&self) -> usize {
         self.row
+    }
+
+    /// How keys and values are stored.
+    pub fn types(&self) -> CacheTypes {
+        self.types
     }
 
     /// Positions `0 .. remote_len()` have left this device (for the helper or the disk).
@@ -100,6 +111,7 @@ impl PagedKv {
     /// (value, element range) pieces for [`Backend::download_ranges`]: a caller gathering
     /// many layers' rows reads them all at once.
     pub fn row_parts(&self, start: usize, len: usize) -> Result<Vec<(&Act, Range<usize>)>> {
+        self.check_values_leave()?;
         if start < self.remote_len || start.checked_add(len).is_none_or(|end| end > self.len) {
             return Err(Error::Invalid(format!(
                 "KV rows {start}..{} are not all held here ({}..{})",
@@ -126,9 +138,22 @@ impl PagedKv {
         }
         Ok(pieces
             .iter()
-            .map(|(p, r)| (&p.k, r.clone()))
-            .chain(pieces.iter().map(|(p, r)| (&p.v, r.clone())))
+            .filter_map(|(p, r)| Some((p.k.values()?, r.clone())))
+            .chain((pieces.iter()).filter_map(|(p, r)| Some((p.v.values()?, r.clone()))))
             .collect())
+    }
+
+    /// Pages leave this device (for a helper, the page file, a rewind's refill) as f32 rows
+    /// only, so far: compact pages stay here.
+    fn check_values_leave(&self) -> Result<()> {
+        if self.types.is_f32() {
+            return Ok(());
+        }
+        Err(Error::Invalid(format!(
+            "KV pages stored as {} cannot leave this device yet (helpers and the page file \
+             hold f32 pages): use --cache-type-k f32 --cache-type-v f32",
+            self.types
+        )))
     }
 
     /// The oldest local page, if it is full (the next to move to the remote).
@@ -160,7 +185,18 @@ impl PagedKv {
 
     /// Bytes held by K and V rows (not counting spare capacity).
     pub fn bytes(&self) -> usize {
-        self.len * self.row * 2 * std::mem::size_of::<f32>()
+        self.len * self.types.position_bytes(self.row)
+    }
+
+    /// A page's empty rows of type `ty`, with room for a whole page of f32 values.
+    fn new_rows(&self, be: &dyn Backend, ty: KvType) -> PageRows {
+        match ty {
+            KvType::F32 => PageRows::Values(be.alloc(self.page_size * self.row)),
+            ty => PageRows::Packed {
+                ty,
+                bytes: Vec::with_capacity(self.page_size * ty.row_bytes(self.row)),
+            },
+        }
     }
 
     /// Append rows `[t, kv_heads, head_dim]` at positions `len .. len + t`: written into the
@@ -168,22 +204,27 @@ impl PagedKv {
     pub fn append(&mut self, be: &dyn Backend, k: &Act, v: &Act) {
         assert_eq!(k.len(), v.len());
         assert_eq!(k.len() % self.row, 0);
+        // Compact rows are encoded on the host: the rows of this step, read once.
+        let host = |x: &Act, ty: KvType| (ty != KvType::F32).then(|| be.download(x));
+        let (k_host, v_host) = (host(k, self.types.k), host(v, self.types.v));
         let mut done = 0;
         let total = k.len() / self.row;
         while done < total {
             if self.pages.last().is_none_or(|p| p.len == self.page_size) {
-                self.pages.push(KvPage {
+                let page = KvPage {
                     start: self.len,
                     len: 0,
-                    k: be.alloc(self.page_size * self.row),
-                    v: be.alloc(self.page_size * self.row),
-                });
+                    k: self.new_rows(be, self.types.k),
+                    v: self.new_rows(be, self.types.v),
+                };
+                self.pages.push(page);
             }
+            let row = self.row;
             let page = self.pages.last_mut().expect("a page was just ensured");
             let take = (self.page_size - page.len).min(total - done);
-            let (at, from, n) = (page.len * self.row, done * self.row, take * self.row);
-            be.write(&mut page.k, at, k, from, n);
-            be.write(&mut page.v, at, v, from, n);
+            let rows = (page.len, done, take);
+            write_rows(be, &mut page.k, row, rows, k, k_host.as_deref());
+            write_rows(be, &mut page.v, row, rows, v, v_host.as_deref());
             page.len += take;
             self.len += take;
             done += take;
@@ -220,6 +261,7 @@ impl PagedKv {
     /// Put a whole page's rows `k`, `v` (at most `page_size` rows) at `start`, a page start in
     /// a gap left by [`Self::skip_to`]: a helper re-filled with a page another helper held.
     pub fn fill_gap(&mut self, be: &dyn Backend, start: usize, k: &Act, v: &Act) -> Result<()> {
+        self.check_values_leave()?;
         let rows = k.len() / self.row;
         let at = match self.pages.binary_search_by_key(&start, |p| p.start) {
             Err(at)
@@ -239,11 +281,11 @@ impl PagedKv {
         let mut page = KvPage {
             start,
             len: rows,
-            k: be.alloc(self.page_size * self.row),
-            v: be.alloc(self.page_size * self.row),
+            k: self.new_rows(be, KvType::F32),
+            v: self.new_rows(be, KvType::F32),
         };
-        be.write(&mut page.k, 0, k, 0, rows * self.row);
-        be.write(&mut page.v, 0, v, 0, rows * self.row);
+        write_rows(be, &mut page.k, self.row, (0, 0, rows), k, None);
+        write_rows(be, &mut page.v, self.row, (0, 0, rows), v, None);
         self.pages.insert(at, page);
         Ok(())
     }
@@ -263,6 +305,26 @@ impl PagedKv {
         }
         self.len = start;
         Ok(())
+    }
+}
+
+/// Rows `from .. from + n` of `src` (`(at, from, n)`, rows of `row` values) written at row
+/// `at` of a page's `dst`: by the backend for f32 values, encoded from `host` (the same rows
+/// on the host) for compact ones.
+fn write_rows(
+    be: &dyn Backend,
+    dst: &mut PageRows,
+    row: usize,
+    (at, from, n): (usize, usize, usize),
+    src: &Act,
+    host: Option<&[f32]>,
+) {
+    match dst {
+        PageRows::Values(d) => be.write(d, at * row, src, from * row, n * row),
+        PageRows::Packed { .. } => {
+            let host = host.expect("compact rows are encoded from host values");
+            dst.write_packed(at, row, &host[from * row..(from + n) * row]);
+        }
     }
 }
 
@@ -420,7 +482,7 @@ mod tests {
     #[test]
     fn append_spans_pages_and_truncate_rewinds() {
         let be = &CpuBackend;
-        let mut kv = PagedKv::new(3, 1, 2);
+        let mut kv = PagedKv::new(3, 1, 2, CacheTypes::F32);
         let rows: Vec<f32> = (0..14).map(|x| x as f32).collect(); // 7 rows of 2
         let part = |r: std::ops::Range<usize>| Act::Host(rows[r].to_vec());
         kv.append(be, &part(0..4), &part(0..4));

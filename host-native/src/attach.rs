@@ -5,6 +5,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
+use engine_core::backend::CacheTypes;
 use engine_core::host::calibrate;
 use engine_core::host::page_file::PageFile;
 use engine_core::host::plan::{Plan, PlanInput, Speeds, WeightBytes};
@@ -123,6 +124,8 @@ pub struct Fixed {
     pub ubatch: Option<usize>,
     pub host_kv_tokens: Option<usize>,
     pub split_layer: Option<usize>,
+    /// `--cache-type-k/-v` (f32 unless given).
+    pub kv_types: CacheTypes,
 }
 
 /// Where a helper comes from.
@@ -304,6 +307,18 @@ impl HelperArgs {
     /// Whether a helper is named (--helper) or taken when it joins (--accept-helpers).
     pub fn has_helper(&self) -> bool {
         !self.helper.is_empty() || self.accept_helpers.is_some()
+    }
+
+    /// Compact KV pages stay on the host: refused with a helper (pages leave for it and for
+    /// the page file as f32 rows, so far).
+    pub fn check_kv_types(&self, types: CacheTypes) -> Result<()> {
+        if self.has_helper() && !types.is_f32() {
+            bail!(
+                "KV pages stored as {types} stay on this host: helpers and the page file hold \
+                 f32 pages so far (use --cache-type-k f32 --cache-type-v f32 with a helper)"
+            );
+        }
+        Ok(())
     }
 
     /// The helpers the server reconnects to when lost, and whether it takes helpers that join.
@@ -490,6 +505,7 @@ impl HelperArgs {
                 .filter(|l| l.bandwidth_bps.is_finite())
                 .map(|l| (l.bandwidth_bps, l.latency.as_secs_f64())),
             speeds,
+            kv_types: fixed.kv_types,
         };
         Plan::new(&model.config, &input)
     }
@@ -509,8 +525,9 @@ impl HelperArgs {
             bail!("--page-size, --ubatch and --split-ubatch must be at least 1");
         }
         let expected = (self.expected_offers(), None);
+        self.check_kv_types(fixed.kv_types)?;
         let plan = self.plan_for(model, expected, fixed, context, prompt);
-        let mut seq = Sequence::new(&model.config, plan.page_size);
+        let mut seq = Sequence::typed(&model.config, plan.page_size, plan.kv_types, be)?;
         let attached = self.attach(model, be, &mut seq, plan.page_size, context)?;
         if !attached.is_empty() {
             seq.placement.host_kv_tokens = plan.host_kv_tokens;

@@ -8,6 +8,7 @@ use std::io::Write;
 use std::time::Instant;
 
 use anyhow::{ensure, Result};
+use engine_core::cache_types::CacheTypes;
 use engine_core::generate::argmax;
 use std::sync::Mutex;
 
@@ -124,6 +125,7 @@ pub fn run(a: Args) -> Result<()> {
             interleave_from: plan.interleave_from,
             link: None,
             speeds: None,
+            kv_types: CacheTypes::F32,
         },
     );
     let split = decided.split_layer;

@@ -16,7 +16,7 @@ use engine_core::backend::cpu::{self, attention::attend_page as cpu_attend};
 use engine_core::backend::gpu::ops::{self, GpuDeltaInputs, GpuKvPage, GpuPartials, MatmulKernel};
 use engine_core::backend::gpu::{Gpu, GpuBackend, GpuMatrix, GpuOptions, GpuTensor, WeightFormat};
 use engine_core::backend::{Act, AttnShape, Backend, DeltaInputs, DeltaShape};
-use engine_core::backend::{KvPage, Merger, Partials};
+use engine_core::backend::{KvPage, Merger, PageRows, Partials};
 use engine_core::tensor::{DType, Data, Matrix};
 use tests::Rng;
 
@@ -591,8 +591,8 @@ fn pages(start: usize, len: usize, k: Vec<f32>, v: Vec<f32>) -> (KvPage, GpuKvPa
     let host = KvPage {
         start,
         len,
-        k: Act::Host(k),
-        v: Act::Host(v),
+        k: PageRows::Values(Act::Host(k)),
+        v: PageRows::Values(Act::Host(v)),
     };
     (host, dev)
 }

@@ -2,7 +2,7 @@
 //! plain softmax over all keys whatever the page size.
 
 use engine_core::backend::cpu::delta;
-use engine_core::backend::{Act, AttnShape, Backend, DeltaInputs, DeltaShape};
+use engine_core::backend::{Act, AttnShape, Backend, CacheTypes, DeltaInputs, DeltaShape};
 use engine_core::kv::{begin_attention, NoPagesAway, PagedKv};
 use engine_core::CpuBackend;
 use tests::{max_abs_diff, Rng};
@@ -109,7 +109,7 @@ fn paged_attention_equals_unpaged_for_any_page_size() {
     let qd = shape.q_heads * shape.head_dim;
     let paged = |page: usize, q: &[f32], pos: &[usize]| {
         let rows = |x: &[f32]| Act::Host(x.to_vec());
-        let mut kv = PagedKv::new(page, shape.kv_heads, shape.head_dim);
+        let mut kv = PagedKv::new(page, shape.kv_heads, shape.head_dim, CacheTypes::F32);
         kv.append(&CpuBackend, &rows(&k[..37 * row]), &rows(&v[..37 * row]));
         kv.append(&CpuBackend, &rows(&k[37 * row..]), &rows(&v[37 * row..]));
         begin_attention(

@@ -24,6 +24,7 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
+use engine_core::cache_types::CacheTypes;
 use engine_core::config::ModelConfig;
 use engine_core::generate::{Generation, Sampler, SamplingParams};
 use engine_core::helper::{Helper, HelperOptions, Session};
@@ -320,6 +321,7 @@ fn planned(c: &ModelConfig, s: &Settings) -> Plan {
             interleave_from: usize::MAX,
             link: Some((s.bandwidth_mbps * 1e6, s.latency_ms / 1e3)),
             speeds: None,
+            kv_types: CacheTypes::F32,
         },
     )
 }

@@ -11,9 +11,12 @@
 pub mod cpu;
 #[cfg(feature = "gpu")]
 pub mod gpu;
+mod page_rows;
 mod pages;
 
+pub use crate::cache_types::{CacheTypes, KvType};
 pub use cpu::CpuBackend;
+pub use page_rows::PageRows;
 pub use pages::{KvPage, Merger, Partials};
 
 /// The backend called `name` (`cpu`; `gpu` in builds with the `gpu` feature; `metal` in Apple
@@ -217,6 +220,13 @@ pub trait Backend: Send + Sync {
     /// kernels yet).
     fn reads(&self, dtype: crate::tensor::DType) -> bool {
         let _ = dtype;
+        true
+    }
+
+    /// Whether this backend attends KV pages stored as `ty` (the GPU's kernels read f32
+    /// pages only, so far).
+    fn holds_kv(&self, ty: KvType) -> bool {
+        let _ = ty;
         true
     }
 

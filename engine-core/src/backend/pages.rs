@@ -8,18 +8,18 @@
 //! computed (host or helper). [`Merger`] is that merge on the host, in f64; the GPU's
 //! `attn_merge` kernel is the same formula in f32.
 
-use super::Act;
+use super::PageRows;
 
 /// KV rows for positions `start .. start + len`, token-major: row `j` holds
-/// `[kv_heads, head_dim]` keys (values likewise). `k` and `v` live in the backend that made
-/// the page (on a GPU, buffers of a whole page's capacity written row by row); only the first
-/// `len` rows mean anything.
+/// `[kv_heads, head_dim]` keys (values likewise). f32 rows live in the backend that made
+/// the page (on a GPU, buffers of a whole page's capacity written row by row; only the first
+/// `len` rows mean anything); compact rows on the host ([`PageRows::Packed`]).
 #[derive(Debug)]
 pub struct KvPage {
     pub start: usize,
     pub len: usize,
-    pub k: Act,
-    pub v: Act,
+    pub k: PageRows,
+    pub v: PageRows,
 }
 
 /// Attention partials for `rows` (query row, head) pairs: `o` `[rows, head_dim]` normalised by

@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use super::limits::{check_reply, prefill_bytes, Cost, F32, REPLY_SLACK};
 use super::{Held, Helper, Refusal, MAX_SEQS};
 use crate::backend::KvPage;
-use crate::backend::{AttnShape, Backend};
+use crate::backend::{AttnShape, Backend, CacheTypes};
 use crate::host::split::ChunkPayload;
 use crate::kv::{download_partials, NoPagesAway, PagedKv};
 use crate::model::LayerState;
@@ -452,7 +452,12 @@ impl Helper<'_> {
             Entry::Vacant(new) => {
                 let runs = cfg.first_layer as usize..cfg.end_layer as usize;
                 let c = &self.model().config;
-                Ok(new.insert(State::for_layers(c, cfg.page_size as usize, runs)))
+                Ok(new.insert(State::for_layers(
+                    c,
+                    cfg.page_size as usize,
+                    runs,
+                    CacheTypes::F32,
+                )))
             }
         }
     }

@@ -1,6 +1,7 @@
 //! The least a link can carry, in tensor bytes (f32), for the traffic a split causes: the
 //! plan estimates link time with these, and the benchmark compares what crossed with them.
 
+use crate::cache_types::CacheTypes;
 use crate::config::{LayerKind, ModelConfig};
 
 fn delta_state(c: &ModelConfig) -> usize {
@@ -22,7 +23,7 @@ pub fn prefill(
     let delta = c.count_layers(tail, LayerKind::LinearAttention);
     let states = if sent_rows > 0 { 1 } else { 0 } + usize::from(synced);
     (sent_rows * c.hidden_size * 4
-        + (sent_rows + synced_rows) * full * c.kv_row_bytes()
+        + (sent_rows + synced_rows) * full * c.kv_row_bytes(CacheTypes::F32)
         + states * delta * delta_state(c)) as u64
 }
 
@@ -44,5 +45,5 @@ pub fn attend(
 
 /// Moving `rows` positions of every full-attention layer to the helper.
 pub fn offload(c: &ModelConfig, rows: usize) -> u64 {
-    (c.kv_bytes(0..c.num_hidden_layers, rows)) as u64
+    (c.kv_bytes(CacheTypes::F32, 0..c.num_hidden_layers, rows)) as u64
 }

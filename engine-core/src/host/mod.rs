@@ -15,9 +15,9 @@ pub mod telemetry;
 
 use std::ops::Range;
 
-use crate::backend::{Act, Backend};
+use crate::backend::{Act, Backend, CacheTypes};
 use crate::config::ModelConfig;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::model::{Checkpoint, Logits, Model, Pass, State};
 use placement::Placement;
 
@@ -37,6 +37,28 @@ impl Sequence {
             state: State::new(c, page_size),
             placement: Placement::new(c, page_size),
         }
+    }
+
+    /// A fresh sequence whose KV pages are stored as `types` (see [`State::typed`]), on a
+    /// backend that attends them.
+    pub fn typed(
+        c: &ModelConfig,
+        page_size: usize,
+        types: CacheTypes,
+        be: &dyn Backend,
+    ) -> Result<Sequence> {
+        if let Some(ty) = [types.k, types.v].into_iter().find(|&t| !be.holds_kv(t)) {
+            return Err(Error::Invalid(format!(
+                "the {} backend attends f32 KV pages only, not {}: use --cache-type-k f32 \
+                 --cache-type-v f32",
+                be.name(),
+                ty.name()
+            )));
+        }
+        Ok(Sequence {
+            state: State::typed(c, page_size, types)?,
+            placement: Placement::new(c, page_size),
+        })
     }
 
     /// [`Model::forward`] for a host's sequence: run `tokens` at `state.pos ..`, then move

@@ -11,7 +11,7 @@ use std::ops::Range;
 use super::page_file::PageFile;
 use super::remote::{AttendRate, HelperClient};
 use super::telemetry::{self, Telemetry};
-use crate::backend::{Act, AttnShape, Backend, KvPage};
+use crate::backend::{Act, AttnShape, Backend, KvPage, PageRows};
 use crate::config::{LayerKind, ModelConfig};
 use crate::error::{Error, Result};
 use crate::kv::{PagePartials, PageSource, PagedKv};
@@ -738,8 +738,8 @@ fn attend_from_disk(
                 Ok(KvPage {
                     start,
                     len,
-                    k: be.upload(k),
-                    v: be.upload(v),
+                    k: PageRows::Values(be.upload(k)),
+                    v: PageRows::Values(be.upload(v)),
                 })
             })
             .collect::<Result<Vec<_>>>()?;

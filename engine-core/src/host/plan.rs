@@ -6,6 +6,7 @@ use std::fmt::Write;
 use std::mem::size_of;
 use std::ops::Range;
 
+use crate::cache_types::CacheTypes;
 use crate::config::{LayerKind, ModelConfig};
 use crate::host::minimum;
 use crate::model::State;
@@ -32,7 +33,7 @@ const RESERVE_SHARE: u64 = 8;
 /// What one sequence costs in memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Footprint {
-    /// Bytes per position of context: the K and V rows (f32) of every full-attention layer.
+    /// Bytes per position of context: the K and V rows of every full-attention layer.
     pub per_token: u64,
     /// Bytes however long the context: the DeltaNet states of the live sequence, of the empty
     /// origin and of each conversation checkpoint, and each checkpoint's saved logits.
@@ -40,8 +41,9 @@ pub struct Footprint {
 }
 
 impl Footprint {
-    pub fn of(c: &ModelConfig, checkpoints: usize) -> Footprint {
-        let per_token = c.kv_bytes(0..c.num_hidden_layers, 1);
+    /// A sequence's, with KV stored as `types`.
+    pub fn of(c: &ModelConfig, types: CacheTypes, checkpoints: usize) -> Footprint {
+        let per_token = c.kv_bytes(types, 0..c.num_hidden_layers, 1);
         let states = (2 + checkpoints) * State::delta_bytes_for(c, 0..c.num_hidden_layers);
         let logits = checkpoints * c.vocab_size * size_of::<f32>();
         Footprint {
@@ -130,6 +132,8 @@ pub struct PlanInput {
     pub link: Option<(f64, f64)>,
     /// The prefill helper's speed against the host's, measured when it connected.
     pub speeds: Option<Speeds>,
+    /// How the host's KV cache stores keys and values.
+    pub kv_types: CacheTypes,
 }
 
 /// Prefill speeds measured at connect (`calibrate`): the seconds the host and the prefill
@@ -173,6 +177,8 @@ pub struct Plan {
     pub host_kv_tokens: Option<usize>,
     pub split_layer: usize,
     pub ubatch: usize,
+    /// How the host's KV pages store keys and values (as given: `--cache-type-k/-v`).
+    pub kv_types: CacheTypes,
     pub text: String,
 }
 
@@ -180,13 +186,14 @@ impl Plan {
     pub fn new(c: &ModelConfig, p: &PlanInput) -> Plan {
         let n = c.num_hidden_layers;
         let full = c.count_layers(0..n, LayerKind::FullAttention);
-        let kv_per_token = c.kv_bytes(0..n, 1) as f64;
+        let kv_per_token = c.kv_bytes(p.kv_types, 0..n, 1) as f64;
         let mut t = String::new();
         let _ = writeln!(
             t,
-            "model: {n} layers ({full} full attention, {} Gated DeltaNet); KV {:.1} KiB per token (f32)",
+            "model: {n} layers ({full} full attention, {} Gated DeltaNet); KV {:.1} KiB per token ({})",
             n - full,
-            kv_per_token / 1024.0
+            kv_per_token / 1024.0,
+            p.kv_types
         );
         let choices = Choices::new(c, p);
         choices.explain(&mut t, c, p);
@@ -230,7 +237,7 @@ impl Plan {
                 bytes / p.prompt as f64,
                 link_time(p.link, bytes, ubatches)
             );
-            let mirror = c.kv_bytes(tail.clone(), p.context) as f64;
+            let mirror = c.kv_bytes(p.kv_types, tail.clone(), p.context) as f64;
             let _ = writeln!(
                 t,
                 "  the helper mirrors its layers' KV ({} at {} tokens) and state across turns; later turns push only what is new",
@@ -302,6 +309,7 @@ impl Plan {
             host_kv_tokens,
             split_layer,
             ubatch,
+            kv_types: p.kv_types,
             text: t,
         }
     }
@@ -467,7 +475,7 @@ fn host_needs(c: &ModelConfig, p: &PlanInput, host_kv: usize, ubatch: usize) -> 
     let n = c.num_hidden_layers;
     Held {
         weights: p.weights.of_layers(0..n) + p.weights.ends,
-        kv: c.kv_bytes(0..n, host_kv) as u64,
+        kv: c.kv_bytes(p.kv_types, 0..n, host_kv) as u64,
         state: State::delta_bytes_for(c, 0..n) as u64,
         activations: activation_bytes(c, ubatch),
     }
@@ -475,11 +483,11 @@ fn host_needs(c: &ModelConfig, p: &PlanInput, host_kv: usize, ubatch: usize) -> 
 
 /// What the prefill helper holds from its offer when it runs layers `tail`: their KV mirrored
 /// over the whole context, their DeltaNet states and a ubatch's activations (its weights are
-/// its own, outside the offer).
+/// its own, outside the offer). Helpers hold f32 pages (compact pages do not travel yet).
 fn helper_needs(c: &ModelConfig, context: usize, tail: Range<usize>, ubatch: usize) -> Held {
     Held {
         weights: 0,
-        kv: c.kv_bytes(tail.clone(), context) as u64,
+        kv: c.kv_bytes(CacheTypes::F32, tail.clone(), context) as u64,
         state: State::delta_bytes_for(c, tail) as u64,
         activations: activation_bytes(c, ubatch),
     }
@@ -528,7 +536,7 @@ fn choose_host_kv(c: &ModelConfig, p: &PlanInput, ubatch: usize) -> (Option<usiz
         );
     };
     let others = host_needs(c, p, 0, ubatch).total() + m / RESERVE_SHARE;
-    let per_token = c.kv_bytes(0..c.num_hidden_layers, 1).max(1) as u64;
+    let per_token = c.kv_bytes(p.kv_types, 0..c.num_hidden_layers, 1).max(1) as u64;
     let fits = usize::try_from(m.saturating_sub(others) / per_token).unwrap_or(usize::MAX);
     let room = format!(
         "{} free less the weights, DeltaNet state, activations and an eighth for the rest of the machine leaves room for {fits} tokens",
@@ -675,7 +683,7 @@ fn placement(
 ) {
     let n = c.num_hidden_layers;
     let tail = split_layer.min(n)..n;
-    let page = (page_size * c.kv_row_bytes()) as f64;
+    let page = (page_size * c.kv_row_bytes(p.kv_types)) as f64;
     let (tail_full, head_full) = (
         c.count_layers(tail.clone(), LayerKind::FullAttention),
         c.count_layers(0..tail.start, LayerKind::FullAttention),
@@ -759,6 +767,7 @@ mod tests {
             interleave_from: 65536,
             link: Some((10e9, 50e-6)),
             speeds: None,
+            kv_types: CacheTypes::F32,
         }
     }
 

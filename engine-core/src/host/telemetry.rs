@@ -229,7 +229,7 @@ mod tests {
     #[test]
     fn runs_follow_the_holders_then_the_host() {
         let be = CpuBackend;
-        let mut kv = PagedKv::new(2, 1, 1);
+        let mut kv = PagedKv::new(2, 1, 1, crate::backend::CacheTypes::F32);
         let row = |n: usize| Act::Host(vec![0.0; n]);
         kv.append(&be, &row(9), &row(9));
         // Pages [0,2) and [2,4) leave: one to helper 7, one to the disk alone.

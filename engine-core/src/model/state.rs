@@ -6,7 +6,7 @@
 use std::collections::BTreeMap;
 use std::ops::Range;
 
-use crate::backend::{Act, Backend};
+use crate::backend::{Act, Backend, CacheTypes};
 use crate::config::{LayerKind, ModelConfig};
 use crate::error::{Error, Result};
 use crate::kv::PagedKv;
@@ -64,14 +64,32 @@ pub struct State {
 }
 
 impl State {
+    /// A fresh sequence with exact (f32) KV pages.
     pub fn new(c: &ModelConfig, page_size: usize) -> State {
-        State::for_layers(c, page_size, 0..c.layer_types.len())
+        State::for_layers(c, page_size, 0..c.layer_types.len(), CacheTypes::F32)
+    }
+
+    /// A fresh sequence whose KV pages are stored as `types`, refused where the model's KV
+    /// rows are not whole blocks of them.
+    pub fn typed(c: &ModelConfig, page_size: usize, types: CacheTypes) -> Result<State> {
+        types.check_row(c.num_key_value_heads * c.head_dim)?;
+        Ok(State::for_layers(
+            c,
+            page_size,
+            0..c.layer_types.len(),
+            types,
+        ))
     }
 
     /// A state for a device that runs only `runs` of the layers: DeltaNet layers outside it
     /// are [`LayerState::Elsewhere`]. Every full-attention layer keeps a cache (a helper holds
-    /// the pages of all of them).
-    pub fn for_layers(c: &ModelConfig, page_size: usize, runs: Range<usize>) -> State {
+    /// the pages of all of them), stored as `types`.
+    pub fn for_layers(
+        c: &ModelConfig,
+        page_size: usize,
+        runs: Range<usize>,
+        types: CacheTypes,
+    ) -> State {
         let layers = c
             .layer_types
             .iter()
@@ -82,6 +100,7 @@ impl State {
                     page_size,
                     c.num_key_value_heads,
                     c.head_dim,
+                    types,
                 )),
                 LayerKind::LinearAttention => LayerState::DeltaNet(DeltaState {
                     s: Act::Host(vec![0.0; c.delta_state_len().0]),
@@ -90,6 +109,18 @@ impl State {
             })
             .collect();
         State { pos: 0, layers }
+    }
+
+    /// How the KV caches store keys and values (the same in every layer; f32 for a model
+    /// without full-attention layers).
+    pub fn kv_types(&self) -> CacheTypes {
+        self.layers
+            .iter()
+            .find_map(|l| match l {
+                LayerState::Attention(kv) => Some(kv.types()),
+                LayerState::DeltaNet(_) | LayerState::Elsewhere => None,
+            })
+            .unwrap_or(CacheTypes::F32)
     }
 
     /// Positions of every full-attention layer whose KV lives on the helper (pages move for

@@ -11,6 +11,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use engine_core::backend::CacheTypes;
 use engine_core::generate::Sampler;
 use engine_core::host::split::{self, SplitPlan};
 use engine_core::host::Sequence;
@@ -34,6 +35,8 @@ pub struct Engine {
     pub tokenizer: Tokenizer,
     pub seq: Sequence,
     pub page_size: usize,
+    /// How the sequence's KV pages store keys and values (`--cache-type-k/-v`).
+    pub kv_types: CacheTypes,
     pub plan: SplitPlan,
     /// Prompt tokens per `split::prefill` call: the unit of the progress bar and of the
     /// cancellation checks during a long prefill.
@@ -161,7 +164,7 @@ impl Engine {
             request = job.id,
             "the engine panicked ({why}); restarting it with a fresh sequence"
         );
-        self.start_afresh(Sequence::new(&self.model.config, self.page_size));
+        self.start_afresh();
         self.metrics.engine_restarted();
         Event::Failed(
             ApiError::server(format!(
@@ -177,16 +180,18 @@ impl Engine {
         let be = &*self.backend;
         if let Err(e) = self.seq.rewind(be, self.conversation.origin()) {
             warn!("the helper is gone ({e}); continuing on the host alone");
-            self.start_afresh(Sequence::new(&self.model.config, self.page_size));
+            self.start_afresh();
         } else {
             self.conversation.reset(be, &self.seq.state);
         }
     }
 
-    /// Make `seq` the sequence, with no cached conversation (none of it is in `seq`).
-    fn start_afresh(&mut self, seq: Sequence) {
+    /// Start a fresh sequence on the host alone, with no cached conversation.
+    fn start_afresh(&mut self) {
         let telemetry = self.seq.placement.telemetry.clone();
-        self.seq = seq;
+        let (c, be) = (&self.model.config, &*self.backend);
+        self.seq = Sequence::typed(c, self.page_size, self.kv_types, be)
+            .expect("the server's first sequence was made with the same types and backend");
         self.seq.placement.telemetry = telemetry;
         self.report_devices();
         self.conversation.reset(&*self.backend, &self.seq.state);
@@ -289,7 +294,7 @@ impl Engine {
                     request = job.id,
                     "the helper was lost ({why}); the host redoes the request alone"
                 );
-                self.start_afresh(Sequence::new(&self.model.config, self.page_size));
+                self.start_afresh();
                 self.attempt(job, &mut d)
             }
             r => r,

@@ -111,25 +111,30 @@ pub fn request_bytes(body: usize, ctx: usize) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use engine_core::backend::{CacheTypes, KvType};
     use engine_core::synth::preset;
-    use engine_core::{CpuBackend, Logits};
+    use engine_core::{CpuBackend, Logits, State};
 
     /// The tiny preset: 8 layers, L L L F twice, so 2 full-attention layers of 2 KV heads of
-    /// 16 dimensions: 2 layers x (K and V) x 2 x 16 x 4 bytes = 512 bytes a position.
+    /// 16 dimensions: 2 layers x (K and V) x a row of 32 values a position: 512 bytes in f32,
+    /// 256 in f16, 136 in q8_0 (one 34-byte block a row), 72 in q4_0 (one of 18 bytes).
     #[test]
     fn the_tiny_model_footprint_is_what_its_state_holds() {
         let c = preset("tiny").unwrap();
-        let fp = Footprint::of(&c, 4);
-        assert_eq!(fp.per_token, 512);
-        // What a real sequence holds after a forward pass of 3 positions.
         let model = engine_core::source::load_model("tiny", &Default::default()).unwrap();
-        let mut state = model.new_state(16);
-        model
-            .forward(&CpuBackend, &mut state, &[1, 2, 3], Logits::Last, None)
-            .unwrap();
-        assert_eq!(state.kv_bytes() as u64, 3 * fp.per_token);
-        // The live state, the origin and 4 checkpoints, each checkpoint with 256 logits.
-        assert_eq!(fp.fixed, 6 * state.delta_bytes() as u64 + 4 * 256 * 4);
+        for (ty, bytes) in KvType::ALL.into_iter().zip([512, 256, 136, 72]) {
+            let types = CacheTypes { k: ty, v: ty };
+            let fp = Footprint::of(&c, types, 4);
+            assert_eq!(fp.per_token, bytes, "{}", ty.name());
+            // What a real sequence holds after a forward pass of 3 positions.
+            let mut state = State::typed(&c, 16, types).unwrap();
+            model
+                .forward(&CpuBackend, &mut state, &[1, 2, 3], Logits::Last, None)
+                .unwrap();
+            assert_eq!(state.kv_bytes() as u64, 3 * fp.per_token);
+            // The live state, the origin and 4 checkpoints, each checkpoint with 256 logits.
+            assert_eq!(fp.fixed, 6 * state.delta_bytes() as u64 + 4 * 256 * 4);
+        }
     }
 
     #[test]

@@ -148,26 +148,29 @@ pub fn run(a: Args) -> Result<()> {
     // sizes its context and host KV budget by its own rule, memory::choose_context, which
     // counts conversation checkpoints the plan does not).
     let most = a.ctx_size.unwrap_or(config.max_position_embeddings);
+    let kv_types = a.engine.kv_types();
+    a.engine.helper.check_kv_types(kv_types)?;
     let start = a.engine.helper.plan_for(
         &l.model,
         (a.engine.helper.expected_offers(), None),
         Fixed {
             page_size: a.engine.page_size,
             ubatch: Some(a.ubatch),
+            kv_types,
             ..Fixed::default()
         },
         most,
         most.min(2048),
     );
     let page_size = start.page_size;
-    let mut seq = Sequence::new(&l.model.config, page_size);
+    let mut seq = Sequence::typed(&l.model.config, page_size, kv_types, &*backend)?;
     let attached = a
         .engine
         .helper
         .attach(&l.model, &*backend, &mut seq, page_size, most)?;
     let has_helpers = a.engine.helper.has_helper();
     let available = memory::available();
-    let footprint = Footprint::of(config, a.checkpoints);
+    let footprint = Footprint::of(config, kv_types, a.checkpoints);
     let context = memory::choose_context(
         a.ctx_size,
         footprint,
@@ -274,6 +277,7 @@ pub fn run(a: Args) -> Result<()> {
         model: l.model,
         seq,
         page_size,
+        kv_types,
         plan: split,
         segment,
         stop_ids,
@@ -381,6 +385,7 @@ pub fn serving_offers(h: &HelperArgs, seq: &Sequence) -> (Vec<u64>, Option<Speed
 pub fn fixed(seq: &Sequence, page_size: usize, ubatch: usize) -> Fixed {
     Fixed {
         page_size: Some(page_size),
+        kv_types: seq.state.kv_types(),
         ubatch: Some(ubatch),
         host_kv_tokens: seq.placement.host_kv_tokens,
         split_layer: seq

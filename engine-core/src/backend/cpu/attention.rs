@@ -1,4 +1,10 @@
 //! Causal attention of query rows over one KV page, as `(o, m, l)` partials.
+//!
+//! Pages of f32 rows are read in place. Compact pages (f16, q8_0, q4_0) are widened as they are
+//! read: a decode row widens one key or value row at a time into a scratch row (as llama.cpp's
+//! CPU attention widens a quantised V row), so the page is read once in its compact size; the
+//! `gemm` form for many query rows widens the page's visible rows once per page into a
+//! transient buffer its products read.
 
 #[cfg(not(target_arch = "wasm32"))]
 use super::gemm::{product, Mat};
@@ -6,7 +12,7 @@ use super::gemm::{product, Mat};
 use super::matmul::dot;
 use super::matmul::{axpy, dots_task};
 use crate::backend::AttnShape;
-use crate::backend::{KvPage, Merger, Partials};
+use crate::backend::{KvPage, Merger, PageRows, Partials};
 
 /// Keys per task of the streamed form: a task reads whole key and value rows (every KV head),
 /// one after the other, so each thread streams contiguous memory. Split per KV head instead,
@@ -83,14 +89,14 @@ fn span(shape: AttnShape, q: &[f32], page: &KvPage, from: usize, pos: usize) -> 
     } = shape;
     let (group, row) = (q_heads / kv_heads, kv_heads * d);
     let len = visible(page, from, (from + SPAN).min(page.len), pos);
-    let (keys, values) = (super::host(&page.k), super::host(&page.v));
+    let (mut keys, mut values) = (RowReader::new(&page.k, row), RowReader::new(&page.v, row));
     let mut p = Partials::empty(q_heads, d);
     // scores[h, j]: query head `h` against key `from + j`; KV head `kvh`'s query heads are
     // `kvh * group ..`, contiguous in `q`.
     let mut scores = vec![0.0f32; q_heads * len];
     let mut dots = vec![0.0f32; group];
     for j in 0..len {
-        let key = &keys[(from + j) * row..][..row];
+        let key = keys.row(from + j);
         for (kvh, k) in key.chunks_exact(d).enumerate() {
             dots_task::<f32>(&q[kvh * group * d..][..group * d], d, k, &mut dots);
             for (i, s) in dots.iter().enumerate() {
@@ -105,7 +111,7 @@ fn span(shape: AttnShape, q: &[f32], page: &KvPage, from: usize, pos: usize) -> 
         p.l[h] = s.iter().sum();
     }
     for j in 0..len {
-        let value = &values[(from + j) * row..][..row];
+        let value = values.row(from + j);
         for (h, o) in p.o.chunks_exact_mut(d).enumerate() {
             axpy(scores[h * len + j], &value[h / group * d..][..d], o);
         }
@@ -127,6 +133,11 @@ fn blocked(shape: AttnShape, q: &[f32], q_pos: &[usize], page: &KvPage) -> Parti
     let group = q_heads / kv_heads;
     let kv_row = kv_heads * d;
     let t = q_pos.len();
+    let seen = q_pos.iter().map(|&p| visible(page, 0, page.len, p));
+    let seen = seen.max().unwrap_or(0);
+    let (mut k_buf, mut v_buf) = (Vec::new(), Vec::new());
+    let page_keys = rows_f32(&page.k, seen, kv_row, &mut k_buf);
+    let page_values = rows_f32(&page.v, seen, kv_row, &mut v_buf);
     let tasks: Vec<(usize, usize)> = (0..kv_heads)
         .flat_map(|kvh| (0..t).step_by(ROWS).map(move |r0| (kvh, r0)))
         .collect();
@@ -153,13 +164,13 @@ fn blocked(shape: AttnShape, q: &[f32], q_pos: &[usize], page: &KvPage) -> Parti
         }
         let qb: Vec<f32> = (0..nq).flat_map(query).copied().collect();
         let keys = Strided {
-            data: &super::host(&page.k)[off..],
+            data: &page_keys[off..],
             row: kv_row,
             len: n_max,
             width: d,
         };
         let values = Strided {
-            data: &super::host(&page.v)[off..],
+            data: &page_values[off..],
             ..keys
         };
         // scores[i, j] = q_i . k_j, then softmax over each query's visible keys; the
@@ -199,6 +210,54 @@ fn blocked(shape: AttnShape, q: &[f32], q_pos: &[usize], page: &KvPage) -> Parti
         }
     }
     p
+}
+
+/// A page's K or V rows as a decode row reads them: f32 rows in place, compact rows widened
+/// one at a time into a scratch row.
+struct RowReader<'a> {
+    rows: &'a PageRows,
+    width: usize,
+    scratch: Vec<f32>,
+}
+
+impl<'a> RowReader<'a> {
+    fn new(rows: &'a PageRows, width: usize) -> Self {
+        let scratch = match rows {
+            PageRows::Values(_) => Vec::new(),
+            PageRows::Packed { .. } => vec![0.0; width],
+        };
+        RowReader {
+            rows,
+            width,
+            scratch,
+        }
+    }
+
+    /// Row `j`'s `width` values.
+    fn row(&mut self, j: usize) -> &[f32] {
+        match self.rows {
+            PageRows::Values(a) => &super::host(a)[j * self.width..][..self.width],
+            packed => {
+                packed.row_into(j, self.width, &mut self.scratch);
+                &self.scratch
+            }
+        }
+    }
+}
+
+/// The first `n` rows (of `width` values) of a page's K or V as f32: in place, or widened into
+/// `buf`.
+fn rows_f32<'a>(rows: &'a PageRows, n: usize, width: usize, buf: &'a mut Vec<f32>) -> &'a [f32] {
+    match rows {
+        PageRows::Values(a) => super::host(a),
+        packed => {
+            buf.resize(n * width, 0.0);
+            for (j, row) in buf.chunks_exact_mut(width).enumerate() {
+                packed.row_into(j, width, row);
+            }
+            buf
+        }
+    }
 }
 
 /// `len` rows of `width` values, `row` apart (one KV head of a page's keys or values).
@@ -275,21 +334,22 @@ fn weights_values(weights: &[f32], values: Strided, out: &mut [f32]) {
 mod tests {
     use super::super::matmul::tests::values;
     use super::{attend_page, SPAN};
-    use crate::backend::KvPage;
-    use crate::backend::{Act, AttnShape};
+    use crate::backend::{Act, AttnShape, KvType, Partials};
+    use crate::backend::{KvPage, PageRows};
 
-    /// Attention of each query head over the keys it sees, in f64: (o, m, l) with `o`
+    /// Attention of each query row's heads over the keys it sees, in f64, of the values `k`
+    /// and `v` (rows `[len, kv_heads, head_dim]` from the page's start): (o, m, l) with `o`
     /// normalised and `l` relative to the largest score `m`.
     fn reference(
         shape: AttnShape,
         q: &[f32],
         pos: usize,
-        page: &KvPage,
+        (start, len): (usize, usize),
+        (k, v): (&[f32], &[f32]),
     ) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
         let d = shape.head_dim;
-        let (k, v) = (super::super::host(&page.k), super::super::host(&page.v));
         let row = shape.kv_heads * d;
-        let seen = (pos + 1).saturating_sub(page.start).min(page.len);
+        let seen = (pos + 1).saturating_sub(start).min(len);
         let (mut o, mut m, mut l) = (vec![0.0; shape.q_heads * d], vec![], vec![]);
         for h in 0..shape.q_heads {
             let at = h / (shape.q_heads / shape.kv_heads) * d;
@@ -314,41 +374,110 @@ mod tests {
         (o, m, l)
     }
 
-    /// One query row (the streamed form, over spans of keys merged in order) against f64:
-    /// before the page, inside its first span, and across several spans with the last one
-    /// partly visible.
+    /// A page of `k`, `v` stored as `ty`, and the values it holds (what a kernel must attend).
+    fn page_of(ty: KvType, start: usize, row: usize, k: Vec<f32>, v: Vec<f32>) -> TypedPage {
+        let len = k.len() / row;
+        let stored = |x: Vec<f32>| match ty {
+            KvType::F32 => (PageRows::Values(Act::Host(x.clone())), x),
+            ty => {
+                let rows = PageRows::packed(ty, &x);
+                let mut held = vec![0.0f32; x.len()];
+                for (j, r) in held.chunks_exact_mut(row).enumerate() {
+                    rows.row_into(j, row, r);
+                }
+                (rows, held)
+            }
+        };
+        let ((k, k_held), (v, v_held)) = (stored(k), stored(v));
+        TypedPage {
+            page: KvPage { start, len, k, v },
+            held: (k_held, v_held),
+        }
+    }
+
+    struct TypedPage {
+        page: KvPage,
+        held: (Vec<f32>, Vec<f32>),
+    }
+
+    /// Within f32 rounding (and the kernels' fast exp) of sums of a thousand terms.
+    fn close(a: f64, b: f64) -> bool {
+        (a - b).abs() < 3e-5 * (1.0 + b.abs())
+    }
+
+    /// Query row `r` of `got` (rows of `q_heads`) against the f64 reference at `pos`.
+    fn check_row(got: &Partials, r: usize, shape: AttnShape, q: &[f32], pos: usize, p: &TypedPage) {
+        let (h, d) = (shape.q_heads, shape.head_dim);
+        let page = (p.page.start, p.page.len);
+        let (o, m, l) = reference(shape, q, pos, page, (&p.held.0, &p.held.1));
+        for i in 0..h {
+            let (gm, gl) = (got.m[r * h + i] as f64, got.l[r * h + i] as f64);
+            assert!(
+                close(gm, m[i]),
+                "m at {pos}, head {i}: {gm} against {}",
+                m[i]
+            );
+            assert!(
+                close(gl, l[i]),
+                "l at {pos}, head {i}: {gl} against {}",
+                l[i]
+            );
+        }
+        for (a, b) in got.o[r * h * d..(r + 1) * h * d].iter().zip(&o) {
+            assert!(close(*a as f64, *b), "o at {pos}: {a} against {b}");
+        }
+    }
+
+    /// One query row (the streamed form, over spans of keys merged in order) against f64
+    /// attention of the values each cache type holds: before the page, inside its first span,
+    /// and across several spans with the last one partly visible.
     #[test]
-    fn a_decode_row_matches_f64_attention() {
+    fn a_decode_row_matches_f64_attention_at_every_cache_type() {
         let shape = AttnShape {
             q_heads: 6,
             kv_heads: 2,
-            head_dim: 40,
+            head_dim: 64,
         };
         let (start, len) = (100, 2 * SPAN + 300);
         let row = shape.kv_heads * shape.head_dim;
-        let page = KvPage {
-            start,
-            len,
-            k: Act::Host(values(len * row, 1).iter().map(|x| 2.0 * x).collect()),
-            v: Act::Host(values(len * row, 2)),
-        };
+        let k: Vec<f32> = values(len * row, 1).iter().map(|x| 2.0 * x).collect();
         let q = values(shape.q_heads * shape.head_dim, 3);
-        for pos in [50, start, start + 17, start + SPAN + 200, start + len + 9] {
-            let got = attend_page(shape, &q, &[pos], &page);
-            if pos < start {
-                assert!(got.l.iter().all(|&l| l == 0.0), "no key visible at {pos}");
-                continue;
+        for ty in KvType::ALL {
+            let p = page_of(ty, start, row, k.clone(), values(len * row, 2));
+            for pos in [50, start, start + 17, start + SPAN + 200, start + len + 9] {
+                let got = attend_page(shape, &q, &[pos], &p.page);
+                if pos < start {
+                    assert!(got.l.iter().all(|&l| l == 0.0), "no key visible at {pos}");
+                    continue;
+                }
+                check_row(&got, 0, shape, &q, pos, &p);
             }
-            let (o, m, l) = reference(shape, &q, pos, &page);
-            for h in 0..shape.q_heads {
-                assert!(
-                    (got.m[h] as f64 - m[h]).abs() < 1e-5,
-                    "m at {pos}, head {h}"
-                );
-                assert!((got.l[h] as f64 - l[h]).abs() < 1e-5 * l[h], "l at {pos}");
-            }
-            for (a, b) in got.o.iter().zip(&o) {
-                assert!((*a as f64 - b).abs() < 1e-5, "o at {pos}: {a} against {b}");
+        }
+    }
+
+    /// Many query rows (the `gemm` form) against the same reference, at every cache type:
+    /// rows before, inside and past the page.
+    #[test]
+    fn query_rows_match_f64_attention_at_every_cache_type() {
+        let shape = AttnShape {
+            q_heads: 4,
+            kv_heads: 2,
+            head_dim: 32,
+        };
+        let (start, len) = (64, 150);
+        let row = shape.kv_heads * shape.head_dim;
+        let positions = [10, 64, 65, 100, 150, 213, 300];
+        let q = values(positions.len() * shape.q_heads * shape.head_dim, 4);
+        let qd = shape.q_heads * shape.head_dim;
+        for ty in KvType::ALL {
+            let p = page_of(ty, start, row, values(len * row, 5), values(len * row, 6));
+            let got = attend_page(shape, &q, &positions, &p.page);
+            for (r, &pos) in positions.iter().enumerate() {
+                if pos < start {
+                    assert!(got.l[r * 4..(r + 1) * 4].iter().all(|&l| l == 0.0));
+                    continue;
+                }
+                check_row(&got, r, shape, &q[r * qd..(r + 1) * qd], pos, &p);
             }
         }
     }

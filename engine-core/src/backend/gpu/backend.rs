@@ -12,10 +12,10 @@ use std::sync::{Arc, Mutex};
 use super::ops::{self, GpuDeltaInputs, GpuKvPage, GpuPartials};
 use super::packing::quant_format;
 use super::{Gpu, GpuError, GpuMatrix, GpuOptions, GpuTensor, WeightFormat};
-use crate::backend::KvPage;
 use crate::backend::{
     Act, ActPartials, AttnShape, Backend, DeltaInputs, DeltaShape, Param, Readback,
 };
+use crate::backend::{KvPage, KvType, PageRows};
 use crate::tensor::{DType, Data, Matrix};
 
 pub struct GpuBackend {
@@ -205,6 +205,10 @@ impl Backend for GpuBackend {
         matches!(dtype, DType::F32 | DType::BF16 | DType::F16) || quant_format(dtype).is_some()
     }
 
+    fn holds_kv(&self, ty: KvType) -> bool {
+        ty == KvType::F32
+    }
+
     fn upload(&self, x: Vec<f32>) -> Act {
         Act::Device(self.gpu.upload_f32(&x))
     }
@@ -323,11 +327,19 @@ impl Backend for GpuBackend {
         pages
             .iter()
             .map(|page| {
+                // Compact pages never reach this backend: `holds_kv` refuses them when the
+                // sequence is made.
+                let values = |rows: &PageRows| match rows {
+                    PageRows::Values(a) => self.dev(a),
+                    PageRows::Packed { ty, .. } => {
+                        panic!("the GPU backend was handed a {} KV page", ty.name())
+                    }
+                };
                 let page = GpuKvPage {
                     start: page.start,
                     len: page.len,
-                    k: self.dev(&page.k),
-                    v: self.dev(&page.v),
+                    k: values(&page.k),
+                    v: values(&page.v),
                 };
                 // The caller has scaled q.
                 let p = if q_pos.len() < ops::PREFILL_ROWS {

@@ -1,0 +1,126 @@
+//! How a KV page stores its rows: f32 values where the backend keeps them, or compact rows
+//! ([`KvType`]) on the host, widened to f32 only inside the attention kernels, a row at a
+//! time ([`PageRows::row_into`]).
+
+use super::Act;
+use crate::cache_types::KvType;
+
+/// A page's K or V rows, `[rows, kv_heads, head_dim]`.
+#[derive(Debug)]
+pub enum PageRows {
+    /// f32 rows where the backend keeps values (a device buffer of the page's capacity on a
+    /// GPU), written by [`super::Backend::write`].
+    Values(Act),
+    /// Rows in a compact type on the host, [`KvType::row_bytes`] each, the page's rows only.
+    Packed { ty: KvType, bytes: Vec<u8> },
+}
+
+impl PageRows {
+    pub fn ty(&self) -> KvType {
+        match self {
+            PageRows::Values(_) => KvType::F32,
+            PageRows::Packed { ty, .. } => *ty,
+        }
+    }
+
+    /// The f32 rows, if the page keeps them as values.
+    pub fn values(&self) -> Option<&Act> {
+        match self {
+            PageRows::Values(a) => Some(a),
+            PageRows::Packed { .. } => None,
+        }
+    }
+
+    /// Compact rows of `x` (whole rows of `row` values).
+    pub fn packed(ty: KvType, x: &[f32]) -> PageRows {
+        let mut bytes = Vec::new();
+        ty.encode_into(x, &mut bytes);
+        PageRows::Packed { ty, bytes }
+    }
+
+    /// Rows `at ..` of a packed page become `x` (whole rows of `row` values): every row below
+    /// `at` must have been written; rows past it are dropped first (a truncated page is
+    /// overwritten in place).
+    pub fn write_packed(&mut self, at: usize, row: usize, x: &[f32]) {
+        let PageRows::Packed { ty, bytes } = self else {
+            panic!("write_packed on a page of f32 values");
+        };
+        let at = at * ty.row_bytes(row);
+        assert!(at <= bytes.len(), "writing at byte {at} would leave a gap");
+        bytes.truncate(at);
+        ty.encode_into(x, bytes);
+    }
+
+    /// Row `j` of a packed page (rows of `row` values) widened into `out`.
+    pub fn row_into(&self, j: usize, row: usize, out: &mut [f32]) {
+        let PageRows::Packed { ty, bytes } = self else {
+            panic!("row_into on a page of f32 values");
+        };
+        let n = ty.row_bytes(row);
+        ty.decode_into(&bytes[j * n..(j + 1) * n], &mut out[..row]);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quant::{BlockQ4_0, BlockQ8_0, QuantBlock, Quantise, QK};
+    use half::f16;
+
+    fn values(n: usize) -> Vec<f32> {
+        (0..n)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0)
+            .collect()
+    }
+
+    /// Each type's rows are the ggml blocks of the same values (the weight formats' quantisers,
+    /// checked against llama.cpp's bytes in `quant.rs`), and come back as those blocks' values.
+    #[test]
+    fn rows_are_ggml_blocks_and_widen_to_their_values() {
+        let x = values(2 * 64);
+        for ty in KvType::ALL {
+            let page = PageRows::packed(ty, &x);
+            let mut row = vec![0.0f32; 64];
+            page.row_into(1, 64, &mut row);
+            let want: Vec<f32> = match ty {
+                KvType::F32 => x[64..].to_vec(),
+                KvType::F16 => x[64..].iter().map(|&v| f16::from_f32(v).to_f32()).collect(),
+                KvType::Q8_0 => x[64..]
+                    .chunks(QK)
+                    .flat_map(|b| BlockQ8_0::quantise(b).dequantise())
+                    .collect(),
+                KvType::Q4_0 => x[64..]
+                    .chunks(QK)
+                    .flat_map(|b| {
+                        let mut o = [0.0f32; QK];
+                        BlockQ4_0::quantise(b).dequantise_into(&mut o);
+                        o
+                    })
+                    .collect(),
+            };
+            assert_eq!(row, want, "{}", ty.name());
+            let PageRows::Packed { bytes, .. } = &page else {
+                unreachable!()
+            };
+            assert_eq!(bytes.len(), 2 * ty.row_bytes(64));
+        }
+        assert_eq!(KvType::Q8_0.row_bytes(256), 8 * 34);
+        assert_eq!(KvType::Q4_0.row_bytes(256), 8 * 18);
+    }
+
+    #[test]
+    fn a_rewritten_row_replaces_the_rows_from_there() {
+        let x = values(3 * 32);
+        let mut page = PageRows::packed(KvType::Q8_0, &x);
+        page.write_packed(1, 32, &x[64..]);
+        let mut row = vec![0.0f32; 32];
+        page.row_into(1, 32, &mut row);
+        let mut want = vec![0.0f32; 32];
+        PageRows::packed(KvType::Q8_0, &x[64..]).row_into(0, 32, &mut want);
+        assert_eq!(row, want);
+        let PageRows::Packed { bytes, .. } = &page else {
+            unreachable!()
+        };
+        assert_eq!(bytes.len(), 2 * 34);
+    }
+}

@@ -1,0 +1,177 @@
+//! The types a KV cache stores keys and values in (`f32`, `f16`, `q8_0`, `q4_0`, as
+//! llama.cpp's `--cache-type-k` / `--cache-type-v` name them), and their rows' bytes.
+//!
+//! A compact row is the bytes llama.cpp's cache would hold for it: ggml's block layouts
+//! (`quant::BlockQ8_0`, `quant::BlockQ4_0`, IEEE half), written by ggml's reference
+//! quantisers (`quantize_row_*_ref`, what `llama-quantize` and every non-x86 build run; x86
+//! llama.cpp's SIMD Q8_0 quantiser rounds halves to even where the reference rounds them away
+//! from zero, so a tie can land one level apart). A page's rows in these types:
+//! `backend::PageRows`.
+
+use half::f16;
+
+use crate::error::{Error, Result};
+use crate::quant::{BlockQ4_0, BlockQ8_0, QuantBlock, Quantise, QK};
+
+/// The type a KV cache stores keys or values in.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum KvType {
+    /// Exact: the values as the layer computed them.
+    #[default]
+    F32,
+    F16,
+    Q8_0,
+    Q4_0,
+}
+
+impl KvType {
+    pub const ALL: [KvType; 4] = [KvType::F32, KvType::F16, KvType::Q8_0, KvType::Q4_0];
+
+    /// llama.cpp's name (`--cache-type-k f16`).
+    pub fn name(self) -> &'static str {
+        match self {
+            KvType::F32 => "f32",
+            KvType::F16 => "f16",
+            KvType::Q8_0 => "q8_0",
+            KvType::Q4_0 => "q4_0",
+        }
+    }
+
+    pub fn parse(s: &str) -> Result<KvType> {
+        KvType::ALL
+            .into_iter()
+            .find(|t| t.name() == s.to_ascii_lowercase())
+            .ok_or_else(|| {
+                let names: Vec<&str> = KvType::ALL.iter().map(|t| t.name()).collect();
+                Error::Invalid(format!(
+                    "cache type `{s}`: expected one of {}",
+                    names.join(", ")
+                ))
+            })
+    }
+
+    /// Values per block: a row is whole blocks.
+    pub fn block(self) -> usize {
+        match self {
+            KvType::F32 | KvType::F16 => 1,
+            KvType::Q8_0 | KvType::Q4_0 => QK,
+        }
+    }
+
+    /// Bytes of a row of `values` values (a whole number of blocks).
+    pub fn row_bytes(self, values: usize) -> usize {
+        let per_block = match self {
+            KvType::F32 => 4,
+            KvType::F16 => 2,
+            KvType::Q8_0 => std::mem::size_of::<BlockQ8_0>(),
+            KvType::Q4_0 => std::mem::size_of::<BlockQ4_0>(),
+        };
+        values / self.block() * per_block
+    }
+
+    /// Whether rows of `values` values (`kv_heads * head_dim`) can be stored as this type.
+    pub fn check_row(self, values: usize) -> Result<()> {
+        if values.is_multiple_of(self.block()) {
+            Ok(())
+        } else {
+            Err(Error::Invalid(format!(
+                "a KV row of {values} values is not whole {}-value blocks of {}",
+                self.block(),
+                self.name()
+            )))
+        }
+    }
+
+    /// `x` (whole rows) appended to `out` in this type.
+    pub(crate) fn encode_into(self, x: &[f32], out: &mut Vec<u8>) {
+        match self {
+            KvType::F32 => out.extend(x.iter().flat_map(|v| v.to_le_bytes())),
+            KvType::F16 => out.extend(x.iter().flat_map(|&v| f16::from_f32(v).to_le_bytes())),
+            KvType::Q8_0 => encode_blocks::<BlockQ8_0>(x, out),
+            KvType::Q4_0 => encode_blocks::<BlockQ4_0>(x, out),
+        }
+    }
+
+    /// The values of `bytes` (whole blocks of this type) into `out`, one per value.
+    pub(crate) fn decode_into(self, bytes: &[u8], out: &mut [f32]) {
+        match self {
+            KvType::F32 => {
+                for (o, b) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+                    *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                }
+            }
+            KvType::F16 => {
+                for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                    *o = f16::from_le_bytes([b[0], b[1]]).to_f32();
+                }
+            }
+            KvType::Q8_0 => decode_blocks::<BlockQ8_0>(bytes, out),
+            KvType::Q4_0 => decode_blocks::<BlockQ4_0>(bytes, out),
+        }
+    }
+}
+
+fn encode_blocks<B: Quantise>(x: &[f32], out: &mut Vec<u8>) {
+    for block in x.chunks_exact(B::LEN) {
+        out.extend_from_slice(bytemuck::bytes_of(&B::quantise(block)));
+    }
+}
+
+fn decode_blocks<B: QuantBlock>(bytes: &[u8], out: &mut [f32]) {
+    let size = std::mem::size_of::<B>();
+    for (o, b) in out.chunks_exact_mut(B::LEN).zip(bytes.chunks_exact(size)) {
+        bytemuck::pod_read_unaligned::<B>(b).dequantise_into(o);
+    }
+}
+
+/// The types of a cache's keys and of its values, chosen separately as llama.cpp does.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct CacheTypes {
+    pub k: KvType,
+    pub v: KvType,
+}
+
+impl CacheTypes {
+    /// Exact pages (what the fixtures are checked with).
+    pub const F32: CacheTypes = CacheTypes {
+        k: KvType::F32,
+        v: KvType::F32,
+    };
+
+    pub fn is_f32(self) -> bool {
+        self == CacheTypes::F32
+    }
+
+    /// Bytes of K and V for one position of one layer of rows of `values` values.
+    pub fn position_bytes(self, values: usize) -> usize {
+        self.k.row_bytes(values) + self.v.row_bytes(values)
+    }
+
+    pub fn check_row(self, values: usize) -> Result<()> {
+        self.k.check_row(values)?;
+        self.v.check_row(values)
+    }
+}
+
+impl std::fmt::Display for CacheTypes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "K {} / V {}", self.k.name(), self.v.name())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_parse_as_llama_cpp_spells_them() {
+        for ty in KvType::ALL {
+            assert_eq!(KvType::parse(ty.name()).unwrap(), ty);
+        }
+        assert_eq!(KvType::parse("Q8_0").unwrap(), KvType::Q8_0);
+        let e = KvType::parse("q5_1").unwrap_err().to_string();
+        assert!(e.contains("f32, f16, q8_0, q4_0"), "{e}");
+        assert!(KvType::Q4_0.check_row(48).is_err());
+        assert!(KvType::F16.check_row(48).is_ok());
+    }
+}
