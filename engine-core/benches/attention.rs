@@ -1,10 +1,11 @@
 //! CPU attention of one decode query over a KV page: what a decode step pays per attention
-//! layer and page at depth (`cargo bench -p engine-core --bench attention`).
+//! layer and page at depth, for each cache type (`cargo bench -p engine-core --bench
+//! attention`). Throughput counts the page's bytes as stored.
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use engine_core::backend::cpu::attention::attend_page;
 use engine_core::backend::{Act, AttnShape};
-use engine_core::backend::{KvPage, PageRows};
+use engine_core::backend::{KvPage, KvType, PageRows};
 
 fn values(n: usize, seed: u32) -> Vec<f32> {
     (0..n as u32)
@@ -24,16 +25,21 @@ fn decode(c: &mut Criterion) {
         head_dim: 256,
     };
     let row = shape.kv_heads * shape.head_dim;
-    for len in [1024usize, 4096] {
+    let rows = |ty: KvType, x: Vec<f32>| match ty {
+        KvType::F32 => PageRows::Values(Act::Host(x)),
+        ty => PageRows::packed(ty, &x),
+    };
+    let len = 4096;
+    for ty in KvType::ALL {
         let page = KvPage {
             start: 0,
             len,
-            k: PageRows::Values(Act::Host(values(len * row, 1))),
-            v: PageRows::Values(Act::Host(values(len * row, 2))),
+            k: rows(ty, values(len * row, 1)),
+            v: rows(ty, values(len * row, 2)),
         };
         let q = values(shape.q_heads * shape.head_dim, 3);
-        group.throughput(Throughput::Bytes((len * row * 2 * 4) as u64));
-        group.bench_function(BenchmarkId::new("positions", len), |b| {
+        group.throughput(Throughput::Bytes((len * ty.row_bytes(row) * 2) as u64));
+        group.bench_function(BenchmarkId::new(ty.name(), len), |b| {
             b.iter(|| attend_page(shape, &q, &[len - 1], &page))
         });
     }

@@ -100,11 +100,16 @@ impl KvType {
                     *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
                 }
             }
-            KvType::F16 => {
-                for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
-                    *o = f16::from_le_bytes([b[0], b[1]]).to_f32();
+            // A page's bytes lie at an even address in practice (the allocator's alignment),
+            // so the vectorised widening reads them in place; one at a time otherwise.
+            KvType::F16 => match bytemuck::try_cast_slice::<u8, f16>(bytes) {
+                Ok(h) => crate::convert::f16_to_f32(h, &mut out[..h.len()]),
+                Err(_) => {
+                    for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                        *o = f16::from_le_bytes([b[0], b[1]]).to_f32();
+                    }
                 }
-            }
+            },
             KvType::Q8_0 => decode_blocks::<BlockQ8_0>(bytes, out),
             KvType::Q4_0 => decode_blocks::<BlockQ4_0>(bytes, out),
         }

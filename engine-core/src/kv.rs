@@ -502,4 +502,35 @@ mod tests {
         assert_eq!(k, [rows[4..8].to_vec(), rows[8..10].to_vec()].concat());
         assert_eq!(k, v);
     }
+
+    /// Compact pages take rows across page boundaries and rewinds as f32 pages do: each row
+    /// holds the encoding of the row last written at its position.
+    #[test]
+    fn compact_pages_append_and_rewind_in_place() {
+        let be = &CpuBackend;
+        let row = 32;
+        let rows: Vec<f32> = (0..7 * row).map(|x| (x as f32 * 0.37).sin()).collect();
+        let part = |r: std::ops::Range<usize>| Act::Host(rows[r.start * row..r.end * row].to_vec());
+        for ty in [KvType::F16, KvType::Q8_0, KvType::Q4_0] {
+            let types = CacheTypes { k: ty, v: KvType::F16 };
+            let mut kv = PagedKv::new(3, 1, row, types);
+            kv.append(be, &part(0..4), &part(0..4));
+            kv.truncate(2).unwrap();
+            kv.append(be, &part(4..7), &part(4..7));
+            assert_eq!(kv.len(), 5);
+            assert_eq!(kv.bytes(), 5 * (ty.row_bytes(row) + 2 * row));
+            // Positions 0, 1 hold rows 0, 1; positions 2, 3, 4 hold rows 4, 5, 6.
+            let want = [0, 1, 4, 5, 6];
+            for (pos, &r) in want.iter().enumerate() {
+                let page = &kv.pages()[pos / 3];
+                let mut got = vec![0.0f32; row];
+                page.k.row_into(pos % 3, row, &mut got);
+                let mut expect = vec![0.0f32; row];
+                PageRows::packed(ty, &rows[r * row..(r + 1) * row]).row_into(0, row, &mut expect);
+                assert_eq!(got, expect, "{} at {pos}", ty.name());
+            }
+            let e = kv.row_parts(0, 3).unwrap_err().to_string();
+            assert!(e.contains("cannot leave this device"), "{e}");
+        }
+    }
 }

@@ -28,13 +28,8 @@ pub struct EngineArgs {
     /// Threads for the model's math (default: one per core).
     #[arg(long)]
     pub threads: Option<usize>,
-    /// How the KV cache stores keys: f32 (exact), f16, q8_0 or q4_0 (llama.cpp's block
-    /// layouts). Compact pages stay on this host: helpers and the page file hold f32 pages.
-    #[arg(long, default_value = "f32", value_parser = KvType::parse)]
-    pub cache_type_k: KvType,
-    /// How the KV cache stores values (as --cache-type-k).
-    #[arg(long, default_value = "f32", value_parser = KvType::parse)]
-    pub cache_type_v: KvType,
+    #[command(flatten)]
+    pub cache: CacheArgs,
     #[command(flatten)]
     pub synth: LoadOptions,
     #[command(flatten)]
@@ -67,18 +62,10 @@ impl EngineArgs {
         let fixed = Fixed {
             page_size: self.page_size,
             ubatch,
-            kv_types: self.kv_types(),
+            kv_types: self.cache.types(),
             ..Fixed::default()
         };
         self.helper.session(model, be, fixed, context, prompt)
-    }
-
-    /// `--cache-type-k` and `--cache-type-v`.
-    pub fn kv_types(&self) -> CacheTypes {
-        CacheTypes {
-            k: self.cache_type_k,
-            v: self.cache_type_v,
-        }
     }
 
     /// The `--backend`, and a line saying what it runs on, once it is known to compute with
@@ -95,6 +82,27 @@ impl EngineArgs {
         let loaded = load(&self.model, &self.synth, tokenizer)?;
         self.helper.lend(&self.model, &self.synth, &loaded.model);
         Ok(loaded)
+    }
+}
+
+/// How the KV cache stores keys and values, as llama.cpp's flags name them.
+#[derive(clap::Args)]
+pub struct CacheArgs {
+    /// How the KV cache stores keys: f32 (exact), f16, q8_0 or q4_0 (llama.cpp's block
+    /// layouts). Compact pages stay on this host: helpers and the page file hold f32 pages.
+    #[arg(long, default_value = "f32", value_parser = KvType::parse)]
+    pub cache_type_k: KvType,
+    /// How the KV cache stores values (as --cache-type-k).
+    #[arg(long, default_value = "f32", value_parser = KvType::parse)]
+    pub cache_type_v: KvType,
+}
+
+impl CacheArgs {
+    pub fn types(&self) -> CacheTypes {
+        CacheTypes {
+            k: self.cache_type_k,
+            v: self.cache_type_v,
+        }
     }
 }
 

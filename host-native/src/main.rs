@@ -82,6 +82,8 @@ struct PlanArgs {
     #[arg(long)]
     ubatch: Option<usize>,
     #[command(flatten)]
+    cache: load::CacheArgs,
+    #[command(flatten)]
     synth: load::LoadOptions,
     /// Where the host's layers run when the prefill helper's speed is measured against it.
     #[command(flatten)]
@@ -164,6 +166,7 @@ fn plan(a: PlanArgs) -> anyhow::Result<()> {
     let fixed = attach::Fixed {
         page_size: a.page_size,
         ubatch: a.ubatch,
+        kv_types: a.cache.types(),
         ..attach::Fixed::default()
     };
     let (context, prompt) = (a.context, a.prompt_tokens);

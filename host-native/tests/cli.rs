@@ -180,6 +180,52 @@ fn run_streams_greedy_text_and_bench_reports_json() {
     }
 }
 
+/// A compact KV cache keeps the fixture's answer within what its rounding allows: the same
+/// greedy tokens, and logits as near the reference as each type's rounding of keys and values
+/// puts them (measured: 7.4e-4 at f16, 0.022 at q8_0, 0.011 with q8_0 keys and f16 values,
+/// 0.34 at q4_0; the bounds are about three times that, far below what a page read wrong
+/// would give).
+#[test]
+fn eval_with_compact_kv_pages_stays_near_the_fixture() {
+    let r = Reference::load("tiny_fp32_T150");
+    let dir = scratch("eval-kv");
+    let ids: Vec<String> = r.ids("prompt_ids").iter().map(u32::to_string).collect();
+    std::fs::write(dir.join("ids.txt"), ids.join(", ")).unwrap();
+    let model = fixtures_dir().join("tiny_fp32_T150");
+    for (k, v, bound) in [
+        ("f16", "f16", 2e-3),
+        ("q8_0", "q8_0", 0.06),
+        ("q8_0", "f16", 0.03),
+        ("q4_0", "q4_0", 1.0),
+    ] {
+        let out = dir.join(format!("out-{k}-{v}.safetensors"));
+        tether(&[
+            "eval",
+            "--model",
+            model.to_str().unwrap(),
+            "--ids-file",
+            dir.join("ids.txt").to_str().unwrap(),
+            "--gen",
+            "20",
+            "--out",
+            out.to_str().unwrap(),
+            "--page-size",
+            "64",
+            "--cache-type-k",
+            k,
+            "--cache-type-v",
+            v,
+        ]);
+        let got = read_eval(&out);
+        assert_eq!(got.ids("gen_ids"), r.ids("gen_ids"), "{k}/{v}");
+        for name in ["prefill_logits", "gen_logits"] {
+            let (_, want) = r.f32(name);
+            let d = max_abs_diff(&got.f32(name).1, &want);
+            assert!(d < bound, "{k}/{v}: {name} differs by {d}, more than {bound}");
+        }
+    }
+}
+
 #[test]
 fn bad_arguments_fail_with_a_message() {
     let out = Command::new(env!("CARGO_BIN_EXE_tether"))
@@ -211,6 +257,23 @@ fn bad_arguments_fail_with_a_message() {
         err.contains("--backend metal") && err.contains("--backend gpu"),
         "{err}"
     );
+    // Compact KV pages: a type llama.cpp has but tether does not, a helper (pages leave as
+    // f32 so far) and the GPU backend (its kernels read f32 pages) are refused, saying why.
+    let refused = |extra: &[&str]| {
+        let base = ["run", "--model", "tiny", "--prompt", "x"];
+        let out = Command::new(env!("CARGO_BIN_EXE_tether"))
+            .args(base.iter().chain(extra))
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{extra:?}");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let err = refused(&["--cache-type-k", "q5_1"]);
+    assert!(err.contains("expected one of f32, f16, q8_0, q4_0"), "{err}");
+    let err = refused(&["--cache-type-v", "q8_0", "--helper", "ws://127.0.0.1:9"]);
+    assert!(err.contains("stay on this host"), "{err}");
+    let err = refused(&["--cache-type-k", "f16", "--backend", "gpu"]);
+    assert!(err.contains("attends f32 KV pages only"), "{err}");
 }
 
 /// A Q8_0 GGUF runs from the command line on both backends. Their tokens may differ: the
@@ -520,6 +583,14 @@ fn plan_decides_for_a_27b_shaped_gguf() {
     assert!(alone.contains("KV 4.00 GiB"), "{alone}");
     assert!(alone.contains("host KV tokens all: WARNING"), "{alone}");
     assert!(alone.contains("MORE than the 8.00 GiB free"), "{alone}");
+    // At q8_0 keys and values a position is 4 x 2 x 1024 / 32 blocks x 34 bytes = 8.5 KiB,
+    // so the same context fits (1.06 GiB of KV).
+    let compact = plan(&["--cache-type-k", "q8_0", "--cache-type-v", "q8_0"]);
+    assert!(
+        compact.contains("KV 8.5 KiB per token (K q8_0 / V q8_0)"),
+        "{compact}"
+    );
+    assert!(compact.contains("all 131072 fit"), "{compact}");
     // A helper offering 2 GiB: the host keeps what fits in whole pages, the helper runs
     // layers 12..16 (DESIGN.md's share of 16), whose one full-attention layer mirrors 1 GiB.
     // Without measuring its speed (a prefill of 27B-sized layers, slow in a debug build).
