@@ -512,7 +512,10 @@ mod tests {
         let rows: Vec<f32> = (0..7 * row).map(|x| (x as f32 * 0.37).sin()).collect();
         let part = |r: std::ops::Range<usize>| Act::Host(rows[r.start * row..r.end * row].to_vec());
         for ty in [KvType::F16, KvType::Q8_0, KvType::Q4_0] {
-            let types = CacheTypes { k: ty, v: KvType::F16 };
+            let types = CacheTypes {
+                k: ty,
+                v: KvType::F16,
+            };
             let mut kv = PagedKv::new(3, 1, row, types);
             kv.append(be, &part(0..4), &part(0..4));
             kv.truncate(2).unwrap();

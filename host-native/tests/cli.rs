@@ -221,7 +221,10 @@ fn eval_with_compact_kv_pages_stays_near_the_fixture() {
         for name in ["prefill_logits", "gen_logits"] {
             let (_, want) = r.f32(name);
             let d = max_abs_diff(&got.f32(name).1, &want);
-            assert!(d < bound, "{k}/{v}: {name} differs by {d}, more than {bound}");
+            assert!(
+                d < bound,
+                "{k}/{v}: {name} differs by {d}, more than {bound}"
+            );
         }
     }
 }
@@ -269,7 +272,10 @@ fn bad_arguments_fail_with_a_message() {
         String::from_utf8_lossy(&out.stderr).into_owned()
     };
     let err = refused(&["--cache-type-k", "q5_1"]);
-    assert!(err.contains("expected one of f32, f16, q8_0, q4_0"), "{err}");
+    assert!(
+        err.contains("expected one of f32, f16, q8_0, q4_0"),
+        "{err}"
+    );
     let err = refused(&["--cache-type-v", "q8_0", "--helper", "ws://127.0.0.1:9"]);
     assert!(err.contains("stay on this host"), "{err}");
     let err = refused(&["--cache-type-k", "f16", "--backend", "gpu"]);
