@@ -69,13 +69,14 @@ impl KvType {
         values / self.block() * per_block
     }
 
-    /// Whether rows of `values` values (`kv_heads * head_dim`) can be stored as this type.
-    pub fn check_row(self, values: usize) -> Result<()> {
-        if values.is_multiple_of(self.block()) {
+    /// Whether heads of `head_dim` values can be stored as this type: each head whole blocks,
+    /// as llama.cpp requires (a block never spans two heads).
+    pub fn check_head(self, head_dim: usize) -> Result<()> {
+        if head_dim.is_multiple_of(self.block()) {
             Ok(())
         } else {
             Err(Error::Invalid(format!(
-                "a KV row of {values} values is not whole {}-value blocks of {}",
+                "a KV head of {head_dim} values is not whole {}-value blocks of {}",
                 self.block(),
                 self.name()
             )))
@@ -152,9 +153,9 @@ impl CacheTypes {
         self.k.row_bytes(values) + self.v.row_bytes(values)
     }
 
-    pub fn check_row(self, values: usize) -> Result<()> {
-        self.k.check_row(values)?;
-        self.v.check_row(values)
+    pub fn check_head(self, head_dim: usize) -> Result<()> {
+        self.k.check_head(head_dim)?;
+        self.v.check_head(head_dim)
     }
 }
 
@@ -176,7 +177,8 @@ mod tests {
         assert_eq!(KvType::parse("Q8_0").unwrap(), KvType::Q8_0);
         let e = KvType::parse("q5_1").unwrap_err().to_string();
         assert!(e.contains("f32, f16, q8_0, q4_0"), "{e}");
-        assert!(KvType::Q4_0.check_row(48).is_err());
-        assert!(KvType::F16.check_row(48).is_ok());
+        assert!(KvType::Q4_0.check_head(16).is_err());
+        assert!(KvType::Q8_0.check_head(64).is_ok());
+        assert!(KvType::F16.check_head(16).is_ok());
     }
 }

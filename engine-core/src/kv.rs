@@ -29,9 +29,13 @@ pub struct PagedKv {
 
 impl PagedKv {
     /// A cache of rows of `kv_heads * head_dim` values, stored as `types` (the caller has
-    /// checked [`CacheTypes::check_row`]).
+    /// checked [`CacheTypes::check_head`]).
     pub fn new(page_size: usize, kv_heads: usize, head_dim: usize, types: CacheTypes) -> Self {
         assert!(page_size > 0, "page size must be positive");
+        assert!(
+            types.check_head(head_dim).is_ok(),
+            "{types} cannot hold heads of {head_dim}"
+        );
         PagedKv {
             page_size,
             row: kv_heads * head_dim,
@@ -138,8 +142,9 @@ impl PagedKv {
         }
         Ok(pieces
             .iter()
-            .filter_map(|(p, r)| Some((p.k.values()?, r.clone())))
-            .chain((pieces.iter()).filter_map(|(p, r)| Some((p.v.values()?, r.clone()))))
+            .map(|(p, r)| (&p.k, r.clone()))
+            .chain(pieces.iter().map(|(p, r)| (&p.v, r.clone())))
+            .map(|(rows, r)| (rows.values().expect("f32 pages (checked above)"), r))
             .collect())
     }
 
@@ -188,7 +193,7 @@ impl PagedKv {
         self.len * self.types.position_bytes(self.row)
     }
 
-    /// A page's empty rows of type `ty`, with room for a whole page of f32 values.
+    /// A page's empty rows of type `ty`, with room for a whole page of them.
     fn new_rows(&self, be: &dyn Backend, ty: KvType) -> PageRows {
         match ty {
             KvType::F32 => PageRows::Values(be.alloc(self.page_size * self.row)),

@@ -354,8 +354,9 @@ impl QuantBlock for BlockQ8_0 {
     const LEN: usize = QK;
     const DTYPE: DType = DType::Q8_0;
     fn dequantise_into(&self, out: &mut [f32]) {
+        let out: &mut [f32; QK] = out.try_into().expect("a Q8_0 block widens into 32 values");
         let d = self.d.to_f32();
-        for (o, &q) in out[..QK].iter_mut().zip(&self.qs) {
+        for (o, &q) in out.iter_mut().zip(&self.qs) {
             *o = d * f32::from(q);
         }
     }

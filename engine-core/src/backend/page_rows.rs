@@ -16,13 +16,6 @@ pub enum PageRows {
 }
 
 impl PageRows {
-    pub fn ty(&self) -> KvType {
-        match self {
-            PageRows::Values(_) => KvType::F32,
-            PageRows::Packed { ty, .. } => *ty,
-        }
-    }
-
     /// The f32 rows, if the page keeps them as values.
     pub fn values(&self) -> Option<&Act> {
         match self {
@@ -31,7 +24,7 @@ impl PageRows {
         }
     }
 
-    /// Compact rows of `x` (whole rows of `row` values).
+    /// Compact rows of `x` (whole blocks of `ty`).
     pub fn packed(ty: KvType, x: &[f32]) -> PageRows {
         let mut bytes = Vec::new();
         ty.encode_into(x, &mut bytes);

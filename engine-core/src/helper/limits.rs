@@ -32,7 +32,7 @@ pub(super) fn held_bytes(seqs: &BTreeMap<u64, State>) -> u64 {
 }
 
 fn page_bytes(kv: &PagedKv) -> usize {
-    kv.page_size() * kv.row_width() * 2 * F32
+    kv.page_size() * kv.types().position_bytes(kv.row_width())
 }
 
 pub(super) const F32: usize = std::mem::size_of::<f32>();

@@ -237,7 +237,7 @@ impl Plan {
                 bytes / p.prompt as f64,
                 link_time(p.link, bytes, ubatches)
             );
-            let mirror = c.kv_bytes(p.kv_types, tail.clone(), p.context) as f64;
+            let mirror = c.kv_bytes(CacheTypes::F32, tail.clone(), p.context) as f64;
             let _ = writeln!(
                 t,
                 "  the helper mirrors its layers' KV ({} at {} tokens) and state across turns; later turns push only what is new",
@@ -683,7 +683,8 @@ fn placement(
 ) {
     let n = c.num_hidden_layers;
     let tail = split_layer.min(n)..n;
-    let page = (page_size * c.kv_row_bytes(p.kv_types)) as f64;
+    // Helpers hold f32 pages (compact pages do not travel yet).
+    let page = (page_size * c.kv_row_bytes(CacheTypes::F32)) as f64;
     let (tail_full, head_full) = (
         c.count_layers(tail.clone(), LayerKind::FullAttention),
         c.count_layers(0..tail.start, LayerKind::FullAttention),

@@ -70,9 +70,9 @@ impl State {
     }
 
     /// A fresh sequence whose KV pages are stored as `types`, refused where the model's KV
-    /// rows are not whole blocks of them.
+    /// heads are not whole blocks of them.
     pub fn typed(c: &ModelConfig, page_size: usize, types: CacheTypes) -> Result<State> {
-        types.check_row(c.num_key_value_heads * c.head_dim)?;
+        types.check_head(c.head_dim)?;
         Ok(State::for_layers(
             c,
             page_size,

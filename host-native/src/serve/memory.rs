@@ -115,14 +115,14 @@ mod tests {
     use engine_core::synth::preset;
     use engine_core::{CpuBackend, Logits, State};
 
-    /// The tiny preset: 8 layers, L L L F twice, so 2 full-attention layers of 2 KV heads of
-    /// 16 dimensions: 2 layers x (K and V) x a row of 32 values a position: 512 bytes in f32,
-    /// 256 in f16, 136 in q8_0 (one 34-byte block a row), 72 in q4_0 (one of 18 bytes).
+    /// The tiny256 preset: 4 layers, L L L F, so 1 full-attention layer of 2 KV heads of 64
+    /// dimensions: (K and V) x a row of 128 values a position: 1024 bytes in f32, 512 in f16,
+    /// 272 in q8_0 (four 34-byte blocks a row), 144 in q4_0 (four of 18 bytes).
     #[test]
-    fn the_tiny_model_footprint_is_what_its_state_holds() {
-        let c = preset("tiny").unwrap();
-        let model = engine_core::source::load_model("tiny", &Default::default()).unwrap();
-        for (ty, bytes) in KvType::ALL.into_iter().zip([512, 256, 136, 72]) {
+    fn the_footprint_is_what_a_state_holds_at_every_cache_type() {
+        let c = preset("tiny256").unwrap();
+        let model = engine_core::source::load_model("tiny256", &Default::default()).unwrap();
+        for (ty, bytes) in KvType::ALL.into_iter().zip([1024, 512, 272, 144]) {
             let types = CacheTypes { k: ty, v: ty };
             let fp = Footprint::of(&c, types, 4);
             assert_eq!(fp.per_token, bytes, "{}", ty.name());
@@ -132,8 +132,8 @@ mod tests {
                 .forward(&CpuBackend, &mut state, &[1, 2, 3], Logits::Last, None)
                 .unwrap();
             assert_eq!(state.kv_bytes() as u64, 3 * fp.per_token);
-            // The live state, the origin and 4 checkpoints, each checkpoint with 256 logits.
-            assert_eq!(fp.fixed, 6 * state.delta_bytes() as u64 + 4 * 256 * 4);
+            // The live state, the origin and 4 checkpoints, each checkpoint with 1024 logits.
+            assert_eq!(fp.fixed, 6 * state.delta_bytes() as u64 + 4 * 1024 * 4);
         }
     }
 
