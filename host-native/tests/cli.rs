@@ -34,8 +34,6 @@ fn read_eval(path: &PathBuf) -> Reference {
 fn eval_reproduces_the_fixture_on_both_backends() {
     let r = Reference::load("tiny_fp32_T150");
     let dir = scratch("eval");
-    let ids: Vec<String> = r.ids("prompt_ids").iter().map(u32::to_string).collect();
-    std::fs::write(dir.join("ids.txt"), ids.join(", ")).unwrap();
     let model = fixtures_dir().join("tiny_fp32_T150");
     // On a Mac, Metal itself too (not run here: docs/PHONE.md).
     let backends: &[&str] = if cfg!(target_vendor = "apple") {
@@ -44,23 +42,8 @@ fn eval_reproduces_the_fixture_on_both_backends() {
         &["cpu", "gpu"]
     };
     for &backend in backends {
-        let out = dir.join(format!("out-{backend}.safetensors"));
-        tether(&[
-            "eval",
-            "--model",
-            model.to_str().unwrap(),
-            "--ids-file",
-            dir.join("ids.txt").to_str().unwrap(),
-            "--gen",
-            "20",
-            "--out",
-            out.to_str().unwrap(),
-            "--page-size",
-            "64",
-            "--backend",
-            backend,
-        ]);
-        let got = read_eval(&out);
+        let model = model.to_str().unwrap();
+        let got = eval(model, &r.ids("prompt_ids"), &["--backend", backend], &dir);
         assert_eq!(got.ids("gen_ids"), r.ids("gen_ids"), "{backend}");
         for name in ["prefill_logits", "gen_logits"] {
             let (shape, want) = r.f32(name);
@@ -180,29 +163,27 @@ fn run_streams_greedy_text_and_bench_reports_json() {
     }
 }
 
-/// `tether eval` of `ids` on `model` with keys and values stored as `k` and `v`.
-fn eval_with_cache(model: &str, ids: &[u32], (k, v): (&str, &str), dir: &Path) -> Reference {
+/// `tether eval` of `ids` on `model`, 20 greedy tokens, pages of 64, with `extra` flags.
+fn eval(model: &str, ids: &[u32], extra: &[&str], dir: &Path) -> Reference {
     let ids: Vec<String> = ids.iter().map(u32::to_string).collect();
     std::fs::write(dir.join("ids.txt"), ids.join(", ")).unwrap();
-    let out = dir.join(format!("out-{k}-{v}.safetensors"));
-    tether(&[
+    let out = dir.join(format!("out-{}.safetensors", extra.join("-")));
+    let (ids, out_arg) = (dir.join("ids.txt"), out.to_str().unwrap());
+    let base = [
         "eval",
         "--model",
         model,
         "--ids-file",
-        dir.join("ids.txt").to_str().unwrap(),
-        "--gen",
-        "20",
-        "--out",
-        out.to_str().unwrap(),
-        "--page-size",
-        "64",
-        "--cache-type-k",
-        k,
-        "--cache-type-v",
-        v,
-    ]);
+        ids.to_str().unwrap(),
+    ];
+    let rest = ["--gen", "20", "--out", out_arg, "--page-size", "64"];
+    tether(&[&base[..], &rest, extra].concat());
     read_eval(&out)
+}
+
+/// [`eval`] with keys and values stored as `k` and `v`.
+fn eval_with_cache(model: &str, ids: &[u32], (k, v): (&str, &str), dir: &Path) -> Reference {
+    eval(model, ids, &["--cache-type-k", k, "--cache-type-v", v], dir)
 }
 
 /// A compact KV cache keeps the answer within what its rounding allows: the same 20 greedy
