@@ -4,7 +4,7 @@
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use engine_core::backend::cpu::attention::attend_page;
-use engine_core::backend::{Act, AttnShape};
+use engine_core::backend::AttnShape;
 use engine_core::backend::{KvPage, KvType, PageRows};
 
 fn values(n: usize, seed: u32) -> Vec<f32> {
@@ -25,17 +25,13 @@ fn decode(c: &mut Criterion) {
         head_dim: 256,
     };
     let row = shape.kv_heads * shape.head_dim;
-    let rows = |ty: KvType, x: Vec<f32>| match ty {
-        KvType::F32 => PageRows::Values(Act::Host(x)),
-        ty => PageRows::packed(ty, &x),
-    };
     let len = 4096;
     for ty in KvType::ALL {
         let page = KvPage {
             start: 0,
             len,
-            k: rows(ty, values(len * row, 1)),
-            v: rows(ty, values(len * row, 2)),
+            k: PageRows::host(ty, values(len * row, 1)),
+            v: PageRows::host(ty, values(len * row, 2)),
         };
         let q = values(shape.q_heads * shape.head_dim, 3);
         group.throughput(Throughput::Bytes((len * ty.row_bytes(row) * 2) as u64));

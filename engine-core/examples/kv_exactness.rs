@@ -14,49 +14,62 @@ use engine_core::host::Sequence;
 use engine_core::source::{load_model, LoadOptions};
 use engine_core::{CpuBackend, Logits, Model, Result};
 
-/// The run of one cache type: the logits of each teacher-forced step, then its own greedy
-/// tokens.
+/// Decoding from a prompt: the logits before each step, and the token each step fed.
 struct Run {
     forced: Vec<Vec<f32>>,
     greedy: Vec<u32>,
 }
 
-fn run(model: &Model, types: CacheTypes, prompt: &[u32], teacher: &[u32]) -> Result<Run> {
-    let (c, be) = (&model.config, &CpuBackend);
-    let page = 4096.min(prompt.len() + teacher.len());
-    let mut seq = Sequence::typed(c, page, types, be)?;
-    let first = seq.forward(model, be, prompt, Logits::Last, None).unwrap();
-    let after_prompt = seq.state.checkpoint(be);
-    let mut forced = vec![first.clone()];
-    for &t in &teacher[..teacher.len() - 1] {
-        forced.push(seq.forward(model, be, &[t], Logits::Last, None).unwrap());
+/// `steps` decode steps of `seq` from the prompt's logits `first`, feeding `teacher`'s tokens
+/// if given, else each step's argmax.
+fn decode(
+    model: &Model,
+    seq: &mut Sequence,
+    first: Vec<f32>,
+    steps: usize,
+    teacher: Option<&[u32]>,
+) -> Run {
+    let (mut logits, mut run) = (
+        first,
+        Run {
+            forced: Vec::new(),
+            greedy: Vec::new(),
+        },
+    );
+    for i in 0..steps {
+        let t = teacher.map_or_else(|| argmax(&logits), |t| t[i]);
+        let next = seq
+            .forward(model, &CpuBackend, &[t], Logits::Last, None)
+            .unwrap();
+        run.forced.push(std::mem::replace(&mut logits, next));
+        run.greedy.push(t);
     }
-    seq.rewind(be, &after_prompt).unwrap();
-    let (mut logits, mut greedy) = (first, Vec::with_capacity(teacher.len()));
-    for _ in 0..teacher.len() {
-        let t = argmax(&logits);
-        greedy.push(t);
-        logits = seq.forward(model, be, &[t], Logits::Last, None).unwrap();
-    }
-    Ok(Run { forced, greedy })
+    run
 }
 
-/// f32's run: its greedy tokens are the teacher, so its forced logits are its own.
-fn exact(model: &Model, prompt: &[u32], tokens: usize) -> Run {
+/// The prompt's sequence at `types`, and the logits after it.
+fn prefill(
+    model: &Model,
+    types: CacheTypes,
+    prompt: &[u32],
+    steps: usize,
+) -> Result<(Sequence, Vec<f32>)> {
     let (c, be) = (&model.config, &CpuBackend);
-    let page = 4096.min(prompt.len() + tokens);
-    let mut seq = Sequence::typed(c, page, CacheTypes::F32, be).unwrap();
-    let mut logits = seq.forward(model, be, prompt, Logits::Last, None).unwrap();
-    let (mut forced, mut greedy) = (Vec::new(), Vec::new());
-    for _ in 0..tokens {
-        let t = argmax(&logits);
-        greedy.push(t);
-        forced.push(std::mem::replace(
-            &mut logits,
-            seq.forward(model, be, &[t], Logits::Last, None).unwrap(),
-        ));
-    }
-    Run { forced, greedy }
+    let mut seq = Sequence::typed(c, 4096.min(prompt.len() + steps), types, be)?;
+    let first = seq.forward(model, be, prompt, Logits::Last, None)?;
+    Ok((seq, first))
+}
+
+/// A cache type's run: its logits along f32's tokens (`teacher`), then its own greedy tokens
+/// from the same prompt.
+fn run(model: &Model, types: CacheTypes, prompt: &[u32], teacher: &[u32]) -> Result<Run> {
+    let (mut seq, first) = prefill(model, types, prompt, teacher.len())?;
+    let after_prompt = seq.state.checkpoint(&CpuBackend);
+    let steps = teacher.len();
+    let forced = decode(model, &mut seq, first.clone(), steps, Some(teacher)).forced;
+    seq.rewind(&CpuBackend, &after_prompt)?;
+    let greedy = decode(model, &mut seq, first, steps, None).greedy;
+    Ok(Run { forced, greedy })
 }
 
 fn softmax(x: &[f32]) -> Vec<f64> {
@@ -103,7 +116,9 @@ fn main() {
             ((x >> 33) % vocab) as u32
         })
         .collect();
-    let exact = exact(&model, &prompt, tokens);
+    // f32's run: its greedy tokens are the teacher, so its forced logits are its own.
+    let (mut seq, first) = prefill(&model, CacheTypes::F32, &prompt, tokens).unwrap();
+    let exact = decode(&model, &mut seq, first, tokens, None);
     println!("context {context}, {tokens} tokens, seed {seed}");
     println!("| K / V | top-1 agreement | mean KL (nats) | max KL | greedy first differs at | f32 margin there |");
     println!("|---|---|---|---|---|---|");

@@ -11,7 +11,8 @@
 use half::f16;
 
 use crate::error::{Error, Result};
-use crate::quant::{BlockQ4_0, BlockQ8_0, QuantBlock, Quantise, QK};
+use crate::quant::{BlockQ4_0, BlockQ8_0, QuantBlock, Quantise};
+use crate::tensor::DType;
 
 /// The type a KV cache stores keys or values in.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -27,14 +28,19 @@ pub enum KvType {
 impl KvType {
     pub const ALL: [KvType; 4] = [KvType::F32, KvType::F16, KvType::Q8_0, KvType::Q4_0];
 
-    /// llama.cpp's name (`--cache-type-k f16`).
-    pub fn name(self) -> &'static str {
+    /// The storage type of the same layout: its name (llama.cpp's, `--cache-type-k f16`)
+    /// and its block sizes come from the one table of `tensor::DType`.
+    fn dtype(self) -> DType {
         match self {
-            KvType::F32 => "f32",
-            KvType::F16 => "f16",
-            KvType::Q8_0 => "q8_0",
-            KvType::Q4_0 => "q4_0",
+            KvType::F32 => DType::F32,
+            KvType::F16 => DType::F16,
+            KvType::Q8_0 => DType::Q8_0,
+            KvType::Q4_0 => DType::Q4_0,
         }
+    }
+
+    pub fn name(self) -> &'static str {
+        self.dtype().name()
     }
 
     pub fn parse(s: &str) -> Result<KvType> {
@@ -52,21 +58,12 @@ impl KvType {
 
     /// Values per block: a row is whole blocks.
     pub fn block(self) -> usize {
-        match self {
-            KvType::F32 | KvType::F16 => 1,
-            KvType::Q8_0 | KvType::Q4_0 => QK,
-        }
+        self.dtype().block().0
     }
 
     /// Bytes of a row of `values` values (a whole number of blocks).
     pub fn row_bytes(self, values: usize) -> usize {
-        let per_block = match self {
-            KvType::F32 => 4,
-            KvType::F16 => 2,
-            KvType::Q8_0 => std::mem::size_of::<BlockQ8_0>(),
-            KvType::Q4_0 => std::mem::size_of::<BlockQ4_0>(),
-        };
-        values / self.block() * per_block
+        values / self.block() * self.dtype().block().1
     }
 
     /// Whether heads of `head_dim` values can be stored as this type: each head whole blocks,

@@ -527,6 +527,15 @@ mod tests {
             kv.append(be, &part(4..7), &part(4..7));
             assert_eq!(kv.len(), 5);
             assert_eq!(kv.bytes(), 5 * (ty.row_bytes(row) + 2 * row));
+            // What the pages hold is what `bytes` counts.
+            let held: usize = (kv.pages().iter())
+                .flat_map(|p| [&p.k, &p.v])
+                .map(|r| match r {
+                    PageRows::Packed { bytes, .. } => bytes.len(),
+                    PageRows::Values(_) => unreachable!("every page is compact"),
+                })
+                .sum();
+            assert_eq!(held, kv.bytes());
             // Positions 0, 1 hold rows 0, 1; positions 2, 3, 4 hold rows 4, 5, 6.
             let want = [0, 1, 4, 5, 6];
             for (pos, &r) in want.iter().enumerate() {

@@ -223,59 +223,43 @@ fn eval_with_compact_kv_pages_stays_near_f32() {
 
 #[test]
 fn bad_arguments_fail_with_a_message() {
-    let out = Command::new(env!("CARGO_BIN_EXE_tether"))
-        .args(["run", "--model", "no-such-model", "--prompt", "x"])
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
+    // `tether run` with `args` fails; its stderr.
+    let refused = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_tether"))
+            .arg("run")
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{args:?}");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let err = refused(&["--model", "no-such-model", "--prompt", "x"]);
     assert!(
         err.contains("not a directory, nor a GGUF file, nor a preset"),
         "{err}"
     );
     // Metal itself is an Apple build's backend; elsewhere the error says what to use.
-    let out = Command::new(env!("CARGO_BIN_EXE_tether"))
-        .args([
-            "run",
-            "--model",
-            "tiny",
-            "--prompt",
-            "x",
-            "--backend",
-            "metal",
-        ])
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
+    let tiny = |extra: &[&str]| refused(&[&["--model", "tiny", "--prompt", "x"], extra].concat());
+    let err = tiny(&["--backend", "metal"]);
     assert!(
         err.contains("--backend metal") && err.contains("--backend gpu"),
         "{err}"
     );
     // Compact KV pages: a type llama.cpp has but tether does not, a helper (pages leave as
     // f32 so far) and the GPU backend (its kernels read f32 pages) are refused, saying why.
-    let refused = |extra: &[&str]| {
-        let base = ["run", "--model", "tiny", "--prompt", "x"];
-        let out = Command::new(env!("CARGO_BIN_EXE_tether"))
-            .args(base.iter().chain(extra))
-            .output()
-            .unwrap();
-        assert!(!out.status.success(), "{extra:?}");
-        String::from_utf8_lossy(&out.stderr).into_owned()
-    };
-    let err = refused(&["--cache-type-k", "q5_1"]);
+    let err = tiny(&["--cache-type-k", "q5_1"]);
     assert!(
         err.contains("expected one of f32, f16, q8_0, q4_0"),
         "{err}"
     );
-    let err = refused(&["--cache-type-v", "f16", "--helper", "ws://127.0.0.1:9"]);
+    let err = tiny(&["--cache-type-v", "f16", "--helper", "ws://127.0.0.1:9"]);
     assert!(err.contains("stay on this host"), "{err}");
-    let err = refused(&["--cache-type-k", "q8_0"]);
+    let err = tiny(&["--cache-type-k", "q8_0"]);
     assert!(
         err.contains("head of 16 values is not whole 32-value blocks"),
         "{err}"
     );
-    let err = refused(&["--cache-type-k", "f16", "--backend", "gpu"]);
+    let err = tiny(&["--cache-type-k", "f16", "--backend", "gpu"]);
     assert!(err.contains("attends f32 KV pages only"), "{err}");
 }
 

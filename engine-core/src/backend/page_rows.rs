@@ -24,6 +24,14 @@ impl PageRows {
         }
     }
 
+    /// Rows of `x` as a host backend keeps them: f32 values as they are, else compact.
+    pub fn host(ty: KvType, x: Vec<f32>) -> PageRows {
+        match ty {
+            KvType::F32 => PageRows::Values(Act::Host(x)),
+            ty => PageRows::packed(ty, &x),
+        }
+    }
+
     /// Compact rows of `x` (whole blocks of `ty`).
     pub fn packed(ty: KvType, x: &[f32]) -> PageRows {
         let mut bytes = Vec::new();

@@ -114,25 +114,21 @@ impl State {
     /// How the KV caches store keys and values (the same in every layer; f32 for a model
     /// without full-attention layers).
     pub fn kv_types(&self) -> CacheTypes {
-        self.layers
-            .iter()
-            .find_map(|l| match l {
-                LayerState::Attention(kv) => Some(kv.types()),
-                LayerState::DeltaNet(_) | LayerState::Elsewhere => None,
-            })
-            .unwrap_or(CacheTypes::F32)
+        self.first_cache().map_or(CacheTypes::F32, PagedKv::types)
+    }
+
+    /// The first full-attention layer's cache: what every layer's shares (types, pages moved).
+    fn first_cache(&self) -> Option<&PagedKv> {
+        self.layers.iter().find_map(|l| match l {
+            LayerState::Attention(kv) => Some(kv),
+            LayerState::DeltaNet(_) | LayerState::Elsewhere => None,
+        })
     }
 
     /// Positions of every full-attention layer whose KV lives on the helper (pages move for
     /// all layers together, so one number describes them all).
     pub fn remote_kv_len(&self) -> usize {
-        self.layers
-            .iter()
-            .find_map(|l| match l {
-                LayerState::Attention(kv) => Some(kv.remote_len()),
-                LayerState::DeltaNet(_) | LayerState::Elsewhere => None,
-            })
-            .unwrap_or(0)
+        self.first_cache().map_or(0, PagedKv::remote_len)
     }
 
     /// A copy of every DeltaNet state, taken by `be` (the backend running this sequence).

@@ -3,8 +3,8 @@
 //! Pages of f32 rows are read in place. Compact pages (f16, q8_0, q4_0) are widened as they are
 //! read: a decode row widens one key or value row at a time into a scratch row (as llama.cpp's
 //! CPU attention widens a quantised V row), so the page is read once in its compact size; the
-//! `gemm` form for many query rows widens the page's visible rows once per page into a
-//! transient buffer its products read.
+//! `gemm` form for many query rows widens the page's visible rows once per page, on every
+//! thread, into a transient buffer its products read.
 
 #[cfg(not(target_arch = "wasm32"))]
 use super::gemm::{product, Mat};
@@ -245,16 +245,21 @@ impl<'a> RowReader<'a> {
     }
 }
 
+/// Rows per task when a compact page is widened for the `gemm` form.
+const WIDEN_ROWS: usize = 256;
+
 /// The first `n` rows (of `width` values) of a page's K or V as f32: in place, or widened into
-/// `buf`.
+/// `buf` by every thread.
 fn rows_f32<'a>(rows: &'a PageRows, n: usize, width: usize, buf: &'a mut Vec<f32>) -> &'a [f32] {
     match rows {
         PageRows::Values(a) => super::host(a),
         packed => {
             buf.resize(n * width, 0.0);
-            for (j, row) in buf.chunks_exact_mut(width).enumerate() {
-                packed.row_into(j, width, row);
-            }
+            super::spread(buf, WIDEN_ROWS * width, |i, chunk| {
+                for (j, row) in chunk.chunks_exact_mut(width).enumerate() {
+                    packed.row_into(i * WIDEN_ROWS + j, width, row);
+                }
+            });
             buf
         }
     }
@@ -334,7 +339,7 @@ fn weights_values(weights: &[f32], values: Strided, out: &mut [f32]) {
 mod tests {
     use super::super::matmul::tests::values;
     use super::{attend_page, SPAN};
-    use crate::backend::{Act, AttnShape, KvType, Partials};
+    use crate::backend::{AttnShape, KvType, Partials};
     use crate::backend::{KvPage, PageRows};
 
     /// Attention of each query row's heads over the keys it sees, in f64, of the values `k`
@@ -377,16 +382,15 @@ mod tests {
     /// A page of `k`, `v` stored as `ty`, and the values it holds (what a kernel must attend).
     fn page_of(ty: KvType, start: usize, row: usize, k: Vec<f32>, v: Vec<f32>) -> TypedPage {
         let len = k.len() / row;
-        let stored = |x: Vec<f32>| match ty {
-            KvType::F32 => (PageRows::Values(Act::Host(x.clone())), x),
-            ty => {
-                let rows = PageRows::packed(ty, &x);
-                let mut held = vec![0.0f32; x.len()];
+        let stored = |x: Vec<f32>| {
+            let rows = PageRows::host(ty, x.clone());
+            let mut held = x;
+            if let PageRows::Packed { .. } = rows {
                 for (j, r) in held.chunks_exact_mut(row).enumerate() {
                     rows.row_into(j, row, r);
                 }
-                (rows, held)
             }
+            (rows, held)
         };
         let ((k, k_held), (v, v_held)) = (stored(k), stored(v));
         TypedPage {
