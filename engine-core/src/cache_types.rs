@@ -6,16 +6,20 @@
 //! quantisers (`quantize_row_*_ref`, what `llama-quantize` and every non-x86 build run; x86
 //! llama.cpp's SIMD Q8_0 quantiser rounds halves to even where the reference rounds them away
 //! from zero, so a tie can land one level apart). A page's rows in these types:
-//! `backend::PageRows`.
+//! `backend::PageRows`. Rows that leave a page (for a link, a helper, the page file) leave as
+//! these bytes: [`Encoded`].
 
 use half::f16;
+use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 use crate::quant::{BlockQ4_0, BlockQ8_0, QuantBlock, Quantise};
 use crate::tensor::DType;
 
-/// The type a KV cache stores keys or values in.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+/// The type a KV cache stores keys or values in, and the type a tensor travels in on a link
+/// (by the same names).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum KvType {
     /// Exact: the values as the layer computed them.
     #[default]
@@ -66,6 +70,16 @@ impl KvType {
         values / self.block() * self.dtype().block().1
     }
 
+    /// Bytes of `values` values, if they are whole blocks and the count does not overflow
+    /// (a size a peer announced).
+    pub fn checked_bytes(self, values: u64) -> Option<u64> {
+        let (block, bytes) = self.dtype().block();
+        values
+            .is_multiple_of(block as u64)
+            .then(|| (values / block as u64).checked_mul(bytes as u64))
+            .flatten()
+    }
+
     /// Whether heads of `head_dim` values can be stored as this type: each head whole blocks,
     /// as llama.cpp requires (a block never spans two heads).
     pub fn check_head(self, head_dim: usize) -> Result<()> {
@@ -114,6 +128,50 @@ impl KvType {
     }
 }
 
+/// Values encoded in a [`KvType`]: K or V rows as a page stores them, taken off it whole (what
+/// a link carries and the page file writes, so a page moves without being widened), or f32
+/// values (queries, partials, states) on their way over a link.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Encoded {
+    pub ty: KvType,
+    pub bytes: Vec<u8>,
+}
+
+impl Encoded {
+    /// f32 values as they travel.
+    pub fn f32(x: &[f32]) -> Encoded {
+        Encoded::of(KvType::F32, x)
+    }
+
+    /// `x` (whole blocks of `ty`) encoded.
+    pub fn of(ty: KvType, x: &[f32]) -> Encoded {
+        let mut bytes = Vec::with_capacity(ty.row_bytes(x.len()));
+        ty.encode_into(x, &mut bytes);
+        Encoded { ty, bytes }
+    }
+
+    /// Whole rows of `width` values held, if the bytes are whole rows.
+    pub fn rows(&self, width: usize) -> Option<usize> {
+        let row = self.ty.row_bytes(width);
+        let whole = row > 0 && width.is_multiple_of(self.ty.block());
+        (whole && self.bytes.len().is_multiple_of(row)).then(|| self.bytes.len() / row)
+    }
+
+    /// Keep the first `rows` rows of `width` values.
+    pub fn truncate(&mut self, rows: usize, width: usize) {
+        self.bytes.truncate(rows * self.ty.row_bytes(width));
+    }
+
+    /// The values (widened where the type is compact): for a backend that keeps f32 rows, or
+    /// a tensor of values.
+    pub fn values(&self) -> Vec<f32> {
+        let n = self.bytes.len() / self.ty.row_bytes(self.ty.block()) * self.ty.block();
+        let mut out = vec![0.0; n];
+        self.ty.decode_into(&self.bytes, &mut out);
+        out
+    }
+}
+
 fn encode_blocks<B: Quantise>(x: &[f32], out: &mut Vec<u8>) {
     for block in x.chunks_exact(B::LEN) {
         out.extend_from_slice(bytemuck::bytes_of(&B::quantise(block)));
@@ -128,7 +186,7 @@ fn decode_blocks<B: QuantBlock>(bytes: &[u8], out: &mut [f32]) {
 }
 
 /// The types of a cache's keys and of its values, chosen separately as llama.cpp does.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct CacheTypes {
     pub k: KvType,
     pub v: KvType,

@@ -8,6 +8,7 @@
 use std::ops::Range;
 
 use crate::backend::{Act, ActPartials, AttnShape, Backend, CacheTypes, KvPage, KvType, PageRows};
+use crate::cache_types::Encoded;
 use crate::error::{Error, Result};
 
 /// One layer's cache: pages of `page_size` positions, the last one possibly partial. The
@@ -15,8 +16,8 @@ use crate::error::{Error, Result};
 /// pages is now (a helper, the page file) is the host's placement's to know. Pages keep their
 /// boundaries wherever they live, so their partials, merged in page order, are the same
 /// computation as on the host. Keys and values are stored as `types` say: f32 rows where the
-/// backend keeps values, compact rows on the host (see [`PageRows`]); only f32 pages leave
-/// this device so far.
+/// backend keeps values, compact rows on the host (see [`PageRows`]); rows leave this device
+/// (and come back) as they are stored ([`Encoded`]).
 #[derive(Debug)]
 pub struct PagedKv {
     page_size: usize,
@@ -67,55 +68,60 @@ impl PagedKv {
     }
 
     /// Forget positions `>= len`, the remote's too (the caller truncates the remote). When
-    /// `len` falls inside a remote page, `refill` holds that page's rows below `len`, fetched
-    /// back so the page lives here again with its boundaries unchanged.
+    /// `len` falls inside a remote page, `refill` holds that page's rows below `len` as it
+    /// stored them, fetched back so the page lives here again with its boundaries unchanged.
     pub fn rewind(
         &mut self,
         be: &dyn Backend,
         len: usize,
-        refill: Option<(Vec<f32>, Vec<f32>)>,
+        refill: Option<(Encoded, Encoded)>,
     ) -> Result<()> {
         if len >= self.remote_len {
             return self.truncate(len);
         }
         let start = len / self.page_size * self.page_size;
-        let (k, v) = refill.unwrap_or_default();
-        if k.len() != (len - start) * self.row || v.len() != k.len() {
+        let (k, v) = refill.unwrap_or_else(|| (self.empty(self.types.k), self.empty(self.types.v)));
+        let rows = self.checked_rows(&k, &v)?;
+        if rows != len - start {
             return Err(Error::Invalid(format!(
-                "rewinding to {len} needs the rows {start}..{len} back, got {} values",
-                k.len()
+                "rewinding to {len} needs the rows {start}..{len} back, got {rows}"
             )));
         }
         self.pages.clear();
         self.remote_len = start;
         self.len = start;
-        self.append(be, &be.upload(k), &be.upload(v));
-        Ok(())
+        self.append_encoded(be, &k, &v)
     }
 
-    /// K and V rows of positions `start .. start + len` held here, copied to the host
-    /// `[len, row]` in one read (they cross the link). The read is recorded before this
-    /// returns; the future waits for it (see [`Backend::read_ranges`]).
+    fn empty(&self, ty: KvType) -> Encoded {
+        Encoded {
+            ty,
+            bytes: Vec::new(),
+        }
+    }
+
+    /// K and V rows of positions `start .. start + len` held here, copied to the host as the
+    /// pages store them (they cross the link or go to disk as they are). The read is recorded
+    /// before this returns; the future waits for it (see [`Backend::read_ranges`]).
     pub fn rows(
         &self,
         be: &dyn Backend,
         start: usize,
         len: usize,
-    ) -> Result<impl std::future::Future<Output = (Vec<f32>, Vec<f32>)>> {
-        let read = be.read_ranges(&self.row_parts(start, len)?);
-        let row = self.row;
+    ) -> Result<impl std::future::Future<Output = (Encoded, Encoded)>> {
+        let mut read = RowsRead::default();
+        read.kv(self, start, len)?;
+        let read = read.start(be);
         Ok(async move {
-            let mut k = read.await;
-            let v = k.split_off(len * row);
-            (k, v)
+            let mut both = read.await.into_iter();
+            let k = both.next().expect("K rows were asked for");
+            (k, both.next().expect("V rows were asked for"))
         })
     }
 
-    /// Where the K rows then the V rows of positions `start .. start + len` live, as
-    /// (value, element range) pieces for [`Backend::download_ranges`]: a caller gathering
-    /// many layers' rows reads them all at once.
-    pub fn row_parts(&self, start: usize, len: usize) -> Result<Vec<(&Act, Range<usize>)>> {
-        self.check_values_leave()?;
+    /// The pages holding positions `start .. start + len`, each with the range of its rows
+    /// among them; an error unless they are all held here.
+    fn pieces(&self, start: usize, len: usize) -> Result<Vec<(&KvPage, Range<usize>)>> {
         if start < self.remote_len || start.checked_add(len).is_none_or(|end| end > self.len) {
             return Err(Error::Invalid(format!(
                 "KV rows {start}..{} are not all held here ({}..{})",
@@ -130,35 +136,35 @@ impl PagedKv {
             .filter_map(|p| {
                 let lo = start.max(p.start);
                 let hi = (start + len).min(p.start + p.len);
-                (lo < hi).then(|| (p, (lo - p.start) * self.row..(hi - p.start) * self.row))
+                (lo < hi).then(|| (p, lo - p.start..hi - p.start))
             })
             .collect();
         let held: usize = pieces.iter().map(|(_, r)| r.len()).sum();
-        if held != len * self.row {
+        if held != len {
             return Err(Error::Invalid(format!(
                 "KV rows {start}..{} fall in a gap between the pages held here",
                 start + len
             )));
         }
-        Ok(pieces
-            .iter()
-            .map(|(p, r)| (&p.k, r.clone()))
-            .chain(pieces.iter().map(|(p, r)| (&p.v, r.clone())))
-            .map(|(rows, r)| (rows.values().expect("f32 pages (checked above)"), r))
-            .collect())
+        Ok(pieces)
     }
 
-    /// Pages leave this device (for a helper, the page file, a rewind's refill) as f32 rows
-    /// only, so far: compact pages stay here.
-    fn check_values_leave(&self) -> Result<()> {
-        if self.types.is_f32() {
-            return Ok(());
+    /// Rows `k`, `v` in this cache's types and whole rows of it: how many.
+    fn checked_rows(&self, k: &Encoded, v: &Encoded) -> Result<usize> {
+        let rows = k.rows(self.row).filter(|_| k.ty == self.types.k);
+        match (rows, v.rows(self.row).filter(|_| v.ty == self.types.v)) {
+            (Some(a), Some(b)) if a == b => Ok(a),
+            _ => Err(Error::Invalid(format!(
+                "KV rows of K {} ({} bytes) / V {} ({} bytes) are not whole rows of {} values \
+                 of this cache's {}",
+                k.ty.name(),
+                k.bytes.len(),
+                v.ty.name(),
+                v.bytes.len(),
+                self.row,
+                self.types
+            ))),
         }
-        Err(Error::Invalid(format!(
-            "KV pages stored as {} cannot leave this device yet (helpers and the page file \
-             hold f32 pages): use --cache-type-k f32 --cache-type-v f32",
-            self.types
-        )))
     }
 
     /// The oldest local page, if it is full (the next to move to the remote).
@@ -210,10 +216,25 @@ impl PagedKv {
         assert_eq!(k.len(), v.len());
         assert_eq!(k.len() % self.row, 0);
         // Compact rows are encoded on the host: the rows of this step, read once.
-        let host = |x: &Act, ty: KvType| (ty != KvType::F32).then(|| be.download(x));
-        let (k_host, v_host) = (host(k, self.types.k), host(v, self.types.v));
+        let source = |x, ty| match ty {
+            KvType::F32 => Incoming::Device(x),
+            _ => Incoming::Encode(be.download(x)),
+        };
+        let (k_in, v_in) = (source(k, self.types.k), source(v, self.types.v));
+        self.append_from(be, &k_in, &v_in, k.len() / self.row);
+    }
+
+    /// Append rows that arrive as a page stores them (from a link, the page file), in this
+    /// cache's types: compact rows are copied in as they are.
+    pub fn append_encoded(&mut self, be: &dyn Backend, k: &Encoded, v: &Encoded) -> Result<()> {
+        let rows = self.checked_rows(k, v)?;
+        let (k_in, v_in) = (Incoming::stored(be, k), Incoming::stored(be, v));
+        self.append_from(be, &k_in.as_ref(), &v_in.as_ref(), rows);
+        Ok(())
+    }
+
+    fn append_from(&mut self, be: &dyn Backend, k: &Incoming, v: &Incoming, total: usize) {
         let mut done = 0;
-        let total = k.len() / self.row;
         while done < total {
             if self.pages.last().is_none_or(|p| p.len == self.page_size) {
                 let page = KvPage {
@@ -228,8 +249,8 @@ impl PagedKv {
             let page = self.pages.last_mut().expect("a page was just ensured");
             let take = (self.page_size - page.len).min(total - done);
             let rows = (page.len, done, take);
-            write_rows(be, &mut page.k, row, rows, k, k_host.as_deref());
-            write_rows(be, &mut page.v, row, rows, v, v_host.as_deref());
+            write_rows(be, &mut page.k, row, rows, k);
+            write_rows(be, &mut page.v, row, rows, v);
             page.len += take;
             self.len += take;
             done += take;
@@ -263,17 +284,21 @@ impl PagedKv {
         self.pages.binary_search_by_key(&start, |p| p.start).is_ok()
     }
 
-    /// Put a whole page's rows `k`, `v` (at most `page_size` rows) at `start`, a page start in
-    /// a gap left by [`Self::skip_to`]: a helper re-filled with a page another helper held.
-    pub fn fill_gap(&mut self, be: &dyn Backend, start: usize, k: &Act, v: &Act) -> Result<()> {
-        self.check_values_leave()?;
-        let rows = k.len() / self.row;
+    /// Put a whole page's rows `k`, `v` (at most `page_size` rows, as the page stores them)
+    /// at `start`, a page start in a gap left by [`Self::skip_to`]: a helper re-filled with a
+    /// page another helper held.
+    pub fn fill_gap(
+        &mut self,
+        be: &dyn Backend,
+        start: usize,
+        (k, v): (Encoded, Encoded),
+    ) -> Result<()> {
+        let rows = self.checked_rows(&k, &v)?;
         let at = match self.pages.binary_search_by_key(&start, |p| p.start) {
             Err(at)
                 if start.is_multiple_of(self.page_size)
                     && start < self.len
-                    && rows <= self.page_size
-                    && k.len() == v.len() =>
+                    && rows <= self.page_size =>
             {
                 at
             }
@@ -283,14 +308,13 @@ impl PagedKv {
                 )))
             }
         };
-        let mut page = KvPage {
+        // Pages follow it: it is never appended to, so it needs no room past its rows.
+        let page = KvPage {
             start,
             len: rows,
-            k: self.new_rows(be, KvType::F32),
-            v: self.new_rows(be, KvType::F32),
+            k: PageRows::arrived(be, k),
+            v: PageRows::arrived(be, v),
         };
-        write_rows(be, &mut page.k, self.row, (0, 0, rows), k, None);
-        write_rows(be, &mut page.v, self.row, (0, 0, rows), v, None);
         self.pages.insert(at, page);
         Ok(())
     }
@@ -313,22 +337,129 @@ impl PagedKv {
     }
 }
 
+/// Where rows written into a page come from.
+enum Incoming<'a> {
+    /// f32 values on the backend (a page of values).
+    Device(&'a Act),
+    /// f32 values on the host, to encode (a compact page).
+    Encode(Vec<f32>),
+    /// Rows already in the page's type (a compact page).
+    Stored(&'a [u8]),
+}
+
+/// Rows that arrived encoded, ready to write: f32 rows uploaded where the backend keeps
+/// values, compact rows as they are.
+enum Arrived<'a> {
+    Uploaded(Act),
+    Stored(&'a [u8]),
+}
+
+impl<'a> Incoming<'a> {
+    fn stored(be: &dyn Backend, x: &'a Encoded) -> Arrived<'a> {
+        match x.ty {
+            KvType::F32 => Arrived::Uploaded(be.upload(x.values())),
+            _ => Arrived::Stored(&x.bytes),
+        }
+    }
+}
+
+impl Arrived<'_> {
+    fn as_ref(&self) -> Incoming<'_> {
+        match self {
+            Arrived::Uploaded(a) => Incoming::Device(a),
+            Arrived::Stored(b) => Incoming::Stored(b),
+        }
+    }
+}
+
 /// Rows `from .. from + n` of `src` (`(at, from, n)`, rows of `row` values) written at row
-/// `at` of a page's `dst`: by the backend for f32 values, encoded from `host` (the same rows
-/// on the host) for compact ones.
+/// `at` of a page's `dst`: by the backend for f32 values, encoded or copied for compact ones.
 fn write_rows(
     be: &dyn Backend,
     dst: &mut PageRows,
     row: usize,
     (at, from, n): (usize, usize, usize),
-    src: &Act,
-    host: Option<&[f32]>,
+    src: &Incoming,
 ) {
-    match dst {
-        PageRows::Values(d) => be.write(d, at * row, src, from * row, n * row),
-        PageRows::Packed { .. } => {
-            let host = host.expect("compact rows are encoded from host values");
-            dst.write_packed(at, row, &host[from * row..(from + n) * row]);
+    match (dst, src) {
+        (PageRows::Values(d), Incoming::Device(s)) => be.write(d, at * row, s, from * row, n * row),
+        (dst @ PageRows::Packed { .. }, Incoming::Encode(x)) => {
+            dst.write_packed(at, row, &x[from * row..(from + n) * row]);
+        }
+        (dst @ PageRows::Packed { .. }, Incoming::Stored(b)) => {
+            dst.write_encoded(at, row, b, from, n)
+        }
+        _ => unreachable!("rows come in the page's own form (types checked by the caller)"),
+    }
+}
+
+/// Rows of pages (and other values) read off a device in one go, as they are stored: f32
+/// values through one [`Backend::read_ranges`] (one wait on a GPU), compact rows copied as
+/// they are. For rows that leave: a link, the page file, a rewind's refill.
+#[derive(Default)]
+pub struct RowsRead<'a> {
+    parts: Vec<(&'a Act, Range<usize>)>,
+    items: Vec<ReadItem>,
+}
+
+/// One piece of a [`RowsRead`]: that many f32 values of the read, or rows already here.
+enum ReadItem {
+    Read(usize),
+    Ready(Encoded),
+}
+
+impl<'a> RowsRead<'a> {
+    /// The values `range` of `x`, as one f32 piece.
+    pub fn values(&mut self, x: &'a Act, range: Range<usize>) {
+        self.items.push(ReadItem::Read(range.len()));
+        self.parts.push((x, range));
+    }
+
+    /// The K rows, then the V rows, of positions `start .. start + len` of `kv`, two pieces;
+    /// an error unless they are all held there.
+    pub fn kv(&mut self, kv: &'a PagedKv, start: usize, len: usize) -> Result<()> {
+        let pieces = kv.pieces(start, len)?;
+        for (side, ty) in [(0, kv.types.k), (1, kv.types.v)] {
+            let of = |p: &'a KvPage| if side == 0 { &p.k } else { &p.v };
+            match ty {
+                KvType::F32 => {
+                    self.items.push(ReadItem::Read(len * kv.row));
+                    self.parts.extend(pieces.iter().map(|(p, r)| {
+                        let values = of(p).values().expect("an f32 page keeps values");
+                        (values, r.start * kv.row..r.end * kv.row)
+                    }));
+                }
+                ty => {
+                    let n = ty.row_bytes(kv.row);
+                    let bytes = pieces
+                        .iter()
+                        .flat_map(|(p, r)| &of(p).packed_bytes()[r.start * n..r.end * n])
+                        .copied()
+                        .collect();
+                    self.items.push(ReadItem::Ready(Encoded { ty, bytes }));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Start the read: the future gives every piece in the order asked for.
+    pub fn start(self, be: &dyn Backend) -> impl std::future::Future<Output = Vec<Encoded>> {
+        let read = be.read_ranges(&self.parts);
+        let items = self.items;
+        async move {
+            let values = read.await;
+            let mut at = 0;
+            items
+                .into_iter()
+                .map(|item| match item {
+                    ReadItem::Read(n) => {
+                        at += n;
+                        Encoded::f32(&values[at - n..at])
+                    }
+                    ReadItem::Ready(rows) => rows,
+                })
+                .collect()
         }
     }
 }
@@ -497,14 +628,14 @@ mod tests {
         assert_eq!(starts, vec![(0, 3), (3, 3), (6, 1)]);
         assert_eq!(
             pollster::block_on(kv.rows(be, 3, 3).unwrap()).0,
-            rows[6..12].to_vec()
+            Encoded::f32(&rows[6..12])
         );
         kv.truncate(4).unwrap();
         let starts: Vec<(usize, usize)> = kv.pages().iter().map(|p| (p.start, p.len)).collect();
         assert_eq!(starts, vec![(0, 3), (3, 1)]);
         kv.append(be, &part(8..10), &part(8..10));
         let (k, v) = pollster::block_on(kv.rows(be, 2, 3).unwrap());
-        assert_eq!(k, [rows[4..8].to_vec(), rows[8..10].to_vec()].concat());
+        assert_eq!(k, Encoded::f32(&[&rows[4..8], &rows[8..10]].concat()));
         assert_eq!(k, v);
     }
 
@@ -546,8 +677,63 @@ mod tests {
                 PageRows::packed(ty, &rows[r * row..(r + 1) * row]).row_into(0, row, &mut expect);
                 assert_eq!(got, expect, "{} at {pos}", ty.name());
             }
-            let e = kv.row_parts(0, 3).unwrap_err().to_string();
-            assert!(e.contains("cannot leave this device"), "{e}");
+            // Rows leave as the pages store them, and come back into another cache of the
+            // same types byte for byte (a helper's, a rewind's refill).
+            let (k, v) = pollster::block_on(kv.rows(be, 0, 5).unwrap());
+            assert_eq!((k.ty, v.ty), (ty, KvType::F16));
+            assert_eq!(k.bytes.len(), 5 * ty.row_bytes(row));
+            let mut copy = PagedKv::new(3, 1, row, types);
+            copy.append_encoded(be, &k, &v).unwrap();
+            assert_eq!(
+                pollster::block_on(copy.rows(be, 0, 5).unwrap()),
+                (k.clone(), v)
+            );
+            let mut f32_cache = PagedKv::new(3, 1, row, CacheTypes::F32);
+            let e = f32_cache
+                .append_encoded(be, &k, &k)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("of this cache's K f32 / V f32"), "{e}");
+            assert_eq!(f32_cache.len(), 0, "a refused append changes nothing");
         }
+    }
+
+    /// A rewind into a page that left takes its rows back as stored, and a gap is filled
+    /// with a page as stored: both read back byte for byte.
+    #[test]
+    fn pages_come_back_as_stored() {
+        let be = &CpuBackend;
+        let row = 32;
+        let types = CacheTypes {
+            k: KvType::Q8_0,
+            v: KvType::Q4_0,
+        };
+        let x: Vec<f32> = (0..8 * row).map(|i| (i as f32 * 0.23).sin()).collect();
+        let mut kv = PagedKv::new(4, 1, row, types);
+        kv.append(be, &Act::Host(x.clone()), &Act::Host(x.clone()));
+        let (k, v) = pollster::block_on(kv.rows(be, 4, 2).unwrap());
+        kv.drop_oldest_page();
+        kv.drop_oldest_page();
+        assert_eq!(kv.remote_len(), 8);
+        kv.rewind(be, 6, Some((k.clone(), v.clone()))).unwrap();
+        assert_eq!((kv.len(), kv.remote_len()), (6, 4));
+        assert_eq!(pollster::block_on(kv.rows(be, 4, 2).unwrap()), (k, v));
+
+        let mut gap = PagedKv::new(4, 1, row, types);
+        gap.skip_to(4).unwrap();
+        gap.append(
+            be,
+            &Act::Host(x[..row].to_vec()),
+            &Act::Host(x[..row].to_vec()),
+        );
+        let mut page = PagedKv::new(4, 1, row, types);
+        page.append(
+            be,
+            &Act::Host(x[..4 * row].to_vec()),
+            &Act::Host(x[..4 * row].to_vec()),
+        );
+        let whole = pollster::block_on(page.rows(be, 0, 4).unwrap());
+        gap.fill_gap(be, 0, whole.clone()).unwrap();
+        assert_eq!(pollster::block_on(gap.rows(be, 0, 4).unwrap()), whole);
     }
 }

@@ -8,9 +8,10 @@
 
 mod common;
 
+use engine_core::cache_types::{CacheTypes, Encoded, KvType};
 use engine_core::protocol::message::request_id;
 use engine_core::protocol::{
-    decode, encode, Configure, Intro, Message, MsgType, ProtocolError, Role, WireDtype, WireTensor,
+    decode, encode, Configure, Intro, Message, MsgType, ProtocolError, Role, WireTensor,
     HEADER_LEN, MAGIC, PROTOCOL_VERSION,
 };
 use proptest::prelude::*;
@@ -20,34 +21,37 @@ use common::{cases, mutation};
 
 const LIMIT: usize = 1 << 24;
 
-/// A tensor of `shape` with arbitrary values (NaNs, infinities, subnormals included); f16
-/// tensors hold f16 values, as decoding gives them.
+fn arb_type() -> impl Strategy<Value = KvType> {
+    proptest::sample::select(KvType::ALL.to_vec())
+}
+
+/// A tensor of `shape` in any type (a compact type's last dimension is whole blocks; a
+/// scalar is f32) with arbitrary bytes (NaNs, infinities, subnormals and any block scales
+/// included).
 fn arb_tensor(rank: std::ops::RangeInclusive<usize>) -> impl Strategy<Value = WireTensor> {
-    let dtype = prop_oneof![Just(WireDtype::F32), Just(WireDtype::F16)];
-    (dtype, proptest::collection::vec(0..5usize, rank)).prop_flat_map(|(dtype, shape)| {
-        let n = shape.iter().product::<usize>();
-        proptest::collection::vec(any::<u32>(), n).prop_map(move |bits| WireTensor {
-            dtype,
-            shape: shape.clone(),
-            data: bits
-                .iter()
-                .map(|&b| match dtype {
-                    WireDtype::F32 => f32::from_bits(b),
-                    WireDtype::F16 => half::f16::from_bits(b as u16).to_f32(),
-                })
-                .collect(),
-        })
+    (proptest::collection::vec(0..5usize, rank), arb_type()).prop_flat_map(|(mut shape, ty)| {
+        let ty = match shape.last_mut() {
+            Some(last) => {
+                *last *= ty.block();
+                ty
+            }
+            None => KvType::F32,
+        };
+        let n = ty.row_bytes(shape.iter().product::<usize>());
+        proptest::collection::vec(any::<u8>(), n)
+            .prop_map(move |bytes| WireTensor::new(shape.clone(), Encoded { ty, bytes }))
     })
 }
 
-/// `k` and `v` rows of one shape `[rows, width]`.
+/// `k` and `v` rows of one shape `[rows, width]`, each in any type.
 fn arb_rows() -> impl Strategy<Value = (WireTensor, WireTensor)> {
-    (0..4usize, 0..5usize).prop_flat_map(|(rows, width)| {
-        let t = move || {
-            proptest::collection::vec(any::<f32>(), rows * width)
-                .prop_map(move |data| WireTensor::f32(vec![rows, width], data))
+    (0..4usize, 0..3usize, arb_type(), arb_type()).prop_flat_map(|(rows, blocks, kt, vt)| {
+        let width = blocks * 32;
+        let t = move |ty: KvType| {
+            proptest::collection::vec(any::<u8>(), rows * ty.row_bytes(width))
+                .prop_map(move |bytes| WireTensor::new(vec![rows, width], Encoded { ty, bytes }))
         };
-        (t(), t())
+        (t(kt), t(vt))
     })
 }
 
@@ -86,13 +90,16 @@ fn arb_message() -> impl Strategy<Value = Message> {
     prop_oneof![
         arb_intro().prop_map(Message::Hello),
         arb_intro().prop_map(Message::Welcome),
-        any::<(u32, u32, u32)>().prop_map(|(first_layer, end_layer, page_size)| {
-            Message::Configure(Configure {
-                first_layer,
-                end_layer,
-                page_size,
-            })
-        }),
+        (any::<(u32, u32, u32)>(), arb_type(), arb_type()).prop_map(
+            |((first_layer, end_layer, page_size), k, v)| {
+                Message::Configure(Configure {
+                    first_layer,
+                    end_layer,
+                    page_size,
+                    kv_types: CacheTypes { k, v },
+                })
+            }
+        ),
         (any::<(u64, u64, bool)>(), arb_tensor(2..=2)).prop_map(
             |((seq, pos, want_state), residual)| Message::PrefillChunk {
                 seq,
@@ -206,8 +213,16 @@ fn trustworthy(msg: &Message) -> Result<(), String> {
             .iter()
             .try_fold(1usize, |n, &d| n.checked_mul(d))
             .ok_or_else(|| format!("shape {:?} overflows", t.shape))?;
-        if t.shape.len() > 4 || elems != t.data.len() {
-            return Err(format!("shape {:?} with {} values", t.shape, t.data.len()));
+        let ty = t.dtype();
+        let whole = ty.block() == 1 || t.shape.last().is_some_and(|w| w % ty.block() == 0);
+        let bytes = ty.checked_bytes(elems as u64);
+        if t.shape.len() > 4 || !whole || bytes != Some(t.data.bytes.len() as u64) {
+            return Err(format!(
+                "shape {:?} of {} in {} bytes",
+                t.shape,
+                ty.name(),
+                t.data.bytes.len()
+            ));
         }
     }
     let rows = |k: &WireTensor, v: &WireTensor| k.shape.len() == 2 && k.shape == v.shape;

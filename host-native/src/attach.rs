@@ -309,18 +309,6 @@ impl HelperArgs {
         !self.helper.is_empty() || self.accept_helpers.is_some()
     }
 
-    /// Compact KV pages stay on the host: refused with a helper (pages leave for it and for
-    /// the page file as f32 rows, so far).
-    pub fn check_kv_types(&self, types: CacheTypes) -> Result<()> {
-        if self.has_helper() && !types.is_f32() {
-            bail!(
-                "KV pages stored as {types} stay on this host: helpers and the page file hold \
-                 f32 pages so far (use --cache-type-k f32 --cache-type-v f32 with a helper)"
-            );
-        }
-        Ok(())
-    }
-
     /// The helpers the server reconnects to when lost, and whether it takes helpers that join.
     pub fn sources(&self) -> (Vec<Source>, bool) {
         let dialed = self.helper.iter().cloned().map(Source::Dial).collect();
@@ -525,7 +513,6 @@ impl HelperArgs {
             bail!("--page-size, --ubatch and --split-ubatch must be at least 1");
         }
         let expected = (self.expected_offers(), None);
-        self.check_kv_types(fixed.kv_types)?;
         let plan = self.plan_for(model, expected, fixed, context, prompt);
         let mut seq = Sequence::typed(&model.config, plan.page_size, plan.kv_types, be)?;
         let attached = self.attach(model, be, &mut seq, plan.page_size, context)?;

@@ -91,9 +91,10 @@ pub fn run(a: Args) -> Result<()> {
     let depth: Vec<u32> = (0..a.depth).map(|_| next_id()).collect();
     let prompt: Vec<u32> = (0..a.prompt_tokens).map(|_| next_id()).collect();
     let context = a.depth + a.prompt_tokens + a.gen;
+    let types = a.engine.cache.types_on(be);
     let (session, mut seq, helpers) =
         a.engine
-            .session(&model, be, context, a.prompt_tokens, a.ubatch)?;
+            .session(&model, be, (context, a.prompt_tokens), a.ubatch, types)?;
     let page_size = session.page_size;
     // The link figures are the first helper's (the one that runs the split prefill).
     let link = helpers.first().map(|h| &h.stats);
@@ -118,15 +119,17 @@ pub fn run(a: Args) -> Result<()> {
     // During the prefill the remote pages are those moved before it; the host's layers attend
     // over them for every row, the tail's only for the rows it ran itself.
     let n = c.num_hidden_layers;
+    let types = seq.state.kv_types();
     let prefill_min = seq.placement.prefill_helper().map_or(0, |r| {
         let tail = r.prefill_layers.clone();
         let moves = minimum::prefill(
             c,
+            types,
             tail.clone(),
             split.rows_on_helper,
             split.synced_rows,
             split.mirror_synced,
-        ) + minimum::offload(c, seq.state.remote_kv_len() - moved_before);
+        ) + minimum::offload(c, types, seq.state.remote_kv_len() - moved_before);
         let pages = moved_before / page_size;
         if split.on_helper > 0 {
             // A split prefill moves pages only at its end: every ubatch sees the pages moved
@@ -165,7 +168,7 @@ pub fn run(a: Args) -> Result<()> {
         let before = seq.state.remote_kv_len();
         logits = seq.forward(&model, be, &[argmax(&logits)], Logits::Last, None)?;
         decode_min += minimum::attend(c, 0..n, 1, before / page_size)
-            + minimum::offload(c, seq.state.remote_kv_len() - before);
+            + minimum::offload(c, types, seq.state.remote_kv_len() - before);
     }
     let decode_s = t1.elapsed().as_secs_f64();
     let decode_link = link.map(|l| l.snapshot());

@@ -4,6 +4,7 @@
 use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
+use engine_core::backend::KvType;
 use engine_core::generate::argmax;
 use engine_core::weights::{save_raw, RawTensor};
 use engine_core::Logits;
@@ -49,7 +50,11 @@ pub fn run(a: Args) -> Result<()> {
     eprintln!("backend: {what}; weights: {}", crate::load::residence());
     let v = model.config.vocab_size;
     let context = ids.len() + a.gen;
-    let (_, mut seq, _) = a.engine.session(&model, be, context, ids.len(), None)?;
+    // The fixtures are checked against exact pages unless compact ones are asked for.
+    let types = a.engine.cache.types_or(KvType::F32);
+    let (_, mut seq, _) = a
+        .engine
+        .session(&model, be, (context, ids.len()), None, types)?;
     let prefill = seq.forward(&model, be, &ids, Logits::All, None)?;
     let mut gen_ids: Vec<i64> = Vec::with_capacity(a.gen);
     let mut gen_logits: Vec<f32> = Vec::with_capacity(a.gen * v);

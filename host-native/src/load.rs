@@ -50,19 +50,20 @@ impl EngineArgs {
 
 impl EngineArgs {
     /// The session for a `context`-token context and a `prompt`-token prompt (`ubatch`: the
-    /// command's --ubatch) on `be`: [`HelperArgs::session`] with this command's page size.
+    /// command's --ubatch) on `be` with KV pages of `kv_types`: [`HelperArgs::session`] with
+    /// this command's page size.
     pub fn session(
         &self,
         model: &Model,
         be: &dyn Backend,
-        context: usize,
-        prompt: usize,
+        (context, prompt): (usize, usize),
         ubatch: Option<usize>,
+        kv_types: CacheTypes,
     ) -> Result<(Plan, Sequence, Vec<Attached>)> {
         let fixed = Fixed {
             page_size: self.page_size,
             ubatch,
-            kv_types: self.cache.types(),
+            kv_types,
             ..Fixed::default()
         };
         self.helper.session(model, be, fixed, context, prompt)
@@ -89,19 +90,31 @@ impl EngineArgs {
 #[derive(clap::Args)]
 pub struct CacheArgs {
     /// How the KV cache stores keys: f32 (exact), f16, q8_0 or q4_0 (llama.cpp's block
-    /// layouts). Compact pages stay on this host: helpers and the page file hold f32 pages.
-    #[arg(long, default_value = "f32", value_parser = KvType::parse)]
-    pub cache_type_k: KvType,
+    /// layouts); pages keep the type on helpers, over the link and in the page file. Default:
+    /// f16 where the backend attends compact pages (the CPU), f32 on the GPU backend (its
+    /// kernels read f32 pages so far); `tether eval` f32.
+    #[arg(long, value_parser = KvType::parse)]
+    pub cache_type_k: Option<KvType>,
     /// How the KV cache stores values (as --cache-type-k).
-    #[arg(long, default_value = "f32", value_parser = KvType::parse)]
-    pub cache_type_v: KvType,
+    #[arg(long, value_parser = KvType::parse)]
+    pub cache_type_v: Option<KvType>,
 }
 
 impl CacheArgs {
-    pub fn types(&self) -> CacheTypes {
+    /// The types asked for, `default` for a side not named.
+    pub fn types_or(&self, default: KvType) -> CacheTypes {
         CacheTypes {
-            k: self.cache_type_k,
-            v: self.cache_type_v,
+            k: self.cache_type_k.unwrap_or(default),
+            v: self.cache_type_v.unwrap_or(default),
+        }
+    }
+
+    /// The types asked for, else the compact default: f16 where `be` attends f16 pages, f32
+    /// where it does not (the GPU backend, until its kernels read compact pages).
+    pub fn types_on(&self, be: &dyn Backend) -> CacheTypes {
+        match be.holds_kv(KvType::F16) {
+            true => self.types_or(KvType::F16),
+            false => self.types_or(KvType::F32),
         }
     }
 }

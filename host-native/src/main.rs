@@ -163,15 +163,15 @@ fn synth(a: SynthArgs) -> anyhow::Result<()> {
 fn plan(a: PlanArgs) -> anyhow::Result<()> {
     let model = engine_core::source::load_model(&a.model, &a.synth)?;
     let h = &a.helper;
+    let (be, _) = a.backend.make()?;
+    model.check_backend(&*be)?;
     let fixed = attach::Fixed {
         page_size: a.page_size,
         ubatch: a.ubatch,
-        kv_types: a.cache.types(),
+        kv_types: a.cache.types_on(&*be),
         ..attach::Fixed::default()
     };
     let (context, prompt) = (a.context, a.prompt_tokens);
-    let (be, _) = a.backend.make()?;
-    model.check_backend(&*be)?;
     let (_, seq, _) = h.session(&model, &*be, fixed, context, prompt)?;
     let offers = attach::HelperArgs::offers(&seq);
     print!(

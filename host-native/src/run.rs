@@ -72,9 +72,10 @@ pub fn run(a: Args) -> Result<()> {
     let be = &*be;
     eprintln!("backend: {what}; weights: {}", crate::load::residence());
     let context = prompt.len() + a.max_tokens;
+    let types = a.engine.cache.types_on(be);
     let (plan, seq, link_stats) =
         a.engine
-            .session(&l.model, be, context, prompt.len(), a.ubatch)?;
+            .session(&l.model, be, (context, prompt.len()), a.ubatch, types)?;
     let mut generation = Generation::new(&l.model, be, seq, sampler, stop);
     let t0 = Instant::now();
     let split = generation.prefill(&prompt, &a.engine.helper.split_plan(&plan))?;

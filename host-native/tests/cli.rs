@@ -245,15 +245,13 @@ fn bad_arguments_fail_with_a_message() {
         err.contains("--backend metal") && err.contains("--backend gpu"),
         "{err}"
     );
-    // Compact KV pages: a type llama.cpp has but tether does not, a helper (pages leave as
-    // f32 so far) and the GPU backend (its kernels read f32 pages) are refused, saying why.
+    // Compact KV pages: a type llama.cpp has but tether does not, heads that are not whole
+    // blocks and the GPU backend (its kernels read f32 pages) are refused, saying why.
     let err = tiny(&["--cache-type-k", "q5_1"]);
     assert!(
         err.contains("expected one of f32, f16, q8_0, q4_0"),
         "{err}"
     );
-    let err = tiny(&["--cache-type-v", "f16", "--helper", "ws://127.0.0.1:9"]);
-    assert!(err.contains("stay on this host"), "{err}");
     let err = tiny(&["--cache-type-k", "q8_0"]);
     assert!(
         err.contains("head of 16 values is not whole 32-value blocks"),

@@ -98,6 +98,7 @@ impl HelperProcess {
             first_layer: 0,
             end_layer: 0,
             page_size: page as u32,
+            kv_types: engine_core::backend::CacheTypes::F32,
         };
         st.placement
             .attach(HelperClient::connect(Box::new(link), m, cfg, DEFAULT_MAX_FRAME).unwrap());
@@ -228,6 +229,7 @@ fn killing_the_helper_process_during_a_split_prefill_costs_time_not_tokens() {
             first_layer: 4,
             end_layer: 8,
             page_size: 16,
+            kv_types: engine_core::backend::CacheTypes::F32,
         };
         let mut st = Sequence::new(&m.config, 16);
         st.placement
@@ -278,6 +280,7 @@ fn a_helper_process_splits_then_interleaves_bit_identically() {
         first_layer: 4,
         end_layer: 8,
         page_size: 8,
+        kv_types: engine_core::backend::CacheTypes::F32,
     };
     let mut st = Sequence::new(&m.config, 8);
     st.placement
@@ -311,6 +314,7 @@ fn a_paired_host_is_remembered_and_strangers_are_refused() {
         first_layer: 0,
         end_layer: 0,
         page_size: 8,
+        kv_types: engine_core::backend::CacheTypes::F32,
     };
     let mut helper = HelperProcess::start_with(dir.to_str().unwrap(), &keys, true);
     let code = helper.code.clone().unwrap();
@@ -369,6 +373,7 @@ fn a_second_host_is_told_the_helper_is_busy() {
         first_layer: 0,
         end_layer: 0,
         page_size: 8,
+        kv_types: engine_core::backend::CacheTypes::F32,
     };
     let (a, b) = (Keypair::generate(), Keypair::generate());
     let first = helper.dial(&a, Dial::Pair(&code)).unwrap();
@@ -481,6 +486,7 @@ fn an_idle_host_is_let_go_and_another_gets_in() {
             first_layer: 0,
             end_layer: 0,
             page_size: 8,
+            kv_types: engine_core::backend::CacheTypes::F32,
         };
         let code = helper.code.clone().unwrap();
         let second = helper
@@ -555,6 +561,7 @@ fn a_helper_that_joins_the_host_pairs_by_its_code_and_gives_the_host_alone_resul
         first_layer: 0,
         end_layer: 0,
         page_size: 16,
+        kv_types: engine_core::backend::CacheTypes::F32,
     };
     let mut st = Sequence::new(&m.config, 16);
     st.placement

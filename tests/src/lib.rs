@@ -143,7 +143,8 @@ pub fn spawn_helper<'scope, 'env>(
 }
 
 /// Tether `st` (a host's sequence) to the helper at the other end of `link`: it runs the layers from `split` on
-/// (none when `split` is the layer count) and holds KV pages of `page` positions; the host
+/// (none when `split` is the layer count) and holds KV pages of `page` positions in the
+/// sequence's cache types; the host
 /// keeps at most `budget` positions of KV (`None`: all of them).
 pub fn attach(
     m: &Model,
@@ -158,6 +159,7 @@ pub fn attach(
         first_layer: (split as u32).min(layers),
         end_layer: layers,
         page_size: page as u32,
+        kv_types: st.state.kv_types(),
     };
     let client = HelperClient::connect(Box::new(link), m, cfg, DEFAULT_MAX_FRAME).unwrap();
     st.placement.attach(client);

@@ -37,6 +37,7 @@ fn attach<'s>(
         first_layer: 4,
         end_layer: 8,
         page_size: PAGE as u32,
+        kv_types: engine_core::backend::CacheTypes::F32,
     };
     // Cut during the handshake: no helper, the sequence runs on the host alone.
     if let Ok(client) = HelperClient::connect(Box::new(link), m, cfg, DEFAULT_MAX_FRAME) {

@@ -77,6 +77,7 @@ fn prefill_cfg(m: &Model, page_size: u32) -> Configure {
         first_layer: SPLIT,
         end_layer: m.config.num_hidden_layers as u32,
         page_size,
+        kv_types: engine_core::backend::CacheTypes::F32,
     }
 }
 
@@ -86,6 +87,7 @@ fn pages_only(m: &Model, page_size: u32) -> Configure {
         first_layer: n,
         end_layer: n,
         page_size,
+        kv_types: engine_core::backend::CacheTypes::F32,
     }
 }
 
@@ -253,7 +255,7 @@ fn requests_whose_replies_pass_the_frame_limit_are_refused_before_any_work() {
         }
         match host.ask(fetch(16)) {
             Message::KvRows { k, .. } => {
-                assert_eq!(k.data, (0..512).map(|i| i as f32).collect::<Vec<_>>())
+                assert_eq!(k.values(), (0..512).map(|i| i as f32).collect::<Vec<_>>())
             }
             other => panic!("{other:?}"),
         }

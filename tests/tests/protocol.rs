@@ -1,31 +1,31 @@
 //! The wire protocol: every message survives a round trip, and no malformed frame panics or
 //! allocates by a length it announces.
 
+use engine_core::cache_types::{CacheTypes, Encoded, KvType};
 use engine_core::protocol::{
-    decode, encode, Configure, Intro, Message, MsgType, ProtocolError, Role, WireDtype, WireTensor,
-    HEADER_LEN,
+    decode, encode, Configure, Intro, Message, MsgType, ProtocolError, Role, WireTensor, HEADER_LEN,
 };
 use proptest::prelude::*;
 
 const LIMIT: usize = 1 << 24;
 
-fn tensor(dtype: WireDtype, shape: Vec<usize>, seed: u32) -> WireTensor {
+/// A tensor of `shape` in `ty` (a compact type's last dimension is whole blocks): values
+/// encoded as a page or a link would.
+fn tensor(ty: KvType, shape: Vec<usize>, seed: u32) -> WireTensor {
     let n = shape.iter().product::<usize>();
-    let data = (0..n)
-        .map(|i| {
-            let x = ((i as u32).wrapping_mul(2_654_435_761) ^ seed) as f32 / u32::MAX as f32 - 0.5;
-            // f16 tensors hold f16 values, so the round trip is exact.
-            match dtype {
-                WireDtype::F32 => x,
-                WireDtype::F16 => half::f16::from_f32(x).to_f32(),
-            }
-        })
+    let data: Vec<f32> = (0..n)
+        .map(|i| ((i as u32).wrapping_mul(2_654_435_761) ^ seed) as f32 / u32::MAX as f32 - 0.5)
         .collect();
-    WireTensor { dtype, shape, data }
+    WireTensor::new(shape, Encoded::of(ty, &data))
 }
 
-fn arb_dtype() -> impl Strategy<Value = WireDtype> {
-    prop_oneof![Just(WireDtype::F32), Just(WireDtype::F16)]
+/// Types of one value per block (any width).
+fn arb_dtype() -> impl Strategy<Value = KvType> {
+    prop_oneof![Just(KvType::F32), Just(KvType::F16)]
+}
+
+fn arb_kv_type() -> impl Strategy<Value = KvType> {
+    proptest::sample::select(KvType::ALL.to_vec())
 }
 
 fn arb_message() -> impl Strategy<Value = Message> {
@@ -43,13 +43,14 @@ fn arb_message() -> impl Strategy<Value = Message> {
     prop_oneof![
         intro.clone().prop_map(Message::Hello),
         intro.prop_map(Message::Welcome),
-        (any::<u32>(), any::<u32>(), any::<u32>()).prop_map(|(a, b, c)| Message::Configure(
-            Configure {
+        (any::<(u32, u32, u32)>(), arb_kv_type(), arb_kv_type()).prop_map(|((a, b, c), k, v)| {
+            Message::Configure(Configure {
                 first_layer: a,
                 end_layer: b,
-                page_size: c
-            }
-        )),
+                page_size: c,
+                kv_types: CacheTypes { k, v },
+            })
+        }),
         (
             any::<u64>(),
             any::<u64>(),
@@ -73,8 +74,8 @@ fn arb_message() -> impl Strategy<Value = Message> {
                     kv: (0..nkv)
                         .map(|i| {
                             (
-                                tensor(WireDtype::F32, vec![rows, 4], s + i as u32),
-                                tensor(WireDtype::F32, vec![rows, 4], s),
+                                tensor(KvType::Q8_0, vec![rows, 32], s + i as u32),
+                                tensor(KvType::F16, vec![rows, 32], s),
                             )
                         })
                         .collect(),
@@ -82,8 +83,8 @@ fn arb_message() -> impl Strategy<Value = Message> {
                     states: (0..nd)
                         .map(|i| {
                             (
-                                tensor(WireDtype::F32, vec![2, 3, 3], s ^ i as u32),
-                                tensor(WireDtype::F32, vec![3, 5], s),
+                                tensor(KvType::F32, vec![2, 3, 3], s ^ i as u32),
+                                tensor(KvType::F32, vec![3, 5], s),
                             )
                         })
                         .collect(),
@@ -96,12 +97,14 @@ fn arb_message() -> impl Strategy<Value = Message> {
             any::<u64>(),
             1..6usize,
             any::<u32>(),
-            any::<bool>()
+            any::<bool>(),
+            arb_kv_type(),
+            arb_kv_type(),
         )
-            .prop_map(|(seq, layer, start, rows, s, append)| {
+            .prop_map(|(seq, layer, start, rows, s, append, kt, vt)| {
                 let (k, v) = (
-                    tensor(WireDtype::F32, vec![rows, 8], s),
-                    tensor(WireDtype::F32, vec![rows, 8], !s),
+                    tensor(kt, vec![rows, 64], s),
+                    tensor(vt, vec![rows, 64], !s),
                 );
                 if append {
                     Message::KvAppend {
@@ -137,7 +140,7 @@ fn arb_message() -> impl Strategy<Value = Message> {
             any::<u32>()
         )
             .prop_map(|(seq, layer, positions, s)| {
-                let q = tensor(WireDtype::F32, vec![positions.len(), 2, 4], s);
+                let q = tensor(KvType::F32, vec![positions.len(), 2, 4], s);
                 Message::AttnQuery {
                     seq,
                     layer,
@@ -151,9 +154,9 @@ fn arb_message() -> impl Strategy<Value = Message> {
                 seq,
                 layer: 3,
                 page_starts: (0..pages as u64).map(|p| p * 64).collect(),
-                o: tensor(WireDtype::F32, vec![pages, rows, 4], s),
-                m: tensor(WireDtype::F32, vec![pages, rows], s + 1),
-                l: tensor(WireDtype::F32, vec![pages, rows], s + 2),
+                o: tensor(KvType::F32, vec![pages, rows, 4], s),
+                m: tensor(KvType::F32, vec![pages, rows], s + 1),
+                l: tensor(KvType::F32, vec![pages, rows], s + 2),
             }
         }),
         proptest::collection::btree_map("[a-z_]{1,8}", any::<u64>(), 0..4).prop_map(Message::Stats),
@@ -201,8 +204,8 @@ fn kv_append() -> Vec<u8> {
             seq: 1,
             layer: 3,
             start: 0,
-            k: tensor(WireDtype::F32, vec![2, 4], 1),
-            v: tensor(WireDtype::F32, vec![2, 4], 2),
+            k: tensor(KvType::F32, vec![2, 4], 1),
+            v: tensor(KvType::F32, vec![2, 4], 2),
         },
     )
 }
@@ -262,6 +265,18 @@ fn a_huge_declared_shape_is_an_error_not_an_allocation() {
     assert!(err.contains("does not fit"), "{err}");
 }
 
+/// A compact row must be whole blocks: 2 rows of 16 q8_0 values (whose 32 bytes of data
+/// would be one block's worth and more) are refused, not read as a block split in two.
+#[test]
+fn compact_rows_that_end_inside_a_block_are_an_error() {
+    let bad = with_meta(&kv_append(), |m| {
+        m["tensors"][0]["dtype"] = "q8_0".into();
+        m["tensors"][0]["shape"] = serde_json::json!([2, 16]);
+    });
+    let err = decode(&bad, LIMIT).unwrap_err().to_string();
+    assert!(err.contains("is not whole q8_0 blocks"), "{err}");
+}
+
 #[test]
 fn wrong_dtype_is_an_error() {
     let bad = with_meta(&kv_append(), |m| m["tensors"][0]["dtype"] = "f64".into());
@@ -304,7 +319,7 @@ fn tensors_must_match_the_message() {
             layer: 3,
             positions: vec![1, 2],
             end: 0,
-            q: tensor(WireDtype::F32, vec![2, 2, 4], 0),
+            q: tensor(KvType::F32, vec![2, 2, 4], 0),
         },
     );
     let bad = with_meta(&q, |m| m["positions"] = serde_json::json!([1]));

@@ -34,6 +34,7 @@ fn attach<'s>(
         first_layer: if prefill { 4 } else { LAYERS },
         end_layer: LAYERS,
         page_size: PAGE as u32,
+        kv_types: st.state.kv_types(),
     };
     let link = Box::new(Fuse::new(host_end, fuse));
     let client = HelperClient::connect(link, m, cfg, DEFAULT_MAX_FRAME).unwrap();

@@ -108,6 +108,7 @@ fn helper_refuses_a_host_with_another_model() {
             first_layer: 0,
             end_layer: 0,
             page_size: 4,
+            kv_types: engine_core::backend::CacheTypes::F32,
         };
         let err = HelperClient::connect(Box::new(host_end), &other, cfg, DEFAULT_MAX_FRAME)
             .err()
@@ -152,6 +153,7 @@ fn the_helper_budget_counts_the_deltanet_state_of_its_own_layers_only() {
         first_layer: first_layer as u32,
         end_layer: c.num_hidden_layers as u32,
         page_size: 4,
+        kv_types: engine_core::backend::CacheTypes::F32,
     };
     // A two-row chunk at 0 or 2 sees one page either way.
     let work = engine_core::helper::prefill_bytes(c, &assigned(split), 0, 2, true).1;
@@ -266,6 +268,7 @@ fn bad_requests_get_errors_and_leave_state_intact_bad_frames_end_the_session() {
             first_layer: 0,
             end_layer: 0,
             page_size: 4,
+            kv_types: engine_core::backend::CacheTypes::F32,
         };
         assert_eq!(ask(2, Message::Configure(cfg)), Message::Ack);
         assert_eq!(ask(3, append(3, 0)), Message::Ack);
@@ -388,6 +391,7 @@ fn a_query_whose_partials_would_pass_the_frame_limit_is_refused() {
             first_layer: 0,
             end_layer: 0,
             page_size: 4,
+            kv_types: engine_core::backend::CacheTypes::F32,
         };
         assert_eq!(ask(1, Message::Configure(cfg)), Message::Ack);
         let rows =
@@ -457,6 +461,7 @@ fn a_vanished_helper_fails_the_request_with_a_clear_error() {
             first_layer: 0,
             end_layer: 0,
             page_size: 4,
+            kv_types: engine_core::backend::CacheTypes::F32,
         };
         HelperClient::connect(Box::new(host_end), mr, cfg, DEFAULT_MAX_FRAME).unwrap()
     });

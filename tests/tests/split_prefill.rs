@@ -280,6 +280,7 @@ fn a_mirror_far_behind_syncs_in_pieces() {
             first_layer: 4,
             end_layer: 8,
             page_size: 16,
+            kv_types: engine_core::backend::CacheTypes::F32,
         };
         // 16 KiB frames: 32 rows of this model's tail KV per sync piece.
         st.placement

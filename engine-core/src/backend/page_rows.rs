@@ -3,7 +3,7 @@
 //! time ([`PageRows::row_into`]).
 
 use super::Act;
-use crate::cache_types::KvType;
+use crate::cache_types::{Encoded, KvType};
 
 /// A page's K or V rows, `[rows, kv_heads, head_dim]`.
 #[derive(Debug)]
@@ -32,6 +32,15 @@ impl PageRows {
         }
     }
 
+    /// Rows that arrived as a page stores them (from the page file, a link): f32 rows
+    /// uploaded to `be` as values, compact rows kept as they are.
+    pub fn arrived(be: &dyn super::Backend, x: Encoded) -> PageRows {
+        match x.ty {
+            KvType::F32 => PageRows::Values(be.upload(x.values())),
+            ty => PageRows::Packed { ty, bytes: x.bytes },
+        }
+    }
+
     /// Compact rows of `x` (whole blocks of `ty`).
     pub fn packed(ty: KvType, x: &[f32]) -> PageRows {
         let mut bytes = Vec::new();
@@ -50,6 +59,29 @@ impl PageRows {
         assert!(at <= bytes.len(), "writing at byte {at} would leave a gap");
         bytes.truncate(at);
         ty.encode_into(x, bytes);
+    }
+
+    /// Rows `from .. from + n` of `src` (rows of `row` values already in the page's type)
+    /// written at row `at`, as [`Self::write_packed`] writes values.
+    pub fn write_encoded(&mut self, at: usize, row: usize, src: &[u8], from: usize, n: usize) {
+        let PageRows::Packed { ty, bytes } = self else {
+            panic!("write_encoded on a page of f32 values");
+        };
+        let size = ty.row_bytes(row);
+        assert!(
+            at * size <= bytes.len(),
+            "writing at row {at} would leave a gap"
+        );
+        bytes.truncate(at * size);
+        bytes.extend_from_slice(&src[from * size..(from + n) * size]);
+    }
+
+    /// The bytes of a packed page's rows.
+    pub fn packed_bytes(&self) -> &[u8] {
+        match self {
+            PageRows::Packed { bytes, .. } => bytes,
+            PageRows::Values(_) => panic!("packed_bytes on a page of f32 values"),
+        }
     }
 
     /// Row `j` of a packed page (rows of `row` values) widened into `out`.

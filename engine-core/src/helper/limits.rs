@@ -89,7 +89,7 @@ impl Helper<'_> {
     /// Bytes of one KV page of one layer.
     pub(super) fn page_bytes(&self, cfg: &Configure) -> u64 {
         let c = &self.model().config;
-        u64::from(cfg.page_size) * (c.num_key_value_heads * c.head_dim * 2 * F32) as u64
+        u64::from(cfg.page_size) * c.kv_row_bytes(cfg.kv_types) as u64
     }
 
     /// Bytes of the KV pages that `layers` of `seq` must add to hold positions up to `end`
@@ -146,7 +146,7 @@ pub fn prefill_bytes(
         true => count(LayerKind::LinearAttention) * ((s_len + conv_len) * F32) as u64,
         false => 0,
     };
-    let kv_rows = rows * count(LayerKind::FullAttention) * (kv_width * 2 * F32) as u64;
+    let kv_rows = rows * count(LayerKind::FullAttention) * c.kv_row_bytes(cfg.kv_types) as u64;
     let reply = kv_rows + states + REPLY_SLACK as u64;
     let work = (rows * per_row as u64 + partials) * F32 as u64 + 2 * reply;
     (reply, work)

@@ -7,7 +7,8 @@ use std::collections::BTreeMap;
 use super::limits::{check_reply, prefill_bytes, Cost, F32, REPLY_SLACK};
 use super::{Held, Helper, Refusal, MAX_SEQS};
 use crate::backend::KvPage;
-use crate::backend::{AttnShape, Backend, CacheTypes};
+use crate::backend::{AttnShape, Backend};
+use crate::cache_types::Encoded;
 use crate::host::split::ChunkPayload;
 use crate::kv::{download_partials, NoPagesAway, PagedKv};
 use crate::model::LayerState;
@@ -101,6 +102,24 @@ impl Helper<'_> {
                 ),
             ));
         }
+        let types = cfg.kv_types;
+        let holds = [types.k, types.v]
+            .into_iter()
+            .all(|t| self.backend.holds_kv(t));
+        if let Err(e) = types.check_head(self.model().config.head_dim) {
+            return Err(Refusal("configure", format!("cache types {types}: {e}")));
+        }
+        if !holds {
+            return Err(Refusal(
+                "configure",
+                format!(
+                    "this helper's {} backend cannot hold KV pages of {types} (its kernels \
+                     read f32 pages): run the host with --cache-type-k f32 --cache-type-v f32, \
+                     or this helper on its CPU",
+                    self.backend.name()
+                ),
+            ));
+        }
         s.seqs.clear();
         s.configure = None;
         s.layers = None;
@@ -149,6 +168,7 @@ impl Helper<'_> {
                 ),
             ));
         }
+        check_types(&cfg, &k, &v)?;
         // A page start: the page is new here unless (part of) it is held already.
         let held = held_kv(s, seq, layer).is_ok_and(|kv| kv.has_page_at(start as usize));
         let pages = if held { 0 } else { self.page_bytes(&cfg) };
@@ -160,8 +180,7 @@ impl Helper<'_> {
             kv_of(st, layer)?,
             layer,
             start as usize,
-            k.data,
-            v.data,
+            (k.data, v.data),
         )?;
         Ok(Message::Ack)
     }
@@ -222,7 +241,7 @@ impl Helper<'_> {
             )
         })?;
         let pos: Vec<usize> = positions.iter().map(|&p| p as usize).collect();
-        let q = self.backend.upload(q.data);
+        let q = self.backend.upload(q.values());
         let parts = self.backend.attend_pages(shape, &q, &pos, &pages);
         let (o, m, l) = download_partials(self.backend, &parts).await;
         let n = pages.len();
@@ -284,7 +303,7 @@ impl Helper<'_> {
         let what = format!("a prefill chunk of {rows} rows at {pos}");
         self.check_budget(s, seq, &cfg, &what, Cost { pages, work })?;
         let st = self.seq_state(&mut s.seqs, seq, &cfg)?;
-        let mut x = self.backend.upload(residual.data);
+        let mut x = self.backend.upload(residual.values());
         s.layers
             .as_deref()
             .unwrap_or(self.model())
@@ -330,12 +349,12 @@ impl Helper<'_> {
         let st = self.seq_state(&mut s.seqs, sync.seq, &cfg)?;
         let pos = sync.pos as usize;
         for (&l, (k, v)) in sync.kv_layers.iter().zip(sync.kv) {
-            append_rows(self.backend, kv_of(st, l)?, l, pos, k.data, v.data)?;
+            append_rows(self.backend, kv_of(st, l)?, l, pos, (k.data, v.data))?;
         }
         for (&l, (sv, conv)) in sync.delta_layers.iter().zip(sync.states) {
             if let LayerState::DeltaNet(d) = &mut st.layers[l as usize] {
-                d.s = self.backend.upload(sv.data);
-                d.conv = self.backend.upload(conv.data);
+                d.s = self.backend.upload(sv.values());
+                d.conv = self.backend.upload(conv.values());
             }
         }
         st.pos = pos + rows;
@@ -354,6 +373,9 @@ impl Helper<'_> {
                 "shape",
                 format!("mirror rows must all be [{rows}, {width}]"),
             ));
+        }
+        for (k, v) in &sync.kv {
+            check_types(cfg, k, v)?;
         }
         if sync.kv_layers != self.full_layers(cfg)
             || !(sync.delta_layers.is_empty()
@@ -393,7 +415,7 @@ impl Helper<'_> {
         }
         let (state_len, conv_len) = c.delta_state_len();
         for (&l, (sv, conv)) in sync.delta_layers.iter().zip(&sync.states) {
-            if sv.data.len() != state_len || conv.data.len() != conv_len {
+            if sv.len() != state_len || conv.len() != conv_len {
                 return Err(Refusal(
                     "shape",
                     format!("layer {l}: not a DeltaNet state of this model"),
@@ -417,7 +439,7 @@ impl Helper<'_> {
         let kv = held_kv(s, seq, layer)?;
         let width = kv.row_width();
         let reply = len
-            .saturating_mul((width * 2 * F32) as u64)
+            .saturating_mul(self.model().config.kv_row_bytes(kv.types()) as u64)
             .saturating_add(REPLY_SLACK as u64);
         check_reply(s, reply, || format!("{len} KV rows of layer {layer}"))?;
         let (k, v) = kv
@@ -428,8 +450,8 @@ impl Helper<'_> {
             seq,
             layer,
             start,
-            k: WireTensor::f32(vec![len as usize, width], k),
-            v: WireTensor::f32(vec![len as usize, width], v),
+            k: WireTensor::new(vec![len as usize, width], k),
+            v: WireTensor::new(vec![len as usize, width], v),
         })
     }
 
@@ -456,7 +478,7 @@ impl Helper<'_> {
                     c,
                     cfg.page_size as usize,
                     runs,
-                    CacheTypes::F32,
+                    cfg.kv_types,
                 )))
             }
         }
@@ -548,27 +570,40 @@ fn on_kv_truncate(s: &mut Held, seq: u64, len: u64) -> Result<Message, Refusal> 
 /// appended, after a gap of whole pages if they start at a later page (other helpers hold
 /// those); a page in such a gap fills it; rows already held are skipped (the mirror may have
 /// computed rows the host later hands over as a page). Anything else is refused.
+/// KV rows must come in the cache types this helper was configured for.
+fn check_types(cfg: &Configure, k: &WireTensor, v: &WireTensor) -> Result<(), Refusal> {
+    let want = cfg.kv_types;
+    if (k.dtype(), v.dtype()) == (want.k, want.v) {
+        return Ok(());
+    }
+    Err(Refusal(
+        "shape",
+        format!(
+            "KV rows of K {} / V {}: this helper was configured for {want}",
+            k.dtype().name(),
+            v.dtype().name()
+        ),
+    ))
+}
+
 fn append_rows(
     be: &dyn Backend,
     kv: &mut PagedKv,
     layer: u32,
     start: usize,
-    mut k: Vec<f32>,
-    mut v: Vec<f32>,
+    (mut k, mut v): (Encoded, Encoded),
 ) -> Result<(), Refusal> {
     let order = |e: crate::Error| Refusal("order", format!("layer {layer}: {e}"));
     if start > kv.len() {
         kv.skip_to(start).map_err(order)?;
     } else if start < kv.len() && !kv.has_page_at(start / kv.page_size() * kv.page_size()) {
-        return kv
-            .fill_gap(be, start, &be.upload(k), &be.upload(v))
-            .map_err(order);
+        return kv.fill_gap(be, start, (k, v)).map_err(order);
     }
     let width = kv.row_width();
-    let rows = k.len() / width;
-    let skip = kv.len().saturating_sub(start).min(rows);
-    k.drain(..skip * width);
-    v.drain(..skip * width);
-    kv.append(be, &be.upload(k), &be.upload(v));
-    Ok(())
+    let skip = kv.len().saturating_sub(start);
+    let (k_row, v_row) = (k.ty.row_bytes(width), v.ty.row_bytes(width));
+    k.bytes.drain(..(skip * k_row).min(k.bytes.len()));
+    v.bytes.drain(..(skip * v_row).min(v.bytes.len()));
+    kv.append_encoded(be, &k, &v)
+        .map_err(|e| Refusal("shape", format!("layer {layer}: {e}")))
 }

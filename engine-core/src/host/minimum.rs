@@ -1,5 +1,6 @@
-//! The least a link can carry, in tensor bytes (f32), for the traffic a split causes: the
-//! plan estimates link time with these, and the benchmark compares what crossed with them.
+//! The least a link can carry, in tensor bytes (values in f32, KV rows in the cache's types),
+//! for the traffic a split causes: the plan estimates link time with these, and the benchmark
+//! compares what crossed with them.
 
 use crate::cache_types::CacheTypes;
 use crate::config::{LayerKind, ModelConfig};
@@ -14,6 +15,7 @@ fn delta_state(c: &ModelConfig) -> usize {
 /// out, and the mirror sync's KV rows.
 pub fn prefill(
     c: &ModelConfig,
+    types: CacheTypes,
     tail: std::ops::Range<usize>,
     sent_rows: usize,
     synced_rows: usize,
@@ -23,7 +25,7 @@ pub fn prefill(
     let delta = c.count_layers(tail, LayerKind::LinearAttention);
     let states = if sent_rows > 0 { 1 } else { 0 } + usize::from(synced);
     (sent_rows * c.hidden_size * 4
-        + (sent_rows + synced_rows) * full * c.kv_row_bytes(CacheTypes::F32)
+        + (sent_rows + synced_rows) * full * c.kv_row_bytes(types)
         + states * delta * delta_state(c)) as u64
 }
 
@@ -44,6 +46,6 @@ pub fn attend(
 }
 
 /// Moving `rows` positions of every full-attention layer to the helper.
-pub fn offload(c: &ModelConfig, rows: usize) -> u64 {
-    (c.kv_bytes(CacheTypes::F32, 0..c.num_hidden_layers, rows)) as u64
+pub fn offload(c: &ModelConfig, types: CacheTypes, rows: usize) -> u64 {
+    (c.kv_bytes(types, 0..c.num_hidden_layers, rows)) as u64
 }

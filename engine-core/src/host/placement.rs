@@ -12,6 +12,7 @@ use super::page_file::PageFile;
 use super::remote::{AttendRate, HelperClient};
 use super::telemetry::{self, Telemetry};
 use crate::backend::{Act, AttnShape, Backend, KvPage, PageRows};
+use crate::cache_types::Encoded;
 use crate::config::{LayerKind, ModelConfig};
 use crate::error::{Error, Result};
 use crate::kv::{PagePartials, PageSource, PagedKv};
@@ -329,11 +330,11 @@ impl Placement {
             };
             let mut n = 0;
             while let Some((start, len)) = page_to_move(kv, host_tokens) {
-                let (k, v) = pollster::block_on(kv.rows(be, start, len)?);
+                let rows = pollster::block_on(kv.rows(be, start, len)?);
                 if let Some(disk) = self.spill.as_mut() {
-                    disk.write(i, start, kv.row_width(), &k, &v)?;
+                    disk.write(i, start, kv.row_width(), (&rows.0, &rows.1))?;
                 }
-                let holder = self.place(i, start, kv.row_width(), k, v)?;
+                let holder = self.place(i, start, kv.row_width(), rows)?;
                 if holder.is_none() && self.spill.is_none() {
                     // Refused, with no disk tier: the page stays here, past the budget.
                     break;
@@ -411,8 +412,7 @@ impl Placement {
         i: usize,
         start: usize,
         width: usize,
-        k: Vec<f32>,
-        v: Vec<f32>,
+        rows: (Encoded, Encoded),
     ) -> Result<Option<u32>> {
         let Some(held) = self.holders(i) else {
             return Ok(None);
@@ -441,14 +441,14 @@ impl Placement {
             }
         };
         let last = candidates.len().saturating_sub(1);
-        let (mut k, mut v) = (Some(k), Some(v));
+        let mut rows = Some(rows);
         for (n, id) in candidates.into_iter().enumerate() {
             // A copy only for a helper that may refuse it before another is asked.
-            let (k, v) = match n == last {
-                true => (k.take().unwrap_or_default(), v.take().unwrap_or_default()),
-                false => (k.clone().unwrap_or_default(), v.clone().unwrap_or_default()),
+            let rows = match n == last {
+                true => rows.take().unwrap_or_default(),
+                false => rows.clone().unwrap_or_default(),
             };
-            if self.give(id, i, start, width, k, v)? {
+            if self.give(id, i, start, width, rows)? {
                 return Ok(Some(id));
             }
         }
@@ -464,14 +464,13 @@ impl Placement {
         i: usize,
         start: usize,
         width: usize,
-        k: Vec<f32>,
-        v: Vec<f32>,
+        rows: (Encoded, Encoded),
     ) -> Result<bool> {
         let has_disk = self.spill.is_some();
         let Some(helper) = self.helpers.iter_mut().find(|h| h.id == id) else {
             return Ok(false);
         };
-        match helper.store(i, start, width, k, v) {
+        match helper.store(i, start, width, rows) {
             Ok(()) => Ok(true),
             Err(Error::Refused { code, .. }) if code == "memory" => {
                 helper.full = true;
@@ -501,8 +500,8 @@ impl Placement {
             let LayerState::Attention(kv) = &state.layers[i] else {
                 return Ok(());
             };
-            let (k, v) = disk.read(i, start)?;
-            let Some(id) = self.place(i, start, kv.row_width(), k, v)? else {
+            let rows = disk.read(i, start)?;
+            let Some(id) = self.place(i, start, kv.row_width(), rows)? else {
                 return Ok(());
             };
             if let Some(h) = self.holders[i].as_mut() {
@@ -538,7 +537,9 @@ impl Placement {
                         kv.row_width(),
                     )?;
                     // Check the rows before anything changes, here or on the helper.
-                    if k.len() != (len - start) * kv.row_width() || v.len() != k.len() {
+                    let (width, types) = (kv.row_width(), kv.types());
+                    let fits = |x: &Encoded, ty| x.ty == ty && x.rows(width) == Some(len - start);
+                    if !fits(&k, types.k) || !fits(&v, types.v) {
                         return Err(Error::Remote(format!(
                             "layer {i}: the rows of the page at {start} came back the wrong size"
                         )));
@@ -721,31 +722,31 @@ fn attend_from_disk(
     (disk, layer, page_size): (&PageFile, usize, usize),
     starts: &[usize],
 ) -> Result<Vec<PagePartials>> {
-    let page_bytes = page_size * shape.kv_heads * shape.head_dim * 2 * 4;
-    let per_group = (DISK_GROUP_BYTES / page_bytes.max(1)).max(1);
+    let width = shape.kv_heads * shape.head_dim;
     let mut parts = Vec::with_capacity(starts.len());
-    for group in starts.chunks(per_group) {
-        let pages = group
-            .iter()
-            .map(|&start| {
-                let (k, v) = disk.read(layer, start)?;
-                let len = k.len() / (shape.kv_heads * shape.head_dim).max(1);
-                if len != page_size {
-                    return Err(Error::Invalid(format!(
-                        "the page file's page of layer {layer} at {start} holds {len} rows, not {page_size}"
-                    )));
-                }
-                Ok(KvPage {
-                    start,
-                    len,
-                    k: PageRows::Values(be.upload(k)),
-                    v: PageRows::Values(be.upload(v)),
-                })
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let refs: Vec<&KvPage> = pages.iter().collect();
-        let got = be.attend_pages(shape, q, positions, &refs);
-        parts.extend(group.iter().copied().zip(got));
+    let mut group = Vec::new();
+    let mut group_bytes = 0;
+    for (n, &start) in starts.iter().enumerate() {
+        let (k, v) = disk.read(layer, start)?;
+        if k.rows(width) != Some(page_size) || v.rows(width) != Some(page_size) {
+            return Err(Error::Invalid(format!(
+                "the page file's page of layer {layer} at {start} is not {page_size} rows"
+            )));
+        }
+        group_bytes += k.bytes.len() + v.bytes.len();
+        group.push(KvPage {
+            start,
+            len: page_size,
+            k: PageRows::arrived(be, k),
+            v: PageRows::arrived(be, v),
+        });
+        if group_bytes >= DISK_GROUP_BYTES || n + 1 == starts.len() {
+            let refs: Vec<&KvPage> = group.iter().collect();
+            let got = be.attend_pages(shape, q, positions, &refs);
+            parts.extend(group.iter().map(|p| p.start).zip(got));
+            group.clear();
+            group_bytes = 0;
+        }
     }
     Ok(parts)
 }
@@ -758,11 +759,11 @@ fn page_rows(
     (layer, start): (usize, usize),
     rows: usize,
     width: usize,
-) -> Result<(Vec<f32>, Vec<f32>)> {
+) -> Result<(Encoded, Encoded)> {
     if let Some(disk) = disk.filter(|d| d.holds(layer, start)) {
         let (mut k, mut v) = disk.read(layer, start)?;
-        k.truncate(rows * width);
-        v.truncate(rows * width);
+        k.truncate(rows, width);
+        v.truncate(rows, width);
         return Ok((k, v));
     }
     let remote = remote.ok_or_else(|| {

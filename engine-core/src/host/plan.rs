@@ -223,7 +223,7 @@ impl Plan {
         } else {
             let ubatches = p.prompt.div_ceil(ubatch.max(1));
             let sent = (ubatches - 1) * ubatch;
-            let bytes = minimum::prefill(c, tail.clone(), sent, 0, false) as f64;
+            let bytes = minimum::prefill(c, p.kv_types, tail.clone(), sent, 0, false) as f64;
             let _ = writeln!(
                 t,
                 "prefill: {ubatches} ubatches of {} stream through host layers 0..{} then helper layers {}..{n} \
@@ -237,7 +237,7 @@ impl Plan {
                 bytes / p.prompt as f64,
                 link_time(p.link, bytes, ubatches)
             );
-            let mirror = c.kv_bytes(CacheTypes::F32, tail.clone(), p.context) as f64;
+            let mirror = c.kv_bytes(p.kv_types, tail.clone(), p.context) as f64;
             let _ = writeln!(
                 t,
                 "  the helper mirrors its layers' KV ({} at {} tokens) and state across turns; later turns push only what is new",
@@ -316,7 +316,8 @@ impl Plan {
 }
 
 impl Plan {
-    /// What a helper is configured with: this plan's page size and, for the prefill helper
+    /// What a helper is configured with: this plan's page size and cache types and, for the
+    /// prefill helper
     /// (`prefills`), its split layer (the helper runs layers `split_layer..n`); a helper that
     /// only holds pages runs none. The split a plan prints and the one a helper is given are
     /// this one number.
@@ -327,6 +328,7 @@ impl Plan {
             first_layer: first as u32,
             end_layer: n as u32,
             page_size: u32::try_from(self.page_size).unwrap_or(u32::MAX),
+            kv_types: self.kv_types,
         }
     }
 }
@@ -351,13 +353,7 @@ impl Choices {
             Some(t) => Some(t),
             None => budget.map(|b| b / page_size * page_size),
         };
-        let (split_layer, why_split) = choose_split(
-            c,
-            p.split_layer,
-            p.helpers.first().copied(),
-            p.speeds.as_ref(),
-            (p.context, ubatch),
-        );
+        let (split_layer, why_split) = choose_split(c, p, ubatch);
         Choices {
             page_size,
             host_kv_tokens,
@@ -399,7 +395,7 @@ impl Choices {
         if let (Some(&offer), false) = (p.helpers.first(), tail.is_empty()) {
             let helper = Held {
                 weights: p.weights.of_layers(tail.clone()),
-                ..helper_needs(c, p.context, tail.clone(), self.ubatch)
+                ..helper_needs(c, p, tail.clone(), self.ubatch)
             };
             let _ = writeln!(
                 t,
@@ -483,11 +479,11 @@ fn host_needs(c: &ModelConfig, p: &PlanInput, host_kv: usize, ubatch: usize) -> 
 
 /// What the prefill helper holds from its offer when it runs layers `tail`: their KV mirrored
 /// over the whole context, their DeltaNet states and a ubatch's activations (its weights are
-/// its own, outside the offer). Helpers hold f32 pages (compact pages do not travel yet).
-fn helper_needs(c: &ModelConfig, context: usize, tail: Range<usize>, ubatch: usize) -> Held {
+/// its own, outside the offer), at the plan's cache types.
+fn helper_needs(c: &ModelConfig, p: &PlanInput, tail: Range<usize>, ubatch: usize) -> Held {
     Held {
         weights: 0,
-        kv: c.kv_bytes(CacheTypes::F32, tail.clone(), context) as u64,
+        kv: c.kv_bytes(p.kv_types, tail.clone(), p.context) as u64,
         state: State::delta_bytes_for(c, tail) as u64,
         activations: activation_bytes(c, ubatch),
     }
@@ -607,13 +603,9 @@ fn first_guess(n: usize) -> (usize, &'static str) {
 /// (before they are measured, DESIGN.md's share: the host runs the first 5/8 of the layers),
 /// on a 4-layer cycle boundary, moved back a cycle at a time while the helper's offer cannot
 /// hold its layers' mirrored KV, state and activations.
-fn choose_split(
-    c: &ModelConfig,
-    given: Option<usize>,
-    offer: Option<u64>,
-    speeds: Option<&Speeds>,
-    (context, ubatch): (usize, usize),
-) -> (usize, String) {
+fn choose_split(c: &ModelConfig, p: &PlanInput, ubatch: usize) -> (usize, String) {
+    let (given, offer, speeds) = (p.split_layer, p.helpers.first().copied(), p.speeds.as_ref());
+    let context = p.context;
     let n = c.num_hidden_layers;
     if let Some(s) = given {
         return (s, "as given".into());
@@ -648,7 +640,7 @@ fn choose_split(
         None => (default, guess.to_string()),
     };
     let mut s = first;
-    while s < n && helper_needs(c, context, s..n, ubatch).total() > offer {
+    while s < n && helper_needs(c, p, s..n, ubatch).total() > offer {
         s = (s + 4).min(n);
     }
     let why = if s == first {
@@ -683,8 +675,7 @@ fn placement(
 ) {
     let n = c.num_hidden_layers;
     let tail = split_layer.min(n)..n;
-    // Helpers hold f32 pages (compact pages do not travel yet).
-    let page = (page_size * c.kv_row_bytes(CacheTypes::F32)) as f64;
+    let page = (page_size * c.kv_row_bytes(p.kv_types)) as f64;
     let (tail_full, head_full) = (
         c.count_layers(tail.clone(), LayerKind::FullAttention),
         c.count_layers(0..tail.start, LayerKind::FullAttention),

@@ -4,6 +4,7 @@
 
 use crate::backend::AttnShape;
 use crate::backend::Partials;
+use crate::cache_types::Encoded;
 use crate::error::{Error, Result};
 use crate::link::{Link, LinkError};
 use crate::model::Model;
@@ -352,24 +353,23 @@ pub(crate) fn unexpected(want: &str, got: &Message) -> Error {
 }
 
 impl HelperClient {
-    /// Hand the page of `layer` at `start` (its rows `k`, `v` `[rows, width]`, read to the
-    /// host) to the helper: the oldest page still on the host, or one re-filled from the page
+    /// Hand the page of `layer` at `start` (its rows `k`, `v` `[rows, width]` as the page
+    /// stores them, read to the host) to the helper: the oldest page still on the host, or one re-filled from the page
     /// file.
     pub fn store(
         &mut self,
         layer: usize,
         start: usize,
         width: usize,
-        k: Vec<f32>,
-        v: Vec<f32>,
+        (k, v): (Encoded, Encoded),
     ) -> Result<()> {
-        let rows = k.len() / width.max(1);
+        let rows = k.rows(width).unwrap_or(0);
         let msg = Message::KvAppend {
             seq: self.seq,
             layer: layer as u32,
             start: start as u64,
-            k: WireTensor::f32(vec![rows, width], k),
-            v: WireTensor::f32(vec![rows, width], v),
+            k: WireTensor::new(vec![rows, width], k),
+            v: WireTensor::new(vec![rows, width], v),
         };
         match self.request(msg)? {
             Message::Ack => Ok(()),
@@ -378,12 +378,7 @@ impl HelperClient {
     }
 
     /// KV rows `[len, kv_heads * head_dim]` of `layer` from position `start`, back from the helper.
-    pub fn fetch(
-        &mut self,
-        layer: usize,
-        start: usize,
-        len: usize,
-    ) -> Result<(Vec<f32>, Vec<f32>)> {
+    pub fn fetch(&mut self, layer: usize, start: usize, len: usize) -> Result<(Encoded, Encoded)> {
         let msg = Message::KvFetch {
             seq: self.seq,
             layer: layer as u32,
@@ -480,24 +475,21 @@ impl HelperClient {
                 ..
             } => {
                 let (d, pages) = (head_dim, starts.len());
-                if page_starts != starts
-                    || o.shape != [pages, rows, d]
-                    || o.data.len() != pages * rows * d
-                    || m.data.len() != pages * rows
-                    || l.data.len() != pages * rows
-                {
+                if page_starts != starts || o.shape != [pages, rows, d] {
                     return Err(self.broke(format!(
                         "partials of pages {page_starts:?} and shape {:?}, expected pages \
                          {starts:?} of [{rows}, {d}]",
                         o.shape
                     )));
                 }
+                // The frame's shapes are checked (`partials`): these are whole pages.
+                let (o, m, l) = (o.values(), m.values(), l.values());
                 Ok((0..pages)
                     .map(|p| Partials {
                         head_dim: d,
-                        o: o.data[p * rows * d..(p + 1) * rows * d].to_vec(),
-                        m: m.data[p * rows..(p + 1) * rows].to_vec(),
-                        l: l.data[p * rows..(p + 1) * rows].to_vec(),
+                        o: o[p * rows * d..(p + 1) * rows * d].to_vec(),
+                        m: m[p * rows..(p + 1) * rows].to_vec(),
+                        l: l[p * rows..(p + 1) * rows].to_vec(),
                     })
                     .collect())
             }

@@ -11,6 +11,8 @@
 //! completes with the same tokens.
 
 use crate::backend::{Act, Backend};
+use crate::cache_types::Encoded;
+use crate::kv::RowsRead;
 use std::ops::Range;
 
 use super::Sequence;
@@ -403,13 +405,14 @@ impl ChunkPayload {
         rows: Range<usize>,
         with_states: bool,
     ) -> Result<impl std::future::Future<Output = ChunkPayload>> {
-        let (mut kv_layers, mut delta_layers, mut parts) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut kv_layers, mut delta_layers, mut read) =
+            (Vec::new(), Vec::new(), RowsRead::default());
         let mut states_of = Vec::new();
         for l in layers {
             match &st.layers[l] {
                 LayerState::Attention(kv) => {
                     kv_layers.push(l as u32);
-                    parts.extend(kv.row_parts(rows.start, rows.len())?);
+                    read.kv(kv, rows.start, rows.len())?;
                 }
                 LayerState::DeltaNet(d) if with_states => {
                     delta_layers.push(l as u32);
@@ -419,29 +422,31 @@ impl ChunkPayload {
             }
         }
         for d in &states_of {
-            parts.push((&d.s, 0..d.s.len()));
-            parts.push((&d.conv, 0..d.conv.len()));
+            read.values(&d.s, 0..d.s.len());
+            read.values(&d.conv, 0..d.conv.len());
         }
-        let read = be.read_ranges(&parts);
+        let read = read.start(be);
         let c = c.clone();
         Ok(async move {
-            let host = read.await;
-            ChunkPayload::unpack(&c, host, kv_layers, delta_layers, rows.len())
+            let pieces = read.await;
+            ChunkPayload::unpack(&c, pieces, kv_layers, delta_layers, rows.len())
         })
     }
 
-    /// The values of one [`Self::read`], in the order it asked for them, as wire tensors.
+    /// The pieces of one [`Self::read`], in the order it asked for them, as wire tensors.
     fn unpack(
         c: &ModelConfig,
-        host: Vec<f32>,
+        pieces: Vec<Encoded>,
         kv_layers: Vec<u32>,
         delta_layers: Vec<u32>,
         rows: usize,
     ) -> ChunkPayload {
-        let mut host = host.into_iter();
+        let mut pieces = pieces.into_iter();
         let mut take = |shape: Vec<usize>| {
-            let n = shape.iter().product();
-            WireTensor::f32(shape, host.by_ref().take(n).collect())
+            WireTensor::new(
+                shape,
+                pieces.next().expect("one piece per tensor asked for"),
+            )
         };
         let width = c.num_key_value_heads * c.head_dim;
         let kv = kv_layers
@@ -611,15 +616,10 @@ impl Replies {
                 "chunk state at {pos}: {rows} rows (expected {len}) and DeltaNet layers {delta_layers:?}"
             )));
         }
-        let bytes = kv
-            .iter()
-            .map(|(k, v)| k.data.len() + v.data.len())
-            .sum::<usize>()
-            + states
-                .iter()
-                .map(|(s, c)| s.data.len() + c.data.len())
-                .sum::<usize>();
-        self.report(seq, pos, rows, bytes * size_of::<f32>());
+        let bytes = (kv.iter().chain(&states))
+            .map(|(a, b)| a.encoded_len() + b.encoded_len())
+            .sum::<usize>();
+        self.report(seq, pos, rows, bytes);
         for (&l, (k, v)) in layers.iter().zip(kv) {
             let LayerState::Attention(cache) = &mut seq.state.layers[l] else {
                 unreachable!("full layers")
@@ -630,7 +630,9 @@ impl Replies {
                     k.shape
                 )));
             }
-            cache.append(be, &be.upload(k.data), &be.upload(v.data));
+            cache
+                .append_encoded(be, &k.data, &v.data)
+                .map_err(|e| Error::Remote(format!("layer {l}: {e}")))?;
         }
         self.pos += rows;
         if last {
@@ -650,10 +652,10 @@ impl Replies {
             match seq.state.layers.get(l as usize) {
                 Some(LayerState::DeltaNet(d))
                     if self.tail.contains(&(l as usize))
-                        && d.s.len() == s.data.len()
-                        && d.conv.len() == conv.data.len() =>
+                        && d.s.len() == s.len()
+                        && d.conv.len() == conv.len() =>
                 {
-                    checked.push((l as usize, s.data, conv.data))
+                    checked.push((l as usize, s.values(), conv.values()))
                 }
                 _ => {
                     return Err(Error::Remote(format!(

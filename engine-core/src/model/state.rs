@@ -7,13 +7,14 @@ use std::collections::BTreeMap;
 use std::ops::Range;
 
 use crate::backend::{Act, Backend, CacheTypes};
+use crate::cache_types::Encoded;
 use crate::config::{LayerKind, ModelConfig};
 use crate::error::{Error, Result};
 use crate::kv::PagedKv;
 
 /// Per full-attention layer, the K and V rows below a rewind's cut of the page the cut falls
 /// into, where that page had left this device: they come back so the page lives here again.
-pub type Refills = BTreeMap<usize, (Vec<f32>, Vec<f32>)>;
+pub type Refills = BTreeMap<usize, (Encoded, Encoded)>;
 
 /// A fresh state is zeros on the host; a device backend moves it to the device the first time
 /// an op advances it, and it stays there.

@@ -14,7 +14,8 @@
 //! looked at, so a peer cannot make us allocate by announcing a size.
 
 pub const MAGIC: [u8; 2] = *b"TH";
-pub const PROTOCOL_VERSION: u8 = 2;
+/// 3: KV rows travel in their page's type, `Configure` carries the cache types.
+pub const PROTOCOL_VERSION: u8 = 3;
 pub const HEADER_LEN: usize = 16;
 
 /// The message types are described with the messages (`message.rs`).

@@ -8,6 +8,7 @@
 
 use std::collections::BTreeMap;
 
+use crate::cache_types::CacheTypes;
 use crate::printable::{printable, printable_json};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
@@ -77,12 +78,14 @@ pub fn device_kind() -> &'static str {
 }
 
 /// The host assigns the helper its part: layers `[first_layer, end_layer)` for split prefill,
-/// and the page size of the KV pages it may be sent.
+/// and the page size and cache types of the KV pages it may be sent (a helper that cannot
+/// hold the types refuses).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Configure {
     pub first_layer: u32,
     pub end_layer: u32,
     pub page_size: u32,
+    pub kv_types: CacheTypes,
 }
 
 /// The messages, one entry each; the entry is all there is to a message's encoding, so adding
@@ -452,19 +455,24 @@ impl<'a> TensorReader<'a> {
                     d.shape.len()
                 )));
             }
+            if !d.whole_blocks() {
+                return Err(err(format!(
+                    "tensor {i} of shape {:?} is not whole {} blocks",
+                    d.shape,
+                    d.dtype.name()
+                )));
+            }
             let elems = d
-                .shape
-                .iter()
-                .try_fold(1u64, |acc, &x| acc.checked_mul(x))
-                .and_then(|n| n.checked_mul(d.dtype.size() as u64))
-                .filter(|&n| n <= (data.len() - at) as u64)
+                .bytes()
+                .and_then(|n| usize::try_from(n).ok())
+                .filter(|&n| n <= data.len() - at)
                 .ok_or_else(|| {
                     err(format!(
                         "tensor {i} of shape {:?} does not fit the {} data bytes left",
                         d.shape,
                         data.len() - at
                     ))
-                })? as usize;
+                })?;
             let shape = d.shape.iter().map(|&x| x as usize).collect();
             out.push((d, shape, &data[at..at + elems]));
             at += elems;
@@ -630,12 +638,12 @@ mod tests {
         match ty {
             MsgType::Hello => (
                 Message::Hello(intro(Role::Host)),
-                r#"{"backends":["cpu"],"device":"tab","max_frame":6,"mem_offer":5,"model":"m","model_digest":"d","role":"host","version":2}"#,
+                r#"{"backends":["cpu"],"device":"tab","max_frame":6,"mem_offer":5,"model":"m","model_digest":"d","role":"host","version":3}"#,
                 vec![],
             ),
             MsgType::Welcome => (
                 Message::Welcome(intro(Role::Helper)),
-                r#"{"backends":["cpu"],"device":"tab","max_frame":6,"mem_offer":5,"model":"m","model_digest":"d","role":"helper","version":2}"#,
+                r#"{"backends":["cpu"],"device":"tab","max_frame":6,"mem_offer":5,"model":"m","model_digest":"d","role":"helper","version":3}"#,
                 vec![],
             ),
             MsgType::Configure => (
@@ -643,8 +651,12 @@ mod tests {
                     first_layer: 1,
                     end_layer: 2,
                     page_size: 3,
+                    kv_types: CacheTypes {
+                        k: crate::cache_types::KvType::Q8_0,
+                        v: crate::cache_types::KvType::F16,
+                    },
                 }),
-                r#"{"end_layer":2,"first_layer":1,"page_size":3}"#,
+                r#"{"end_layer":2,"first_layer":1,"kv_types":{"k":"q8_0","v":"f16"},"page_size":3}"#,
                 vec![],
             ),
             MsgType::PrefillChunk => (

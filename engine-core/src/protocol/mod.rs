@@ -7,4 +7,4 @@ pub mod tensor;
 
 pub use header::{peek_type, MsgType, HEADER_LEN, MAGIC, PROTOCOL_VERSION};
 pub use message::{decode, device_kind, encode, Configure, Intro, Message, ProtocolError, Role};
-pub use tensor::{TensorDesc, WireDtype, WireTensor};
+pub use tensor::{TensorDesc, WireTensor};

@@ -148,8 +148,7 @@ pub fn run(a: Args) -> Result<()> {
     // sizes its context and host KV budget by its own rule, memory::choose_context, which
     // counts conversation checkpoints the plan does not).
     let most = a.ctx_size.unwrap_or(config.max_position_embeddings);
-    let kv_types = a.engine.cache.types();
-    a.engine.helper.check_kv_types(kv_types)?;
+    let kv_types = a.engine.cache.types_on(&*backend);
     let start = a.engine.helper.plan_for(
         &l.model,
         (a.engine.helper.expected_offers(), None),
