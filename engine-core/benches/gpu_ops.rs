@@ -108,6 +108,7 @@ fn decode_attention(c: &mut Criterion) {
                 len: page,
                 k: g.upload_f32(&values(page * row, 3 + p as u32)),
                 v: g.upload_f32(&values(page * row, 100 + p as u32)),
+                types: engine_core::backend::CacheTypes::F32,
             })
             .collect();
         let q = g.upload_f32(&values(shape.q_heads * shape.head_dim, 4));

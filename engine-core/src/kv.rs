@@ -7,6 +7,7 @@
 
 use std::ops::Range;
 
+use crate::backend::page_rows::{bytes_of, words_of};
 use crate::backend::{Act, ActPartials, AttnShape, Backend, CacheTypes, KvPage, KvType, PageRows};
 use crate::cache_types::Encoded;
 use crate::error::{Error, Result};
@@ -199,10 +200,16 @@ impl PagedKv {
         self.len * self.types.position_bytes(self.row)
     }
 
-    /// A page's empty rows of type `ty`, with room for a whole page of them.
+    /// A page's empty rows of type `ty`, with room for a whole page of them: on the backend's
+    /// device for f32 values and for compact rows it packs there, else on the host.
     fn new_rows(&self, be: &dyn Backend, ty: KvType) -> PageRows {
+        let capacity = self.page_size * self.row;
         match ty {
-            KvType::F32 => PageRows::Values(be.alloc(self.page_size * self.row)),
+            KvType::F32 => PageRows::Values(be.alloc(capacity)),
+            ty if be.packs_kv(ty) => PageRows::Device {
+                ty,
+                words: be.alloc(ty.row_bytes(capacity).div_ceil(4)),
+            },
             ty => PageRows::Packed {
                 ty,
                 bytes: Vec::with_capacity(self.page_size * ty.row_bytes(self.row)),
@@ -215,10 +222,11 @@ impl PagedKv {
     pub fn append(&mut self, be: &dyn Backend, k: &Act, v: &Act) {
         assert_eq!(k.len(), v.len());
         assert_eq!(k.len() % self.row, 0);
-        // Compact rows are encoded on the host: the rows of this step, read once.
-        let source = |x, ty| match ty {
-            KvType::F32 => Incoming::Device(x),
-            _ => Incoming::Encode(be.download(x)),
+        // Compact rows the device does not pack are encoded on the host: the rows of this
+        // step, read once.
+        let source = |x, ty| match ty == KvType::F32 || be.packs_kv(ty) {
+            true => Incoming::Device(x),
+            false => Incoming::Encode(be.download(x)),
         };
         let (k_in, v_in) = (source(k, self.types.k), source(v, self.types.v));
         self.append_from(be, &k_in, &v_in, k.len() / self.row);
@@ -339,25 +347,29 @@ impl PagedKv {
 
 /// Where rows written into a page come from.
 enum Incoming<'a> {
-    /// f32 values on the backend (a page of values).
+    /// f32 values on the backend (a page of values, or rows the device packs as it writes).
     Device(&'a Act),
-    /// f32 values on the host, to encode (a compact page).
+    /// Rows already in the page's type, in words on the device (a page packed there).
+    Words(&'a Act),
+    /// f32 values on the host, to encode (a compact page on the host).
     Encode(Vec<f32>),
-    /// Rows already in the page's type (a compact page).
+    /// Rows already in the page's type (a compact page on the host).
     Stored(&'a [u8]),
 }
 
-/// Rows that arrived encoded, ready to write: f32 rows uploaded where the backend keeps
-/// values, compact rows as they are.
+/// Rows that arrived encoded, ready to write: f32 rows uploaded as values, compact rows
+/// uploaded as words where the backend packs them on its device, else as they are.
 enum Arrived<'a> {
-    Uploaded(Act),
+    Values(Act),
+    Words(Act),
     Stored(&'a [u8]),
 }
 
 impl<'a> Incoming<'a> {
     fn stored(be: &dyn Backend, x: &'a Encoded) -> Arrived<'a> {
         match x.ty {
-            KvType::F32 => Arrived::Uploaded(be.upload(x.values())),
+            KvType::F32 => Arrived::Values(be.upload(x.values())),
+            ty if be.packs_kv(ty) => Arrived::Words(be.upload(words_of(&x.bytes))),
             _ => Arrived::Stored(&x.bytes),
         }
     }
@@ -366,14 +378,16 @@ impl<'a> Incoming<'a> {
 impl Arrived<'_> {
     fn as_ref(&self) -> Incoming<'_> {
         match self {
-            Arrived::Uploaded(a) => Incoming::Device(a),
+            Arrived::Values(a) => Incoming::Device(a),
+            Arrived::Words(a) => Incoming::Words(a),
             Arrived::Stored(b) => Incoming::Stored(b),
         }
     }
 }
 
 /// Rows `from .. from + n` of `src` (`(at, from, n)`, rows of `row` values) written at row
-/// `at` of a page's `dst`: by the backend for f32 values, encoded or copied for compact ones.
+/// `at` of a page's `dst`: by the backend for f32 values and rows it packs, encoded or copied
+/// for compact ones on the host.
 fn write_rows(
     be: &dyn Backend,
     dst: &mut PageRows,
@@ -383,6 +397,13 @@ fn write_rows(
 ) {
     match (dst, src) {
         (PageRows::Values(d), Incoming::Device(s)) => be.write(d, at * row, s, from * row, n * row),
+        (PageRows::Device { ty, words }, Incoming::Device(s)) => {
+            be.write_packed(*ty, words, at * row, s, from * row..(from + n) * row);
+        }
+        (PageRows::Device { ty, words }, Incoming::Words(s)) => {
+            let w = device_row_words(*ty, row);
+            be.write(words, at * w, s, from * w, n * w);
+        }
         (dst @ PageRows::Packed { .. }, Incoming::Encode(x)) => {
             dst.write_packed(at, row, &x[from * row..(from + n) * row]);
         }
@@ -391,6 +412,18 @@ fn write_rows(
         }
         _ => unreachable!("rows come in the page's own form (types checked by the caller)"),
     }
+}
+
+/// Words of one row of `row` values packed on a device as `ty`: whole words, so rows start
+/// at word boundaries (an f16 row of an even width).
+fn device_row_words(ty: KvType, row: usize) -> usize {
+    let bytes = ty.row_bytes(row);
+    assert!(
+        bytes.is_multiple_of(4),
+        "{} rows of {row} values are not whole words",
+        ty.name()
+    );
+    bytes / 4
 }
 
 /// Rows of pages (and other values) read off a device in one go, as they are stored: f32
@@ -402,16 +435,26 @@ pub struct RowsRead<'a> {
     items: Vec<ReadItem>,
 }
 
-/// One piece of a [`RowsRead`]: that many f32 values of the read, or rows already here.
+/// One piece of a [`RowsRead`]: words of the read holding `bytes` bytes of `ty` (f32 values
+/// are their own words), or rows already here.
 enum ReadItem {
-    Read(usize),
+    Read {
+        words: usize,
+        ty: KvType,
+        bytes: usize,
+    },
     Ready(Encoded),
 }
 
 impl<'a> RowsRead<'a> {
     /// The values `range` of `x`, as one f32 piece.
     pub fn values(&mut self, x: &'a Act, range: Range<usize>) {
-        self.items.push(ReadItem::Read(range.len()));
+        let (words, bytes) = (range.len(), 4 * range.len());
+        self.items.push(ReadItem::Read {
+            words,
+            ty: KvType::F32,
+            bytes,
+        });
         self.parts.push((x, range));
     }
 
@@ -421,24 +464,36 @@ impl<'a> RowsRead<'a> {
         let pieces = kv.pieces(start, len)?;
         for (side, ty) in [(0, kv.types.k), (1, kv.types.v)] {
             let of = |p: &'a KvPage| if side == 0 { &p.k } else { &p.v };
-            match ty {
-                KvType::F32 => {
-                    self.items.push(ReadItem::Read(len * kv.row));
-                    self.parts.extend(pieces.iter().map(|(p, r)| {
-                        let values = of(p).values().expect("an f32 page keeps values");
-                        (values, r.start * kv.row..r.end * kv.row)
-                    }));
-                }
-                ty => {
-                    let n = ty.row_bytes(kv.row);
-                    let bytes = pieces
-                        .iter()
-                        .flat_map(|(p, r)| &of(p).packed_bytes()[r.start * n..r.end * n])
-                        .copied()
-                        .collect();
-                    self.items.push(ReadItem::Ready(Encoded { ty, bytes }));
-                }
+            let bytes = len * ty.row_bytes(kv.row);
+            let on_host = pieces
+                .first()
+                .is_none_or(|(p, _)| matches!(of(p), PageRows::Packed { .. }));
+            if on_host {
+                let n = ty.row_bytes(kv.row);
+                let bytes = pieces
+                    .iter()
+                    .flat_map(|(p, r)| &of(p).packed_bytes()[r.start * n..r.end * n])
+                    .copied()
+                    .collect();
+                self.items.push(ReadItem::Ready(Encoded { ty, bytes }));
+                continue;
             }
+            let w = match ty {
+                KvType::F32 => kv.row,
+                ty => device_row_words(ty, kv.row),
+            };
+            self.items.push(ReadItem::Read {
+                words: len * w,
+                ty,
+                bytes,
+            });
+            self.parts.extend(pieces.iter().map(|(p, r)| {
+                let words = match of(p) {
+                    PageRows::Values(a) | PageRows::Device { words: a, .. } => a,
+                    PageRows::Packed { .. } => unreachable!("a side's pages are all alike"),
+                };
+                (words, r.start * w..r.end * w)
+            }));
         }
         Ok(())
     }
@@ -453,9 +508,12 @@ impl<'a> RowsRead<'a> {
             items
                 .into_iter()
                 .map(|item| match item {
-                    ReadItem::Read(n) => {
-                        at += n;
-                        Encoded::f32(&values[at - n..at])
+                    ReadItem::Read { words, ty, bytes } => {
+                        at += words;
+                        Encoded {
+                            ty,
+                            bytes: bytes_of(&values[at - words..at], bytes),
+                        }
                     }
                     ReadItem::Ready(rows) => rows,
                 })
@@ -663,7 +721,7 @@ mod tests {
                 .flat_map(|p| [&p.k, &p.v])
                 .map(|r| match r {
                     PageRows::Packed { bytes, .. } => bytes.len(),
-                    PageRows::Values(_) => unreachable!("every page is compact"),
+                    _ => unreachable!("every page is compact, on the host"),
                 })
                 .sum();
             assert_eq!(held, kv.bytes());

@@ -124,7 +124,7 @@ pub struct Fixed {
     pub ubatch: Option<usize>,
     pub host_kv_tokens: Option<usize>,
     pub split_layer: Option<usize>,
-    /// `--cache-type-k/-v` (f32 unless given).
+    /// The KV pages' types (`--cache-type-k/-v`, or the sequence's): every caller sets them.
     pub kv_types: CacheTypes,
 }
 
@@ -397,9 +397,11 @@ impl HelperArgs {
         let prefills = seq.placement.prefill_helper().is_none();
         u32::try_from(page_size).context("--page-size")?;
         // The helper's part comes from the plan for its offer (and, once measured, its
-        // speed): the same choice `tether plan` and a server's plan print.
+        // speed): the same choice `tether plan` and a server's plan print; its pages are the
+        // sequence's types.
         let fixed = Fixed {
             page_size: Some(page_size),
+            kv_types: seq.state.kv_types(),
             ..Fixed::default()
         };
         let configure = |helper: &Intro, speeds: Option<Speeds>| {

@@ -90,9 +90,8 @@ impl EngineArgs {
 #[derive(clap::Args)]
 pub struct CacheArgs {
     /// How the KV cache stores keys: f32 (exact), f16, q8_0 or q4_0 (llama.cpp's block
-    /// layouts); pages keep the type on helpers, over the link and in the page file. Default:
-    /// f16 where the backend attends compact pages (the CPU), f32 on the GPU backend (its
-    /// kernels read f32 pages so far); `tether eval` f32.
+    /// layouts; the GPU backend holds f32 and f16); pages keep the type on helpers, over the
+    /// link and in the page file. Default: f16 (`tether eval`: f32).
     #[arg(long, value_parser = KvType::parse)]
     pub cache_type_k: Option<KvType>,
     /// How the KV cache stores values (as --cache-type-k).
@@ -109,8 +108,8 @@ impl CacheArgs {
         }
     }
 
-    /// The types asked for, else the compact default: f16 where `be` attends f16 pages, f32
-    /// where it does not (the GPU backend, until its kernels read compact pages).
+    /// The types asked for, else the compact default: f16 where `be` attends f16 pages (every
+    /// backend now), f32 where it does not.
     pub fn types_on(&self, be: &dyn Backend) -> CacheTypes {
         match be.holds_kv(KvType::F16) {
             true => self.types_or(KvType::F16),

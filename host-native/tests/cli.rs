@@ -246,7 +246,7 @@ fn bad_arguments_fail_with_a_message() {
         "{err}"
     );
     // Compact KV pages: a type llama.cpp has but tether does not, heads that are not whole
-    // blocks and the GPU backend (its kernels read f32 pages) are refused, saying why.
+    // blocks and a type the GPU backend's kernels do not read are refused, saying why.
     let err = tiny(&["--cache-type-k", "q5_1"]);
     assert!(
         err.contains("expected one of f32, f16, q8_0, q4_0"),
@@ -257,8 +257,20 @@ fn bad_arguments_fail_with_a_message() {
         err.contains("head of 16 values is not whole 32-value blocks"),
         "{err}"
     );
-    let err = tiny(&["--cache-type-k", "f16", "--backend", "gpu"]);
-    assert!(err.contains("attends f32 KV pages only"), "{err}");
+    let err = refused(&[
+        "--model",
+        "tiny256",
+        "--prompt",
+        "x",
+        "--cache-type-v",
+        "q4_0",
+        "--backend",
+        "gpu",
+    ]);
+    assert!(
+        err.contains("attends KV pages of f32 and f16 only, not q4_0"),
+        "{err}"
+    );
 }
 
 /// A Q8_0 GGUF runs from the command line on both backends. Their tokens may differ: the
@@ -550,6 +562,11 @@ fn plan_decides_for_a_27b_shaped_gguf() {
             "--host-memory",
             "8G",
         ];
+        // The figures below are worked out for exact pages unless a type is given (the
+        // default is f16).
+        if !extra.contains(&"--cache-type-k") {
+            args.extend_from_slice(&["--cache-type-k", "f32", "--cache-type-v", "f32"]);
+        }
         args.extend_from_slice(extra);
         String::from_utf8(tether(&args).stdout).unwrap()
     };

@@ -622,9 +622,13 @@ fn bad_input_gets_openai_errors_and_the_server_goes_on() {
     let health: Value = serde_json::from_str(&health).unwrap();
     assert_eq!(health["status"], "ok");
     // The tiny model's whole context fits any machine: 2 full-attention layers x (K and V)
-    // x 2 KV heads x 16 dimensions x 4 bytes a position.
+    // x 2 KV heads x 16 dimensions x 2 bytes (f16, the default) a position.
     assert_eq!(health["context_tokens"], 4096);
-    assert_eq!(health["kv_bytes_per_token"], 2 * 2 * 2 * 16 * 4);
+    assert_eq!(health["kv_bytes_per_token"], 2 * 2 * 2 * 16 * 2);
+    assert_eq!(
+        health["kv_cache_types"],
+        serde_json::json!({"k": "f16", "v": "f16"})
+    );
     assert!(s.metric("tether_responses_total{route=\"/v1/completions\",status=\"400\"}") >= 15.0);
 }
 

@@ -85,6 +85,8 @@ struct Seen {
     ticks: Vec<String>,
     layer_numbers: Vec<String>,
     page_ends: String,
+    /// The page strip's caption: layers, page size, cache types, pages by place.
+    page_figures: String,
     decode_texts: Vec<String>,
     tab: TabSeen,
     prefill: String,
@@ -250,6 +252,8 @@ fn the_page_shows_a_split_run_as_it_happens() {
     // Pages: the oldest on the helper, the newest on the host.
     assert!(seen.page_runs.get(&helper) > Some(&0), "{seen:?}");
     assert!(seen.page_runs.get("host") > Some(&0), "{seen:?}");
+    // The server's default cache types on the CPU, which the helper holds too.
+    assert!(seen.page_figures.contains("(K f16 / V f16)"), "{seen:?}");
     assert_eq!(
         seen.memory, 2,
         "a memory bar for the host and the helper: {seen:?}"

@@ -328,6 +328,10 @@ pub static KERNELS: &[Kernel] = &[
                 name: "delta_gates",
                 bindings: &[PARAMS, b(1, "a", RW), b(2, "b", RW), b(4, "gate_params", R)],
             },
+            Entry {
+                name: "pack_f16",
+                bindings: &[PARAMS, b(1, "a", RW), b(5, "packed", RW)],
+            },
         ],
         params: &[WG],
     },
@@ -387,11 +391,23 @@ pub static KERNELS: &[Kernel] = &[
                 bindings: ATTN_BINDINGS,
             },
         ],
-        params: &[Param {
-            name: "HEAD_DIM",
-            doc: "head dimension (sizes the per-thread accumulators and the query tile)",
-            values: &[256, 128, 64, 32, 16],
-        }],
+        params: &[
+            Param {
+                name: "HEAD_DIM",
+                doc: "head dimension (sizes the per-thread accumulators and the query tile)",
+                values: &[256, 128, 64, 32, 16],
+            },
+            Param {
+                name: "KT",
+                doc: "how the page stores keys: 0 f32, 1 f16 pairs in u32 (ggml's f16 rows)",
+                values: &[0, 1],
+            },
+            Param {
+                name: "VT",
+                doc: "how the page stores values (as KT)",
+                values: &[0, 1],
+            },
+        ],
     },
     Kernel {
         name: "merge",

@@ -7,10 +7,11 @@
 use std::sync::OnceLock;
 
 use engine_core::backend::gpu::{GpuBackend, GpuOptions};
-use engine_core::backend::Act;
+use engine_core::backend::{Act, AttnShape, CacheTypes, KvType};
 use engine_core::generate::argmax;
 use engine_core::host::split::{prefill, SplitPlan};
 use engine_core::host::Sequence;
+use engine_core::kv::PagedKv;
 use engine_core::{Backend, CpuBackend, LayerKind, Logits, Model};
 use tests::{attach, fixtures_dir, max_abs_diff, spawn_helper, Reference};
 
@@ -101,8 +102,22 @@ fn gpu_host_with_cpu_helper_and_the_reverse_give_the_same_tokens() {
 /// interleaved pairs) and decode over the helper's pages give the logits of the GPU host
 /// alone, bit for bit. The helper's page partials are merged on the host's device by the same
 /// kernel, in the same order, as the host's own pages would have been.
+/// With f16 pages (packed on both devices, crossing the link as their bytes) as with f32.
 #[test]
 fn gpu_host_and_gpu_helper_match_the_gpu_host_alone_bit_for_bit() {
+    for types in [CacheTypes::F32, f16_pages()] {
+        gpu_split_matches_the_host_alone(types);
+    }
+}
+
+fn f16_pages() -> CacheTypes {
+    CacheTypes {
+        k: KvType::F16,
+        v: KvType::F16,
+    }
+}
+
+fn gpu_split_matches_the_host_alone(types: CacheTypes) {
     let m = &Model::load_dir(&fixtures_dir().join("tiny_fp32_T150")).unwrap();
     let prompt = Reference::load("tiny_fp32_T150").ids("prompt_ids");
     let (ubatch, page, steps) = (32, 16, 6);
@@ -117,7 +132,7 @@ fn gpu_host_and_gpu_helper_match_the_gpu_host_alone_bit_for_bit() {
         all
     };
     // The reference: the host alone, one ubatch after another, no split code.
-    let mut st = Sequence::new(&m.config, page);
+    let mut st = Sequence::typed(&m.config, page, types, gpu()).unwrap();
     let mut logits = Vec::new();
     for c in prompt.chunks(ubatch) {
         logits = st.forward(m, gpu(), c, Logits::Last, None).unwrap();
@@ -132,13 +147,16 @@ fn gpu_host_and_gpu_helper_match_the_gpu_host_alone_bit_for_bit() {
     };
     std::thread::scope(|scope| {
         let host_end = spawn_helper(scope, m, &helper);
-        let mut st = Sequence::new(&m.config, page);
+        let mut st = Sequence::typed(&m.config, page, types, gpu()).unwrap();
         attach(m, &mut st, host_end, 4, page, Some(48));
         let (logits, report) = prefill(m, gpu(), &mut st, &prompt, &plan).unwrap();
         assert!(report.on_helper > 0 && report.interleaved > 0, "{report:?}");
         let got = decode(&mut st, logits);
         assert!(st.state.remote_kv_len() > 0);
-        assert!(got == want, "split logits differ from the host alone's");
+        assert!(
+            got == want,
+            "{types}: split logits differ from the host alone's"
+        );
     });
 }
 
@@ -207,4 +225,68 @@ fn storage_ops_agree_with_the_cpu_backend() {
     .concat();
     assert_eq!(run(&CpuBackend), (want.clone(), false));
     assert_eq!(run(gpu()), (want, true));
+}
+
+/// f16 pages packed on the GPU hold the bytes the CPU's f16 pages hold (ggml's f16 rows),
+/// whether written by the device from its rows or arriving as bytes, and their attention
+/// partials match the CPU's over the same pages; keys and values may differ in type.
+#[test]
+fn f16_pages_on_the_gpu_hold_the_cpus_bytes_and_attend_alike() {
+    let shape = AttnShape {
+        q_heads: 4,
+        kv_heads: 2,
+        head_dim: 64,
+    };
+    let (row, len, page) = (shape.kv_heads * shape.head_dim, 40, 16);
+    let mut rng = tests::Rng(7);
+    let mut values = |n: usize| -> Vec<f32> { (0..n).map(|_| rng.uniform() * 4.0 - 2.0).collect() };
+    let (k, v) = (values(len * row), values(len * row));
+    let positions: Vec<usize> = (25..40).collect();
+    let q = values(positions.len() * shape.q_heads * shape.head_dim);
+    for types in [
+        f16_pages(),
+        CacheTypes {
+            k: KvType::F16,
+            v: KvType::F32,
+        },
+    ] {
+        let fill = |be: &dyn Backend| {
+            let mut kv = PagedKv::new(page, shape.kv_heads, shape.head_dim, types);
+            for (a, b) in [(0, 7), (7, len)] {
+                let part = |x: &[f32]| be.upload(x[a * row..b * row].to_vec());
+                kv.append(be, &part(&k), &part(&v));
+            }
+            kv
+        };
+        let (on_cpu, on_gpu) = (fill(&CpuBackend), fill(gpu()));
+        let rows =
+            |kv: &PagedKv, be: &dyn Backend| pollster::block_on(kv.rows(be, 0, len).unwrap());
+        let cpu_rows = rows(&on_cpu, &CpuBackend);
+        assert_eq!(rows(&on_gpu, gpu()), cpu_rows, "{types}: the pages' bytes");
+        // Rows arriving as bytes (a link, the page file) land as the same bytes.
+        let mut arrived = PagedKv::new(page, shape.kv_heads, shape.head_dim, types);
+        arrived
+            .append_encoded(gpu(), &cpu_rows.0, &cpu_rows.1)
+            .unwrap();
+        assert_eq!(
+            rows(&arrived, gpu()),
+            cpu_rows,
+            "{types}: rows that arrived"
+        );
+        let attend = |kv: &PagedKv, be: &dyn Backend| {
+            let pages: Vec<_> = kv.pages().iter().collect();
+            let parts = be.attend_pages(shape, &be.upload(q.clone()), &positions, &pages);
+            let rows = positions.len() * shape.q_heads;
+            be.download(&be.merge_partials(rows, shape.head_dim, parts))
+        };
+        let want = attend(&on_cpu, &CpuBackend);
+        for (what, kv) in [("written", &on_gpu), ("arrived", &arrived)] {
+            let got = attend(kv, gpu());
+            let err = max_abs_diff(&got, &want);
+            assert!(
+                err < 1e-5,
+                "{types} {what}: attention differs from the CPU's by {err}"
+            );
+        }
+    }
 }

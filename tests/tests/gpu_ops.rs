@@ -587,6 +587,7 @@ fn pages(start: usize, len: usize, k: Vec<f32>, v: Vec<f32>) -> (KvPage, GpuKvPa
         len,
         k: g.upload_f32(&k),
         v: g.upload_f32(&v),
+        types: engine_core::backend::CacheTypes::F32,
     };
     let host = KvPage {
         start,

@@ -77,6 +77,7 @@ try {
       ticks: [...document.querySelectorAll('#timeline text.tick')].map((t) => t.textContent),
       layerNumbers: [...document.querySelectorAll('#layers .layer')].map((l) => l.textContent),
       pageEnds: document.querySelector('#pages .ends')?.textContent || '',
+      pageFigures: document.getElementById('pages-figures').textContent,
       decodeTexts: window.decodeTexts,
       memory: document.querySelectorAll('#memory > div').length,
       plan: document.getElementById('plan').textContent,

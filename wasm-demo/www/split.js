@@ -235,7 +235,8 @@ function drawPages() {
   ends.className = "strip ends";
   ends.innerHTML = "<span></span><span>← oldest (position 0)</span><span>newest →</span>";
   box.prepend(ends);
-  $("pages-figures").textContent = `(${p.layers.length} layers, pages of ${p.page_size} positions: ` +
+  const types = view.hello && view.hello.kv_types ? ` (${view.hello.kv_types})` : "";
+  $("pages-figures").textContent = `(${p.layers.length} layers, pages of ${p.page_size} positions${types}: ` +
     Object.entries(counts).map(([on, n]) => `${n} on ${on}`).join(", ") + ")";
   view.held = counts;
   drawMemory(counts);

@@ -11,7 +11,7 @@
 pub mod cpu;
 #[cfg(feature = "gpu")]
 pub mod gpu;
-mod page_rows;
+pub(crate) mod page_rows;
 mod pages;
 
 pub use crate::cache_types::{CacheTypes, KvType};
@@ -223,11 +223,27 @@ pub trait Backend: Send + Sync {
         true
     }
 
-    /// Whether this backend attends KV pages stored as `ty` (the GPU's kernels read f32
-    /// pages only, so far).
+    /// Whether this backend attends KV pages stored as `ty` (the GPU's kernels read f32 and
+    /// f16 pages, so far).
     fn holds_kv(&self, ty: KvType) -> bool {
         let _ = ty;
         true
+    }
+
+    /// Whether this backend keeps KV rows of compact type `ty` on its device, packed in
+    /// 32-bit words as the host would store their bytes ([`PageRows::Device`], written by
+    /// [`Self::write_packed`]); otherwise compact rows live on the host ([`PageRows::Packed`]).
+    fn packs_kv(&self, ty: KvType) -> bool {
+        let _ = ty;
+        false
+    }
+
+    /// Values `span` of `src` written as `ty` into the packed device rows `dst` from value
+    /// `at` on (whole words: `at` and the span fill whole 32-bit words). Only a backend whose
+    /// [`Self::packs_kv`] says so is asked.
+    fn write_packed(&self, ty: KvType, dst: &mut Act, at: usize, src: &Act, span: Range<usize>) {
+        let _ = (dst, at, src, span);
+        unreachable!("{} keeps no {} rows on a device", self.name(), ty.name())
     }
 
     /// Host values into the backend (the CPU keeps the vector as it is).

@@ -1,6 +1,7 @@
-//! How a KV page stores its rows: f32 values where the backend keeps them, or compact rows
-//! ([`KvType`]) on the host, widened to f32 only inside the attention kernels, a row at a
-//! time ([`PageRows::row_into`]).
+//! How a KV page stores its rows: f32 values where the backend keeps them, compact rows
+//! ([`KvType`]) packed on a device that reads them (the GPU's f16 pages), or compact rows on
+//! the host, widened to f32 only inside the attention kernels, a row at a time
+//! ([`PageRows::row_into`]).
 
 use super::Act;
 use crate::cache_types::{Encoded, KvType};
@@ -11,8 +12,35 @@ pub enum PageRows {
     /// f32 rows where the backend keeps values (a device buffer of the page's capacity on a
     /// GPU), written by [`super::Backend::write`].
     Values(Act),
+    /// Rows in a compact type on a device that packs them ([`super::Backend::packs_kv`]):
+    /// the bytes the host would hold, in 32-bit words (a buffer of the page's capacity),
+    /// written by [`super::Backend::write_packed`].
+    Device { ty: KvType, words: Act },
     /// Rows in a compact type on the host, [`KvType::row_bytes`] each, the page's rows only.
     Packed { ty: KvType, bytes: Vec<u8> },
+}
+
+/// Bytes as little-endian 32-bit words carried in f32 values (bits unchanged, the last word
+/// padded with zeros), for a device buffer of packed rows.
+pub(crate) fn words_of(bytes: &[u8]) -> Vec<f32> {
+    bytes
+        .chunks(4)
+        .map(|c| {
+            let mut w = [0u8; 4];
+            w[..c.len()].copy_from_slice(c);
+            f32::from_bits(u32::from_le_bytes(w))
+        })
+        .collect()
+}
+
+/// The first `len` bytes of words read back from a device buffer of packed rows.
+pub(crate) fn bytes_of(words: &[f32], len: usize) -> Vec<u8> {
+    let mut bytes: Vec<u8> = words
+        .iter()
+        .flat_map(|w| w.to_bits().to_le_bytes())
+        .collect();
+    bytes.truncate(len);
+    bytes
 }
 
 impl PageRows {
@@ -20,7 +48,7 @@ impl PageRows {
     pub fn values(&self) -> Option<&Act> {
         match self {
             PageRows::Values(a) => Some(a),
-            PageRows::Packed { .. } => None,
+            PageRows::Device { .. } | PageRows::Packed { .. } => None,
         }
     }
 
@@ -33,10 +61,15 @@ impl PageRows {
     }
 
     /// Rows that arrived as a page stores them (from the page file, a link): f32 rows
-    /// uploaded to `be` as values, compact rows kept as they are.
+    /// uploaded to `be` as values, compact rows uploaded as they are where `be` packs them on
+    /// its device, else kept on the host as they are.
     pub fn arrived(be: &dyn super::Backend, x: Encoded) -> PageRows {
         match x.ty {
             KvType::F32 => PageRows::Values(be.upload(x.values())),
+            ty if be.packs_kv(ty) => PageRows::Device {
+                ty,
+                words: be.upload(words_of(&x.bytes)),
+            },
             ty => PageRows::Packed { ty, bytes: x.bytes },
         }
     }
@@ -80,14 +113,14 @@ impl PageRows {
     pub fn packed_bytes(&self) -> &[u8] {
         match self {
             PageRows::Packed { bytes, .. } => bytes,
-            PageRows::Values(_) => panic!("packed_bytes on a page of f32 values"),
+            _ => panic!("packed_bytes on a page not packed on the host"),
         }
     }
 
     /// Row `j` of a packed page (rows of `row` values) widened into `out`.
     pub fn row_into(&self, j: usize, row: usize, out: &mut [f32]) {
         let PageRows::Packed { ty, bytes } = self else {
-            panic!("row_into on a page of f32 values");
+            panic!("row_into on a page not packed on the host");
         };
         let n = ty.row_bytes(row);
         ty.decode_into(&bytes[j * n..(j + 1) * n], &mut out[..row]);

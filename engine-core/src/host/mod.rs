@@ -15,7 +15,7 @@ pub mod telemetry;
 
 use std::ops::Range;
 
-use crate::backend::{Act, Backend, CacheTypes};
+use crate::backend::{Act, Backend, CacheTypes, KvType};
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::model::{Checkpoint, Logits, Model, Pass, State};
@@ -48,10 +48,16 @@ impl Sequence {
         be: &dyn Backend,
     ) -> Result<Sequence> {
         if let Some(ty) = [types.k, types.v].into_iter().find(|&t| !be.holds_kv(t)) {
+            let held: Vec<&str> = KvType::ALL
+                .into_iter()
+                .filter(|&t| be.holds_kv(t))
+                .map(KvType::name)
+                .collect();
             return Err(Error::Invalid(format!(
-                "the {} backend attends f32 KV pages only, not {}: use --cache-type-k f32 \
-                 --cache-type-v f32",
+                "the {} backend attends KV pages of {} only, not {}: choose those with \
+                 --cache-type-k / --cache-type-v",
                 be.name(),
+                held.join(" and "),
                 ty.name()
             )));
         }

@@ -35,6 +35,8 @@ const RESERVE_SHARE: u64 = 8;
 pub struct Footprint {
     /// Bytes per position of context: the K and V rows of every full-attention layer.
     pub per_token: u64,
+    /// The types those rows are stored as.
+    pub types: CacheTypes,
     /// Bytes however long the context: the DeltaNet states of the live sequence, of the empty
     /// origin and of each conversation checkpoint, and each checkpoint's saved logits.
     pub fixed: u64,
@@ -48,6 +50,7 @@ impl Footprint {
         let logits = checkpoints * c.vocab_size * size_of::<f32>();
         Footprint {
             per_token: per_token as u64,
+            types,
             fixed: (states + logits) as u64,
         }
     }

@@ -141,6 +141,7 @@ mod tests {
     fn the_context_is_whole_pages_of_half_the_free_memory() {
         let fp = Footprint {
             per_token: 512,
+            types: CacheTypes::F32,
             fixed: 1000,
         };
         // 3 pages of 16 positions and a bit, beside the fixed part.
@@ -172,6 +173,7 @@ mod tests {
     fn a_helper_adds_the_positions_it_holds_to_the_context() {
         let fp = Footprint {
             per_token: 512,
+            types: CacheTypes::F32,
             fixed: 1000,
         };
         let budget = 1000 + 3 * 16 * 512;

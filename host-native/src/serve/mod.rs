@@ -215,7 +215,8 @@ pub fn run(a: Args) -> Result<()> {
         "ubatch": split.ubatch,
         "host_kv_tokens": a.engine.helper.host_kv_tokens().or(seq.placement.host_kv_tokens),
         "context_tokens": ctx,
-        "kv_bytes_per_position": 2 * config.num_key_value_heads * config.head_dim * size_of::<f32>(),
+        "kv_types": kv_types.to_string(),
+        "kv_bytes_per_position": config.kv_row_bytes(kv_types),
         "weights_bytes": l.model.weight_bytes(),
         "plan": plan.text,
         "link_capacity_bps": a.engine.helper.link_capacity_bps(),
@@ -399,8 +400,8 @@ pub fn fixed(seq: &Sequence, page_size: usize, ubatch: usize) -> Fixed {
 fn helper_positions(model: &Model, seq: &Sequence, fp: Footprint, page_size: usize) -> usize {
     let fits = |helper: &HelperClient| {
         let kv_only = Footprint {
-            per_token: fp.per_token,
             fixed: State::delta_bytes_for(&model.config, helper.prefill_layers.clone()) as u64,
+            ..fp
         };
         kv_only.fitting(helper.helper.mem_offer, page_size)
     };

@@ -574,6 +574,7 @@ async fn health(State(app): State<Arc<App>>) -> Response {
         "context_tokens": app.ctx,
         "context_tokens_on_helper": app.ctx_on_helper,
         "kv_bytes_per_token": app.footprint.per_token,
+        "kv_cache_types": {"k": app.footprint.types.k.name(), "v": app.footprint.types.v.name()},
         "state_bytes": app.footprint.fixed,
     }))
     .into_response()

@@ -3,7 +3,8 @@
 // exp(score - m); a row that sees no key gets m = -inf, l = 0, o = 0. Causal by absolute
 // position: page key j (position start + j) is visible to row r iff start + j <= pos[r].
 // GQA: q head h reads kv head h / (q_heads / kv_heads). q [t, q_heads, HEAD_DIM] is multiplied
-// by `scale` as it is loaded; k, v are the page's rows [len, kv_heads * HEAD_DIM].
+// by `scale` as it is loaded; k, v are the page's rows [len, kv_heads * HEAD_DIM], read through
+// k_at / v_at in the type the page stores them in (KT, VT).
 // Softmax is online (running max and sum, rescaled per key tile), all in f32.
 //
 // attn_prefill: BQ query rows of one head per workgroup; their scaled queries sit in workgroup
@@ -32,8 +33,30 @@ struct Params {
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> q: array<f32>;
 @group(0) @binding(2) var<storage, read> pos: array<u32>;
+// KT, VT: how the page stores keys and values: 0 f32, 1 f16 pairs in u32 (ggml's f16 rows,
+// little-endian, so the words are the page's bytes as the host and the link hold them).
+#if KT == 1
+@group(0) @binding(3) var<storage, read> k: array<u32>;
+fn k_at(i: u32) -> f32 {
+    return unpack2x16float(k[i / 2u])[i % 2u];
+}
+#else
 @group(0) @binding(3) var<storage, read> k: array<f32>;
+fn k_at(i: u32) -> f32 {
+    return k[i];
+}
+#endif
+#if VT == 1
+@group(0) @binding(4) var<storage, read> v: array<u32>;
+fn v_at(i: u32) -> f32 {
+    return unpack2x16float(v[i / 2u])[i % 2u];
+}
+#else
 @group(0) @binding(4) var<storage, read> v: array<f32>;
+fn v_at(i: u32) -> f32 {
+    return v[i];
+}
+#endif
 @group(0) @binding(5) var<storage, read_write> o: array<f32>;
 @group(0) @binding(6) var<storage, read_write> m: array<f32>;
 @group(0) @binding(7) var<storage, read_write> l: array<f32>;
@@ -156,7 +179,7 @@ fn attn_prefill(
                 s = 0.0;
                 let kb = key * kv_row + kv_off;
                 for (var d = 0u; d < HEAD_DIM; d++) {
-                    s += qs[rr * HEAD_DIM + d] * k[kb + d];
+                    s += qs[rr * HEAD_DIM + d] * k_at(kb + d);
                 }
             }
             probs[i] = s;
@@ -200,7 +223,7 @@ fn attn_prefill(
             if d < HEAD_DIM {
                 var x = acc[c] * alpha;
                 for (var j = 0u; j < nk; j++) {
-                    x += probs[r * BK + j] * v[(k0 + j) * kv_row + kv_off + d];
+                    x += probs[r * BK + j] * v_at((k0 + j) * kv_row + kv_off + d);
                 }
                 acc[c] = x;
             }
@@ -293,7 +316,7 @@ fn attn_decode(
             s = 0.0;
             let kb = key * kv_row + kv_off;
             for (var d = 0u; d < HEAD_DIM; d++) {
-                s += qd[d] * k[kb + d];
+                s += qd[d] * k_at(kb + d);
             }
         }
         let m_new = max(m_run, reduce(lid, s, true));
@@ -311,7 +334,7 @@ fn attn_decode(
             if d < HEAD_DIM {
                 var x = acc[c] * alpha;
                 for (var j = 0u; j < nk; j++) {
-                    x += pw[j] * v[(k0 + j) * kv_row + kv_off + d];
+                    x += pw[j] * v_at((k0 + j) * kv_row + kv_off + d);
                 }
                 acc[c] = x;
             }

@@ -7,6 +7,9 @@
 //              the conv output); a has rows of `stride`
 // delta_gates: per value head h of a row of heads values, a = -exp(A_log[h]) *
 //              softplus(a + dt_bias[h]) (the log decay g), b = sigmoid(b) (beta)
+// pack_f16:    packed[width + i] = the f16 pair of a[col0 + 2i], a[col0 + 2i + 1], for i < n
+//              (KV rows written into a page that stores them as f16: ggml's f16 rows, the
+//              bytes the host and the link hold)
 
 struct Params {
     n: u32,
@@ -22,6 +25,7 @@ struct Params {
 @group(0) @binding(3) var<storage, read_write> dst: array<f32>;
 // delta_gates: [neg_a | dt_bias], heads values each (heads = p.width).
 @group(0) @binding(4) var<storage, read> gate_params: array<f32>;
+@group(0) @binding(5) var<storage, read_write> packed: array<u32>;
 
 fn index(gid: vec3<u32>, nwg: vec3<u32>) -> u32 {
     return gid.x + gid.y * nwg.x * WG;
@@ -91,5 +95,14 @@ fn delta_gates(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workg
         let h = i % p.width;
         a[i] = gate_params[h] * softplus(a[i] + gate_params[p.width + h]);
         b[i] = sigmoid(b[i]);
+    }
+}
+
+@compute @workgroup_size(WG)
+fn pack_f16(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
+    let i = index(gid, nwg);
+    if i < p.n {
+        let at = p.col0 + 2u * i;
+        packed[p.width + i] = pack2x16float(vec2(a[at], a[at + 1u]));
     }
 }

@@ -224,7 +224,8 @@ impl<'a> RowReader<'a> {
     fn new(rows: &'a PageRows, width: usize) -> Self {
         let scratch = match rows {
             PageRows::Values(_) => Vec::new(),
-            PageRows::Packed { .. } => vec![0.0; width],
+            // Compact rows on the host (the CPU packs none on a device).
+            _ => vec![0.0; width],
         };
         RowReader {
             rows,

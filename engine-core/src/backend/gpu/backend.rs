@@ -15,7 +15,7 @@ use super::{Gpu, GpuError, GpuMatrix, GpuOptions, GpuTensor, WeightFormat};
 use crate::backend::{
     Act, ActPartials, AttnShape, Backend, DeltaInputs, DeltaShape, Param, Readback,
 };
-use crate::backend::{KvPage, KvType, PageRows};
+use crate::backend::{CacheTypes, KvPage, KvType, PageRows};
 use crate::tensor::{DType, Data, Matrix};
 
 pub struct GpuBackend {
@@ -205,8 +205,23 @@ impl Backend for GpuBackend {
         matches!(dtype, DType::F32 | DType::BF16 | DType::F16) || quant_format(dtype).is_some()
     }
 
+    /// f32 pages, and f16 pages packed on the device (ggml's f16 rows); not q8_0 or q4_0 yet.
     fn holds_kv(&self, ty: KvType) -> bool {
-        ty == KvType::F32
+        matches!(ty, KvType::F32 | KvType::F16)
+    }
+
+    fn packs_kv(&self, ty: KvType) -> bool {
+        ty == KvType::F16
+    }
+
+    fn write_packed(&self, ty: KvType, dst: &mut Act, at: usize, src: &Act, span: Range<usize>) {
+        assert!(
+            ty == KvType::F16 && at.is_multiple_of(2) && span.len().is_multiple_of(2),
+            "f16 rows fill whole words"
+        );
+        let dst = self.dev_mut(dst);
+        let words = span.len() / 2;
+        ops::pack_f16(&self.gpu, &self.dev(src), span.start, &dst, at / 2, words);
     }
 
     fn upload(&self, x: Vec<f32>) -> Act {
@@ -327,19 +342,25 @@ impl Backend for GpuBackend {
         pages
             .iter()
             .map(|page| {
-                // Compact pages never reach this backend: `holds_kv` refuses them when the
-                // sequence is made.
-                let values = |rows: &PageRows| match rows {
-                    PageRows::Values(a) => self.dev(a),
+                // Pages of other types never reach this backend: `holds_kv` refuses them when
+                // the sequence is made.
+                let rows = |rows: &PageRows| match rows {
+                    PageRows::Values(a) => (self.dev(a), KvType::F32),
+                    PageRows::Device { ty, words } => (self.dev(words), *ty),
                     PageRows::Packed { ty, .. } => {
                         panic!("the GPU backend was handed a {} KV page", ty.name())
                     }
                 };
+                let ((k, k_type), (v, v_type)) = (rows(&page.k), rows(&page.v));
                 let page = GpuKvPage {
                     start: page.start,
                     len: page.len,
-                    k: values(&page.k),
-                    v: values(&page.v),
+                    k,
+                    v,
+                    types: CacheTypes {
+                        k: k_type,
+                        v: v_type,
+                    },
                 };
                 // The caller has scaled q.
                 let p = if q_pos.len() < ops::PREFILL_ROWS {

@@ -8,7 +8,7 @@ use shaders::{kernel, Kernel, Spec, WeightFormat};
 
 use super::context::{grid, Bind, Gpu};
 use super::tensor::{GpuMatrix, GpuTensor};
-use crate::backend::{AttnShape, DeltaInputs, DeltaShape};
+use crate::backend::{AttnShape, CacheTypes, DeltaInputs, DeltaShape, KvType};
 
 /// Threads per workgroup of the element-wise and row kernels (their `WG` default).
 const WG: usize = 64;
@@ -498,12 +498,48 @@ pub fn delta_rule_chunked(
 }
 
 /// KV rows of positions `start .. start + len` on the device: `k`, `v` `[len, kv_heads *
-/// head_dim]` (backend's `KvPage`).
+/// head_dim]` (backend's `KvPage`), stored as `types` say (f32 values, or f16 pairs packed in
+/// words).
 pub struct GpuKvPage {
     pub start: usize,
     pub len: usize,
     pub k: GpuTensor,
     pub v: GpuTensor,
+    pub types: CacheTypes,
+}
+
+/// The attention kernel's `KT` / `VT` for rows stored as `ty`.
+fn kv_define(ty: KvType) -> u32 {
+    match ty {
+        KvType::F32 => 0,
+        KvType::F16 => 1,
+        other => panic!("the attention kernel reads no {} rows", other.name()),
+    }
+}
+
+/// Words of a device buffer holding `values` values stored as `ty`.
+fn kv_words(ty: KvType, values: usize) -> usize {
+    match ty {
+        KvType::F32 => values,
+        ty => ty.row_bytes(values).div_ceil(4),
+    }
+}
+
+/// Values `from .. from + 2 * words` of `src` packed as f16 pairs into words `at ..` of `dst`:
+/// rows written into a page that stores them as f16 (ggml's f16 rows, the bytes the host
+/// and the link hold).
+pub fn pack_f16(gpu: &Gpu, src: &GpuTensor, from: usize, dst: &GpuTensor, at: usize, words: usize) {
+    assert!(
+        from + 2 * words <= src.len() && at + words <= dst.len(),
+        "pack_f16 out of bounds"
+    );
+    elementwise(
+        gpu,
+        "pack_f16",
+        words,
+        [u(at), 0, u(from), 0],
+        &[(1, t_of(src)), (5, t_of(dst))],
+    );
 }
 
 /// Attention partials of `rows` (query row, head) pairs, backend's `Partials` on the device:
@@ -590,7 +626,9 @@ fn attend(
     } = shape;
     let t = q_pos.len();
     assert_eq!(q.len(), t * q_heads * d);
-    assert!(page.k.len() >= page.len * kv_heads * d && page.v.len() == page.k.len());
+    let values = page.len * kv_heads * d;
+    assert!(page.k.len() >= kv_words(page.types.k, values));
+    assert!(page.v.len() >= kv_words(page.types.v, values));
     let rows = t * q_heads;
     let (entry, splits, split_len, groups, span) = match split {
         None => (
@@ -620,7 +658,10 @@ fn attend(
         gpu.dispatch(
             k("attention"),
             entry,
-            &Spec::new().with("HEAD_DIM", u(d)),
+            &Spec::new()
+                .with("HEAD_DIM", u(d))
+                .with("KT", kv_define(page.types.k))
+                .with("VT", kv_define(page.types.v)),
             &[
                 u(t),
                 u(q_heads),
