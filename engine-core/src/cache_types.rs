@@ -199,10 +199,6 @@ impl CacheTypes {
         v: KvType::F32,
     };
 
-    pub fn is_f32(self) -> bool {
-        self == CacheTypes::F32
-    }
-
     /// Bytes of K and V for one position of one layer of rows of `values` values.
     pub fn position_bytes(self, values: usize) -> usize {
         self.k.row_bytes(values) + self.v.row_bytes(values)

@@ -16,9 +16,10 @@ use crate::error::{Error, Result};
 /// oldest `remote_len` positions (whole pages) may have left this device; where each of those
 /// pages is now (a helper, the page file) is the host's placement's to know. Pages keep their
 /// boundaries wherever they live, so their partials, merged in page order, are the same
-/// computation as on the host. Keys and values are stored as `types` say: f32 rows where the
-/// backend keeps values, compact rows on the host (see [`PageRows`]); rows leave this device
-/// (and come back) as they are stored ([`Encoded`]).
+/// computation as on the host. Keys and values are stored as `types` say: f32 rows as the
+/// backend's values, compact rows packed on the backend's device where it packs them, else on
+/// the host (see [`PageRows`]); rows leave this device (and come back) as they are stored
+/// ([`Encoded`]).
 #[derive(Debug)]
 pub struct PagedKv {
     page_size: usize,
@@ -151,7 +152,7 @@ impl PagedKv {
     }
 
     /// Rows `k`, `v` in this cache's types and whole rows of it: how many.
-    fn checked_rows(&self, k: &Encoded, v: &Encoded) -> Result<usize> {
+    pub fn checked_rows(&self, k: &Encoded, v: &Encoded) -> Result<usize> {
         let rows = k.rows(self.row).filter(|_| k.ty == self.types.k);
         match (rows, v.rows(self.row).filter(|_| v.ty == self.types.v)) {
             (Some(a), Some(b)) if a == b => Ok(a),
@@ -316,13 +317,16 @@ impl PagedKv {
                 )))
             }
         };
-        // Pages follow it: it is never appended to, so it needs no room past its rows.
-        let page = KvPage {
+        // Room for a whole page: a rewind into it later makes it the last page, appended to.
+        let mut page = KvPage {
             start,
             len: rows,
-            k: PageRows::arrived(be, k),
-            v: PageRows::arrived(be, v),
+            k: self.new_rows(be, self.types.k),
+            v: self.new_rows(be, self.types.v),
         };
+        let (k_in, v_in) = (Incoming::stored(be, &k), Incoming::stored(be, &v));
+        write_rows(be, &mut page.k, self.row, (0, 0, rows), &k_in.as_ref());
+        write_rows(be, &mut page.v, self.row, (0, 0, rows), &v_in.as_ref());
         self.pages.insert(at, page);
         Ok(())
     }

@@ -25,21 +25,20 @@ fn arb_type() -> impl Strategy<Value = KvType> {
     proptest::sample::select(KvType::ALL.to_vec())
 }
 
-/// A tensor of `shape` in any type (a compact type's last dimension is whole blocks; a
-/// scalar is f32) with arbitrary bytes (NaNs, infinities, subnormals and any block scales
-/// included).
-fn arb_tensor(rank: std::ops::RangeInclusive<usize>) -> impl Strategy<Value = WireTensor> {
-    (proptest::collection::vec(0..5usize, rank), arb_type()).prop_flat_map(|(mut shape, ty)| {
-        let ty = match shape.last_mut() {
-            Some(last) => {
-                *last *= ty.block();
-                ty
-            }
-            None => KvType::F32,
-        };
-        let n = ty.row_bytes(shape.iter().product::<usize>());
-        proptest::collection::vec(any::<u8>(), n)
-            .prop_map(move |bytes| WireTensor::new(shape.clone(), Encoded { ty, bytes }))
+/// f32 values of any shape (values travel as f32; only KV rows are compact) with arbitrary
+/// bytes (NaNs, infinities and subnormals included).
+fn arb_values(rank: std::ops::RangeInclusive<usize>) -> impl Strategy<Value = WireTensor> {
+    proptest::collection::vec(0..5usize, rank).prop_flat_map(|shape| {
+        let n = KvType::F32.row_bytes(shape.iter().product::<usize>());
+        proptest::collection::vec(any::<u8>(), n).prop_map(move |bytes| {
+            WireTensor::new(
+                shape.clone(),
+                Encoded {
+                    ty: KvType::F32,
+                    bytes,
+                },
+            )
+        })
     })
 }
 
@@ -100,7 +99,7 @@ fn arb_message() -> impl Strategy<Value = Message> {
                 })
             }
         ),
-        (any::<(u64, u64, bool)>(), arb_tensor(2..=2)).prop_map(
+        (any::<(u64, u64, bool)>(), arb_values(2..=2)).prop_map(
             |((seq, pos, want_state), residual)| Message::PrefillChunk {
                 seq,
                 pos,
@@ -111,7 +110,7 @@ fn arb_message() -> impl Strategy<Value = Message> {
         (
             any::<(u64, u64)>(),
             proptest::collection::vec((any::<u32>(), arb_rows()), 0..3),
-            proptest::collection::vec((any::<u32>(), arb_tensor(0..=4), arb_tensor(0..=4)), 0..3),
+            proptest::collection::vec((any::<u32>(), arb_values(0..=4), arb_values(0..=4)), 0..3),
         )
             .prop_map(|((seq, pos), kv, states)| Message::ChunkState {
                 seq,
@@ -226,6 +225,20 @@ fn trustworthy(msg: &Message) -> Result<(), String> {
         }
     }
     let rows = |k: &WireTensor, v: &WireTensor| k.shape.len() == 2 && k.shape == v.shape;
+    let kv_rows: Vec<&WireTensor> = match msg {
+        Message::ChunkState { kv, .. } => kv.iter().flat_map(|(k, v)| [k, v]).collect(),
+        Message::KvAppend { k, v, .. } | Message::KvRows { k, v, .. } => vec![k, v],
+        _ => vec![],
+    };
+    if let Some(t) = tensors(msg)
+        .into_iter()
+        .find(|t| t.dtype() != KvType::F32 && !kv_rows.iter().any(|r| std::ptr::eq(*r, *t)))
+    {
+        return Err(format!(
+            "a value tensor of {} was accepted",
+            t.dtype().name()
+        ));
+    }
     let ok = match msg {
         Message::PrefillChunk { residual, .. } => residual.shape.len() == 2,
         Message::ChunkState {

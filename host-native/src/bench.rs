@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{bail, Result};
+use engine_core::backend::KvType;
 use engine_core::generate::argmax;
 use engine_core::host::minimum;
 use engine_core::host::plan;
@@ -91,7 +92,7 @@ pub fn run(a: Args) -> Result<()> {
     let depth: Vec<u32> = (0..a.depth).map(|_| next_id()).collect();
     let prompt: Vec<u32> = (0..a.prompt_tokens).map(|_| next_id()).collect();
     let context = a.depth + a.prompt_tokens + a.gen;
-    let types = a.engine.cache.types_on(be);
+    let types = a.engine.cache.types_or(KvType::F16);
     let (session, mut seq, helpers) =
         a.engine
             .session(&model, be, (context, a.prompt_tokens), a.ubatch, types)?;

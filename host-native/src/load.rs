@@ -90,8 +90,8 @@ impl EngineArgs {
 #[derive(clap::Args)]
 pub struct CacheArgs {
     /// How the KV cache stores keys: f32 (exact), f16, q8_0 or q4_0 (llama.cpp's block
-    /// layouts; the GPU backend holds f32 and f16); pages keep the type on helpers, over the
-    /// link and in the page file. Default: f16 (`tether eval`: f32).
+    /// layouts, on every backend); pages keep the type on helpers, over the link and in the
+    /// page file. Default: f16 (`tether eval`: f32).
     #[arg(long, value_parser = KvType::parse)]
     pub cache_type_k: Option<KvType>,
     /// How the KV cache stores values (as --cache-type-k).
@@ -105,15 +105,6 @@ impl CacheArgs {
         CacheTypes {
             k: self.cache_type_k.unwrap_or(default),
             v: self.cache_type_v.unwrap_or(default),
-        }
-    }
-
-    /// The types asked for, else the compact default: f16 where `be` attends f16 pages (every
-    /// backend now), f32 where it does not.
-    pub fn types_on(&self, be: &dyn Backend) -> CacheTypes {
-        match be.holds_kv(KvType::F16) {
-            true => self.types_or(KvType::F16),
-            false => self.types_or(KvType::F32),
         }
     }
 }

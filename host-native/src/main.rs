@@ -168,7 +168,7 @@ fn plan(a: PlanArgs) -> anyhow::Result<()> {
     let fixed = attach::Fixed {
         page_size: a.page_size,
         ubatch: a.ubatch,
-        kv_types: a.cache.types_on(&*be),
+        kv_types: a.cache.types_or(engine_core::backend::KvType::F16),
         ..attach::Fixed::default()
     };
     let (context, prompt) = (a.context, a.prompt_tokens);

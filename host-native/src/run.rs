@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::Result;
+use engine_core::backend::KvType;
 use engine_core::generate::{Generation, Sampler, SamplingParams};
 use engine_core::tokenizer::{ChatMessage, StreamDecoder};
 
@@ -72,7 +73,7 @@ pub fn run(a: Args) -> Result<()> {
     let be = &*be;
     eprintln!("backend: {what}; weights: {}", crate::load::residence());
     let context = prompt.len() + a.max_tokens;
-    let types = a.engine.cache.types_on(be);
+    let types = a.engine.cache.types_or(KvType::F16);
     let (plan, seq, link_stats) =
         a.engine
             .session(&l.model, be, (context, prompt.len()), a.ubatch, types)?;

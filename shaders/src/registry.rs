@@ -332,6 +332,14 @@ pub static KERNELS: &[Kernel] = &[
                 name: "pack_f16",
                 bindings: &[PARAMS, b(1, "a", RW), b(5, "packed", RW)],
             },
+            Entry {
+                name: "pack_q8_0",
+                bindings: &[PARAMS, b(1, "a", RW), b(5, "packed", RW)],
+            },
+            Entry {
+                name: "pack_q4_0",
+                bindings: &[PARAMS, b(1, "a", RW), b(5, "packed", RW)],
+            },
         ],
         params: &[WG],
     },
@@ -399,13 +407,13 @@ pub static KERNELS: &[Kernel] = &[
             },
             Param {
                 name: "KT",
-                doc: "how the page stores keys: 0 f32, 1 f16 pairs in u32 (ggml's f16 rows)",
-                values: &[0, 1],
+                doc: "how the page stores keys: 0 f32, else ggml's rows in u32 words: 1 f16, 2 q8_0, 3 q4_0",
+                values: &[0, 1, 2, 3],
             },
             Param {
                 name: "VT",
                 doc: "how the page stores values (as KT)",
-                values: &[0, 1],
+                values: &[0, 1, 2, 3],
             },
         ],
     },

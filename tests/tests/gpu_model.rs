@@ -102,12 +102,27 @@ fn gpu_host_with_cpu_helper_and_the_reverse_give_the_same_tokens() {
 /// interleaved pairs) and decode over the helper's pages give the logits of the GPU host
 /// alone, bit for bit. The helper's page partials are merged on the host's device by the same
 /// kernel, in the same order, as the host's own pages would have been.
-/// With f16 pages (packed on both devices, crossing the link as their bytes) as with f32.
+/// With compact pages (packed on both devices, crossing the link as their bytes) as with
+/// f32: the fixture at f16 (heads of 16), the tiny256 preset at q8_0 / q4_0.
 #[test]
 fn gpu_host_and_gpu_helper_match_the_gpu_host_alone_bit_for_bit() {
+    let fixture = Model::load_dir(&fixtures_dir().join("tiny_fp32_T150")).unwrap();
+    let prompt = Reference::load("tiny_fp32_T150").ids("prompt_ids");
     for types in [CacheTypes::F32, f16_pages()] {
-        gpu_split_matches_the_host_alone(types);
+        gpu_split_matches_the_host_alone(&fixture, &prompt, 4, types);
     }
+    let synth = engine_core::source::LoadOptions {
+        weight_dtype: "f32".into(),
+        weight_seed: 5,
+        ..Default::default()
+    };
+    let tiny256 = engine_core::source::load_model("tiny256", &synth).unwrap();
+    let prompt: Vec<u32> = (0..150).map(|i| (i * 37 + 11) % 1024).collect();
+    let types = CacheTypes {
+        k: KvType::Q8_0,
+        v: KvType::Q4_0,
+    };
+    gpu_split_matches_the_host_alone(&tiny256, &prompt, 0, types);
 }
 
 fn f16_pages() -> CacheTypes {
@@ -117,9 +132,9 @@ fn f16_pages() -> CacheTypes {
     }
 }
 
-fn gpu_split_matches_the_host_alone(types: CacheTypes) {
-    let m = &Model::load_dir(&fixtures_dir().join("tiny_fp32_T150")).unwrap();
-    let prompt = Reference::load("tiny_fp32_T150").ids("prompt_ids");
+/// `m` on a GPU host with a GPU helper running its layers from `split` (split prefill, pages
+/// moving to it, then interleaved pairs, decode over its pages) against the GPU host alone.
+fn gpu_split_matches_the_host_alone(m: &Model, prompt: &[u32], split: usize, types: CacheTypes) {
     let (ubatch, page, steps) = (32, 16, 6);
     let decode = |st: &mut engine_core::host::Sequence, mut logits: Vec<f32>| {
         let mut all = logits.clone();
@@ -148,8 +163,8 @@ fn gpu_split_matches_the_host_alone(types: CacheTypes) {
     std::thread::scope(|scope| {
         let host_end = spawn_helper(scope, m, &helper);
         let mut st = Sequence::typed(&m.config, page, types, gpu()).unwrap();
-        attach(m, &mut st, host_end, 4, page, Some(48));
-        let (logits, report) = prefill(m, gpu(), &mut st, &prompt, &plan).unwrap();
+        attach(m, &mut st, host_end, split, page, Some(48));
+        let (logits, report) = prefill(m, gpu(), &mut st, prompt, &plan).unwrap();
         assert!(report.on_helper > 0 && report.interleaved > 0, "{report:?}");
         let got = decode(&mut st, logits);
         assert!(st.state.remote_kv_len() > 0);
@@ -227,11 +242,12 @@ fn storage_ops_agree_with_the_cpu_backend() {
     assert_eq!(run(gpu()), (want, true));
 }
 
-/// f16 pages packed on the GPU hold the bytes the CPU's f16 pages hold (ggml's f16 rows),
-/// whether written by the device from its rows or arriving as bytes, and their attention
-/// partials match the CPU's over the same pages; keys and values may differ in type.
+/// Compact pages packed on the GPU hold the bytes the CPU's pages hold (ggml's rows, the
+/// blocks quantised on the device as ggml's reference quantisers do), whether written by the
+/// device from its rows or arriving as bytes, and their attention partials match the CPU's
+/// over the same pages; keys and values may differ in type.
 #[test]
-fn f16_pages_on_the_gpu_hold_the_cpus_bytes_and_attend_alike() {
+fn compact_pages_on_the_gpu_hold_the_cpus_bytes_and_attend_alike() {
     let shape = AttnShape {
         q_heads: 4,
         kv_heads: 2,
@@ -243,12 +259,12 @@ fn f16_pages_on_the_gpu_hold_the_cpus_bytes_and_attend_alike() {
     let (k, v) = (values(len * row), values(len * row));
     let positions: Vec<usize> = (25..40).collect();
     let q = values(positions.len() * shape.q_heads * shape.head_dim);
+    let types = |k, v| CacheTypes { k, v };
     for types in [
         f16_pages(),
-        CacheTypes {
-            k: KvType::F16,
-            v: KvType::F32,
-        },
+        types(KvType::F16, KvType::F32),
+        types(KvType::Q8_0, KvType::Q4_0),
+        types(KvType::Q4_0, KvType::Q8_0),
     ] {
         let fill = |be: &dyn Backend| {
             let mut kv = PagedKv::new(page, shape.kv_heads, shape.head_dim, types);
@@ -288,5 +304,53 @@ fn f16_pages_on_the_gpu_hold_the_cpus_bytes_and_attend_alike() {
                 "{types} {what}: attention differs from the CPU's by {err}"
             );
         }
+        // A page that arrives in a gap (a helper re-filled) with fewer rows than a page holds,
+        // then rewound into and appended past those rows, takes them as a page it was
+        // written whole would.
+        let refill = |be: &dyn Backend| {
+            let mut kv = PagedKv::new(page, shape.kv_heads, shape.head_dim, types);
+            kv.skip_to(page).unwrap();
+            let part = |x: &[f32], r: std::ops::Range<usize>| {
+                be.upload(x[r.start * row..r.end * row].to_vec())
+            };
+            kv.append(be, &part(&k, page..page + 3), &part(&v, page..page + 3));
+            let few = |x: &engine_core::cache_types::Encoded| {
+                let mut x = x.clone();
+                x.truncate(10, row);
+                x
+            };
+            kv.fill_gap(be, 0, (few(&cpu_rows.0), few(&cpu_rows.1)))
+                .unwrap();
+            kv.truncate(5).unwrap();
+            kv.append(be, &part(&k, 5..len), &part(&v, 5..len));
+            rows(&kv, be)
+        };
+        assert_eq!(
+            refill(gpu()),
+            refill(&CpuBackend),
+            "{types}: a refilled page"
+        );
+        assert_eq!(refill(gpu()), cpu_rows, "{types}: a refilled page");
     }
+}
+
+/// The GPU's compact kernels read q8_0 and q4_0 rows a pair of blocks (64 values) at a time:
+/// a model whose KV row is not whole pairs is refused for those types, saying which it holds.
+#[test]
+fn the_gpu_refuses_compact_rows_it_cannot_read_and_says_what_it_holds() {
+    let mut c = engine_core::synth::preset("tiny256").unwrap();
+    (c.num_key_value_heads, c.head_dim) = (1, 32);
+    let types = CacheTypes {
+        k: KvType::F16,
+        v: KvType::Q4_0,
+    };
+    let err = Sequence::typed(&c, 16, types, gpu())
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        err.contains("(rows of 32 values) as f32, f16 only, not q4_0"),
+        "{err}"
+    );
+    assert!(Sequence::typed(&c, 16, types, &CpuBackend).is_ok());
 }

@@ -65,7 +65,8 @@ use std::sync::Arc;
 use crate::tensor::Matrix;
 
 /// A value the model computes with (activations, DeltaNet state, KV rows), row-major f32, where
-/// its backend keeps it: a host vector for the CPU backend, a device buffer for the GPU backend.
+/// its backend keeps it: a host vector for the CPU backend, a device buffer for the GPU backend
+/// (which also holds compact KV rows as their bytes in 32-bit words: [`PageRows::Device`]).
 /// Only the backend reads or writes the elements; the model sees lengths. There is no `Clone`:
 /// a device value is a shared handle, so copying one is [`Backend::duplicate`].
 pub enum Act {
@@ -223,10 +224,11 @@ pub trait Backend: Send + Sync {
         true
     }
 
-    /// Whether this backend attends KV pages stored as `ty` (the GPU's kernels read f32 and
-    /// f16 pages, so far).
-    fn holds_kv(&self, ty: KvType) -> bool {
-        let _ = ty;
+    /// Whether this backend holds and attends KV pages stored as `ty` with rows of `row`
+    /// values (the GPU packs compact rows in whole 32-bit words: f16 rows of an even width,
+    /// q8_0 and q4_0 rows of whole pairs of blocks).
+    fn holds_kv(&self, ty: KvType, row: usize) -> bool {
+        let _ = (ty, row);
         true
     }
 

@@ -44,14 +44,6 @@ pub(crate) fn bytes_of(words: &[f32], len: usize) -> Vec<u8> {
 }
 
 impl PageRows {
-    /// The f32 rows, if the page keeps them as values.
-    pub fn values(&self) -> Option<&Act> {
-        match self {
-            PageRows::Values(a) => Some(a),
-            PageRows::Device { .. } | PageRows::Packed { .. } => None,
-        }
-    }
-
     /// Rows of `x` as a host backend keeps them: f32 values as they are, else compact.
     pub fn host(ty: KvType, x: Vec<f32>) -> PageRows {
         match ty {

@@ -102,20 +102,21 @@ impl Helper<'_> {
                 ),
             ));
         }
-        let types = cfg.kv_types;
-        let holds = [types.k, types.v]
-            .into_iter()
-            .all(|t| self.backend.holds_kv(t));
-        if let Err(e) = types.check_head(self.model().config.head_dim) {
+        let (types, c) = (cfg.kv_types, &self.model().config);
+        if let Err(e) = types.check_head(c.head_dim) {
             return Err(Refusal("configure", format!("cache types {types}: {e}")));
         }
-        if !holds {
+        let row = c.num_key_value_heads * c.head_dim;
+        if [types.k, types.v]
+            .iter()
+            .any(|&t| !self.backend.holds_kv(t, row))
+        {
             return Err(Refusal(
                 "configure",
                 format!(
-                    "this helper's {} backend cannot hold KV pages of {types} (its kernels \
-                     read f32 pages): run the host with --cache-type-k f32 --cache-type-v f32, \
-                     or this helper on its CPU",
+                    "this helper's {} backend cannot hold this model's KV pages (rows of {row} \
+                     values) as {types}: run the host with other --cache-type-k / \
+                     --cache-type-v, or this helper on its CPU",
                     self.backend.name()
                 ),
             ));
@@ -566,10 +567,6 @@ fn on_kv_truncate(s: &mut Held, seq: u64, len: u64) -> Result<Message, Refusal> 
     Ok(Message::Ack)
 }
 
-/// Store rows for positions `start ..` (from the link) in `be`. Rows past what is held are
-/// appended, after a gap of whole pages if they start at a later page (other helpers hold
-/// those); a page in such a gap fills it; rows already held are skipped (the mirror may have
-/// computed rows the host later hands over as a page). Anything else is refused.
 /// KV rows must come in the cache types this helper was configured for.
 fn check_types(cfg: &Configure, k: &WireTensor, v: &WireTensor) -> Result<(), Refusal> {
     let want = cfg.kv_types;
@@ -586,6 +583,11 @@ fn check_types(cfg: &Configure, k: &WireTensor, v: &WireTensor) -> Result<(), Re
     ))
 }
 
+/// Store rows for positions `start ..` (from the link) in `be`. Rows past what is held are
+/// appended, after a gap of whole pages if they start at a later page (other helpers hold
+/// those); a page in such a gap fills it; rows already held are skipped (the mirror may have
+/// computed rows the host later hands over as a page). Anything else is refused, before
+/// anything held changes.
 fn append_rows(
     be: &dyn Backend,
     kv: &mut PagedKv,
@@ -594,6 +596,8 @@ fn append_rows(
     (mut k, mut v): (Encoded, Encoded),
 ) -> Result<(), Refusal> {
     let order = |e: crate::Error| Refusal("order", format!("layer {layer}: {e}"));
+    let shape = |e: crate::Error| Refusal("shape", format!("layer {layer}: {e}"));
+    kv.checked_rows(&k, &v).map_err(shape)?;
     if start > kv.len() {
         kv.skip_to(start).map_err(order)?;
     } else if start < kv.len() && !kv.has_page_at(start / kv.page_size() * kv.page_size()) {
@@ -604,6 +608,5 @@ fn append_rows(
     let (k_row, v_row) = (k.ty.row_bytes(width), v.ty.row_bytes(width));
     k.bytes.drain(..(skip * k_row).min(k.bytes.len()));
     v.bytes.drain(..(skip * v_row).min(v.bytes.len()));
-    kv.append_encoded(be, &k, &v)
-        .map_err(|e| Refusal("shape", format!("layer {layer}: {e}")))
+    kv.append_encoded(be, &k, &v).map_err(shape)
 }

@@ -47,17 +47,21 @@ impl Sequence {
         types: CacheTypes,
         be: &dyn Backend,
     ) -> Result<Sequence> {
-        if let Some(ty) = [types.k, types.v].into_iter().find(|&t| !be.holds_kv(t)) {
+        let row = c.num_key_value_heads * c.head_dim;
+        if let Some(ty) = [types.k, types.v]
+            .into_iter()
+            .find(|&t| !be.holds_kv(t, row))
+        {
             let held: Vec<&str> = KvType::ALL
                 .into_iter()
-                .filter(|&t| be.holds_kv(t))
+                .filter(|&t| be.holds_kv(t, row))
                 .map(KvType::name)
                 .collect();
             return Err(Error::Invalid(format!(
-                "the {} backend attends KV pages of {} only, not {}: choose those with \
-                 --cache-type-k / --cache-type-v",
+                "the {} backend holds this model's KV pages (rows of {row} values) as {} only, \
+                 not {}: choose one of those with --cache-type-k / --cache-type-v",
                 be.name(),
-                held.join(" and "),
+                held.join(", "),
                 ty.name()
             )));
         }

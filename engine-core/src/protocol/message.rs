@@ -8,7 +8,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::cache_types::CacheTypes;
+use crate::cache_types::{CacheTypes, KvType};
 use crate::printable::{printable, printable_json};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
@@ -288,9 +288,9 @@ messages! {
     /// `want_state` asks for the DeltaNet states after this chunk (the batch's last for the
     /// helper).
     PrefillChunk { seq: u64, pos: u64, want_state: bool } [residual] = 4,
-    check ensure(residual.shape.len() == 2, || {
+    check values(&[&residual]).and(ensure(residual.shape.len() == 2, || {
         format!("residual must be [rows, hidden], got {:?}", residual.shape)
-    });
+    }));
     /// New KV rows of the helper's full layers (and DeltaNet state at batch end).
     ///
     /// The helper's new KV rows `[rows, kv_heads * head_dim]` per full-attention layer it runs
@@ -302,7 +302,8 @@ messages! {
         kv_layers: Vec<u32>,
         delta_layers: Vec<u32>,
     } [kv per kv_layers, states per delta_layers] = 5,
-    check kv.iter().try_for_each(|(k, v)| rows(k, v));
+    check kv.iter().try_for_each(|(k, v)| rows(k, v))
+        .and(states.iter().try_for_each(|(s, c)| values(&[s, c])));
     /// KV rows the helper keeps for a layer.
     ///
     /// KV rows `[rows, kv_heads * head_dim]` of one layer at positions `start ..`.
@@ -318,13 +319,13 @@ messages! {
     /// Scaled queries `[t, q_heads, head_dim]` of one layer at absolute `positions`, over the
     /// helper's pages below position `end` (the ones the host has handed over).
     AttnQuery { seq: u64, layer: u32, positions: Vec<u64>, end: u64 } [q] = 10,
-    check ensure(q.shape.len() == 3 && q.shape[0] == positions.len(), || {
+    check values(&[&q]).and(ensure(q.shape.len() == 3 && q.shape[0] == positions.len(), || {
         format!(
             "q must be [positions ({}), heads, head_dim], got {:?}",
             positions.len(),
             q.shape
         )
-    });
+    }));
     /// Per-page (o, m, l) partials answering AttnQuery.
     ///
     /// One partial per page the helper holds, in page order: `o [pages, t * q_heads, head_dim]`,
@@ -365,6 +366,17 @@ fn ensure(ok: bool, why: impl FnOnce() -> String) -> Result<(), String> {
     }
 }
 
+/// Values (residuals, queries, partials, states) travel as f32: only KV rows are compact.
+fn values(tensors: &[&WireTensor]) -> Result<(), String> {
+    match tensors.iter().find(|t| t.dtype() != KvType::F32) {
+        Some(t) => Err(format!(
+            "values travel as f32, got a tensor of {}",
+            t.dtype().name()
+        )),
+        None => Ok(()),
+    }
+}
+
 /// `k` and `v` rows: rank 2, same shape.
 fn rows(k: &WireTensor, v: &WireTensor) -> Result<(), String> {
     ensure(k.shape.len() == 2 && k.shape == v.shape, || {
@@ -377,6 +389,7 @@ fn rows(k: &WireTensor, v: &WireTensor) -> Result<(), String> {
 
 /// One partial per page: `o [pages, rows, head_dim]`, `m` and `l` `[pages, rows]`.
 fn partials(pages: usize, o: &WireTensor, m: &WireTensor, l: &WireTensor) -> Result<(), String> {
+    values(&[o, m, l])?;
     let ok = o.shape.len() == 3
         && o.shape[0] == pages
         && m.shape == o.shape[..2]

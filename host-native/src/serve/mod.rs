@@ -40,6 +40,7 @@ use crate::load::EngineArgs;
 use conversation::Conversation;
 use cross_site::Cors;
 use engine::Engine;
+use engine_core::backend::KvType;
 use engine_core::host::plan::Speeds;
 use engine_core::host::remote::HelperClient;
 use engine_core::host::Sequence;
@@ -148,7 +149,7 @@ pub fn run(a: Args) -> Result<()> {
     // sizes its context and host KV budget by its own rule, memory::choose_context, which
     // counts conversation checkpoints the plan does not).
     let most = a.ctx_size.unwrap_or(config.max_position_embeddings);
-    let kv_types = a.engine.cache.types_on(&*backend);
+    let kv_types = a.engine.cache.types_or(KvType::F16);
     let start = a.engine.helper.plan_for(
         &l.model,
         (a.engine.helper.expected_offers(), None),

@@ -33,30 +33,81 @@ struct Params {
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> q: array<f32>;
 @group(0) @binding(2) var<storage, read> pos: array<u32>;
-// KT, VT: how the page stores keys and values: 0 f32, 1 f16 pairs in u32 (ggml's f16 rows,
-// little-endian, so the words are the page's bytes as the host and the link hold them).
-#if KT == 1
-@group(0) @binding(3) var<storage, read> k: array<u32>;
-fn k_at(i: u32) -> f32 {
-    return unpack2x16float(k[i / 2u])[i % 2u];
-}
-#else
+// KT, VT: how the page stores keys and values: 0 f32; else ggml's rows as the host and the link
+// hold their bytes, in little-endian u32 words: 1 f16, 2 q8_0 (blocks of 32: an f16 scale, 32
+// int8; 34 bytes), 3 q4_0 (an f16 scale, 16 bytes of nibbles: low nibbles values 0-15, high
+// 16-31; 18 bytes). A value is widened here, as the CPU widens it: scale times level, in f32.
+#if KT == 0
 @group(0) @binding(3) var<storage, read> k: array<f32>;
 fn k_at(i: u32) -> f32 {
     return k[i];
 }
-#endif
-#if VT == 1
-@group(0) @binding(4) var<storage, read> v: array<u32>;
-fn v_at(i: u32) -> f32 {
-    return unpack2x16float(v[i / 2u])[i % 2u];
-}
 #else
+@group(0) @binding(3) var<storage, read> k: array<u32>;
+fn k_at(i: u32) -> f32 {
+    let at = packed_at(KT, i);
+    return packed_value(KT, i, k[at.x / 4u], at.x, k[at.y / 4u], at.y);
+}
+#endif
+#if VT == 0
 @group(0) @binding(4) var<storage, read> v: array<f32>;
 fn v_at(i: u32) -> f32 {
     return v[i];
 }
+#else
+@group(0) @binding(4) var<storage, read> v: array<u32>;
+fn v_at(i: u32) -> f32 {
+    let at = packed_at(VT, i);
+    return packed_value(VT, i, v[at.x / 4u], at.x, v[at.y / 4u], at.y);
+}
 #endif
+
+// Byte offsets of value i of packed rows of type `ty`: (its scale, its level); f16 values are
+// their own scale.
+fn packed_at(ty: u32, i: u32) -> vec2<u32> {
+    switch ty {
+        case 1u: {
+            return vec2(2u * i, 2u * i);
+        }
+        case 2u: {
+            let base = (i / 32u) * 34u;
+            return vec2(base, base + 2u + i % 32u);
+        }
+        default: {
+            let base = (i / 32u) * 18u;
+            return vec2(base, base + 2u + i % 16u);
+        }
+    }
+}
+
+// The byte at offset `at` of its word `w`.
+fn byte_of(w: u32, at: u32) -> u32 {
+    return (w >> ((at % 4u) * 8u)) & 0xffu;
+}
+
+// The f16 at even offset `at` of its word `w`, widened.
+fn half_of(w: u32, at: u32) -> f32 {
+    return unpack2x16float((w >> ((at % 4u) * 8u)) & 0xffffu).x;
+}
+
+// Value i of packed rows of type `ty`, from the words holding its scale and its level.
+fn packed_value(ty: u32, i: u32, scale_word: u32, scale_at: u32, level_word: u32, level_at: u32) -> f32 {
+    let d = half_of(scale_word, scale_at);
+    switch ty {
+        case 1u: {
+            return d;
+        }
+        case 2u: {
+            return d * f32(bitcast<i32>(byte_of(level_word, level_at) << 24u) >> 24u);
+        }
+        default: {
+            let b = byte_of(level_word, level_at);
+            let q = select(b & 0xfu, b >> 4u, i % 32u >= 16u);
+            return f32(i32(q) - 8) * d;
+        }
+    }
+}
+
 @group(0) @binding(5) var<storage, read_write> o: array<f32>;
 @group(0) @binding(6) var<storage, read_write> m: array<f32>;
 @group(0) @binding(7) var<storage, read_write> l: array<f32>;

@@ -10,6 +10,9 @@
 // pack_f16:    packed[width + i] = the f16 pair of a[col0 + 2i], a[col0 + 2i + 1], for i < n
 //              (KV rows written into a page that stores them as f16: ggml's f16 rows, the
 //              bytes the host and the link hold)
+// pack_q8_0, pack_q4_0: pair i < n of 32-value blocks of a from col0 + 64i, quantised as
+//              ggml's reference quantisers do, written as its block bytes into the words of
+//              packed from width + i * (17 or 9) (two blocks fill whole words)
 
 struct Params {
     n: u32,
@@ -104,5 +107,92 @@ fn pack_f16(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgrou
     if i < p.n {
         let at = p.col0 + 2u * i;
         packed[p.width + i] = pack2x16float(vec2(a[at], a[at + 1u]));
+    }
+}
+
+// The words of one pair of quantised blocks, filled a byte at a time.
+var<private> pair: array<u32, 17>;
+
+fn put_byte(at: u32, b: u32) {
+    pair[at / 4u] |= (b & 0xffu) << ((at % 4u) * 8u);
+}
+
+fn put_half(at: u32, x: f32) {
+    let h = pack2x16float(vec2(x, 0.0)) & 0xffffu;
+    put_byte(at, h);
+    put_byte(at + 1u, h >> 8u);
+}
+
+// C's roundf: halves away from zero (WGSL's round takes them to even).
+fn round_away(x: f32) -> f32 {
+    let t = trunc(x);
+    return select(round(x), t + sign(x), abs(x - t) == 0.5);
+}
+
+fn inverse(d: f32) -> f32 {
+    return select(0.0, 1.0 / d, d != 0.0);
+}
+
+@compute @workgroup_size(WG)
+fn pack_q8_0(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
+    let i = index(gid, nwg);
+    if i >= p.n {
+        return;
+    }
+    for (var w = 0u; w < 17u; w++) {
+        pair[w] = 0u;
+    }
+    for (var blk = 0u; blk < 2u; blk++) {
+        let src = p.col0 + 64u * i + 32u * blk;
+        var amax = 0.0;
+        for (var j = 0u; j < 32u; j++) {
+            amax = max(amax, abs(a[src + j]));
+        }
+        let d = amax / 127.0;
+        let id = inverse(d);
+        let base = 34u * blk;
+        put_half(base, d);
+        for (var j = 0u; j < 32u; j++) {
+            put_byte(base + 2u + j, bitcast<u32>(i32(round_away(a[src + j] * id))));
+        }
+    }
+    for (var w = 0u; w < 17u; w++) {
+        packed[p.width + 17u * i + w] = pair[w];
+    }
+}
+
+@compute @workgroup_size(WG)
+fn pack_q4_0(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
+    let i = index(gid, nwg);
+    if i >= p.n {
+        return;
+    }
+    for (var w = 0u; w < 9u; w++) {
+        pair[w] = 0u;
+    }
+    for (var blk = 0u; blk < 2u; blk++) {
+        let src = p.col0 + 64u * i + 32u * blk;
+        // The first value of the largest magnitude, sign kept.
+        var amax = 0.0;
+        var most = 0.0;
+        for (var j = 0u; j < 32u; j++) {
+            let x = a[src + j];
+            if abs(x) > amax {
+                amax = abs(x);
+                most = x;
+            }
+        }
+        let d = most / -8.0;
+        let id = inverse(d);
+        let base = 18u * blk;
+        put_half(base, d);
+        for (var j = 0u; j < 16u; j++) {
+            let lo = min(15u, u32(a[src + j] * id + 8.5));
+            let hi = min(15u, u32(a[src + 16u + j] * id + 8.5));
+            put_byte(base + 2u + j, lo | (hi << 4u));
+        }
+    }
+    for (var w = 0u; w < 9u; w++) {
+        packed[p.width + 9u * i + w] = pair[w];
     }
 }

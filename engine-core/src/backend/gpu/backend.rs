@@ -205,23 +205,19 @@ impl Backend for GpuBackend {
         matches!(dtype, DType::F32 | DType::BF16 | DType::F16) || quant_format(dtype).is_some()
     }
 
-    /// f32 pages, and f16 pages packed on the device (ggml's f16 rows); not q8_0 or q4_0 yet.
-    fn holds_kv(&self, ty: KvType) -> bool {
-        matches!(ty, KvType::F32 | KvType::F16)
+    /// f32 pages, and compact pages packed on the device as ggml's rows, where a row is whole
+    /// words of them ([`ops::pack_rows`]).
+    fn holds_kv(&self, ty: KvType, row: usize) -> bool {
+        ty == KvType::F32 || row.is_multiple_of(ops::packed_values(ty))
     }
 
     fn packs_kv(&self, ty: KvType) -> bool {
-        ty == KvType::F16
+        ty != KvType::F32
     }
 
     fn write_packed(&self, ty: KvType, dst: &mut Act, at: usize, src: &Act, span: Range<usize>) {
-        assert!(
-            ty == KvType::F16 && at.is_multiple_of(2) && span.len().is_multiple_of(2),
-            "f16 rows fill whole words"
-        );
         let dst = self.dev_mut(dst);
-        let words = span.len() / 2;
-        ops::pack_f16(&self.gpu, &self.dev(src), span.start, &dst, at / 2, words);
+        ops::pack_rows(&self.gpu, ty, &self.dev(src), span, (&dst, at));
     }
 
     fn upload(&self, x: Vec<f32>) -> Act {

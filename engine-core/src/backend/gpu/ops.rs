@@ -4,6 +4,8 @@
 //! every function here is tested against (`tests/tests/gpu_ops.rs`); in-place CPU ops are
 //! in-place here too. Shape errors are programming errors and panic, as on the CPU.
 
+use std::ops::Range;
+
 use shaders::{kernel, Kernel, Spec, WeightFormat};
 
 use super::context::{grid, Bind, Gpu};
@@ -513,7 +515,8 @@ fn kv_define(ty: KvType) -> u32 {
     match ty {
         KvType::F32 => 0,
         KvType::F16 => 1,
-        other => panic!("the attention kernel reads no {} rows", other.name()),
+        KvType::Q8_0 => 2,
+        KvType::Q4_0 => 3,
     }
 }
 
@@ -525,19 +528,49 @@ fn kv_words(ty: KvType, values: usize) -> usize {
     }
 }
 
-/// Values `from .. from + 2 * words` of `src` packed as f16 pairs into words `at ..` of `dst`:
-/// rows written into a page that stores them as f16 (ggml's f16 rows, the bytes the host
-/// and the link hold).
-pub fn pack_f16(gpu: &Gpu, src: &GpuTensor, from: usize, dst: &GpuTensor, at: usize, words: usize) {
+/// Values one thread of `pack_rows` packs into whole words: two f16, or a pair of q8_0 or
+/// q4_0 blocks (68 or 36 bytes).
+pub fn packed_values(ty: KvType) -> usize {
+    match ty {
+        KvType::F32 => 1,
+        KvType::F16 => 2,
+        KvType::Q8_0 | KvType::Q4_0 => 64,
+    }
+}
+
+/// Values `span` of `src` written as `ty` into `dst` from value `at` on: rows written into a
+/// page that stores them packed, as ggml's rows (f16 pairs; q8_0 and q4_0 blocks quantised as
+/// ggml's reference quantisers do), the bytes the host and the link hold. `at` and the span
+/// are whole [`packed_values`].
+pub fn pack_rows(
+    gpu: &Gpu,
+    ty: KvType,
+    src: &GpuTensor,
+    span: Range<usize>,
+    (dst, at): (&GpuTensor, usize),
+) {
+    let per = packed_values(ty);
+    let entry = match ty {
+        KvType::F16 => "pack_f16",
+        KvType::Q8_0 => "pack_q8_0",
+        KvType::Q4_0 => "pack_q4_0",
+        KvType::F32 => unreachable!("f32 rows are values, not packed"),
+    };
     assert!(
-        from + 2 * words <= src.len() && at + words <= dst.len(),
-        "pack_f16 out of bounds"
+        at.is_multiple_of(per) && span.len().is_multiple_of(per),
+        "{} rows fill whole words",
+        ty.name()
+    );
+    let (words, n) = (kv_words(ty, at), span.len() / per);
+    assert!(
+        span.end <= src.len() && words + kv_words(ty, span.len()) <= dst.len(),
+        "pack_rows out of bounds"
     );
     elementwise(
         gpu,
-        "pack_f16",
-        words,
-        [u(at), 0, u(from), 0],
+        entry,
+        n,
+        [u(words), 0, u(span.start), 0],
         &[(1, t_of(src)), (5, t_of(dst))],
     );
 }
