@@ -84,8 +84,35 @@ impl LoadOptions {
     /// The preset's config (with the layer override) and its seeded weights.
     pub fn tensors(&self, preset: &str) -> Result<(ModelConfig, TensorMap)> {
         let config = self.config(preset)?;
-        let tensors = synth::random_weights(&config, self.dtype()?, self.weight_seed)?;
+        let tensors = self.generated(&config, &|_| true)?;
         Ok((config, tensors))
+    }
+
+    /// The preset's seeded weights that `keep` selects, refused before any is made where they
+    /// would not fit in the memory available now: a preset as large as the 27B is a shape to
+    /// plan for, and generating it would only swap.
+    fn generated(&self, config: &ModelConfig, keep: &dyn Fn(&str) -> bool) -> Result<TensorMap> {
+        let dtype = self.dtype()?;
+        #[cfg(not(target_arch = "wasm32"))]
+        {
+            let bytes = synth::tensor_shapes(config)?
+                .iter()
+                .filter(|(name, _)| keep(name))
+                .map(|(_, s)| dtype.bytes_for(s.iter().product()).unwrap_or(usize::MAX))
+                .fold(0usize, usize::saturating_add) as u64;
+            let free = crate::resident::available_memory();
+            if free.is_some_and(|free| bytes > free) {
+                return Err(Error::Invalid(format!(
+                    "this preset's synthetic weights take {:.1} GB at {}, more than the {:.1} GB \
+                     available: plan for its shape with `tether plan --weights-type TYPE`, or \
+                     give fewer --layers",
+                    bytes as f64 / 1e9,
+                    dtype.name(),
+                    free.unwrap_or(0) as f64 / 1e9
+                )));
+            }
+        }
+        synth::random_weights_where(config, dtype, self.weight_seed, keep)
     }
 
     /// Copies the mapped weights `wanted` names into huge pages ([`crate::resident`]) unless
@@ -145,6 +172,20 @@ pub fn load_identity(spec: &str, o: &LoadOptions) -> Result<Model> {
     Model::layers_only(config, &TensorMap::new(), 0..0, identity)
 }
 
+/// `spec`'s shapes alone, no weights read or made: a checkpoint directory's config or a
+/// preset's (with the layer override), for planning a model as another file type would hold it
+/// (`tether plan --weights-type`). A GGUF's weights already have their types: it is refused.
+#[cfg(not(target_arch = "wasm32"))]
+pub fn load_config(spec: &str, o: &LoadOptions) -> Result<ModelConfig> {
+    match Source::parse(spec)? {
+        Source::Dir(dir) => Model::read_config(dir),
+        Source::Preset => o.config(spec),
+        Source::Gguf(_) => Err(Error::Invalid(format!(
+            "{spec} is a GGUF: its weights already have their types (plan it as it is)"
+        ))),
+    }
+}
+
 /// Only `layers` of `spec` (no embedding, no head): a helper's assignment. `identity` is the
 /// whole model's, from [`load_identity`]. Other layers' weights are never read (a checkpoint
 /// is memory-mapped) or generated (a preset).
@@ -159,7 +200,7 @@ pub fn load_layers(
     let (config, mut tensors) = match Source::parse(spec)? {
         Source::Preset => {
             let config = o.config(spec)?;
-            let tensors = synth::random_weights_where(&config, o.dtype()?, o.weight_seed, &keep)?;
+            let tensors = o.generated(&config, &keep)?;
             (config, tensors)
         }
         file => file.tensors(spec, o)?,

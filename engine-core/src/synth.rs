@@ -12,8 +12,10 @@ use crate::error::{Error, Result};
 use crate::tensor::{DType, Data, Elems, Tensor};
 use crate::weights::TensorMap;
 
-/// Named shapes: `tiny` (the fixtures' shape) and `qwen35-0.8b` (the real 0.8B shape).
-pub const PRESETS: &[&str] = &["tiny", "tiny256", "qwen35-0.8b"];
+/// Named shapes: `tiny` (the fixtures' shape), `qwen35-0.8b` (the real 0.8B shape) and
+/// `qwen35-27b` (the target's shape, ../shared/MODEL.md: for `tether plan --weights-type`; its
+/// synthetic weights, 54 GB at bf16, are made only where they fit).
+pub const PRESETS: &[&str] = &["tiny", "tiny256", "qwen35-0.8b", "qwen35-27b"];
 
 pub fn preset(name: &str) -> Result<ModelConfig> {
     let base = |vocab, hidden, inter, layers, heads, kv, hd, lk, lv, ld, tie| ModelConfig {
@@ -53,6 +55,10 @@ pub fn preset(name: &str) -> Result<ModelConfig> {
         "qwen35-0.8b" => Ok(ModelConfig {
             eos_token_ids: vec![248_046],
             ..base(248_320, 1024, 3584, 24, 8, 2, 256, 16, 16, 128, true)
+        }),
+        "qwen35-27b" => Ok(ModelConfig {
+            eos_token_ids: vec![248_046],
+            ..base(248_320, 5120, 17408, 64, 24, 4, 256, 16, 48, 128, false)
         }),
         other => Err(Error::Invalid(format!(
             "unknown preset `{other}` (known: {})",

@@ -20,7 +20,7 @@ use engine_core::link::ws::{self, WsLink};
 use engine_core::link::{Link, LinkProfile, LinkStats, ShapedLink, StatsHandle};
 use engine_core::protocol::Intro;
 use engine_core::source::LoadOptions;
-use engine_core::{Backend, Model};
+use engine_core::{Backend, Model, ModelConfig};
 
 use crate::accept::Acceptor;
 use crate::lend::{Lent, LentSlot};
@@ -468,6 +468,20 @@ impl HelperArgs {
     pub fn plan_for(
         &self,
         model: &Model,
+        offers: (Vec<u64>, Option<Speeds>),
+        fixed: Fixed,
+        context: usize,
+        prompt: usize,
+    ) -> Plan {
+        let shape = (&model.config, WeightBytes::of(model));
+        self.plan_shape(shape, offers, fixed, context, prompt)
+    }
+
+    /// [`Self::plan_for`] a model's shape and weight bytes, which need not be loaded (`tether
+    /// plan --weights-type`).
+    pub fn plan_shape(
+        &self,
+        (config, weights): (&ModelConfig, WeightBytes),
         (offers, speeds): (Vec<u64>, Option<Speeds>),
         fixed: Fixed,
         context: usize,
@@ -480,7 +494,7 @@ impl HelperArgs {
         let input = PlanInput {
             context,
             prompt,
-            weights: WeightBytes::of(model),
+            weights,
             host_memory: self.host_memory(),
             helpers: offers,
             page_size: fixed.page_size,
@@ -497,7 +511,7 @@ impl HelperArgs {
             speeds,
             kv_types: fixed.kv_types,
         };
-        Plan::new(&model.config, &input)
+        Plan::new(config, &input)
     }
 
     /// A session for `model`: the plan before helpers attach (its page size, host KV budget

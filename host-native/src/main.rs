@@ -12,6 +12,8 @@ mod run;
 mod serve;
 
 use clap::{Parser, Subcommand};
+use engine_core::gguf::quantize as gguf_types;
+use engine_core::host::plan::WeightBytes;
 
 /// See host-native/Cargo.toml: large activation buffers are reused instead of faulted in again.
 #[cfg(target_os = "linux")]
@@ -90,6 +92,15 @@ struct PlanArgs {
     backend: load::BackendOptions,
     #[command(flatten)]
     helper: attach::HelperArgs,
+    /// Plan for the model's shapes as this llama.cpp file type would hold its weights (q4_k_m,
+    /// q8_0, ... as `tether quantize` names them), without reading or making the weights: a
+    /// checkpoint directory's config or a preset (`qwen35-27b`).
+    #[arg(long, value_name = "TYPE")]
+    weights_type: Option<String>,
+    /// Plan for a helper that offers this much memory for KV pages and state (e.g. 12G),
+    /// without connecting to one. Repeat it for several.
+    #[arg(long, value_name = "SIZE", value_parser = engine_core::host::plan::parse_size)]
+    helper_memory: Vec<u64>,
 }
 
 #[derive(clap::Args)]
@@ -160,11 +171,10 @@ fn synth(a: SynthArgs) -> anyhow::Result<()> {
 
 /// `tether plan`: the session's plan gives the page size the helpers are configured with; the
 /// one printed has their offers (the same choices, and the split their offers allow).
+/// `tether plan`: the plan for a loaded model and the helpers that attach, or, with
+/// `--weights-type` / `--helper-memory`, for a shape and offers that need neither.
 fn plan(a: PlanArgs) -> anyhow::Result<()> {
-    let model = engine_core::source::load_model(&a.model, &a.synth)?;
     let h = &a.helper;
-    let (be, _) = a.backend.make()?;
-    model.check_backend(&*be)?;
     let fixed = attach::Fixed {
         page_size: a.page_size,
         ubatch: a.ubatch,
@@ -172,11 +182,39 @@ fn plan(a: PlanArgs) -> anyhow::Result<()> {
         ..attach::Fixed::default()
     };
     let (context, prompt) = (a.context, a.prompt_tokens);
-    let (_, seq, _) = h.session(&model, &*be, fixed, context, prompt)?;
-    let offers = attach::HelperArgs::offers(&seq);
-    print!(
-        "{}",
-        h.plan_for(&model, offers, fixed, context, prompt).text
-    );
+    if !a.helper_memory.is_empty() && h.has_helper() {
+        anyhow::bail!("--helper-memory plans for helpers without connecting: not with --helper or --accept-helpers");
+    }
+    let plan = match &a.weights_type {
+        Some(ty) => {
+            if h.has_helper() {
+                anyhow::bail!("--weights-type plans without loading the model: give the helpers as --helper-memory");
+            }
+            let file_type = gguf_types::FileType::parse(ty).ok_or_else(|| {
+                anyhow::anyhow!(
+                    "--weights-type {ty}: expected one of {}",
+                    gguf_types::FileType::names()
+                )
+            })?;
+            let config = engine_core::source::load_config(&a.model, &a.synth)?;
+            let layout = gguf_types::layout(&config, file_type)?;
+            let weights = WeightBytes::of_layout(config.num_hidden_layers, &layout);
+            let offers = (a.helper_memory.clone(), None);
+            h.plan_shape((&config, weights), offers, fixed, context, prompt)
+        }
+        None => {
+            let model = engine_core::source::load_model(&a.model, &a.synth)?;
+            let (be, _) = a.backend.make()?;
+            model.check_backend(&*be)?;
+            let offers = match a.helper_memory.is_empty() {
+                true => {
+                    attach::HelperArgs::offers(&h.session(&model, &*be, fixed, context, prompt)?.1)
+                }
+                false => (a.helper_memory.clone(), None),
+            };
+            h.plan_for(&model, offers, fixed, context, prompt)
+        }
+    };
+    print!("{}", plan.text);
     Ok(())
 }

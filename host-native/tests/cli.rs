@@ -611,6 +611,81 @@ fn plan_decides_for_a_27b_shaped_gguf() {
         with_small.contains("split layer 16: the helper's 512.0 MiB offer cannot hold"),
         "{with_small}"
     );
+    // The same shape as a preset planned as a Q4_K_M file would hold it, with no file and
+    // a helper's offer given instead of a helper: the same choices (the preset's weights
+    // also count the norms and conv kernels, a few MiB, so the budget may lose a page).
+    let shape = tether(&[
+        "plan",
+        "--model",
+        "qwen35-27b",
+        "--layers",
+        "16",
+        "--weights-type",
+        "q4_k_m",
+        "--context",
+        "131072",
+        "--host-memory",
+        "8G",
+        "--cache-type-k",
+        "f32",
+        "--cache-type-v",
+        "f32",
+        "--helper-memory",
+        "2G",
+    ]);
+    let shape = String::from_utf8(shape.stdout).unwrap();
+    assert!(
+        shape.contains("split layer 12: DESIGN.md's share"),
+        "{shape}"
+    );
+    let budget_of = |text: &str| -> u64 {
+        let line = text
+            .lines()
+            .find(|l| l.contains("host KV tokens "))
+            .unwrap();
+        line.split_whitespace()
+            .nth(3)
+            .unwrap()
+            .trim_end_matches(':')
+            .parse()
+            .unwrap()
+    };
+    assert!(
+        budget.abs_diff(budget_of(&shape)) <= 4096,
+        "{with}\n{shape}"
+    );
+    assert!(
+        shape.contains("context that fits at K f32 / V f32: ")
+            && shape.contains("tokens with the helpers' 2.00 GiB offered"),
+        "{shape}"
+    );
+    // A model's own file is planned as it is; helpers are offers or connections, not both.
+    let refused = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_tether"))
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{args:?}");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let err = refused(&["plan", "--model", model, "--weights-type", "q8_0"]);
+    assert!(
+        err.contains("its weights already have their types"),
+        "{err}"
+    );
+    let err = refused(&[
+        "plan",
+        "--model",
+        "tiny",
+        "--helper-memory",
+        "1G",
+        "--helper",
+        "ws://127.0.0.1:9",
+    ]);
+    assert!(
+        err.contains("--helper-memory plans for helpers without connecting"),
+        "{err}"
+    );
 }
 
 /// `tether plan` with a helper measures its speed when it connects and gives it the layers

@@ -134,9 +134,9 @@ fn reports(node: Child) -> Vec<Tab> {
 }
 
 /// The host alone's tokens.
-fn alone(keys: &Path, model: &str, tokens: u32) -> String {
+fn alone(keys: &Path, model: &str, cache: &[&str], tokens: u32) -> String {
     let alone = tether(keys)
-        .args(run_args(model, &SPLIT[..2], tokens))
+        .args(run_args(model, &[&SPLIT[..2], cache].concat(), tokens))
         .output()
         .unwrap();
     assert!(
@@ -171,6 +171,8 @@ struct Helpers<'a> {
     tokens: u32,
     /// `--model`.
     model: &'a str,
+    /// Flags the host takes alone and with helpers alike (`--cache-type-k` and the like).
+    cache: &'a [&'a str],
     /// The page from the host's own port (/helper/); else from a static server, another
     /// origin, which may not pair.
     from_host: bool,
@@ -189,11 +191,12 @@ fn with_helpers(flags: &[&str], who: Helpers) -> (String, Vec<Tab>) {
     static CALLS: AtomicUsize = AtomicUsize::new(0);
     let name = format!("{}", CALLS.fetch_add(1, Ordering::SeqCst));
     let host_keys = scratch(&format!("host-keys-{name}"));
-    let alone = alone(&host_keys, who.model, who.tokens);
+    let alone = alone(&host_keys, who.model, who.cache, who.tokens);
     let n = who.tabs.len() + usize::from(who.native);
     let wait = n.to_string();
     let accept = [
         flags,
+        who.cache,
         &["--accept-helpers", who.accept, "--helper-wait", "120"],
         &["--wait-helpers", &wait, "--pair-new"],
     ]
@@ -265,6 +268,7 @@ fn tabs_on<'a>(backends: &'a [&'a str]) -> Helpers<'a> {
         close_after: None,
         tokens: 12,
         model: "tiny",
+        cache: &[],
         from_host: true,
         profile: None,
         accept: "127.0.0.1:0",
@@ -294,6 +298,27 @@ fn a_tab_holds_pages_and_answers_attention_on_webgpu() {
         return;
     }
     with_helpers(&SPLIT[..4], tabs_on(&["gpu"]));
+}
+
+/// Compact pages in a tab on WebGPU: q8_0 keys and q4_0 values, as the host stores them,
+/// held and attended there (`tiny256`: heads of 64 values, whole blocks) give the host-alone
+/// tokens.
+#[test]
+fn a_tab_holds_compact_pages_on_webgpu() {
+    if !browser_ready() {
+        return;
+    }
+    let cache = ["--cache-type-k", "q8_0", "--cache-type-v", "q4_0"];
+    let who = Helpers {
+        model: "tiny256",
+        cache: &cache,
+        ..tabs_on(&["gpu"])
+    };
+    let (_, tabs) = with_helpers(&SPLIT[..4], who);
+    assert!(
+        tabs[0].backend.starts_with("gpu") && tabs[0].pages > 0,
+        "{tabs:?}"
+    );
 }
 
 /// `auto` does not pick a software WebGPU adapter (SwiftShader, all headless Chromium has

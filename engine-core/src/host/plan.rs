@@ -11,6 +11,7 @@ use crate::config::{LayerKind, ModelConfig};
 use crate::host::minimum;
 use crate::model::State;
 use crate::protocol::Configure;
+use crate::tensor::DType;
 use crate::Model;
 
 /// DESIGN.md's page of KV storage: what the plan takes unless a small host budget needs finer
@@ -89,6 +90,27 @@ impl WeightBytes {
             layers: layers.into_iter().map(|b| b as u64).collect(),
             ends: ends as u64,
         }
+    }
+
+    /// The bytes of `layout`'s tensors (GGUF names, shapes and types, as
+    /// [`crate::gguf::quantize::layout`] gives them for a file type), by layer (`blk.N.`) and
+    /// the rest: a model planned as a file type would hold it, without its weights.
+    pub fn of_layout(layers: usize, layout: &[(String, Vec<usize>, DType)]) -> WeightBytes {
+        let mut out = WeightBytes {
+            layers: vec![0; layers],
+            ends: 0,
+        };
+        for (name, shape, dtype) in layout {
+            let bytes = dtype.bytes_for(shape.iter().product()).unwrap_or(0) as u64;
+            let layer = name
+                .strip_prefix("blk.")
+                .and_then(|rest| rest.split('.').next()?.parse::<usize>().ok());
+            match layer.and_then(|l| out.layers.get_mut(l)) {
+                Some(l) => *l += bytes,
+                None => out.ends += bytes,
+            }
+        }
+        out
     }
 
     fn of_layers(&self, r: Range<usize>) -> u64 {
@@ -381,6 +403,35 @@ impl Choices {
             return;
         }
         let n = c.num_hidden_layers;
+        if let Some(m) = p.host_memory {
+            // Never past the positions the model was trained for.
+            let limit = c.max_position_embeddings;
+            let tokens = |t: usize| match t >= limit {
+                true => format!("{limit} tokens (the model's limit; room for {t})"),
+                false => format!("{t} tokens"),
+            };
+            let host = host_room(c, p, m, self.ubatch);
+            let _ = write!(
+                t,
+                "context that fits at {}: {} on the host alone",
+                p.kv_types,
+                tokens(host)
+            );
+            match room_with_helpers(c, p, host, self.split_layer.min(n)..n, self.ubatch) {
+                Some(all) => {
+                    let offers: u64 = p.helpers.iter().sum();
+                    let _ = writeln!(
+                        t,
+                        ", {} with the helpers' {} offered",
+                        tokens(all),
+                        gib(offers)
+                    );
+                }
+                None => {
+                    let _ = writeln!(t);
+                }
+            }
+        }
         let host_kv = self.host_kv_tokens.unwrap_or(p.context).min(p.context);
         let host = host_needs(c, p, host_kv, self.ubatch);
         let _ = writeln!(t, "memory at {} tokens of context:", p.context);
@@ -534,9 +585,7 @@ fn choose_host_kv(c: &ModelConfig, p: &PlanInput, ubatch: usize) -> (Option<usiz
             "the host's free memory is unknown: all KV stays on the host".into(),
         );
     };
-    let others = host_needs(c, p, 0, ubatch).total() + m / RESERVE_SHARE;
-    let per_token = c.kv_bytes(p.kv_types, 0..c.num_hidden_layers, 1).max(1) as u64;
-    let fits = usize::try_from(m.saturating_sub(others) / per_token).unwrap_or(usize::MAX);
+    let fits = host_room(c, p, m, ubatch);
     let room = format!(
         "{} free less the weights, DeltaNet state, activations and an eighth for the rest of the machine leaves room for {fits} tokens",
         gib(m)
@@ -558,6 +607,47 @@ fn choose_host_kv(c: &ModelConfig, p: &PlanInput, ubatch: usize) -> (Option<usiz
             format!("{room}; the older pages go to the helpers"),
         )
     }
+}
+
+/// Positions of KV (every layer's, at the plan's types) that fit in `m` bytes of host memory
+/// beside the weights, DeltaNet state, a ubatch's activations and an eighth for the rest of
+/// the machine.
+fn host_room(c: &ModelConfig, p: &PlanInput, m: u64, ubatch: usize) -> usize {
+    let others = host_needs(c, p, 0, ubatch).total() + m / RESERVE_SHARE;
+    let per_token = c.kv_bytes(p.kv_types, 0..c.num_hidden_layers, 1).max(1) as u64;
+    usize::try_from(m.saturating_sub(others) / per_token).unwrap_or(usize::MAX)
+}
+
+/// The context that fits with the helpers' offers too: the host keeps its `host` positions,
+/// the helpers hold every older page, and the prefill helper (running layers `tail`) also
+/// mirrors its layers' KV of every position and holds their state and a ubatch's activations.
+/// `None` without helpers, or while an offer is not known.
+fn room_with_helpers(
+    c: &ModelConfig,
+    p: &PlanInput,
+    host: usize,
+    tail: Range<usize>,
+    ubatch: usize,
+) -> Option<usize> {
+    if p.helpers.is_empty() || p.helpers.contains(&0) {
+        return None;
+    }
+    let n = c.num_hidden_layers;
+    let prefill = match tail.is_empty() {
+        true => 0,
+        false => {
+            let needs = helper_needs(c, p, tail.clone(), ubatch);
+            needs.state + needs.activations
+        }
+    };
+    let room = p.helpers.iter().sum::<u64>().saturating_sub(prefill);
+    let (all, mirrored) = (
+        c.kv_bytes(p.kv_types, 0..n, 1),
+        c.kv_bytes(p.kv_types, tail, 1),
+    );
+    // The helpers hold mirrored * t + (all - mirrored) * (t - host) bytes at context t.
+    let t = (room + ((all - mirrored) * host) as u64) / all.max(1) as u64;
+    Some(usize::try_from(t).unwrap_or(usize::MAX).max(host))
 }
 
 /// The page: DESIGN.md's 4096 positions, halved while a page is more than an eighth of the
@@ -746,6 +836,7 @@ mod tests {
     }
 
     use super::*;
+    use crate::cache_types::KvType;
 
     fn input() -> PlanInput {
         PlanInput {
@@ -964,5 +1055,75 @@ mod tests {
             "{}",
             small.text
         );
+    }
+
+    /// The context the plan says fits is the largest whose KV, at the chosen types, fits:
+    /// on the host beside everything else it holds, and on the helpers with the prefill
+    /// helper's mirror of its layers counted (worked out here from the bytes each holds).
+    #[test]
+    fn the_context_that_fits_is_the_largest_whose_kv_fits() {
+        let c = crate::synth::preset("qwen35-0.8b").unwrap();
+        let m = 3u64 << 30;
+        let types = CacheTypes {
+            k: KvType::Q8_0,
+            v: KvType::F16,
+        };
+        let p = PlanInput {
+            kv_types: types,
+            ..deciding(m, vec![1 << 30])
+        };
+        let plan = Plan::new(&c, &p);
+        let number = |after: &str| -> usize {
+            let at = plan
+                .text
+                .find(after)
+                .unwrap_or_else(|| panic!("{}", plan.text))
+                + after.len();
+            let rest = &plan.text[at..];
+            rest[..rest.find(' ').unwrap()].parse().unwrap()
+        };
+        let host = number("context that fits at K q8_0 / V f16: ");
+        let all = number("tokens on the host alone, ");
+        // K q8_0 (34 bytes a block of 32) and V f16, 2 heads x 256, 6 layers.
+        let per_token = 6 * (2 * 256 / 32 * 34 + 2 * 256 * 2) as u64;
+        let others = 24 * (50 << 20)
+            + (500 << 20)
+            + State::delta_bytes_for(&c, 0..24) as u64
+            + activation_bytes(&c, plan.ubatch)
+            + m / 8;
+        assert!(others + host as u64 * per_token <= m, "{host}");
+        assert!(others + (host as u64 + 1) * per_token > m, "{host}");
+        // The helper mirrors layers split..24 at every position and holds the other
+        // layers' pages past the host's.
+        let n_tail = c.count_layers(plan.split_layer..24, LayerKind::FullAttention) as u64;
+        let tail_token = per_token / 6 * n_tail;
+        let fixed = State::delta_bytes_for(&c, plan.split_layer..24) as u64
+            + activation_bytes(&c, plan.ubatch);
+        let held = |t: u64| fixed + tail_token * t + (per_token - tail_token) * (t - host as u64);
+        assert!(all > host && held(all as u64) <= 1 << 30, "{all}");
+        assert!(held(all as u64 + 1) > 1 << 30, "{all}");
+    }
+
+    /// A model planned as a file type counts the bytes that file would hold, by layer.
+    #[test]
+    fn weights_of_a_file_types_layout_are_counted_by_layer() {
+        let c = crate::synth::preset("tiny256").unwrap();
+        let f = crate::gguf::quantize::FileType::parse("q4_k_m").unwrap();
+        let layout = crate::gguf::quantize::layout(&c, f).unwrap();
+        let w = WeightBytes::of_layout(c.num_hidden_layers, &layout);
+        let bytes = |pick: &dyn Fn(&str) -> bool| -> u64 {
+            layout
+                .iter()
+                .filter(|(name, _, _)| pick(name))
+                .map(|(_, s, d)| d.bytes_for(s.iter().product()).unwrap() as u64)
+                .sum()
+        };
+        assert_eq!(w.of_layers(0..1), bytes(&|n| n.starts_with("blk.0.")));
+        assert_eq!(w.ends, bytes(&|n| !n.starts_with("blk.")));
+        assert_eq!(
+            w.of_layers(0..c.num_hidden_layers) + w.ends,
+            bytes(&|_| true)
+        );
+        assert!(w.layers.iter().all(|&b| b > 0));
     }
 }
