@@ -84,35 +84,8 @@ impl LoadOptions {
     /// The preset's config (with the layer override) and its seeded weights.
     pub fn tensors(&self, preset: &str) -> Result<(ModelConfig, TensorMap)> {
         let config = self.config(preset)?;
-        let tensors = self.generated(&config, &|_| true)?;
+        let tensors = synth::random_weights(&config, self.dtype()?, self.weight_seed)?;
         Ok((config, tensors))
-    }
-
-    /// The preset's seeded weights that `keep` selects, refused before any is made where they
-    /// would not fit in the memory available now: a preset as large as the 27B is a shape to
-    /// plan for, and generating it would only swap.
-    fn generated(&self, config: &ModelConfig, keep: &dyn Fn(&str) -> bool) -> Result<TensorMap> {
-        let dtype = self.dtype()?;
-        #[cfg(not(target_arch = "wasm32"))]
-        {
-            let bytes = synth::tensor_shapes(config)?
-                .iter()
-                .filter(|(name, _)| keep(name))
-                .map(|(_, s)| dtype.bytes_for(s.iter().product()).unwrap_or(usize::MAX))
-                .fold(0usize, usize::saturating_add) as u64;
-            let free = crate::resident::available_memory();
-            if free.is_some_and(|free| bytes > free) {
-                return Err(Error::Invalid(format!(
-                    "this preset's synthetic weights take {:.1} GB at {}, more than the {:.1} GB \
-                     available: plan for its shape with `tether plan --weights-type TYPE`, or \
-                     give fewer --layers",
-                    bytes as f64 / 1e9,
-                    dtype.name(),
-                    free.unwrap_or(0) as f64 / 1e9
-                )));
-            }
-        }
-        synth::random_weights_where(config, dtype, self.weight_seed, keep)
     }
 
     /// Copies the mapped weights `wanted` names into huge pages ([`crate::resident`]) unless
@@ -200,7 +173,7 @@ pub fn load_layers(
     let (config, mut tensors) = match Source::parse(spec)? {
         Source::Preset => {
             let config = o.config(spec)?;
-            let tensors = o.generated(&config, &keep)?;
+            let tensors = synth::random_weights_where(&config, o.dtype()?, o.weight_seed, &keep)?;
             (config, tensors)
         }
         file => file.tensors(spec, o)?,

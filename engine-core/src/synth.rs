@@ -14,7 +14,7 @@ use crate::weights::TensorMap;
 
 /// Named shapes: `tiny` (the fixtures' shape), `qwen35-0.8b` (the real 0.8B shape) and
 /// `qwen35-27b` (the target's shape, ../shared/MODEL.md: for `tether plan --weights-type`; its
-/// synthetic weights, 54 GB at bf16, are made only where they fit).
+/// synthetic weights, 54 GB at bf16, are made only where they fit: [`check_room`]).
 pub const PRESETS: &[&str] = &["tiny", "tiny256", "qwen35-0.8b", "qwen35-27b"];
 
 pub fn preset(name: &str) -> Result<ModelConfig> {
@@ -152,6 +152,42 @@ fn fill(name: &str, n: usize, init: &Init, seed: u64, dtype: DType) -> Data {
     }
 }
 
+/// Where the memory available is not known (no `/proc/meminfo`: macOS; a browser tab, whose
+/// wasm32 memory ends at 4 GiB), synthetic weights up to this many bytes are made.
+const UNKNOWN_ROOM: u64 = if cfg!(target_arch = "wasm32") {
+    2 << 30
+} else {
+    16 << 30
+};
+
+/// Refuses synthetic weights of `bytes` that would not fit, before any is made: a preset as
+/// large as the 27B (54 GB at bf16) is a shape to plan for, and generating it would swap, or
+/// abort a tab. They must fit in seven eighths of the memory available (as weights copied into
+/// huge pages must, `resident::fits`), or in [`UNKNOWN_ROOM`] where that is not known.
+fn check_room(bytes: u64, dtype: DType) -> Result<()> {
+    #[cfg(not(target_arch = "wasm32"))]
+    let available = crate::resident::available_memory();
+    #[cfg(target_arch = "wasm32")]
+    let available: Option<u64> = None;
+    let room = available.map_or(UNKNOWN_ROOM, |a| a / 8 * 7);
+    if bytes <= room {
+        return Ok(());
+    }
+    let of = match available {
+        Some(a) => format!("seven eighths of the {:.1} GB available", a as f64 / 1e9),
+        None => format!(
+            "the {:.1} GB made where the memory available is unknown",
+            room as f64 / 1e9
+        ),
+    };
+    Err(Error::Invalid(format!(
+        "these synthetic weights take {:.1} GB at {}, more than {of}: plan for the shape with \
+         `tether plan --weights-type TYPE`, or give fewer --layers",
+        bytes as f64 / 1e9,
+        dtype.name()
+    )))
+}
+
 /// Every tensor of a Qwen3.5 text model with `config`'s shapes, seeded and stored as `dtype`.
 pub fn random_weights(c: &ModelConfig, dtype: DType, seed: u64) -> Result<TensorMap> {
     random_weights_where(c, dtype, seed, &|_| true)
@@ -171,8 +207,15 @@ pub fn random_weights_where(
             dtype.name()
         )));
     }
+    let specs = tensor_specs(c)?;
+    let bytes = specs
+        .iter()
+        .filter(|(name, _, _)| keep(name))
+        .map(|(_, s, _)| dtype.bytes_for(s.iter().product()).unwrap_or(usize::MAX) as u64)
+        .fold(0u64, u64::saturating_add);
+    check_room(bytes, dtype)?;
     let mut out = TensorMap::new();
-    for (name, shape, init) in tensor_specs(c)? {
+    for (name, shape, init) in specs {
         if keep(&name) {
             let data = fill(&name, shape.iter().product(), &init, seed, dtype);
             out.insert(name, Tensor { shape, data });
@@ -350,5 +393,32 @@ mod tests {
                 assert_eq!(named.random::<u64>(), small.random::<u64>());
             }
         }
+    }
+
+    /// The 27B's synthetic weights are refused before anything is made where they do not fit
+    /// (54 GB at bf16, more than the machines CI runs on); a few of its tensors are made.
+    #[test]
+    fn weights_that_do_not_fit_are_refused_before_any_is_made() {
+        use super::*;
+        let c = preset("qwen35-27b").unwrap();
+        let room = crate::resident::available_memory().map_or(UNKNOWN_ROOM, |a| a / 8 * 7);
+        let bytes: u64 = tensor_shapes(&c)
+            .unwrap()
+            .iter()
+            .map(|(_, s)| 2 * s.iter().product::<usize>() as u64)
+            .sum();
+        if bytes > room {
+            let err = random_weights(&c, DType::BF16, 0)
+                .err()
+                .unwrap()
+                .to_string();
+            assert!(err.contains("tether plan --weights-type"), "{err}");
+        }
+        // Only its final norm: a few KB, made.
+        let none = random_weights_where(&c, DType::BF16, 0, &|n: &str| {
+            n.ends_with("norm.weight") && !n.contains("layers")
+        });
+        assert!(none.is_ok());
+        assert!(check_room(u64::MAX, DType::BF16).is_err());
     }
 }

@@ -169,8 +169,6 @@ fn synth(a: SynthArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `tether plan`: the session's plan gives the page size the helpers are configured with; the
-/// one printed has their offers (the same choices, and the split their offers allow).
 /// `tether plan`: the plan for a loaded model and the helpers that attach, or, with
 /// `--weights-type` / `--helper-memory`, for a shape and offers that need neither.
 fn plan(a: PlanArgs) -> anyhow::Result<()> {
@@ -198,7 +196,7 @@ fn plan(a: PlanArgs) -> anyhow::Result<()> {
             })?;
             let config = engine_core::source::load_config(&a.model, &a.synth)?;
             let layout = gguf_types::layout(&config, file_type)?;
-            let weights = WeightBytes::of_layout(config.num_hidden_layers, &layout);
+            let weights = WeightBytes::of_layout(config.num_hidden_layers, &layout)?;
             let offers = (a.helper_memory.clone(), None);
             h.plan_shape((&config, weights), offers, fixed, context, prompt)
         }

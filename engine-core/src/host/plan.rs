@@ -95,13 +95,21 @@ impl WeightBytes {
     /// The bytes of `layout`'s tensors (GGUF names, shapes and types, as
     /// [`crate::gguf::quantize::layout`] gives them for a file type), by layer (`blk.N.`) and
     /// the rest: a model planned as a file type would hold it, without its weights.
-    pub fn of_layout(layers: usize, layout: &[(String, Vec<usize>, DType)]) -> WeightBytes {
+    pub fn of_layout(
+        layers: usize,
+        layout: &[(String, Vec<usize>, DType)],
+    ) -> crate::Result<WeightBytes> {
         let mut out = WeightBytes {
             layers: vec![0; layers],
             ends: 0,
         };
         for (name, shape, dtype) in layout {
-            let bytes = dtype.bytes_for(shape.iter().product()).unwrap_or(0) as u64;
+            let bytes = dtype.bytes_for(shape.iter().product()).ok_or_else(|| {
+                crate::Error::Invalid(format!(
+                    "{name} {shape:?} is not whole blocks of {}",
+                    dtype.name()
+                ))
+            })? as u64;
             let layer = name
                 .strip_prefix("blk.")
                 .and_then(|rest| rest.split('.').next()?.parse::<usize>().ok());
@@ -110,7 +118,7 @@ impl WeightBytes {
                 None => out.ends += bytes,
             }
         }
-        out
+        Ok(out)
     }
 
     fn of_layers(&self, r: Range<usize>) -> u64 {
@@ -417,9 +425,10 @@ impl Choices {
                 p.kv_types,
                 tokens(host)
             );
-            match room_with_helpers(c, p, host, self.split_layer.min(n)..n, self.ubatch) {
+            let host_pages = (host, self.page_size);
+            match room_with_helpers(c, p, host_pages, self.split_layer.min(n)..n, self.ubatch) {
                 Some(all) => {
-                    let offers: u64 = p.helpers.iter().sum();
+                    let offers = p.helpers.iter().fold(0u64, |a, &o| a.saturating_add(o));
                     let _ = writeln!(
                         t,
                         ", {} with the helpers' {} offered",
@@ -618,14 +627,15 @@ fn host_room(c: &ModelConfig, p: &PlanInput, m: u64, ubatch: usize) -> usize {
     usize::try_from(m.saturating_sub(others) / per_token).unwrap_or(usize::MAX)
 }
 
-/// The context that fits with the helpers' offers too: the host keeps its `host` positions,
-/// the helpers hold every older page, and the prefill helper (running layers `tail`) also
-/// mirrors its layers' KV of every position and holds their state and a ubatch's activations.
-/// `None` without helpers, or while an offer is not known.
+/// The context that fits with the helpers' offers too: the host keeps its `host` positions in
+/// whole pages of `page`, the helpers hold every older page, and the prefill helper (running
+/// layers `tail`, the first) also mirrors its layers' KV of every position beside their state
+/// and a ubatch's activations, from its own offer. `None` without helpers, or while an offer
+/// is not known. Counted in u128: offers are peers' numbers.
 fn room_with_helpers(
     c: &ModelConfig,
     p: &PlanInput,
-    host: usize,
+    (host, page): (usize, usize),
     tail: Range<usize>,
     ubatch: usize,
 ) -> Option<usize> {
@@ -633,21 +643,30 @@ fn room_with_helpers(
         return None;
     }
     let n = c.num_hidden_layers;
+    let host = (host / page.max(1) * page) as u128;
     let prefill = match tail.is_empty() {
         true => 0,
         false => {
             let needs = helper_needs(c, p, tail.clone(), ubatch);
-            needs.state + needs.activations
+            (needs.state + needs.activations) as u128
         }
     };
-    let room = p.helpers.iter().sum::<u64>().saturating_sub(prefill);
+    let offers: u128 = p.helpers.iter().map(|&o| u128::from(o)).sum();
+    let room = offers.saturating_sub(prefill);
     let (all, mirrored) = (
-        c.kv_bytes(p.kv_types, 0..n, 1),
-        c.kv_bytes(p.kv_types, tail, 1),
+        c.kv_bytes(p.kv_types, 0..n, 1).max(1) as u128,
+        c.kv_bytes(p.kv_types, tail, 1) as u128,
     );
-    // The helpers hold mirrored * t + (all - mirrored) * (t - host) bytes at context t.
-    let t = (room + ((all - mirrored) * host) as u64) / all.max(1) as u64;
-    Some(usize::try_from(t).unwrap_or(usize::MAX).max(host))
+    // The prefill helper's own offer bounds its mirror: t positions of its layers.
+    let first = (u128::from(p.helpers[0])).saturating_sub(prefill);
+    let mirror_cap = first.checked_div(mirrored).unwrap_or(u128::MAX);
+    // Past the host's positions, the helpers hold mirrored * t + (all - mirrored) * (t - host)
+    // bytes at context t; short of them, only the mirror.
+    let t = match mirrored > 0 && mirrored * host >= room {
+        true => mirror_cap,
+        false => ((room + (all - mirrored) * host) / all).min(mirror_cap),
+    };
+    Some(usize::try_from(t).unwrap_or(usize::MAX))
 }
 
 /// The page: DESIGN.md's 4096 positions, halved while a page is more than an eighth of the
@@ -1099,9 +1118,35 @@ mod tests {
         let tail_token = per_token / 6 * n_tail;
         let fixed = State::delta_bytes_for(&c, plan.split_layer..24) as u64
             + activation_bytes(&c, plan.ubatch);
-        let held = |t: u64| fixed + tail_token * t + (per_token - tail_token) * (t - host as u64);
-        assert!(all > host && held(all as u64) <= 1 << 30, "{all}");
+        // The host keeps whole pages.
+        let kept = (host / plan.page_size * plan.page_size) as u64;
+        let held = |t: u64| fixed + tail_token * t + (per_token - tail_token) * (t - kept);
+        assert!(all as u64 > kept && held(all as u64) <= 1 << 30, "{all}");
         assert!(held(all as u64 + 1) > 1 << 30, "{all}");
+        // Beside a second helper with room for everything, the context is what the first,
+        // the prefill helper, can mirror from its own offer; offers near u64::MAX neither
+        // overflow nor change that.
+        for second in [64u64 << 30, u64::MAX] {
+            let two = Plan::new(
+                &c,
+                &PlanInput {
+                    kv_types: types,
+                    ..deciding(m, vec![1 << 30, second])
+                },
+            );
+            assert_eq!(two.split_layer, plan.split_layer, "{}", two.text);
+            let line = two
+                .text
+                .lines()
+                .find(|l| l.starts_with("context that fits"))
+                .unwrap();
+            let want = (1u64 << 30).saturating_sub(fixed) / tail_token;
+            assert!(
+                line.contains(&format!(" room for {want})"))
+                    || line.contains(&format!(", {want} tokens")),
+                "{line}"
+            );
+        }
     }
 
     /// A model planned as a file type counts the bytes that file would hold, by layer.
@@ -1110,7 +1155,7 @@ mod tests {
         let c = crate::synth::preset("tiny256").unwrap();
         let f = crate::gguf::quantize::FileType::parse("q4_k_m").unwrap();
         let layout = crate::gguf::quantize::layout(&c, f).unwrap();
-        let w = WeightBytes::of_layout(c.num_hidden_layers, &layout);
+        let w = WeightBytes::of_layout(c.num_hidden_layers, &layout).unwrap();
         let bytes = |pick: &dyn Fn(&str) -> bool| -> u64 {
             layout
                 .iter()

@@ -11,8 +11,10 @@
 //              (KV rows written into a page that stores them as f16: ggml's f16 rows, the
 //              bytes the host and the link hold)
 // pack_q8_0, pack_q4_0: pair i < n of 32-value blocks of a from col0 + 64i, quantised as
-//              ggml's reference quantisers do, written as its block bytes into the words of
-//              packed from width + i * (17 or 9) (two blocks fill whole words)
+//              ggml's reference quantisers do (up to WGSL's rounding of divisions, f16
+//              conversion and fused multiply-adds, which it leaves to the implementation:
+//              docs/EXACTNESS.md), written as its block bytes into the words of packed from
+//              width + i * (17 or 9) (two blocks fill whole words)
 
 struct Params {
     n: u32,
