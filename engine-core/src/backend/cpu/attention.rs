@@ -2,9 +2,11 @@
 //!
 //! Pages of f32 rows are read in place. Compact pages (f16, q8_0, q4_0) are widened as they are
 //! read: a decode row widens one key or value row at a time into a scratch row (as llama.cpp's
-//! CPU attention widens a quantised V row), so the page is read once in its compact size; the
-//! `gemm` form for many query rows widens the page's visible rows once per page, on every
-//! thread, into a transient buffer its products read.
+//! CPU attention widens a quantised V row), so the page is read once in its compact size,
+//! except q8_0 keys on x86, which it scores with integer dots against the query rounded to
+//! q8_0 as llama.cpp does ([`q8_0_scores`]); the `gemm` form for many query rows widens the
+//! page's visible rows once per page, on every thread, into a transient buffer its products
+//! read.
 
 #[cfg(not(target_arch = "wasm32"))]
 use super::gemm::{product, Mat};
@@ -95,12 +97,14 @@ fn span(shape: AttnShape, q: &[f32], page: &KvPage, from: usize, pos: usize) -> 
     // `kvh * group ..`, contiguous in `q`.
     let mut scores = vec![0.0f32; q_heads * len];
     let mut dots = vec![0.0f32; group];
-    for j in 0..len {
-        let key = keys.row(from + j);
-        for (kvh, k) in key.chunks_exact(d).enumerate() {
-            dots_task::<f32>(&q[kvh * group * d..][..group * d], d, k, &mut dots);
-            for (i, s) in dots.iter().enumerate() {
-                scores[(kvh * group + i) * len + j] = *s;
+    if !q8_0_scores(shape, q, &page.k, (from, len), &mut scores) {
+        for j in 0..len {
+            let key = keys.row(from + j);
+            for (kvh, k) in key.chunks_exact(d).enumerate() {
+                dots_task::<f32>(&q[kvh * group * d..][..group * d], d, k, &mut dots);
+                for (i, s) in dots.iter().enumerate() {
+                    scores[(kvh * group + i) * len + j] = *s;
+                }
             }
         }
     }
@@ -121,6 +125,76 @@ fn span(shape: AttnShape, q: &[f32], page: &KvPage, from: usize, pos: usize) -> 
         o.iter_mut().for_each(|a| *a *= inv);
     }
     p
+}
+
+/// The scores of a decode row against q8_0 keys `from .. from + len` as llama.cpp's CPU
+/// attention takes them: the queries rounded to q8_0 blocks (per head, the largest magnitude
+/// of each 32 becoming 127), then integer dots with the keys' blocks, the weight kernels'
+/// `dots_task`. The keys are read once, in their compact size, and never widened. False
+/// (nothing written) where that does not apply: other key types, no AVX2, a query that is
+/// not finite. The rounding of the query is the price (docs/EXACTNESS.md); it does not depend
+/// on the span, so partials never depend on the thread count.
+#[cfg(target_arch = "x86_64")]
+fn q8_0_scores(
+    shape: AttnShape,
+    q: &[f32],
+    keys: &PageRows,
+    (from, len): (usize, usize),
+    scores: &mut [f32],
+) -> bool {
+    use super::quant_dots::{strided_dots_task, Isa};
+    use super::quant_rows::Rows8;
+    use crate::backend::KvType;
+    use crate::quant::{BlockQ8_0, QK};
+    let PageRows::Packed {
+        ty: KvType::Q8_0,
+        bytes,
+    } = keys
+    else {
+        return false;
+    };
+    let (Some(isa), Ok(blocks)) = (
+        Isa::best(),
+        bytemuck::try_cast_slice::<u8, BlockQ8_0>(bytes),
+    ) else {
+        return false;
+    };
+    if len == 0 {
+        return true;
+    }
+    let AttnShape {
+        q_heads,
+        kv_heads,
+        head_dim: d,
+    } = shape;
+    let (group, per_head) = (q_heads / kv_heads, d / QK);
+    let queries: Option<Vec<Rows8>> = q
+        .chunks_exact(group * d)
+        .map(|x| Rows8::quantise(x, d, QK))
+        .collect();
+    let Some(queries) = queries else {
+        return false;
+    };
+    // Per KV head, its keys every `stride` blocks: [len, group] dots, one call a head.
+    let stride = kv_heads * per_head;
+    let mut dots = vec![0.0f32; len * group];
+    for (kvh, x) in queries.iter().enumerate() {
+        let first = from * stride + kvh * per_head;
+        let keys = &blocks[first..first + (len - 1) * stride + per_head];
+        // SAFETY: `Isa::best` found the instructions on this CPU.
+        unsafe { strided_dots_task(isa, x, keys, stride, &mut dots) };
+        for (j, row) in dots.chunks_exact(group).enumerate() {
+            for (i, s) in row.iter().enumerate() {
+                scores[(kvh * group + i) * len + j] = *s;
+            }
+        }
+    }
+    true
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn q8_0_scores(_: AttnShape, _: &[f32], _: &PageRows, _: (usize, usize), _: &mut [f32]) -> bool {
+    false
 }
 
 /// Many queries: tasks over (KV head, [`ROWS`] query rows), each two `gemm` products.
@@ -433,6 +507,18 @@ mod tests {
         }
     }
 
+    /// The query a decode row scores `ty`'s keys with: rounded to q8_0 blocks per head where
+    /// q8_0 keys take integer dots (x86 with AVX2), else as it is.
+    fn as_scored(ty: KvType, q: &[f32], d: usize) -> Vec<f32> {
+        #[cfg(target_arch = "x86_64")]
+        if ty == KvType::Q8_0 && super::super::quant_dots::Isa::best().is_some() {
+            let rounded = super::super::quant_rows::Rows8::quantise(q, d, crate::quant::QK);
+            return rounded.unwrap().values();
+        }
+        let _ = (ty, d);
+        q.to_vec()
+    }
+
     /// One query row (the streamed form, over spans of keys merged in order) against f64
     /// attention of the values each cache type holds: before the page, inside its first span,
     /// and across several spans with the last one partly visible.
@@ -449,13 +535,14 @@ mod tests {
         let q = values(shape.q_heads * shape.head_dim, 3);
         for ty in KvType::ALL {
             let p = page_of(ty, start, row, k.clone(), values(len * row, 2));
+            let scored = as_scored(ty, &q, shape.head_dim);
             for pos in [50, start, start + 17, start + SPAN + 200, start + len + 9] {
                 let got = attend_page(shape, &q, &[pos], &p.page);
                 if pos < start {
                     assert!(got.l.iter().all(|&l| l == 0.0), "no key visible at {pos}");
                     continue;
                 }
-                check_row(&got, 0, shape, &q, pos, &p);
+                check_row(&got, 0, shape, &scored, pos, &p);
             }
         }
     }

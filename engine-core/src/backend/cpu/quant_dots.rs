@@ -772,30 +772,47 @@ impl Isa {
 /// # Safety
 /// The CPU must support `isa`'s instructions.
 pub unsafe fn dots_task<B: Dot8>(isa: Isa, x: &Rows8, w: &[B], out: &mut [f32]) {
+    // SAFETY: forwarded from the caller.
+    unsafe { strided_dots_task(isa, x, w, x.k / B::LEN, out) }
+}
+
+/// [`dots_task`] over weight rows that start every `stride` blocks of `w` (a row being
+/// `x.k / B::LEN` blocks): one KV head's keys in a page of q8_0 rows of every head.
+///
+/// # Safety
+/// The CPU must support `isa`'s instructions.
+pub unsafe fn strided_dots_task<B: Dot8>(
+    isa: Isa,
+    x: &Rows8,
+    w: &[B],
+    stride: usize,
+    out: &mut [f32],
+) {
     assert_eq!(
         x.q.len(),
         x.d.len() * B::LEN,
         "rows quantised per block of B::LEN"
     );
+    assert!(stride >= x.k / B::LEN);
     // SAFETY: forwarded from the caller.
     unsafe {
         match isa {
-            Isa::Avx2 => dots_task_avx2(x, w, out),
-            Isa::Avx512 | Isa::Vnni => dots_task_avx512(isa, x, w, out),
+            Isa::Avx2 => dots_task_avx2(x, w, stride, out),
+            Isa::Avx512 | Isa::Vnni => dots_task_avx512(isa, x, w, stride, out),
         }
     }
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dots_task_avx2<B: Dot8>(x: &Rows8, w: &[B], out: &mut [f32]) {
+unsafe fn dots_task_avx2<B: Dot8>(x: &Rows8, w: &[B], stride: usize, out: &mut [f32]) {
     // SAFETY: the caller checked the CPU.
-    unsafe { rows_task::<B, false>(Isa::Avx2, x, w, out) }
+    unsafe { rows_task::<B, false>(Isa::Avx2, x, (w, stride), out) }
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
-unsafe fn dots_task_avx512<B: Dot8>(isa: Isa, x: &Rows8, w: &[B], out: &mut [f32]) {
+unsafe fn dots_task_avx512<B: Dot8>(isa: Isa, x: &Rows8, w: &[B], stride: usize, out: &mut [f32]) {
     // SAFETY: the caller checked the CPU.
-    unsafe { rows_task::<B, true>(isa, x, w, out) }
+    unsafe { rows_task::<B, true>(isa, x, (w, stride), out) }
 }
 
 /// `dots_task`'s body, inlined into each entry point so that it is compiled with that
@@ -805,11 +822,21 @@ unsafe fn dots_task_avx512<B: Dot8>(isa: Isa, x: &Rows8, w: &[B], out: &mut [f32
 /// The CPU must support AVX2, FMA and F16C, with `WIDE` AVX-512 F and BW, and `isa`'s
 /// instructions.
 #[inline(always)]
-unsafe fn rows_task<B: Dot8, const WIDE: bool>(isa: Isa, x: &Rows8, w: &[B], out: &mut [f32]) {
+unsafe fn rows_task<B: Dot8, const WIDE: bool>(
+    isa: Isa,
+    x: &Rows8,
+    (w, stride): (&[B], usize),
+    out: &mut [f32],
+) {
     let (t, per_row) = (x.rows(), x.k / B::LEN);
-    let done = B::row_groups(isa, w, x, out);
-    let (w, out) = (&w[done * per_row..], &mut out[done * t..]);
-    for (wr, out_r) in w.chunks_exact(per_row).zip(out.chunks_exact_mut(t)) {
+    // The grouped kernels read whole rows one after another.
+    let done = match stride == per_row {
+        true => B::row_groups(isa, w, x, out),
+        false => 0,
+    };
+    let (w, out) = (&w[done * stride..], &mut out[done * t..]);
+    let rows = w.chunks(stride).map(|r| &r[..per_row]);
+    for (wr, out_r) in rows.zip(out.chunks_exact_mut(t)) {
         for (g, dst) in out_r.chunks_mut(4).enumerate() {
             let r0 = 4 * g;
             // SAFETY: forwarded from the caller.
