@@ -3,7 +3,7 @@
 //! Pages of f32 rows are read in place. Compact pages (f16, q8_0, q4_0) are widened as they are
 //! read: a decode row widens one key or value row at a time into a scratch row (as llama.cpp's
 //! CPU attention widens a quantised V row), so the page is read once in its compact size,
-//! except q8_0 keys on x86, which it scores with integer dots against the query rounded to
+//! except q8_0 keys on x86 with AVX2, which it scores with integer dots against the query rounded to
 //! q8_0 as llama.cpp does ([`q8_0_scores`]); the `gemm` form for many query rows widens the
 //! page's visible rows once per page, on every thread, into a transient buffer its products
 //! read.
@@ -161,6 +161,9 @@ fn q8_0_scores(
     };
     if len == 0 {
         return true;
+    }
+    if !shape.head_dim.is_multiple_of(QK) {
+        return false;
     }
     let AttnShape {
         q_heads,
