@@ -111,7 +111,13 @@ pub fn copied() -> u64 {
 /// Whether `bytes` may be copied given `available` (unknown: no): at most 7/8 of it, which
 /// leaves the rest for the KV cache, activations and the machine.
 pub fn fits(bytes: u64, available: Option<u64>) -> bool {
-    available.is_some_and(|a| bytes <= a / 8 * 7)
+    available.is_some_and(|a| bytes <= room(a))
+}
+
+/// What weights may take of `available` bytes: seven eighths, the rest for the KV cache,
+/// activations and the machine.
+pub fn room(available: u64) -> u64 {
+    available / 8 * 7
 }
 
 /// Memory the system can give now without swapping (`MemAvailable` on Linux, which counts

@@ -160,16 +160,26 @@ const UNKNOWN_ROOM: u64 = if cfg!(target_arch = "wasm32") {
     16 << 30
 };
 
+/// The memory available, if known, and the bytes synthetic weights may take of it.
+fn weight_room() -> (Option<u64>, u64) {
+    #[cfg(not(target_arch = "wasm32"))]
+    {
+        let available = crate::resident::available_memory();
+        (
+            available,
+            available.map_or(UNKNOWN_ROOM, crate::resident::room),
+        )
+    }
+    #[cfg(target_arch = "wasm32")]
+    (None, UNKNOWN_ROOM)
+}
+
 /// Refuses synthetic weights of `bytes` that would not fit, before any is made: a preset as
 /// large as the 27B (54 GB at bf16) is a shape to plan for, and generating it would swap, or
 /// abort a tab. They must fit in seven eighths of the memory available (as weights copied into
 /// huge pages must, `resident::fits`), or in [`UNKNOWN_ROOM`] where that is not known.
 fn check_room(bytes: u64, dtype: DType) -> Result<()> {
-    #[cfg(not(target_arch = "wasm32"))]
-    let available = crate::resident::available_memory();
-    #[cfg(target_arch = "wasm32")]
-    let available: Option<u64> = None;
-    let room = available.map_or(UNKNOWN_ROOM, |a| a / 8 * 7);
+    let (available, room) = weight_room();
     if bytes <= room {
         return Ok(());
     }
@@ -401,7 +411,7 @@ mod tests {
     fn weights_that_do_not_fit_are_refused_before_any_is_made() {
         use super::*;
         let c = preset("qwen35-27b").unwrap();
-        let room = crate::resident::available_memory().map_or(UNKNOWN_ROOM, |a| a / 8 * 7);
+        let (_, room) = weight_room();
         let bytes: u64 = tensor_shapes(&c)
             .unwrap()
             .iter()

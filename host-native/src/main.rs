@@ -188,12 +188,7 @@ fn plan(a: PlanArgs) -> anyhow::Result<()> {
             if h.has_helper() {
                 anyhow::bail!("--weights-type plans without loading the model: give the helpers as --helper-memory");
             }
-            let file_type = gguf_types::FileType::parse(ty).ok_or_else(|| {
-                anyhow::anyhow!(
-                    "--weights-type {ty}: expected one of {}",
-                    gguf_types::FileType::names()
-                )
-            })?;
+            let file_type = quantize::file_type("--weights-type", ty)?;
             let config = engine_core::source::load_config(&a.model, &a.synth)?;
             let layout = gguf_types::layout(&config, file_type)?;
             let weights = WeightBytes::of_layout(config.num_hidden_layers, &layout)?;

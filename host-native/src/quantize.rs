@@ -27,14 +27,18 @@ pub struct Args {
     synth: LoadOptions,
 }
 
-pub fn run(a: Args) -> Result<()> {
-    let target = quantize::FileType::parse(&a.dtype).with_context(|| {
+/// The llama.cpp file type `s` names, given as `flag`; an error lists the names.
+pub fn file_type(flag: &str, s: &str) -> Result<quantize::FileType> {
+    quantize::FileType::parse(s).with_context(|| {
         format!(
-            "--type {}: expected one of {}",
-            a.dtype,
+            "{flag} {s}: expected one of {}",
             quantize::FileType::names()
         )
-    })?;
+    })
+}
+
+pub fn run(a: Args) -> Result<()> {
+    let target = file_type("--type", &a.dtype)?;
     if a.output.exists() {
         bail!(
             "{} exists; tether does not overwrite it",

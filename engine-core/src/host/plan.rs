@@ -412,34 +412,7 @@ impl Choices {
         }
         let n = c.num_hidden_layers;
         if let Some(m) = p.host_memory {
-            // Never past the positions the model was trained for.
-            let limit = c.max_position_embeddings;
-            let tokens = |t: usize| match t >= limit {
-                true => format!("{limit} tokens (the model's limit; room for {t})"),
-                false => format!("{t} tokens"),
-            };
-            let host = host_room(c, p, m, self.ubatch);
-            let _ = write!(
-                t,
-                "context that fits at {}: {} on the host alone",
-                p.kv_types,
-                tokens(host)
-            );
-            let host_pages = (host, self.page_size);
-            match room_with_helpers(c, p, host_pages, self.split_layer.min(n)..n, self.ubatch) {
-                Some(all) => {
-                    let offers = p.helpers.iter().fold(0u64, |a, &o| a.saturating_add(o));
-                    let _ = writeln!(
-                        t,
-                        ", {} with the helpers' {} offered",
-                        tokens(all),
-                        gib(offers)
-                    );
-                }
-                None => {
-                    let _ = writeln!(t);
-                }
-            }
+            self.context_that_fits(t, c, p, m);
         }
         let host_kv = self.host_kv_tokens.unwrap_or(p.context).min(p.context);
         let host = host_needs(c, p, host_kv, self.ubatch);
@@ -469,6 +442,38 @@ impl Choices {
                 gib(offer)
             );
         }
+    }
+}
+
+impl Choices {
+    /// "context that fits at K/V: N on the host alone[, M with the helpers' X offered]", for a
+    /// host with `m` bytes; never past the positions the model was trained for.
+    fn context_that_fits(&self, t: &mut String, c: &ModelConfig, p: &PlanInput, m: u64) {
+        let limit = c.max_position_embeddings;
+        let tokens = |n: usize| match n >= limit {
+            true => format!("{limit} tokens (the model's limit; room for {n})"),
+            false => format!("{n} tokens"),
+        };
+        let host = host_room(c, p, m, self.ubatch);
+        let n = c.num_hidden_layers;
+        let tail = self.split_layer.min(n)..n;
+        let helpers = match room_with_helpers(c, p, (host, self.page_size), tail, self.ubatch) {
+            Some(all) => {
+                let offers = p.helpers.iter().fold(0u64, |a, &o| a.saturating_add(o));
+                format!(
+                    ", {} with the helpers' {} offered",
+                    tokens(all),
+                    gib(offers)
+                )
+            }
+            None => String::new(),
+        };
+        let _ = writeln!(
+            t,
+            "context that fits at {}: {} on the host alone{helpers}",
+            p.kv_types,
+            tokens(host)
+        );
     }
 }
 
