@@ -126,6 +126,8 @@ pub struct Fixed {
     pub split_layer: Option<usize>,
     /// The KV pages' types (`--cache-type-k/-v`, or the sequence's): every caller sets them.
     pub kv_types: CacheTypes,
+    /// `serve`'s conversation checkpoints (`--checkpoints`), which take host memory too.
+    pub checkpoints: Option<usize>,
 }
 
 /// Where a helper comes from.
@@ -510,6 +512,7 @@ impl HelperArgs {
                 .map(|l| (l.bandwidth_bps, l.latency.as_secs_f64())),
             speeds,
             kv_types: fixed.kv_types,
+            checkpoints: fixed.checkpoints,
         };
         Plan::new(config, &input)
     }

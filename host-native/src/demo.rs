@@ -126,6 +126,7 @@ pub fn run(a: Args) -> Result<()> {
             link: None,
             speeds: None,
             kv_types: CacheTypes::F32,
+            checkpoints: None,
         },
     );
     let split = decided.split_layer;

@@ -1440,3 +1440,42 @@ fn tether_pair_remembers_the_helper_for_later_commands() {
     assert!(run.status.success(), "{err}");
     let _ = std::fs::remove_dir_all(keys);
 }
+
+/// The context is the plan's: what `--host-memory` leaves beside the weights, the DeltaNet
+/// states (the live one, the empty origin and each conversation checkpoint, with the
+/// checkpoints' logits), a ubatch's activations and an eighth for the rest of the machine, in
+/// whole pages, counted here from the model's own sizes.
+#[test]
+fn the_context_is_the_whole_pages_the_plan_says_fit() {
+    let c = engine_core::synth::preset("tiny").unwrap();
+    let model = engine_core::source::load_model("tiny", &Default::default()).unwrap();
+    let n = c.num_hidden_layers;
+    // 2 full-attention layers x (K and V) x 2 KV heads x 16 dimensions x 2 bytes (f16).
+    let per_token = 2 * 2 * 2 * 16 * 2;
+    let state = engine_core::State::delta_bytes_for(&c, 0..n) as u64;
+    let others =
+        model.weight_bytes() as u64 + state + engine_core::host::plan::activation_bytes(&c, 512);
+    // Room for about 2000 positions with no checkpoints.
+    let m = (others + 2000 * per_token) * 8 / 7;
+    for checkpoints in [0u64, 8] {
+        let kept = others + (1 + checkpoints) * state + checkpoints * c.vocab_size as u64 * 4;
+        let fits = (m - m / 8).saturating_sub(kept) / per_token;
+        let want = fits / 16 * 16;
+        let s = Server::start(
+            "tiny",
+            &[
+                "--host-memory",
+                &m.to_string(),
+                "--page-size",
+                "16",
+                "--checkpoints",
+                &checkpoints.to_string(),
+            ],
+        );
+        let (_, health) = s.get("/health");
+        let health: Value = serde_json::from_str(&health).unwrap();
+        assert_eq!(health["kv_bytes_per_token"], per_token, "{health}");
+        assert_eq!(health["context_tokens"], want, "{checkpoints}: {health}");
+        assert!(want > 0 && want < 4096, "{want}");
+    }
+}

@@ -322,6 +322,7 @@ fn planned(c: &ModelConfig, s: &Settings) -> Plan {
             link: Some((s.bandwidth_mbps * 1e6, s.latency_ms / 1e3)),
             speeds: None,
             kv_types: CacheTypes::F32,
+            checkpoints: None,
         },
     )
 }

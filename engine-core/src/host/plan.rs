@@ -167,6 +167,10 @@ pub struct PlanInput {
     pub speeds: Option<Speeds>,
     /// How the host's KV cache stores keys and values.
     pub kv_types: CacheTypes,
+    /// Conversation checkpoints the host keeps beside the live sequence (`Some(k)`: `serve`,
+    /// which also keeps the empty origin; each is a copy of every DeltaNet state and, the
+    /// saved turns, their logits: [`Footprint::of`]); `None` for one run.
+    pub checkpoints: Option<usize>,
 }
 
 /// Prefill speeds measured at connect (`calibrate`): the seconds the host and the prefill
@@ -212,7 +216,21 @@ pub struct Plan {
     pub ubatch: usize,
     /// How the host's KV pages store keys and values (as given: `--cache-type-k/-v`).
     pub kv_types: CacheTypes,
+    /// The context that fits this host (`None`: its free memory or weights are unknown).
+    pub room: Option<Room>,
     pub text: String,
+}
+
+/// Positions of context whose KV, at the plan's types, fits beside everything else.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Room {
+    /// On the host alone (not rounded to pages).
+    pub host: usize,
+    /// With the helpers' offers too, the host keeping `host` in whole pages (`None` without
+    /// helpers, or while an offer is not known).
+    pub with_helpers: Option<usize>,
+    /// On the helpers' offers alone, the host keeping none (`None` as for `with_helpers`).
+    pub on_helpers: Option<usize>,
 }
 
 impl Plan {
@@ -343,6 +361,7 @@ impl Plan {
             split_layer,
             ubatch,
             kv_types: p.kv_types,
+            room: choices.room,
             text: t,
         }
     }
@@ -372,6 +391,7 @@ struct Choices {
     host_kv_tokens: Option<usize>,
     split_layer: usize,
     ubatch: usize,
+    room: Option<Room>,
     why: [String; 4],
 }
 
@@ -387,13 +407,16 @@ impl Choices {
             None => budget.map(|b| b / page_size * page_size),
         };
         let (split_layer, why_split) = choose_split(c, p, ubatch);
-        Choices {
+        let mut choices = Choices {
             page_size,
             host_kv_tokens,
             split_layer,
             ubatch,
+            room: None,
             why: [why_page, why_budget, why_split, why_ubatch],
-        }
+        };
+        choices.room = choices.room(c, p);
+        choices
     }
 
     /// The choices, then what each device holds with them.
@@ -411,9 +434,7 @@ impl Choices {
             return;
         }
         let n = c.num_hidden_layers;
-        if let Some(m) = p.host_memory {
-            self.context_that_fits(t, c, p, m);
-        }
+        self.context_that_fits(t, c, p);
         let host_kv = self.host_kv_tokens.unwrap_or(p.context).min(p.context);
         let host = host_needs(c, p, host_kv, self.ubatch);
         let _ = writeln!(t, "memory at {} tokens of context:", p.context);
@@ -446,18 +467,32 @@ impl Choices {
 }
 
 impl Choices {
-    /// "context that fits at K/V: N on the host alone[, M with the helpers' X offered]", for a
-    /// host with `m` bytes; never past the positions the model was trained for.
-    fn context_that_fits(&self, t: &mut String, c: &ModelConfig, p: &PlanInput, m: u64) {
+    /// The context that fits a host with `p.host_memory` bytes, if known, and the weights'
+    /// bytes (a simulation counts none, so it has no room to say).
+    fn room(&self, c: &ModelConfig, p: &PlanInput) -> Option<Room> {
+        let m = p.host_memory.filter(|_| !p.weights.layers.is_empty())?;
+        let host = host_room(c, p, m, self.ubatch);
+        let n = c.num_hidden_layers;
+        let tail = self.split_layer.min(n)..n;
+        let with_host =
+            |kept| room_with_helpers(c, p, (kept, self.page_size), tail.clone(), self.ubatch);
+        Some(Room {
+            host,
+            with_helpers: with_host(host),
+            on_helpers: with_host(0),
+        })
+    }
+
+    /// "context that fits at K/V: N on the host alone[, M with the helpers' X offered]";
+    /// never past the positions the model was trained for.
+    fn context_that_fits(&self, t: &mut String, c: &ModelConfig, p: &PlanInput) {
+        let Some(room) = self.room else { return };
         let limit = c.max_position_embeddings;
         let tokens = |n: usize| match n >= limit {
             true => format!("{limit} tokens (the model's limit; room for {n})"),
             false => format!("{n} tokens"),
         };
-        let host = host_room(c, p, m, self.ubatch);
-        let n = c.num_hidden_layers;
-        let tail = self.split_layer.min(n)..n;
-        let helpers = match room_with_helpers(c, p, (host, self.page_size), tail, self.ubatch) {
+        let helpers = match room.with_helpers {
             Some(all) => {
                 let offers = p.helpers.iter().fold(0u64, |a, &o| a.saturating_add(o));
                 format!(
@@ -472,7 +507,7 @@ impl Choices {
             t,
             "context that fits at {}: {} on the host alone{helpers}",
             p.kv_types,
-            tokens(host)
+            tokens(room.host)
         );
     }
 }
@@ -533,14 +568,17 @@ fn gib(b: u64) -> String {
     }
 }
 
-/// What the host holds: every weight, the KV of `host_kv` positions, every DeltaNet state and a
-/// ubatch's activations.
+/// What the host holds: every weight, the KV of `host_kv` positions, every DeltaNet state (and
+/// `serve`'s conversation checkpoints) and a ubatch's activations.
 fn host_needs(c: &ModelConfig, p: &PlanInput, host_kv: usize, ubatch: usize) -> Held {
     let n = c.num_hidden_layers;
     Held {
         weights: p.weights.of_layers(0..n) + p.weights.ends,
         kv: c.kv_bytes(p.kv_types, 0..n, host_kv) as u64,
-        state: State::delta_bytes_for(c, 0..n) as u64,
+        state: match p.checkpoints {
+            None => State::delta_bytes_for(c, 0..n) as u64,
+            Some(k) => Footprint::of(c, p.kv_types, k).fixed,
+        },
         activations: activation_bytes(c, ubatch),
     }
 }
@@ -878,6 +916,7 @@ mod tests {
             link: Some((10e9, 50e-6)),
             speeds: None,
             kv_types: CacheTypes::F32,
+            checkpoints: None,
         }
     }
 
@@ -1117,6 +1156,17 @@ mod tests {
             + m / 8;
         assert!(others + host as u64 * per_token <= m, "{host}");
         assert!(others + (host as u64 + 1) * per_token > m, "{host}");
+        // `serve`'s conversation checkpoints (the origin and 4 saved turns: every DeltaNet
+        // state each, the turns' logits) come off the host's room.
+        let served = PlanInput {
+            checkpoints: Some(4),
+            ..p.clone()
+        };
+        let served = Plan::new(&c, &served).room.unwrap().host as u64;
+        let kept =
+            others + Footprint::of(&c, types, 4).fixed - State::delta_bytes_for(&c, 0..24) as u64;
+        assert!(served < host as u64, "{served}");
+        assert!(kept + served * per_token <= m && kept + (served + 1) * per_token > m);
         // The helper mirrors layers split..24 at every position and holds the other
         // layers' pages past the host's.
         let n_tail = c.count_layers(plan.split_layer..24, LayerKind::FullAttention) as u64;
@@ -1128,6 +1178,11 @@ mod tests {
         let held = |t: u64| fixed + tail_token * t + (per_token - tail_token) * (t - kept);
         assert!(all as u64 > kept && held(all as u64) <= 1 << 30, "{all}");
         assert!(held(all as u64 + 1) > 1 << 30, "{all}");
+        let room = plan.room.unwrap();
+        assert_eq!((room.host, room.with_helpers), (host, Some(all)));
+        // By themselves the helpers hold what the first can mirror beside its state.
+        let alone = (1u64 << 30).saturating_sub(fixed) / per_token;
+        assert_eq!(room.on_helpers, Some(alone as usize));
         // Beside a second helper with room for everything, the context is what the first,
         // the prefill helper, can mirror from its own offer; offers near u64::MAX neither
         // overflow nor change that.

@@ -47,11 +47,18 @@ pub struct Helpers {
     /// Helpers the first request waits for, and how long (`--wait-helpers` on the server's
     /// own port, where none can join before it listens).
     first: Option<(usize, Duration)>,
+    /// The server's conversation checkpoints, which its plans count in the host's memory.
+    checkpoints: usize,
 }
 
 impl Helpers {
-    pub fn new(args: HelperArgs, attached: Vec<Attached>, every: Duration) -> Helpers {
+    pub fn new(
+        args: HelperArgs,
+        attached: Vec<Attached>,
+        (every, checkpoints): (Duration, usize),
+    ) -> Helpers {
         Helpers {
+            checkpoints,
             attached: Arc::new(Mutex::new(attached)),
             every,
             next_try: Instant::now(),
@@ -72,7 +79,7 @@ impl Helpers {
         (context, prompt): (usize, usize),
     ) -> String {
         let offers = super::serving_offers(&self.args, seq);
-        let fixed = super::fixed(seq, page_size, ubatch);
+        let fixed = super::fixed(seq, (page_size, ubatch), self.checkpoints);
         self.args
             .plan_for(model, offers, fixed, context, prompt)
             .text

@@ -42,9 +42,7 @@ use cross_site::Cors;
 use engine::Engine;
 use engine_core::backend::KvType;
 use engine_core::host::plan::Speeds;
-use engine_core::host::remote::HelperClient;
 use engine_core::host::Sequence;
-use engine_core::{Model, State};
 use helpers::Helpers;
 use memory::Footprint;
 use metrics::Metrics;
@@ -144,10 +142,10 @@ pub fn run(a: Args) -> Result<()> {
     );
     let (backend, what) = a.engine.backend_for(&l.model)?;
     info!("backend: {what}");
-    // The helper's layers are chosen for the largest context the server may choose; the page
-    // size is the plan's for it, made before the state as a session's is (the server then
-    // sizes its context and host KV budget by its own rule, memory::choose_context, which
-    // counts conversation checkpoints the plan does not).
+    // The plan decides: the page size before the state (as a session's is, for the largest
+    // context the server may choose), then, with the helpers attached and their offers known,
+    // the context that fits (`Plan::room`, counting the conversation checkpoints), then the
+    // host's KV budget for that context.
     let most = a.ctx_size.unwrap_or(config.max_position_embeddings);
     let kv_types = a.engine.cache.types_or(KvType::F16);
     let start = a.engine.helper.plan_for(
@@ -157,6 +155,7 @@ pub fn run(a: Args) -> Result<()> {
             page_size: a.engine.page_size,
             ubatch: Some(a.ubatch),
             kv_types,
+            checkpoints: Some(a.checkpoints),
             ..Fixed::default()
         },
         most,
@@ -169,19 +168,26 @@ pub fn run(a: Args) -> Result<()> {
         .helper
         .attach(&l.model, &*backend, &mut seq, page_size, most)?;
     let has_helpers = a.engine.helper.has_helper();
-    let available = memory::available();
-    let footprint = Footprint::of(config, kv_types, a.checkpoints);
+    let planned = |seq: &Sequence, ctx: usize| {
+        a.engine.helper.plan_for(
+            &l.model,
+            serving_offers(&a.engine.helper, seq),
+            fixed(seq, (page_size, a.ubatch), a.checkpoints),
+            ctx,
+            ctx.min(2048),
+        )
+    };
+    let available = a.engine.helper.host_memory();
     let context = memory::choose_context(
         a.ctx_size,
-        footprint,
-        available,
-        page_size,
+        planned(&seq, most).room,
+        (Footprint::of(config, kv_types, a.checkpoints), page_size),
         config.max_position_embeddings,
-        helper_positions(&l.model, &seq, footprint, page_size),
+        available,
     )?;
     let ctx = context.tokens;
     info!(
-        "context: {ctx} tokens (KV {} bytes/token, {} free; {} on the helper)",
+        "context: {ctx} tokens (KV {} bytes/token, {} free; {} on the helpers)",
         context.footprint.per_token,
         available.map_or_else(|| "unknown".into(), memory::gib),
         context.on_helper
@@ -194,14 +200,8 @@ pub fn run(a: Args) -> Result<()> {
     if !seq.placement.helpers.is_empty() && seq.placement.host_kv_tokens.is_none() {
         seq.placement.host_kv_tokens = context.on_host;
     }
+    let plan = planned(&seq, ctx);
     let prompt = ctx.min(2048);
-    let plan = a.engine.helper.plan_for(
-        &l.model,
-        serving_offers(&a.engine.helper, &seq),
-        fixed(&seq, page_size, a.ubatch),
-        ctx,
-        prompt,
-    );
     eprint!(
         "plan for a {ctx}-token context and a {prompt}-token prompt:\n{}",
         plan.text
@@ -238,7 +238,7 @@ pub fn run(a: Args) -> Result<()> {
         Helpers::new(
             a.engine.helper.clone(),
             attached,
-            Duration::from_secs(a.helper_retry),
+            (Duration::from_secs(a.helper_retry), a.checkpoints),
         )
     });
     let budget = a
@@ -381,9 +381,9 @@ pub fn serving_offers(h: &HelperArgs, seq: &Sequence) -> (Vec<u64>, Option<Speed
 }
 
 /// What a server fixed before planning: its page size, its ubatch on the host alone, the
-/// host's KV budget its context rule chose and the split its prefill helper was configured
-/// with (so the plan it prints gives the split that runs).
-pub fn fixed(seq: &Sequence, page_size: usize, ubatch: usize) -> Fixed {
+/// host's KV budget its context rule chose, the split its prefill helper was configured with
+/// (so the plan it prints gives the split that runs) and its conversation checkpoints.
+pub fn fixed(seq: &Sequence, (page_size, ubatch): (usize, usize), checkpoints: usize) -> Fixed {
     Fixed {
         page_size: Some(page_size),
         kv_types: seq.state.kv_types(),
@@ -393,18 +393,6 @@ pub fn fixed(seq: &Sequence, page_size: usize, ubatch: usize) -> Fixed {
             .placement
             .prefill_helper()
             .map(|h| h.prefill_layers.start),
+        checkpoints: Some(checkpoints),
     }
-}
-
-/// Positions of KV the attached helpers offered to hold, each beside the DeltaNet states of
-/// the layers it runs in a split prefill (0 without a helper).
-fn helper_positions(model: &Model, seq: &Sequence, fp: Footprint, page_size: usize) -> usize {
-    let fits = |helper: &HelperClient| {
-        let kv_only = Footprint {
-            fixed: State::delta_bytes_for(&model.config, helper.prefill_layers.clone()) as u64,
-            ..fp
-        };
-        kv_only.fitting(helper.helper.mem_offer, page_size)
-    };
-    seq.placement.helpers.iter().map(fits).sum()
 }
