@@ -1,10 +1,14 @@
 //! Turning logits into tokens: the sampler (greedy, or temperature with top-k / top-p / min-p
-//! filters and a seeded RNG) and the prefill-then-decode loop shared by every front end.
+//! filters and a seeded RNG) and the prefill-then-decode loop shared by every front end, with
+//! speculative steps where drafts are asked for.
+
+use std::collections::VecDeque;
 
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
 use crate::backend::Backend;
+use crate::draft::{Drafter, MAX_DRAFT};
 use crate::error::{Error, Result};
 use crate::host::split::{self, SplitPlan, SplitReport};
 use crate::host::Sequence;
@@ -136,6 +140,15 @@ impl Sampler {
 /// One sequence being generated: prefill the prompt, then draw tokens one at a time. A drawn
 /// token is fed to the model only when the next one is asked for, so the last token of a
 /// generation costs no forward pass.
+///
+/// With drafts ([`Self::with_drafter`]) feeding a token is a speculative step: the drafted
+/// tokens ride along in the same forward pass (each row computed as its own decode step
+/// would be: [`crate::backend::STEP_ROWS`]), the sampler draws from each row's logits in
+/// turn, and the drafts are kept while they match its draws. A mismatch rewinds the sequence
+/// to its checkpoint from before the pass and feeds the kept tokens again, so the state, the
+/// logits and every token are those of plain decoding: greedy, bit for bit; sampled, the same
+/// distribution (a draft is one token, so drawing and comparing is the lossless rule
+/// `min(1, p/q)` with the residual drawn from).
 pub struct Generation<'a> {
     model: &'a Model,
     backend: &'a dyn Backend,
@@ -144,6 +157,26 @@ pub struct Generation<'a> {
     stop: Vec<u32>,
     logits: Vec<f32>,
     pending: Option<u32>,
+    drafter: Option<Box<dyn Drafter + Send + 'a>>,
+    /// Every token consumed or to be: the n-gram drafter's context.
+    context: Vec<u32>,
+    /// Drafts kept by the last step, returned before anything is drawn.
+    ready: VecDeque<u32>,
+    /// The sampler's draw at a step's first mismatch: the next token.
+    drawn: Option<u32>,
+    /// Tokens the caller may still take (`None`: no limit), so no draft runs past it.
+    room: Option<usize>,
+    pub stats: DraftStats,
+}
+
+/// What speculation did: drafted tokens, those kept, and the passes that checked them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DraftStats {
+    pub drafted: usize,
+    pub accepted: usize,
+    pub steps: usize,
+    /// Steps whose mismatch made the kept tokens be fed again.
+    pub replays: usize,
 }
 
 impl<'a> Generation<'a> {
@@ -162,7 +195,25 @@ impl<'a> Generation<'a> {
             stop,
             logits: Vec::new(),
             pending: None,
+            drafter: None,
+            context: Vec::new(),
+            ready: VecDeque::new(),
+            drawn: None,
+            room: None,
+            stats: DraftStats::default(),
         }
+    }
+
+    /// Speculate with the drafts of `drafter` (`None`: decode one token a pass).
+    pub fn with_drafter(mut self, drafter: Option<Box<dyn Drafter + Send + 'a>>) -> Self {
+        self.drafter = drafter;
+        self
+    }
+
+    /// At most `n` more tokens will be taken: drafts never run past them (a server's state then
+    /// holds no token it did not send).
+    pub fn limit(&mut self, n: usize) {
+        self.room = Some(n);
     }
 
     /// Run the prompt in ubatches (split with the sequence's helper when `plan` says so); only
@@ -175,6 +226,7 @@ impl<'a> Generation<'a> {
             split::prefill(self.model, self.backend, &mut self.seq, prompt, plan)?;
         self.logits = logits;
         self.pending = None;
+        self.context.extend_from_slice(prompt);
         Ok(report)
     }
 
@@ -186,20 +238,80 @@ impl<'a> Generation<'a> {
 
     /// The next token, or `None` at a stop token.
     pub fn next_token(&mut self) -> Result<Option<u32>> {
-        if let Some(tok) = self.pending.take() {
-            self.logits = self
-                .seq
-                .forward(self.model, self.backend, &[tok], Logits::Last, None)?;
+        if self.ready.is_empty() {
+            if let Some(tok) = self.pending.take() {
+                self.feed(tok)?;
+            }
         }
-        if self.logits.is_empty() {
-            return Err(Error::Invalid("next_token called before prefill".into()));
+        let tok = match self.ready.pop_front() {
+            Some(kept) => kept,
+            None => {
+                if self.logits.is_empty() {
+                    return Err(Error::Invalid("next_token called before prefill".into()));
+                }
+                let tok = match self.drawn.take() {
+                    Some(tok) => tok,
+                    None => self.sampler.sample(&self.logits),
+                };
+                if self.stop.contains(&tok) {
+                    return Ok(None);
+                }
+                self.pending = Some(tok);
+                tok
+            }
+        };
+        if let Some(room) = &mut self.room {
+            *room = room.saturating_sub(1);
         }
-        let tok = self.sampler.sample(&self.logits);
-        if self.stop.contains(&tok) {
-            return Ok(None);
-        }
-        self.pending = Some(tok);
         Ok(Some(tok))
+    }
+
+    /// Feed `tok`, with a draft if there is one to check: afterwards the logits are those
+    /// after the last token fed, and the drafts kept wait in `ready`.
+    fn feed(&mut self, tok: u32) -> Result<()> {
+        let (model, be) = (self.model, self.backend);
+        self.context.push(tok);
+        // `tok` itself was counted when drawn; each kept draft and the token after them count.
+        let room = self.room.map_or(usize::MAX, |r| r.saturating_sub(1));
+        let draft = match &mut self.drafter {
+            Some(d) => d.propose(&self.context, room.min(MAX_DRAFT)),
+            None => Vec::new(),
+        };
+        if draft.is_empty() {
+            self.logits = self.seq.forward(model, be, &[tok], Logits::Last, None)?;
+            return Ok(());
+        }
+        let before = self.seq.state.checkpoint(be);
+        let rows: Vec<u32> = std::iter::once(tok).chain(draft.iter().copied()).collect();
+        let all = self.seq.forward(model, be, &rows, Logits::All, None)?;
+        let vocab = all.len() / rows.len();
+        let row = |i: usize| &all[i * vocab..(i + 1) * vocab];
+        let mut kept = 0;
+        for (i, &d) in draft.iter().enumerate() {
+            // A stop token is never fed: the check ends before it, and the next draw is free.
+            if self.stop.contains(&d) {
+                break;
+            }
+            let drawn = self.sampler.sample(row(i));
+            if drawn != d {
+                self.drawn = Some(drawn);
+                break;
+            }
+            kept += 1;
+        }
+        if kept < draft.len() {
+            self.seq.rewind(be, &before)?;
+            self.seq
+                .forward(model, be, &rows[..=kept], Logits::None, None)?;
+            self.stats.replays += 1;
+        }
+        self.logits = row(kept).to_vec();
+        self.context.extend_from_slice(&draft[..kept]);
+        self.ready.extend(&draft[..kept]);
+        self.stats.steps += 1;
+        self.stats.drafted += draft.len();
+        self.stats.accepted += kept;
+        Ok(())
     }
 }
 

@@ -7,6 +7,7 @@ pub mod backend;
 pub mod cache_types;
 pub mod config;
 pub mod convert;
+pub mod draft;
 pub mod error;
 pub mod generate;
 pub mod gguf;

@@ -19,6 +19,14 @@ pub use cpu::CpuBackend;
 pub use page_rows::PageRows;
 pub use pages::{KvPage, Merger, Partials};
 
+/// A forward pass of fewer rows than this computes each row exactly as a one-row decode step
+/// would: the same kernels in the same reduction order, whatever the other rows (the CPU's
+/// matrix products below `gemm`, attention streamed row by row, the delta rule's recurrent
+/// form). So a speculative verify of up to 15 drafted rows gives each row, bit for bit, the
+/// logits plain decoding gives it (docs/EXACTNESS.md); from this many rows on, prefill's
+/// faster forms (gemm, the chunked delta rule) take over.
+pub const STEP_ROWS: usize = 16;
+
 /// The backend called `name` (`cpu`; `gpu` in builds with the `gpu` feature; `metal` in Apple
 /// builds with the `metal` feature), and a line saying what it runs on.
 pub fn select(name: &str) -> crate::Result<(Box<dyn Backend>, String)> {

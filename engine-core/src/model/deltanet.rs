@@ -4,7 +4,7 @@
 
 use super::state::DeltaState;
 use super::Loader;
-use crate::backend::{Act, Backend, DeltaInputs, DeltaShape, Param};
+use crate::backend::{Act, Backend, DeltaInputs, DeltaShape, Param, STEP_ROWS};
 use crate::config::{ModelConfig, WeightLayout};
 use crate::error::Result;
 use crate::tensor::Matrix;
@@ -112,7 +112,9 @@ impl DeltaNet {
             g: &a,
             beta: &b,
         };
-        let mut o = if t == 1 {
+        // A few rows (a decode step, a speculative verify) take the recurrent form, row by row
+        // as decode does, so each row's output is its decode step's.
+        let mut o = if t < STEP_ROWS {
             be.delta_rule_recurrent(s, inputs, &mut st.s)
         } else {
             be.delta_rule_chunked(s, inputs, &mut st.s)

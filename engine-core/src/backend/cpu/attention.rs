@@ -13,7 +13,7 @@ use super::gemm::{product, Mat};
 #[cfg(target_arch = "wasm32")]
 use super::matmul::dot;
 use super::matmul::{axpy, dots_task};
-use crate::backend::AttnShape;
+use crate::backend::{AttnShape, STEP_ROWS};
 use crate::backend::{KvPage, Merger, PageRows, Partials};
 
 /// Keys per task of the streamed form: a task reads whole key and value rows (every KV head),
@@ -42,8 +42,21 @@ pub fn attend_page(shape: AttnShape, q: &[f32], q_pos: &[usize], page: &KvPage) 
     // `gemm`'s copy of every key and value row into its packed layout (1.0 against 1.27 ms
     // for a 4096-position page of Qwen3.5-0.8B). From two rows on, `gemm` is faster (1.57
     // against 1.76 ms).
+    // Fewer rows than `STEP_ROWS` (a speculative verify) are streamed one by one, so that each
+    // row's partials are those of its own decode step.
     match q_pos {
         &[pos] => streamed(shape, q, pos, page),
+        _ if q_pos.len() < STEP_ROWS => {
+            let width = shape.q_heads * shape.head_dim;
+            let mut all = Partials::empty(0, shape.head_dim);
+            for (q, &pos) in q.chunks_exact(width).zip(q_pos) {
+                let p = streamed(shape, q, pos, page);
+                all.o.extend(p.o);
+                all.m.extend(p.m);
+                all.l.extend(p.l);
+            }
+            all
+        }
         _ => blocked(shape, q, q_pos, page),
     }
 }
@@ -550,8 +563,8 @@ mod tests {
         }
     }
 
-    /// Many query rows (the `gemm` form) against the same reference, at every cache type:
-    /// rows before, inside and past the page.
+    /// Many query rows (the `gemm` form, `STEP_ROWS` of them or more) against the same
+    /// reference, at every cache type: rows before, inside and past the page.
     #[test]
     fn query_rows_match_f64_attention_at_every_cache_type() {
         let shape = AttnShape {
@@ -561,7 +574,9 @@ mod tests {
         };
         let (start, len) = (64, 150);
         let row = shape.kv_heads * shape.head_dim;
-        let positions = [10, 64, 65, 100, 150, 213, 300];
+        let positions: Vec<usize> = (0..super::STEP_ROWS + 1)
+            .map(|i| [10, 64, 65, 100, 150, 213, 300][i % 7] + i / 7)
+            .collect();
         let q = values(positions.len() * shape.q_heads * shape.head_dim, 4);
         let qd = shape.q_heads * shape.head_dim;
         for ty in KvType::ALL {
@@ -573,6 +588,34 @@ mod tests {
                     continue;
                 }
                 check_row(&got, r, shape, &q[r * qd..(r + 1) * qd], pos, &p);
+            }
+        }
+    }
+
+    /// Fewer rows than `STEP_ROWS` (a speculative verify) get, bit for bit, the partials each
+    /// row gets alone as a decode step, at every cache type.
+    #[test]
+    fn a_few_rows_are_their_decode_rows() {
+        let shape = AttnShape {
+            q_heads: 4,
+            kv_heads: 2,
+            head_dim: 64,
+        };
+        let (start, len) = (64, SPAN + 150);
+        let row = shape.kv_heads * shape.head_dim;
+        let positions = [10, 64, 65, 100, SPAN + 150, SPAN + 213, 2000];
+        let qd = shape.q_heads * shape.head_dim;
+        let q = values(positions.len() * qd, 4);
+        for ty in KvType::ALL {
+            let p = page_of(ty, start, row, values(len * row, 5), values(len * row, 6));
+            let got = attend_page(shape, &q, &positions, &p.page);
+            for (r, &pos) in positions.iter().enumerate() {
+                let one = attend_page(shape, &q[r * qd..][..qd], &[pos], &p.page);
+                let h = shape.q_heads;
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&got.o[r * qd..][..qd]), bits(&one.o), "{ty:?} row {r}");
+                assert_eq!(bits(&got.m[r * h..][..h]), bits(&one.m), "{ty:?} row {r}");
+                assert_eq!(bits(&got.l[r * h..][..h]), bits(&one.l), "{ty:?} row {r}");
             }
         }
     }

@@ -26,12 +26,13 @@ use crate::interleaved::BlockQ8_0x8;
 use crate::tensor::DType;
 use crate::tensor::{match_quant, Data, Matrix, QuantBlock, QK_K};
 
-/// Rows of `x` from which `gemm` beats the dot-product kernel. Measured on Zen 4 (2 threads) with
-/// bf16 weights, 1024x3584 and 3584x1024: the dot kernel is faster up to t = 12, the two are even
-/// at t = 16, and from t = 24 `gemm` is 25-30% faster: the weights' f32 copy and packing have
-/// paid off.
+/// Rows of `x` from which `gemm` takes over: below it every row's products are those of a
+/// one-row step ([`crate::backend::STEP_ROWS`]). Measured on Zen 4 (2 threads) with bf16
+/// weights, 1024x3584 and 3584x1024: the dot kernel is faster up to t = 12, the two are even at
+/// t = 16, and from t = 24 `gemm` is 25-30% faster: the weights' f32 copy and packing have paid
+/// off.
 #[cfg(not(target_arch = "wasm32"))]
-const GEMM_MIN_T: usize = 16;
+const GEMM_MIN_T: usize = crate::backend::STEP_ROWS;
 
 /// How far ahead of the weights being multiplied the decode kernels prefetch (on x86_64; a
 /// prefetch past the end of the weights is harmless: it does not fault). The hardware
@@ -56,8 +57,10 @@ pub(super) fn prefetch_ahead<B>(block: &B) {
 }
 
 /// Rows of `x` whose dot products with one weight row are taken together, so that each weight
-/// element loaded feeds several FMAs.
-const X_GROUP: usize = 4;
+/// element loaded feeds several FMAs. Two, so that one and two rows take the same
+/// accumulators (four AVX2 registers a row): a row's sum never depends on how many rows share
+/// its pass.
+const X_GROUP: usize = 2;
 
 /// How far rounding the activations can move a product of quantised weights: the integer
 /// kernels (`quant_dots`, decode on AVX2) round a row of `x` to 8 bits per block of the weight
@@ -168,10 +171,11 @@ pub fn interleaves_q8_0() -> bool {
     false
 }
 
-/// Interleaved Q8_0 weights (`per_row` blocks a row): decode on the interleaved kernel where
-/// this CPU has it and `x` is finite; otherwise (several rows of `x` below gemm's threshold,
-/// or infinite or NaN activations) each task widens its weight rows to f32 one at a time and
-/// multiplies them in f32, as the portable kernel does a block at a time.
+/// Interleaved Q8_0 weights (`per_row` blocks a row): the interleaved kernel where this CPU
+/// has it and `x` is finite, one row of `x` at a time (the kernel takes one), so that each row
+/// gets its one-row products while the task's weights stay in cache; otherwise (infinite or
+/// NaN activations) each task widens its weight rows to f32 one at a time and multiplies them
+/// in f32, as the portable kernel does a block at a time.
 #[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
 fn matmul_interleaved(
     x: &[f32],
@@ -182,21 +186,34 @@ fn matmul_interleaved(
     out: &mut [f32],
 ) {
     let (n, k) = (w.rows, w.cols);
+    // Tasks own whole groups: `rows_per_task` is a multiple of 16, `n` of 8.
+    let ids: Vec<usize> = (0..n).collect();
     #[cfg(target_arch = "x86_64")]
-    if t == 1 && avx2_available() {
+    if avx2_available() {
         if let Some(rows) = Rows8::quantise(x, k, crate::quant::QK) {
             use crate::interleaved::ROWS;
-            // Tasks of whole groups: `rows_per_task` is a multiple of 16, `n` of 8.
-            let task_rows = rows_per_task(n);
-            let groups = task_rows / ROWS * per_row;
-            return spread(out, task_rows, |i, o| {
-                let w = &blocks[i * groups..][..o.len() / ROWS * per_row];
-                // SAFETY: the CPU has AVX2, FMA and F16C.
-                unsafe { interleaved_dots::task(&rows, w, o) }
-            });
+            let singles: Vec<Rows8> = match t {
+                1 => Vec::new(),
+                _ => (0..t).map(|r| rows.row(r)).collect(),
+            };
+            let task = |ids: &[usize], o: &mut [f32]| {
+                let w = &blocks[ids[0] / ROWS * per_row..][..ids.len() / ROWS * per_row];
+                if t == 1 {
+                    // SAFETY: the CPU has AVX2, FMA and F16C.
+                    return unsafe { interleaved_dots::task(&rows, w, o) };
+                }
+                let mut one = vec![0.0f32; ids.len()];
+                for (r, single) in singles.iter().enumerate() {
+                    // SAFETY: as above.
+                    unsafe { interleaved_dots::task(single, w, &mut one) };
+                    for (j, &v) in one.iter().enumerate() {
+                        o[j * t + r] = v;
+                    }
+                }
+            };
+            return matmul_dots(t, &ids, n, task, out);
         }
     }
-    let ids: Vec<usize> = (0..n).collect();
     let task = |ids: &[usize], o: &mut [f32]| {
         let mut row = vec![0.0f32; k];
         for (&r, o) in ids.iter().zip(o.chunks_exact_mut(t)) {
@@ -293,11 +310,8 @@ pub(super) fn dots_task<T: Widen>(x: &[f32], k: usize, w: &[T], out: &mut [f32])
 }
 
 fn dots_task_portable<T: Widen>(x: &[f32], k: usize, w: &[T], out: &mut [f32]) {
-    // Lanes per row of `x`: 32 lanes (4 AVX2 registers) for few rows, 16 for more, so that there
-    // are enough independent FMA chains without running out of registers.
+    // 32 lanes (4 AVX2 registers) per row of `x`, the same for one row or two.
     for_each_group(x, k, w, k, out, |wr, xg, dst| match dst.len() {
-        4 => dst.copy_from_slice(&dots::<T, 4, 16>(wr, xg)),
-        3 => dst.copy_from_slice(&dots::<T, 3, 16>(wr, xg)),
         2 => dst.copy_from_slice(&dots::<T, 2, 32>(wr, xg)),
         _ => dst.copy_from_slice(&dots::<T, 1, 32>(wr, xg)),
     });
@@ -328,8 +342,6 @@ fn for_each_group<T>(
 /// kernel of every quantised type, and the only one of those without their own.
 fn dots_task_quant<B: QuantBlock>(x: &[f32], k: usize, w: &[B], out: &mut [f32]) {
     for_each_group(x, k, w, k / B::LEN, out, |wr, xg, dst| match dst.len() {
-        4 => dst.copy_from_slice(&dots_quant::<B, 4>(wr, xg)),
-        3 => dst.copy_from_slice(&dots_quant::<B, 3>(wr, xg)),
         2 => dst.copy_from_slice(&dots_quant::<B, 2>(wr, xg)),
         _ => dst.copy_from_slice(&dots_quant::<B, 1>(wr, xg)),
     });
@@ -496,15 +508,14 @@ mod avx2 {
     /// The CPU must support AVX2, FMA and F16C.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dots_task<T: Widen>(x: &[f32], k: usize, w: &[T], out: &mut [f32]) {
-        // Accumulator registers per row of `x`: 4 chains in flight for one row, 6-8 for more,
-        // which covers FMA latency (4 cycles) times its two pipes without spilling.
+        // Four accumulator registers per row of `x` (4 chains in flight for one row, 8 for
+        // two, which covers FMA latency without spilling), the same for one row or two, so a
+        // row's sum is the one its one-row step computes.
         for_each_group(x, k, w, k, out, |wr, xg, dst| {
             // SAFETY: this closure runs only inside `dots_task`, whose caller checked the CPU.
             unsafe {
                 match dst.len() {
-                    4 => dst.copy_from_slice(&dots::<T, 4, 2>(wr, xg)),
-                    3 => dst.copy_from_slice(&dots::<T, 3, 2>(wr, xg)),
-                    2 => dst.copy_from_slice(&dots::<T, 2, 2>(wr, xg)),
+                    2 => dst.copy_from_slice(&dots::<T, 2, 4>(wr, xg)),
                     _ => dst.copy_from_slice(&dots::<T, 1, 4>(wr, xg)),
                 }
             }
@@ -1006,6 +1017,71 @@ pub(super) mod tests {
                         let x = values(t * k, t as u64 + 7);
                         let rounded = Rows8::quantise(&x, k, block).unwrap().values();
                         check_against(&x, &rounded, n, k, dtype, kernel, |_, _| 0.0);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Below `STEP_ROWS` rows of `x`, every row gets, bit for bit, the products it gets alone
+    /// (a speculative verify's rows are then plain decode steps): every type on `matmul`, on the
+    /// portable kernel and on each integer kernel this CPU has, and interleaved Q8_0; over
+    /// one task and several, whole groups of weight rows and a remainder.
+    #[test]
+    fn each_row_gets_its_one_row_products() {
+        let mut kernels: Vec<(DType, Kernel)> = vec![(DType::Q8_0, interleaved)];
+        for dtype in [
+            DType::F32,
+            DType::BF16,
+            DType::F16,
+            DType::Q8_0,
+            DType::Q4_0,
+            DType::Q4_1,
+            DType::Q5_0,
+            DType::Iq4Nl,
+            DType::Q2K,
+            DType::Q3K,
+            DType::Q4K,
+            DType::Q5K,
+            DType::Q6K,
+            DType::Iq4Xs,
+        ] {
+            kernels.extend([(dtype, matmul as Kernel), (dtype, portable)]);
+            #[cfg(target_arch = "x86_64")]
+            if dtype.is_quantised() {
+                let isas = match quant_dots::Isa::best() {
+                    None => vec![],
+                    Some(quant_dots::Isa::Avx2) => vec![integer_avx2 as Kernel],
+                    Some(quant_dots::Isa::Avx512) => vec![integer_avx2, integer_avx512],
+                    Some(quant_dots::Isa::Vnni) => {
+                        vec![integer_avx2, integer_avx512, integer_vnni]
+                    }
+                };
+                kernels.extend(isas.into_iter().map(|f| (dtype, f)));
+            }
+        }
+        for (i, (dtype, f)) in kernels.into_iter().enumerate() {
+            let k = if dtype.block().0 == QK_K { 512 } else { 96 };
+            // Interleaved weights (the first) are whole groups of eight rows.
+            let shapes: &[usize] = if i == 0 { &[64, 296] } else { &[37, 64, 296] };
+            for &n in shapes {
+                let w = Matrix {
+                    rows: n,
+                    cols: k,
+                    data: Data::from_f32(&values(n * k, n as u64), dtype),
+                };
+                let x = values(15 * k, 3);
+                let mut one = vec![0.0f32; n];
+                for t in [2, 3, 5, 8, 15] {
+                    let mut all = vec![0.0f32; t * n];
+                    f(&x[..t * k], &w, &mut all);
+                    for (r, got) in all.chunks_exact(n).enumerate() {
+                        f(&x[r * k..][..k], &w, &mut one);
+                        let same = got
+                            .iter()
+                            .zip(&one)
+                            .all(|(a, b)| a.to_bits() == b.to_bits());
+                        assert!(same, "{dtype:?} kernel {i} n={n} t={t}: row {r} differs");
                     }
                 }
             }

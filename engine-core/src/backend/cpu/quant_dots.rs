@@ -85,6 +85,10 @@ pub trait Dot8: QuantBlock {
     fn row_groups(_isa: Isa, _w: &[Self], _x: &Rows8, _out: &mut [f32]) -> usize {
         0
     }
+
+    /// Whether [`Self::row_groups`] takes any rows: then several rows of `x` go through it one
+    /// at a time ([`row_groups_each`]), so that each gets its one-row products.
+    const GROUPED: bool = false;
 }
 
 /// A block as the kernel multiplies it. It lives in registers only, made and taken apart in
@@ -303,6 +307,8 @@ impl Dot8 for BlockQ4_0 {
     fn unpack(&self) -> Unpacked {
         Unpacked::signed(unsafe { centred(nibbles(&self.qs), 8) }, self.d.to_f32())
     }
+
+    const GROUPED: bool = true;
 
     #[inline(always)]
     fn row_groups(isa: Isa, w: &[Self], x: &Rows8, out: &mut [f32]) -> usize {
@@ -830,9 +836,10 @@ unsafe fn rows_task<B: Dot8, const WIDE: bool>(
 ) {
     let (t, per_row) = (x.rows(), x.k / B::LEN);
     // The grouped kernels read whole rows one after another.
-    let done = match stride == per_row {
-        true => B::row_groups(isa, w, x, out),
-        false => 0,
+    let done = match (stride == per_row, t) {
+        (true, 1) => B::row_groups(isa, w, x, out),
+        (true, _) if B::GROUPED => row_groups_each(isa, x, w, out),
+        _ => 0,
     };
     let (w, out) = (&w[done * stride..], &mut out[done * t..]);
     let rows = w.chunks(stride).map(|r| &r[..per_row]);
@@ -850,6 +857,36 @@ unsafe fn rows_task<B: Dot8, const WIDE: bool>(
             }
         }
     }
+}
+
+/// [`Dot8::row_groups`] for several rows of `x`, each on its own (the grouped kernels take
+/// one row), 16 weight rows at a time so that they stay in cache while every row of `x`
+/// passes: each row gets the products its one-row step gets, from the same leading rows of
+/// `w` (chunks start on multiples of 16, so the grouped kernels' groups of 8 or 16 fall where
+/// they fall for one row). Returns the weight rows done, as `row_groups` does.
+#[inline(always)]
+fn row_groups_each<B: Dot8>(isa: Isa, x: &Rows8, w: &[B], out: &mut [f32]) -> usize {
+    const CHUNK: usize = 16;
+    let (t, per_row) = (x.rows(), x.k / B::LEN);
+    let singles: Vec<Rows8> = (0..t).map(|r| x.row(r)).collect();
+    let mut one = [0.0f32; CHUNK];
+    let mut done = 0;
+    for (c, dst) in out.chunks_mut(CHUNK * t).enumerate() {
+        let rows = dst.len() / t;
+        let wc = &w[c * CHUNK * per_row..][..rows * per_row];
+        let mut got = 0;
+        for (r, single) in singles.iter().enumerate() {
+            got = B::row_groups(isa, wc, single, &mut one[..rows]);
+            for (i, &v) in one[..got].iter().enumerate() {
+                dst[i * t + r] = v;
+            }
+        }
+        done += got;
+        if got < rows {
+            break;
+        }
+    }
+    done
 }
 
 /// Dot products of one weight row with rows `r0 .. r0 + R` of `x`, block by block, into two

@@ -60,6 +60,18 @@ impl Rows8 {
         self.q.len() / self.k
     }
 
+    /// Row `r` alone, as quantising it alone would give it (rounding is per block of a row).
+    #[cfg(target_arch = "x86_64")]
+    pub(super) fn row(&self, r: usize) -> Rows8 {
+        let (k, blocks) = (self.k, self.d.len() / self.rows());
+        Rows8 {
+            k,
+            q: self.q[r * k..][..k].to_vec(),
+            d: self.d[r * blocks..][..blocks].to_vec(),
+            sums: self.sums[r * k / SUM_LEN..][..k / SUM_LEN].to_vec(),
+        }
+    }
+
     /// The rows as the kernels see them, `d[b] * q[i]`.
     #[cfg(test)]
     pub fn values(&self) -> Vec<f32> {
