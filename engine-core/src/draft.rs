@@ -112,8 +112,10 @@ impl Drafter for Replay {
     }
 }
 
-/// Up to `max` tokens that followed the latest earlier occurrence of the last `n` tokens of
-/// `context`, for the longest `n` up to [`NGRAM`] that occurs earlier.
+/// Up to `max` tokens that followed an earlier occurrence of the last `n` tokens of `context`,
+/// for the longest `n` up to [`NGRAM`] that occurs earlier: the latest occurrence with `max`
+/// tokens after it, else the one with the most (in a run of one repeated token the latest
+/// occurrence is followed by a single token).
 fn lookup(context: &[u32], max: usize) -> Vec<u32> {
     if max == 0 {
         return Vec::new();
@@ -123,10 +125,18 @@ fn lookup(context: &[u32], max: usize) -> Vec<u32> {
             continue;
         };
         let key = &context[start..];
-        let found = (0..start).rev().find(|&i| &context[i..i + n] == key);
-        if let Some(i) = found {
-            let from = i + n;
-            return context[from..(from + max).min(context.len())].to_vec();
+        let mut best: Option<(usize, usize)> = None;
+        for i in (0..start).rev().filter(|&i| &context[i..i + n] == key) {
+            let (from, len) = (i + n, (context.len() - i - n).min(max));
+            if best.is_none_or(|(_, l)| len > l) {
+                best = Some((from, len));
+            }
+            if len == max {
+                break;
+            }
+        }
+        if let Some((from, len)) = best {
+            return context[from..from + len].to_vec();
         }
     }
     Vec::new()
@@ -152,8 +162,12 @@ mod tests {
         assert_eq!(d.propose(&ctx, 100), vec![9, 8, 7, 6]);
         // Two tokens of room: two drafted.
         assert_eq!(d.propose(&ctx, 2), vec![9, 8]);
-        // No 3-gram or 2-gram match: the latest earlier occurrence of the last token.
-        assert_eq!(d.propose(&[5, 6, 7, 5, 8, 9, 5], 100), vec![8, 9, 5]);
+        // No 3-gram or 2-gram match: an earlier occurrence of the last token, the latest
+        // with a whole draft after it.
+        assert_eq!(d.propose(&[5, 6, 7, 5, 8, 9, 5], 100), vec![6, 7, 5, 8]);
+        assert_eq!(d.propose(&[5, 6, 7, 5, 8, 9, 5], 3), vec![8, 9, 5]);
+        // A run of one token: the occurrence with a whole draft after it.
+        assert_eq!(d.propose(&[5, 7, 7, 7, 7, 7, 7, 7], 100), vec![7, 7, 7, 7]);
         // Nothing repeats: nothing drafted.
         assert!(d.propose(&[1, 2, 3, 4], 100).is_empty());
         assert!(d.propose(&[], 100).is_empty());

@@ -7,16 +7,17 @@ use std::time::Instant;
 
 use anyhow::{bail, Result};
 use engine_core::backend::KvType;
-use engine_core::generate::argmax;
+use engine_core::draft::{Replay, MAX_DRAFT};
+use engine_core::generate::{Generation, Sampler, SamplingParams};
 use engine_core::host::minimum;
 use engine_core::host::plan;
-use engine_core::host::split::prefill;
+use engine_core::host::split::SplitPlan;
 use engine_core::host::telemetry::Telemetry;
 use engine_core::host::Sequence;
-use engine_core::Logits;
+use engine_core::{Backend, Logits, Model};
 
 use crate::attach::stats_json;
-use crate::load::EngineArgs;
+use crate::load::{DraftArgs, EngineArgs};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -39,6 +40,20 @@ pub struct Args {
     /// `tether serve` does for a watcher of /v1/telemetry: what watching a run costs.
     #[arg(long)]
     telemetry: bool,
+    #[command(flatten)]
+    draft: DraftArgs,
+    /// The prompt as text (its tokens, repeated or cut to --prompt-tokens) instead of
+    /// pseudo-random tokens: a workload whose continuation repeats its input, for --draft.
+    #[arg(long)]
+    prompt: Option<String>,
+    /// After the decode, time a verify pass of 1 + k rows for k = 1..K against one decode step
+    /// at the context reached (what checking k drafted tokens costs).
+    #[arg(long, default_value_t = 0)]
+    verify_rows: usize,
+    /// After the decode, decode the same tokens again on the host alone with drafts that replay
+    /// them (every draft kept, --draft-max a step): the most drafting can buy.
+    #[arg(long)]
+    draft_ceiling: bool,
 }
 
 /// Peak resident set size of this process (Linux's VmHWM), if the platform reports it.
@@ -76,7 +91,9 @@ pub fn run(a: Args) -> Result<()> {
         bail!("--prompt-tokens must be at least 1");
     }
     a.engine.start(false)?;
-    let model = a.engine.load(None)?.model;
+    let drafter = a.draft.drafts().drafter()?;
+    let loaded = a.engine.load(None)?;
+    let model = loaded.model;
     let (be, what) = a.engine.backend_for(&model)?;
     let be = &*be;
     eprintln!("backend: {what}");
@@ -90,7 +107,16 @@ pub fn run(a: Args) -> Result<()> {
         ((x >> 33) % v) as u32
     };
     let depth: Vec<u32> = (0..a.depth).map(|_| next_id()).collect();
-    let prompt: Vec<u32> = (0..a.prompt_tokens).map(|_| next_id()).collect();
+    let prompt: Vec<u32> = match &a.prompt {
+        Some(text) => {
+            let ids = loaded.tokenizer.encode(text)?;
+            if ids.is_empty() {
+                bail!("--prompt: no tokens");
+            }
+            ids.iter().cycle().take(a.prompt_tokens).copied().collect()
+        }
+        None => (0..a.prompt_tokens).map(|_| next_id()).collect(),
+    };
     let context = a.depth + a.prompt_tokens + a.gen;
     let types = a.engine.cache.types_or(KvType::F16);
     let (session, mut seq, helpers) =
@@ -110,9 +136,12 @@ pub fn run(a: Args) -> Result<()> {
     let (moved_before, pos_before) = (seq.state.remote_kv_len(), seq.state.pos);
     let plan = a.engine.helper.split_plan(&session);
     let split_ubatch = plan.ubatch.max(1);
+    let greedy = Sampler::new(SamplingParams::greedy())?;
+    let mut g = Generation::new(&model, be, seq, greedy, Vec::new()).with_drafter(drafter);
     let t0 = Instant::now();
-    let (mut logits, split) = prefill(&model, be, &mut seq, &prompt, &plan)?;
+    let split = g.prefill(&prompt, &plan)?;
     let prefill_s = t0.elapsed().as_secs_f64();
+    let seq = &mut g.seq;
     let prefill_link = link.map(|l| l.snapshot());
     for h in &helpers {
         h.stats.reset();
@@ -163,15 +192,22 @@ pub fn run(a: Args) -> Result<()> {
             moves + attend
         }
     });
+    // The first token is drawn from the prefill's logits; each of the next `gen` feeds one
+    // (with drafts, several a pass or none).
+    g.limit(a.gen + 1);
+    let mut tokens = vec![drawn(&mut g)?];
     let mut decode_min = 0;
     let t1 = Instant::now();
     for _ in 0..a.gen {
-        let before = seq.state.remote_kv_len();
-        logits = seq.forward(&model, be, &[argmax(&logits)], Logits::Last, None)?;
-        decode_min += minimum::attend(c, 0..n, 1, before / page_size)
-            + minimum::offload(c, types, seq.state.remote_kv_len() - before);
+        let (before, pos) = (g.seq.state.remote_kv_len(), g.seq.state.pos);
+        tokens.push(drawn(&mut g)?);
+        let state = &g.seq.state;
+        decode_min += minimum::attend(c, 0..n, state.pos - pos, before / page_size)
+            + minimum::offload(c, types, state.remote_kv_len() - before);
     }
     let decode_s = t1.elapsed().as_secs_f64();
+    let drafts = g.stats;
+    let seq = &mut g.seq;
     let decode_link = link.map(|l| l.snapshot());
     // Every helper's share of the decode: its pages and its link's traffic.
     let per_helper: Vec<serde_json::Value> = helpers
@@ -225,6 +261,10 @@ pub fn run(a: Args) -> Result<()> {
             "helpers": per_helper,
             "telemetry_events": watched.as_ref().map(|w| w.events.load(Ordering::Relaxed)),
             "telemetry_bytes": watched.as_ref().map(|w| w.bytes.load(Ordering::Relaxed)),
+            "drafted": drafts.drafted,
+            "drafts_kept": drafts.accepted,
+            "draft_passes": drafts.steps,
+            "draft_replays": drafts.replays,
         });
         println!("{obj}");
     } else {
@@ -256,6 +296,12 @@ pub fn run(a: Args) -> Result<()> {
                 b as f64 / 1e9
             ))
         );
+        if drafts.steps > 0 {
+            println!(
+                "drafts: {} of {} kept over {} checking passes ({} fed again after a mismatch)",
+                drafts.accepted, drafts.drafted, drafts.steps, drafts.replays
+            );
+        }
         if let Some(w) = &watched {
             println!(
                 "telemetry: {} events, {} bytes of JSON",
@@ -263,6 +309,73 @@ pub fn run(a: Args) -> Result<()> {
                 w.bytes.load(Ordering::Relaxed)
             );
         }
+    }
+    if a.verify_rows > 0 {
+        verify_cost(&model, be, &mut g.seq, a.verify_rows)?;
+    }
+    if a.draft_ceiling {
+        let prompt_len = prompt.len();
+        let replay = Replay {
+            prompt: prompt_len,
+            tokens,
+            max: a.draft.draft_max,
+            wrong_at: None,
+        };
+        let fresh = Sequence::typed(c, page_size, types, be)?;
+        let greedy = Sampler::new(SamplingParams::greedy())?;
+        let mut g = Generation::new(&model, be, fresh, greedy, Vec::new())
+            .with_drafter(Some(Box::new(replay)));
+        g.prefill(&prompt, &SplitPlan::default())?;
+        g.limit(a.gen + 1);
+        drawn(&mut g)?;
+        let t = Instant::now();
+        for _ in 0..a.gen {
+            drawn(&mut g)?;
+        }
+        let s = t.elapsed().as_secs_f64();
+        println!(
+            "ceiling (the same tokens, every draft kept, {} a pass): {:.2} tok/s over {} passes, {:.2}x the decode above",
+            a.draft.draft_max,
+            a.gen as f64 / s,
+            g.stats.steps,
+            decode_s / s
+        );
+    }
+    Ok(())
+}
+
+/// The next token (the bench has no stop tokens).
+fn drawn(g: &mut Generation) -> Result<u32> {
+    g.next_token()?
+        .ok_or_else(|| anyhow::anyhow!("a stop token with none set"))
+}
+
+/// Milliseconds of a verify pass of `1 + k` rows (the median of 5, each rewound), for k =
+/// 0..=`most`, against k = 0 (one decode step), at the sequence's context.
+fn verify_cost(model: &Model, be: &dyn Backend, seq: &mut Sequence, most: usize) -> Result<()> {
+    let most = most.min(MAX_DRAFT);
+    let before = seq.state.checkpoint(be);
+    println!(
+        "| verify rows (at context {}) | ms | x one step |",
+        seq.state.pos
+    );
+    println!("|---|---|---|");
+    let mut one = 0.0;
+    for k in 0..=most {
+        let rows: Vec<u32> = (0..=k as u32).map(|i| (i * 31 + 7) % 200).collect();
+        let mut ms: Vec<f64> = (0..5)
+            .map(|_| {
+                let t = Instant::now();
+                let run = seq.forward(model, be, &rows, Logits::All, None);
+                let took = t.elapsed().as_secs_f64() * 1e3;
+                run.and_then(|_| seq.rewind(be, &before)).map(|_| took)
+            })
+            .collect::<std::result::Result<_, _>>()?;
+        ms.sort_by(f64::total_cmp);
+        if k == 0 {
+            one = ms[2];
+        }
+        println!("| 1 + {k} | {:.2} | {:.2} |", ms[2], ms[2] / one);
     }
     Ok(())
 }

@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use engine_core::backend::{CacheTypes, KvType};
+use engine_core::draft::{DraftKind, Drafts};
 use engine_core::host::plan::Plan;
 use engine_core::host::Sequence;
 use engine_core::source::load_model;
@@ -105,6 +106,33 @@ impl CacheArgs {
         CacheTypes {
             k: self.cache_type_k.unwrap_or(default),
             v: self.cache_type_v.unwrap_or(default),
+        }
+    }
+}
+
+/// Speculative decoding, as llama.cpp's flags name it.
+#[derive(clap::Args, Clone)]
+pub struct DraftArgs {
+    /// Draft tokens and check them in one forward pass of several rows, keeping those that
+    /// match what the model draws: `ngram` proposes what followed the latest earlier
+    /// occurrence of the context's last tokens (text that repeats its input). Every token, and
+    /// greedy's logits bit for bit, are those of plain decoding.
+    #[arg(long, value_enum, default_value = "none")]
+    pub draft: DraftKind,
+    /// The most tokens drafted a step (at most 14).
+    #[arg(long, default_value_t = 8)]
+    pub draft_max: usize,
+    /// Fewer found than this are not drafted.
+    #[arg(long, default_value_t = 1)]
+    pub draft_min: usize,
+}
+
+impl DraftArgs {
+    pub fn drafts(&self) -> Drafts {
+        Drafts {
+            kind: self.draft,
+            max: self.draft_max,
+            min: self.draft_min,
         }
     }
 }

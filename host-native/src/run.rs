@@ -9,12 +9,14 @@ use engine_core::backend::KvType;
 use engine_core::generate::{Generation, Sampler, SamplingParams};
 use engine_core::tokenizer::{ChatMessage, StreamDecoder};
 
-use crate::load::EngineArgs;
+use crate::load::{DraftArgs, EngineArgs};
 
 #[derive(clap::Args)]
 pub struct Args {
     #[command(flatten)]
     engine: EngineArgs,
+    #[command(flatten)]
+    draft: DraftArgs,
     #[arg(long)]
     prompt: String,
     #[arg(long, default_value_t = 128)]
@@ -43,6 +45,7 @@ pub struct Args {
 
 pub fn run(a: Args) -> Result<()> {
     a.engine.start(false)?;
+    let drafter = a.draft.drafts().drafter()?;
     let l = a.engine.load(a.tokenizer.as_deref())?;
     // A vocabulary without chat markers (the presets' byte-level one) gets the prompt as is.
     let chat = !a.raw && l.tokenizer.token_id("<|im_start|>").is_some();
@@ -77,7 +80,8 @@ pub fn run(a: Args) -> Result<()> {
     let (plan, seq, link_stats) =
         a.engine
             .session(&l.model, be, (context, prompt.len()), a.ubatch, types)?;
-    let mut generation = Generation::new(&l.model, be, seq, sampler, stop);
+    let mut generation = Generation::new(&l.model, be, seq, sampler, stop).with_drafter(drafter);
+    generation.limit(a.max_tokens);
     let t0 = Instant::now();
     let split = generation.prefill(&prompt, &a.engine.helper.split_plan(&plan))?;
     let prefill_s = t0.elapsed().as_secs_f64();
@@ -105,6 +109,13 @@ pub fn run(a: Args) -> Result<()> {
         decode_s,
         n as f64 / decode_s.max(1e-9)
     );
+    let d = generation.stats;
+    if d.steps > 0 {
+        eprintln!(
+            "drafts: {} of {} drafted tokens kept over {} checking passes ({} fed again after a mismatch)",
+            d.accepted, d.drafted, d.steps, d.replays
+        );
+    }
     if split.on_helper > 0 || split.fallback.is_some() {
         eprintln!(
             "split prefill: {} of {} ubatches ran their tail layers on the helper{}",

@@ -97,14 +97,10 @@ fn generate(
     seq: Sequence,
     prompt: &[u32],
     n: usize,
-    (sampler, drafter): (SamplingParams, Option<Box<dyn Drafter + Send>>),
+    how: (SamplingParams, Option<Box<dyn Drafter + Send>>),
 ) -> (Vec<u32>, Vec<f32>, DraftStats) {
     let be = &CpuBackend;
-    let sampler = Sampler::new(sampler).unwrap();
-    let mut g = Generation::new(m, be, seq, sampler, Vec::new()).with_drafter(drafter);
-    g.limit(n);
-    g.prefill(prompt, &SplitPlan::default()).unwrap();
-    let tokens: Vec<u32> = (0..n).map(|_| g.next_token().unwrap().unwrap()).collect();
+    let (tokens, mut g) = draw(m, seq, prompt, n, how);
     let last = *tokens.last().unwrap();
     let next = g.seq.forward(m, be, &[last], Logits::Last, None).unwrap();
     assert_eq!(
@@ -113,6 +109,22 @@ fn generate(
         "the sequence holds every token"
     );
     (tokens, next, g.stats)
+}
+
+/// `n` tokens drawn after `prompt`, and the generation that drew them.
+fn draw<'a>(
+    m: &'a Model,
+    seq: Sequence,
+    prompt: &[u32],
+    n: usize,
+    (sampler, drafter): (SamplingParams, Option<Box<dyn Drafter + Send>>),
+) -> (Vec<u32>, Generation<'a>) {
+    let sampler = Sampler::new(sampler).unwrap();
+    let mut g = Generation::new(m, &CpuBackend, seq, sampler, Vec::new()).with_drafter(drafter);
+    g.limit(n);
+    g.prefill(prompt, &SplitPlan::default()).unwrap();
+    let tokens = (0..n).map(|_| g.next_token().unwrap().unwrap()).collect();
+    (tokens, g)
 }
 
 fn fresh(m: &Model) -> Sequence {
@@ -190,4 +202,96 @@ fn a_refused_draft_rolls_back_to_the_plain_state() {
             }
         }
     }
+}
+
+/// The sampler's distribution over `logits` (temperature `temp`, the `top_k` most likely),
+/// computed here in f64 from its definition.
+fn filtered(logits: &[f32], temp: f64, top_k: usize) -> Vec<(u32, f64)> {
+    let mut ids: Vec<u32> = (0..logits.len() as u32).collect();
+    ids.sort_by(|&a, &b| {
+        logits[b as usize]
+            .total_cmp(&logits[a as usize])
+            .then(a.cmp(&b))
+    });
+    ids.truncate(top_k);
+    let top = logits[ids[0] as usize] as f64;
+    let w: Vec<f64> = ids
+        .iter()
+        .map(|&i| ((logits[i as usize] as f64 - top) / temp).exp())
+        .collect();
+    let total: f64 = w.iter().sum();
+    ids.into_iter().zip(w.iter().map(|x| x / total)).collect()
+}
+
+/// Sampled speculation keeps the model's distribution: three tokens drawn with drafts (two a
+/// step, often kept, sometimes not) over 1500 seeds against the exact joint distribution of
+/// plain sampling, by a chi-square test (cells of small expectation pooled).
+#[test]
+fn sampled_drafts_keep_the_distribution() {
+    let m = preset("tiny", "f32", None);
+    let be = &CpuBackend;
+    let prompt = [3u32, 141, 59, 26];
+    let (temp, top_k) = (1.0f64, 3);
+    let params = |seed| SamplingParams {
+        temperature: temp as f32,
+        top_k,
+        top_p: 1.0,
+        min_p: 0.0,
+        seed,
+    };
+    // The exact joint of (t1, t2, t3) under plain sampling.
+    let logits_after = |tokens: &[u32]| {
+        let mut seq = Sequence::new(&m.config, PAGE);
+        seq.forward(&m, be, tokens, Logits::Last, None).unwrap()
+    };
+    let mut joint = std::collections::BTreeMap::new();
+    for (t1, p1) in filtered(&logits_after(&prompt), temp, top_k) {
+        let ctx1 = [&prompt[..], &[t1]].concat();
+        for (t2, p2) in filtered(&logits_after(&ctx1), temp, top_k) {
+            let ctx2 = [&ctx1[..], &[t2]].concat();
+            for (t3, p3) in filtered(&logits_after(&ctx2), temp, top_k) {
+                joint.insert([t1, t2, t3], p1 * p2 * p3);
+            }
+        }
+    }
+    // Drafts of the likeliest path: kept where the draws follow it.
+    let likeliest = *joint.iter().max_by(|a, b| a.1.total_cmp(b.1)).unwrap().0;
+    let runs = 1500;
+    let mut seen = std::collections::BTreeMap::new();
+    let mut kept = 0;
+    for seed in 0..runs {
+        let drafter: Box<dyn Drafter + Send> = Box::new(Replay {
+            prompt: prompt.len(),
+            tokens: likeliest.to_vec(),
+            max: 2,
+            wrong_at: None,
+        });
+        let seq = Sequence::new(&m.config, PAGE);
+        let (got, g) = draw(&m, seq, &prompt, 3, (params(seed), Some(drafter)));
+        kept += g.stats.accepted;
+        *seen.entry([got[0], got[1], got[2]]).or_insert(0usize) += 1;
+    }
+    assert!(kept > runs as usize / 10, "drafts were rarely kept: {kept}");
+    assert!(seen.keys().all(|k| joint.contains_key(k)), "{seen:?}");
+    // Cells expected fewer than 5 times are pooled into one.
+    let (mut chi2, mut cells, mut pool) = (0.0, 0, (0.0, 0.0));
+    for (k, &p) in &joint {
+        let (want, got) = (p * runs as f64, *seen.get(k).unwrap_or(&0) as f64);
+        if want < 5.0 {
+            pool = (pool.0 + want, pool.1 + got);
+            continue;
+        }
+        chi2 += (got - want).powi(2) / want;
+        cells += 1;
+    }
+    if pool.0 > 0.0 {
+        chi2 += (pool.1 - pool.0).powi(2) / pool.0;
+        cells += 1;
+    }
+    // Chi-square's 0.999 quantile for up to 26 degrees of freedom is below 55.
+    assert!(
+        cells <= 27 && chi2 < 55.0,
+        "chi2 {chi2:.1} over {cells} cells"
+    );
+    eprintln!("sampled drafts: chi2 {chi2:.1} over {cells} cells, {kept} drafts kept");
 }
