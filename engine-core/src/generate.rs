@@ -152,8 +152,9 @@ impl Sampler {
 pub struct Generation<'a> {
     model: &'a Model,
     backend: &'a dyn Backend,
-    pub seq: Sequence,
-    sampler: Sampler,
+    pub seq: &'a mut Sequence,
+    /// Borrowed, so that a server's redo after a lost helper goes on with its draws.
+    sampler: &'a mut Sampler,
     stop: Vec<u32>,
     logits: Vec<f32>,
     pending: Option<u32>,
@@ -183,8 +184,8 @@ impl<'a> Generation<'a> {
     pub fn new(
         model: &'a Model,
         backend: &'a dyn Backend,
-        seq: Sequence,
-        sampler: Sampler,
+        seq: &'a mut Sequence,
+        sampler: &'a mut Sampler,
         stop: Vec<u32>,
     ) -> Self {
         Generation {
@@ -222,12 +223,26 @@ impl<'a> Generation<'a> {
         if prompt.is_empty() {
             return Err(Error::Invalid("the prompt is empty".into()));
         }
-        let (logits, report) =
-            split::prefill(self.model, self.backend, &mut self.seq, prompt, plan)?;
+        let (logits, report) = split::prefill(self.model, self.backend, self.seq, prompt, plan)?;
         self.logits = logits;
         self.pending = None;
         self.context.extend_from_slice(prompt);
         Ok(report)
+    }
+
+    /// Go on from a sequence the caller prefilled itself (a server's turn, from its
+    /// conversation cache): `logits` are those of its last position, `context` every token it
+    /// holds (what the n-gram drafter looks in).
+    pub fn resume(&mut self, logits: Vec<f32>, context: Vec<u32>) {
+        self.logits = logits;
+        self.context = context;
+        self.pending = None;
+    }
+
+    /// Every token the sequence has consumed, or will once the last one drawn is fed: a
+    /// server's conversation cache records what a generation fed.
+    pub fn context(&self) -> &[u32] {
+        &self.context
     }
 
     /// The logits the last token was drawn from (after [`Self::prefill`], the prompt's last

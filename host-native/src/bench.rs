@@ -136,8 +136,9 @@ pub fn run(a: Args) -> Result<()> {
     let (moved_before, pos_before) = (seq.state.remote_kv_len(), seq.state.pos);
     let plan = a.engine.helper.split_plan(&session);
     let split_ubatch = plan.ubatch.max(1);
-    let greedy = Sampler::new(SamplingParams::greedy())?;
-    let mut g = Generation::new(&model, be, seq, greedy, Vec::new()).with_drafter(drafter);
+    let mut greedy = Sampler::new(SamplingParams::greedy())?;
+    let mut g =
+        Generation::new(&model, be, &mut seq, &mut greedy, Vec::new()).with_drafter(drafter);
     let t0 = Instant::now();
     let split = g.prefill(&prompt, &plan)?;
     let prefill_s = t0.elapsed().as_secs_f64();
@@ -207,7 +208,7 @@ pub fn run(a: Args) -> Result<()> {
     }
     let decode_s = t1.elapsed().as_secs_f64();
     let drafts = g.stats;
-    let seq = &mut g.seq;
+    let seq = &mut *g.seq;
     let decode_link = link.map(|l| l.snapshot());
     // Every helper's share of the decode: its pages and its link's traffic.
     let per_helper: Vec<serde_json::Value> = helpers
@@ -311,7 +312,7 @@ pub fn run(a: Args) -> Result<()> {
         }
     }
     if a.verify_rows > 0 {
-        verify_cost(&model, be, &mut g.seq, a.verify_rows)?;
+        verify_cost(&model, be, g.seq, a.verify_rows)?;
     }
     if a.draft_ceiling {
         let prompt_len = prompt.len();
@@ -321,9 +322,9 @@ pub fn run(a: Args) -> Result<()> {
             max: a.draft.draft_max,
             wrong_at: None,
         };
-        let fresh = Sequence::typed(c, page_size, types, be)?;
-        let greedy = Sampler::new(SamplingParams::greedy())?;
-        let mut g = Generation::new(&model, be, fresh, greedy, Vec::new())
+        let mut fresh = Sequence::typed(c, page_size, types, be)?;
+        let mut greedy = Sampler::new(SamplingParams::greedy())?;
+        let mut g = Generation::new(&model, be, &mut fresh, &mut greedy, Vec::new())
             .with_drafter(Some(Box::new(replay)));
         g.prefill(&prompt, &SplitPlan::default())?;
         g.limit(a.gen + 1);

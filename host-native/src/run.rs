@@ -65,7 +65,7 @@ pub fn run(a: Args) -> Result<()> {
             .iter()
             .filter_map(|t| l.tokenizer.token_id(t)),
     );
-    let sampler = Sampler::new(SamplingParams {
+    let mut sampler = Sampler::new(SamplingParams {
         temperature: a.temperature,
         top_k: a.top_k,
         top_p: a.top_p,
@@ -77,10 +77,11 @@ pub fn run(a: Args) -> Result<()> {
     eprintln!("backend: {what}; weights: {}", crate::load::residence());
     let context = prompt.len() + a.max_tokens;
     let types = a.engine.cache.types_or(KvType::F16);
-    let (plan, seq, link_stats) =
+    let (plan, mut seq, link_stats) =
         a.engine
             .session(&l.model, be, (context, prompt.len()), a.ubatch, types)?;
-    let mut generation = Generation::new(&l.model, be, seq, sampler, stop).with_drafter(drafter);
+    let mut generation =
+        Generation::new(&l.model, be, &mut seq, &mut sampler, stop).with_drafter(drafter);
     generation.limit(a.max_tokens);
     let t0 = Instant::now();
     let split = generation.prefill(&prompt, &a.engine.helper.split_plan(&plan))?;

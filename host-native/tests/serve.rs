@@ -1479,3 +1479,42 @@ fn the_context_is_the_whole_pages_the_plan_says_fit() {
         assert!(want > 0 && want < 4096, "{want}");
     }
 }
+
+/// With `--draft ngram` the server checks drafts (counted in /metrics) and answers exactly what
+/// it answers without: a completion, and its continuation streamed from the conversation cache
+/// (which must hold exactly what the drafted run fed).
+#[test]
+fn drafts_change_no_answer() {
+    let plain = Server::start("tiny", &[]);
+    let drafted = Server::start("tiny", &["--draft", "ngram", "--draft-max", "4"]);
+    let prompt = "abcabcabcabcabcabcabcabc";
+    let complete = |s: &Server, prompt: &str, stream: bool| {
+        let body = json!({"model": "tiny", "prompt": prompt, "max_tokens": 40,
+                          "temperature": 0, "stream": stream,
+                          "stream_options": {"include_usage": true}});
+        if stream {
+            let (text, _, usage) = collect_stream(s.stream("/v1/completions", &body), false);
+            return (text, usage);
+        }
+        let (status, v) = s.post("/v1/completions", &body);
+        assert_eq!(status, 200, "{v}");
+        let text = v["choices"][0]["text"].as_str().unwrap().to_string();
+        (text, v["usage"].clone())
+    };
+    let first = complete(&plain, prompt, false);
+    assert_eq!(complete(&drafted, prompt, false), first);
+    let more = format!("{prompt}{}abcabc", first.0);
+    let second = complete(&plain, &more, true);
+    assert_eq!(complete(&drafted, &more, true), second);
+    // A server that never saw the first request answers the same from scratch.
+    let fresh = Server::start("tiny", &[]);
+    assert_eq!(complete(&fresh, &more, true).0, second.0);
+    // The byte-level vocabulary's reply need not be valid UTF-8, so the continuation shares at
+    // least the first prompt with what the state holds.
+    assert!(
+        second.1["prompt_tokens_details"]["cached_tokens"].as_u64() >= Some(prompt.len() as u64),
+        "{second:?}"
+    );
+    assert!(drafted.metric("tether_draft_tokens_total") > 0.0);
+    assert_eq!(plain.metric("tether_draft_tokens_total"), 0.0);
+}

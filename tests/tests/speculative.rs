@@ -94,37 +94,38 @@ fn a_verify_pass_gives_each_row_its_decode_step_logits() {
 /// what the drafts did.
 fn generate(
     m: &Model,
-    seq: Sequence,
+    mut seq: Sequence,
     prompt: &[u32],
     n: usize,
     how: (SamplingParams, Option<Box<dyn Drafter + Send>>),
 ) -> (Vec<u32>, Vec<f32>, DraftStats) {
     let be = &CpuBackend;
-    let (tokens, mut g) = draw(m, seq, prompt, n, how);
+    let (tokens, stats) = draw(m, &mut seq, prompt, n, how);
     let last = *tokens.last().unwrap();
-    let next = g.seq.forward(m, be, &[last], Logits::Last, None).unwrap();
+    let next = seq.forward(m, be, &[last], Logits::Last, None).unwrap();
     assert_eq!(
-        g.seq.state.pos,
+        seq.state.pos,
         prompt.len() + n,
         "the sequence holds every token"
     );
-    (tokens, next, g.stats)
+    (tokens, next, stats)
 }
 
-/// `n` tokens drawn after `prompt`, and the generation that drew them.
-fn draw<'a>(
-    m: &'a Model,
-    seq: Sequence,
+/// `n` tokens drawn after `prompt` into `seq`, and what the drafts did.
+fn draw(
+    m: &Model,
+    seq: &mut Sequence,
     prompt: &[u32],
     n: usize,
     (sampler, drafter): (SamplingParams, Option<Box<dyn Drafter + Send>>),
-) -> (Vec<u32>, Generation<'a>) {
-    let sampler = Sampler::new(sampler).unwrap();
-    let mut g = Generation::new(m, &CpuBackend, seq, sampler, Vec::new()).with_drafter(drafter);
+) -> (Vec<u32>, DraftStats) {
+    let mut sampler = Sampler::new(sampler).unwrap();
+    let mut g =
+        Generation::new(m, &CpuBackend, seq, &mut sampler, Vec::new()).with_drafter(drafter);
     g.limit(n);
     g.prefill(prompt, &SplitPlan::default()).unwrap();
     let tokens = (0..n).map(|_| g.next_token().unwrap().unwrap()).collect();
-    (tokens, g)
+    (tokens, g.stats)
 }
 
 fn fresh(m: &Model) -> Sequence {
@@ -266,9 +267,9 @@ fn sampled_drafts_keep_the_distribution() {
             max: 2,
             wrong_at: None,
         });
-        let seq = Sequence::new(&m.config, PAGE);
-        let (got, g) = draw(&m, seq, &prompt, 3, (params(seed), Some(drafter)));
-        kept += g.stats.accepted;
+        let mut seq = Sequence::new(&m.config, PAGE);
+        let (got, stats) = draw(&m, &mut seq, &prompt, 3, (params(seed), Some(drafter)));
+        kept += stats.accepted;
         *seen.entry([got[0], got[1], got[2]]).or_insert(0usize) += 1;
     }
     assert!(kept > runs as usize / 10, "drafts were rarely kept: {kept}");

@@ -269,15 +269,15 @@ fn split(
 /// told when the prefill ended.
 fn generate(
     model: &Model,
-    seq: Sequence,
+    mut seq: Sequence,
     prompt: &[u32],
     plan: &SplitPlan,
     s: &Settings,
     clock: &Mutex<Clock>,
     prefilled: &mut dyn FnMut(f64),
 ) -> Result<(Answer, SplitReport), String> {
-    let sampler = Sampler::new(SamplingParams::greedy()).map_err(|e| e.to_string())?;
-    let mut g = Generation::new(model, &CpuBackend, seq, sampler, Vec::new());
+    let mut sampler = Sampler::new(SamplingParams::greedy()).map_err(|e| e.to_string())?;
+    let mut g = Generation::new(model, &CpuBackend, &mut seq, &mut sampler, Vec::new());
     let start_ms = lock(clock).now();
     let report = g.prefill(prompt, plan).map_err(|e| e.to_string())?;
     let prefill_end_ms = lock(clock).now();

@@ -12,7 +12,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use engine_core::backend::CacheTypes;
-use engine_core::generate::Sampler;
+use engine_core::draft::Drafts;
+use engine_core::generate::{Generation, Sampler};
 use engine_core::host::split::{self, SplitPlan};
 use engine_core::host::Sequence;
 use engine_core::model::LayerState;
@@ -43,6 +44,8 @@ pub struct Engine {
     pub segment: usize,
     /// Token ids that end a generation (the model's EOS and the chat end-of-turn markers).
     pub stop_ids: Vec<u32>,
+    /// Speculative decoding (`--draft`): what drafts each generation checks.
+    pub drafts: Drafts,
     pub conversation: Conversation,
     pub metrics: Arc<Metrics>,
     pub timeout_s: u64,
@@ -356,36 +359,43 @@ impl Engine {
         let mut n = d.tokens.len();
         let mut reason = FinishReason::Length;
         let mut stopped_by_string = false;
+        let stop = self.stop_ids.clone();
+        let fed = job.prompt.len() + n;
+        let mut g = Generation::new(&self.model, be, &mut self.seq, &mut d.sampler, stop)
+            .with_drafter(self.drafts.drafter()?);
+        g.resume(logits, [&job.prompt[..], &d.tokens].concat());
+        // The last token is never fed: its forward pass would serve no one.
+        g.limit(job.max_tokens - n);
+        let mut outcome = None;
         while n < job.max_tokens {
             if let Some(o) = interrupted(job) {
-                self.metrics.decode(n, t1.elapsed().as_secs_f64());
-                return Ok(o);
-            }
-            let tok = d.sampler.sample(&logits);
-            if self.stop_ids.contains(&tok) {
-                reason = FinishReason::Stop;
+                outcome = Some(o);
                 break;
             }
+            let Some(tok) = g.next_token()? else {
+                reason = FinishReason::Stop;
+                break;
+            };
             n += 1;
             d.tokens.push(tok);
             self.hub.event("token", || json!({"id": job.id, "n": n}));
             let (text, stopped) = d.scan.push(&d.decoder.push(tok)?);
             if !text.is_empty() && job.events.send(Event::Text(text)).is_err() {
-                self.metrics.decode(n, t1.elapsed().as_secs_f64());
-                return Ok(Outcome::Cancelled);
+                outcome = Some(Outcome::Cancelled);
+                break;
             }
             if stopped {
                 reason = FinishReason::Stop;
                 stopped_by_string = true;
                 break;
             }
-            // The last token is never fed: its forward pass would serve no one.
-            if n < job.max_tokens {
-                logits = self
-                    .seq
-                    .forward(&self.model, be, &[tok], Logits::Last, None)?;
-                self.conversation.consumed(&[tok]);
-            }
+        }
+        let drafts = g.stats;
+        self.conversation.consumed(&g.context()[fed..]);
+        self.metrics.drafts(drafts.drafted, drafts.accepted);
+        if let Some(o) = outcome {
+            self.metrics.decode(n, t1.elapsed().as_secs_f64());
+            return Ok(o);
         }
         if !stopped_by_string {
             let (mut text, stopped) = d.scan.push(&d.decoder.finish()?);

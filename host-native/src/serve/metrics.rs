@@ -35,6 +35,9 @@ struct Counters {
     prompt_tokens_reused: u64,
     prompt_tokens_prefilled: u64,
     completion_tokens: u64,
+    /// Drafted tokens checked, and those kept (`--draft`).
+    drafted: u64,
+    drafts_kept: u64,
     prefill_seconds: f64,
     decode_seconds: f64,
     last_prefill_tps: f64,
@@ -116,6 +119,13 @@ impl Metrics {
         }
     }
 
+    /// A generation's speculation: `drafted` tokens checked, `kept` of them kept.
+    pub fn drafts(&self, drafted: usize, kept: usize) {
+        let mut c = self.lock();
+        c.drafted += drafted as u64;
+        c.drafts_kept += kept as u64;
+    }
+
     pub fn set_helpers_attached(&self, attached: usize) {
         self.lock().helpers_attached = attached;
     }
@@ -176,6 +186,18 @@ impl Metrics {
             "counter",
             "Tokens generated.",
             c.completion_tokens as f64,
+        );
+        one(
+            "tether_draft_tokens_total",
+            "counter",
+            "Drafted tokens checked by speculative decoding (--draft).",
+            c.drafted as f64,
+        );
+        one(
+            "tether_draft_tokens_kept_total",
+            "counter",
+            "Drafted tokens kept: each saved a forward pass.",
+            c.drafts_kept as f64,
         );
         one(
             "tether_prefill_seconds_total",

@@ -36,7 +36,7 @@ use anyhow::{bail, Context, Result};
 use tracing::{info, warn};
 
 use crate::attach::{Fixed, HelperArgs};
-use crate::load::EngineArgs;
+use crate::load::{DraftArgs, EngineArgs};
 use conversation::Conversation;
 use cross_site::Cors;
 use engine::Engine;
@@ -61,6 +61,8 @@ docs/SERVE.md describes the limits, queueing, conversation reuse, errors and met
 pub struct Args {
     #[command(flatten)]
     engine: EngineArgs,
+    #[command(flatten)]
+    draft: DraftArgs,
     /// The model id clients name in requests (`model`); by default the directory's name or the
     /// preset.
     #[arg(long)]
@@ -126,6 +128,7 @@ fn model_id(spec: &str) -> String {
 pub fn run(a: Args) -> Result<()> {
     terminal::init_logging(&a.log)?;
     a.engine.start(true)?;
+    a.draft.drafts().validate()?;
     if a.engine.page_size == Some(0) || a.ubatch == 0 {
         bail!("--page-size and --ubatch must be at least 1");
     }
@@ -282,6 +285,7 @@ pub fn run(a: Args) -> Result<()> {
         plan: split,
         segment,
         stop_ids,
+        drafts: a.draft.drafts(),
         metrics,
         timeout_s: a.timeout,
         helpers,
