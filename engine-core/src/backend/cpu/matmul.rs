@@ -984,6 +984,22 @@ pub(super) mod tests {
         }
     }
 
+    /// Every quantised weight type tether reads.
+    const QUANTISED: [DType; 12] = [
+        DType::Q8_0,
+        DType::Q4_0,
+        DType::Q4_1,
+        DType::Q5_0,
+        DType::Q5_1,
+        DType::Iq4Nl,
+        DType::Q2K,
+        DType::Q3K,
+        DType::Q4K,
+        DType::Q5K,
+        DType::Q6K,
+        DType::Iq4Xs,
+    ];
+
     /// Every quantised type (k-quant rows are whole super-blocks of 256), with weights from
     /// ggml's reference quantisers, against the f64 product of their dequantised values
     /// (bit-exact with ggml's: `quant`'s tests), on `matmul` (the integer kernels on AVX2) and
@@ -992,20 +1008,7 @@ pub(super) mod tests {
     /// the rounding bound of the first check is too wide to pin down).
     #[test]
     fn quantised_types_match_f64_reference_on_both_kernels() {
-        for dtype in [
-            DType::Q8_0,
-            DType::Q4_0,
-            DType::Q4_1,
-            DType::Q5_0,
-            DType::Q5_1,
-            DType::Iq4Nl,
-            DType::Q2K,
-            DType::Q3K,
-            DType::Q4K,
-            DType::Q5K,
-            DType::Q6K,
-            DType::Iq4Xs,
-        ] {
+        for dtype in QUANTISED {
             let block = dtype.block().0;
             let k = if block == 32 { 96 } else { 512 };
             for t in [1, 2, 3, 4, 5, 9, 16, 19] {
@@ -1030,22 +1033,10 @@ pub(super) mod tests {
     #[test]
     fn each_row_gets_its_one_row_products() {
         let mut kernels: Vec<(DType, Kernel)> = vec![(DType::Q8_0, interleaved)];
-        for dtype in [
-            DType::F32,
-            DType::BF16,
-            DType::F16,
-            DType::Q8_0,
-            DType::Q4_0,
-            DType::Q4_1,
-            DType::Q5_0,
-            DType::Iq4Nl,
-            DType::Q2K,
-            DType::Q3K,
-            DType::Q4K,
-            DType::Q5K,
-            DType::Q6K,
-            DType::Iq4Xs,
-        ] {
+        for dtype in [DType::F32, DType::BF16, DType::F16]
+            .into_iter()
+            .chain(QUANTISED)
+        {
             kernels.extend([(dtype, matmul as Kernel), (dtype, portable)]);
             #[cfg(target_arch = "x86_64")]
             if dtype.is_quantised() {
