@@ -21,8 +21,8 @@ pub enum DraftKind {
     /// No drafts: one token per forward pass.
     #[default]
     None,
-    /// The tokens that followed the latest earlier occurrence of the context's last 3 (else 2,
-    /// else 1) tokens.
+    /// The tokens that followed an earlier occurrence of the context's last 3 (else 2, else 1)
+    /// tokens: the latest with a whole draft after it.
     Ngram,
 }
 
@@ -70,18 +70,23 @@ impl Drafts {
         self.validate()?;
         Ok(match self.kind {
             DraftKind::None => None,
-            DraftKind::Ngram => Some(Box::new(self)),
+            DraftKind::Ngram => Some(Box::new(Ngram {
+                max: self.max,
+                min: self.min,
+            })),
         })
     }
 }
 
-impl Drafter for Drafts {
+/// The n-gram drafter: [`lookup`], at most `max` tokens, none where it finds fewer than `min`.
+struct Ngram {
+    max: usize,
+    min: usize,
+}
+
+impl Drafter for Ngram {
     fn propose(&mut self, context: &[u32], room: usize) -> Vec<u32> {
-        let max = self.max.min(room);
-        let draft = match self.kind {
-            DraftKind::None => return Vec::new(),
-            DraftKind::Ngram => lookup(context, max),
-        };
+        let draft = lookup(context, self.max.min(room));
         match draft.len() >= self.min {
             true => draft,
             false => Vec::new(),
@@ -91,7 +96,7 @@ impl Drafter for Drafts {
 
 /// Drafts that replay a known continuation of a prompt of `prompt` tokens (a plain run's own
 /// tokens): the ceiling of what drafting can buy, where every draft is kept (`tether bench
-/// --draft replay`), and, with `wrong_at`, a draft whose token at that index is changed so
+/// --draft-ceiling`), and, with `wrong_at`, a draft whose token at that index is changed so
 /// that it is refused there (the rollback tests).
 pub struct Replay {
     pub prompt: usize,
@@ -154,9 +159,13 @@ mod tests {
         }
     }
 
+    fn drafter(max: usize, min: usize) -> Box<dyn Drafter + Send> {
+        ngram(max, min).drafter().unwrap().unwrap()
+    }
+
     #[test]
     fn the_longest_earlier_ngram_proposes_what_followed_it() {
-        let mut d = ngram(4, 1);
+        let mut d = drafter(4, 1);
         // "1 2 3" occurred at 0 and was followed by 9 8 7 6 5; the latest "3" alone by 4.
         let ctx = [1, 2, 3, 9, 8, 7, 6, 5, 3, 4, 1, 2, 3];
         assert_eq!(d.propose(&ctx, 100), vec![9, 8, 7, 6]);
@@ -173,7 +182,7 @@ mod tests {
         assert!(d.propose(&[], 100).is_empty());
         // A draft that runs into the end of the context stops there; under --draft-min none.
         assert_eq!(d.propose(&[7, 8, 7], 100), vec![8, 7]);
-        assert!(ngram(4, 3).propose(&[7, 8, 7], 100).is_empty());
+        assert!(drafter(4, 3).propose(&[7, 8, 7], 100).is_empty());
         assert!(Drafts::default().drafter().unwrap().is_none());
     }
 

@@ -14,7 +14,7 @@ use engine_core::host::plan;
 use engine_core::host::split::SplitPlan;
 use engine_core::host::telemetry::Telemetry;
 use engine_core::host::Sequence;
-use engine_core::{Backend, Logits, Model};
+use engine_core::{Backend, Logits, Model, State};
 
 use crate::attach::stats_json;
 use crate::load::{DraftArgs, EngineArgs};
@@ -89,6 +89,9 @@ fn watch(seq: &mut Sequence) -> Arc<Watched> {
 pub fn run(a: Args) -> Result<()> {
     if a.prompt_tokens == 0 {
         bail!("--prompt-tokens must be at least 1");
+    }
+    if a.json && (a.verify_rows > 0 || a.draft_ceiling) {
+        bail!("--verify-rows and --draft-ceiling print tables: not with --json");
     }
     a.engine.start(false)?;
     let drafter = a.draft.drafts().drafter()?;
@@ -193,20 +196,11 @@ pub fn run(a: Args) -> Result<()> {
             moves + attend
         }
     });
-    // The first token is drawn from the prefill's logits; each of the next `gen` feeds one
-    // (with drafts, several a pass or none).
-    g.limit(a.gen + 1);
-    let mut tokens = vec![drawn(&mut g)?];
     let mut decode_min = 0;
-    let t1 = Instant::now();
-    for _ in 0..a.gen {
-        let (before, pos) = (g.seq.state.remote_kv_len(), g.seq.state.pos);
-        tokens.push(drawn(&mut g)?);
-        let state = &g.seq.state;
+    let (tokens, decode_s) = decode(&mut g, a.gen, |state, (before, pos)| {
         decode_min += minimum::attend(c, 0..n, state.pos - pos, before / page_size)
             + minimum::offload(c, types, state.remote_kv_len() - before);
-    }
-    let decode_s = t1.elapsed().as_secs_f64();
+    })?;
     let drafts = g.stats;
     let seq = &mut *g.seq;
     let decode_link = link.map(|l| l.snapshot());
@@ -327,13 +321,7 @@ pub fn run(a: Args) -> Result<()> {
         let mut g = Generation::new(&model, be, &mut fresh, &mut greedy, Vec::new())
             .with_drafter(Some(Box::new(replay)));
         g.prefill(&prompt, &SplitPlan::default())?;
-        g.limit(a.gen + 1);
-        drawn(&mut g)?;
-        let t = Instant::now();
-        for _ in 0..a.gen {
-            drawn(&mut g)?;
-        }
-        let s = t.elapsed().as_secs_f64();
+        let (_, s) = decode(&mut g, a.gen, |_, _| {})?;
         println!(
             "ceiling (the same tokens, every draft kept, {} a pass): {:.2} tok/s over {} passes, {:.2}x the decode above",
             a.draft.draft_max,
@@ -345,10 +333,29 @@ pub fn run(a: Args) -> Result<()> {
     Ok(())
 }
 
-/// The next token (the bench has no stop tokens).
-fn drawn(g: &mut Generation) -> Result<u32> {
-    g.next_token()?
-        .ok_or_else(|| anyhow::anyhow!("a stop token with none set"))
+/// The decode the bench times: the first token is drawn from the prefill's logits (untimed),
+/// then each of `gen` more feeds one (with drafts, several a pass or none); `each` sees the
+/// state after each draw and its (remote KV length, position) before. The tokens, and the
+/// seconds of the `gen`.
+fn decode(
+    g: &mut Generation,
+    gen: usize,
+    mut each: impl FnMut(&State, (usize, usize)),
+) -> Result<(Vec<u32>, f64)> {
+    // The bench has no stop tokens.
+    let drawn = |g: &mut Generation| {
+        g.next_token()?
+            .ok_or_else(|| anyhow::anyhow!("a stop token with none set"))
+    };
+    g.limit(gen + 1);
+    let mut tokens = vec![drawn(g)?];
+    let t = Instant::now();
+    for _ in 0..gen {
+        let before = (g.seq.state.remote_kv_len(), g.seq.state.pos);
+        tokens.push(drawn(g)?);
+        each(&g.seq.state, before);
+    }
+    Ok((tokens, t.elapsed().as_secs_f64()))
 }
 
 /// Milliseconds of a verify pass of `1 + k` rows (the median of 5, each rewound), for k =

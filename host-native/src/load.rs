@@ -114,8 +114,8 @@ impl CacheArgs {
 #[derive(clap::Args, Clone)]
 pub struct DraftArgs {
     /// Draft tokens and check them in one forward pass of several rows, keeping those that
-    /// match what the model draws: `ngram` proposes what followed the latest earlier
-    /// occurrence of the context's last tokens (text that repeats its input). Every token, and
+    /// match what the model draws: `ngram` proposes what followed an earlier occurrence of the
+    /// context's last tokens (text that repeats its input). Every token, and
     /// greedy's logits bit for bit, are those of plain decoding.
     #[arg(long, value_enum, default_value = "none")]
     pub draft: DraftKind,

@@ -61,15 +61,6 @@ impl Footprint {
     pub fn bytes(&self, ctx: usize, page_size: usize) -> u64 {
         self.fixed + self.per_token * (ctx.div_ceil(page_size) * page_size) as u64
     }
-
-    /// The most positions, in whole pages, whose KV fits in `budget` beside the fixed part.
-    pub fn fitting(&self, budget: u64, page_size: usize) -> usize {
-        let page = self.per_token * page_size as u64;
-        let pages = budget.saturating_sub(self.fixed) / page.max(1);
-        usize::try_from(pages)
-            .unwrap_or(usize::MAX)
-            .saturating_mul(page_size)
-    }
 }
 
 fn mib(b: f64) -> String {
@@ -407,16 +398,14 @@ impl Choices {
             None => budget.map(|b| b / page_size * page_size),
         };
         let (split_layer, why_split) = choose_split(c, p, ubatch);
-        let mut choices = Choices {
+        Choices {
             page_size,
             host_kv_tokens,
             split_layer,
             ubatch,
-            room: None,
+            room: room(c, p, (page_size, split_layer, ubatch)),
             why: [why_page, why_budget, why_split, why_ubatch],
-        };
-        choices.room = choices.room(c, p);
-        choices
+        }
     }
 
     /// The choices, then what each device holds with them.
@@ -467,22 +456,6 @@ impl Choices {
 }
 
 impl Choices {
-    /// The context that fits a host with `p.host_memory` bytes, if known, and the weights'
-    /// bytes (a simulation counts none, so it has no room to say).
-    fn room(&self, c: &ModelConfig, p: &PlanInput) -> Option<Room> {
-        let m = p.host_memory.filter(|_| !p.weights.layers.is_empty())?;
-        let host = host_room(c, p, m, self.ubatch);
-        let n = c.num_hidden_layers;
-        let tail = self.split_layer.min(n)..n;
-        let with_host =
-            |kept| room_with_helpers(c, p, (kept, self.page_size), tail.clone(), self.ubatch);
-        Some(Room {
-            host,
-            with_helpers: with_host(host),
-            on_helpers: with_host(0),
-        })
-    }
-
     /// "context that fits at K/V: N on the host alone[, M with the helpers' X offered]";
     /// never past the positions the model was trained for.
     fn context_that_fits(&self, t: &mut String, c: &ModelConfig, p: &PlanInput) {
@@ -510,6 +483,26 @@ impl Choices {
             tokens(room.host)
         );
     }
+}
+
+/// The context that fits a host with `p.host_memory` bytes, if known, and the weights' bytes
+/// (a simulation counts none, so it has no room to say), with pages of `page`, the helper
+/// running layers from `split` and prefill in `ubatch`es.
+fn room(
+    c: &ModelConfig,
+    p: &PlanInput,
+    (page, split, ubatch): (usize, usize, usize),
+) -> Option<Room> {
+    let m = p.host_memory.filter(|_| !p.weights.layers.is_empty())?;
+    let host = host_room(c, p, m, ubatch);
+    let n = c.num_hidden_layers;
+    let tail = split.min(n)..n;
+    let with_host = |kept| room_with_helpers(c, p, (kept, page), tail.clone(), ubatch);
+    Some(Room {
+        host,
+        with_helpers: with_host(host),
+        on_helpers: with_host(0),
+    })
 }
 
 /// What a device holds, by kind.

@@ -144,8 +144,6 @@ mod tests {
     #[test]
     fn the_context_is_the_whole_pages_the_plan_says_fit() {
         let fp = fp();
-        assert_eq!(fp.fitting(1000 + 3 * 16 * 512 + 511, 16), 48);
-        assert_eq!(fp.fitting(999, 16), 0);
         assert_eq!(fp.bytes(17, 16), 1000 + 32 * 512);
         let alone = |host| Room {
             host,

@@ -192,10 +192,6 @@ fn matmul_interleaved(
     if avx2_available() {
         if let Some(rows) = Rows8::quantise(x, k, crate::quant::QK) {
             use crate::interleaved::ROWS;
-            let singles: Vec<Rows8> = match t {
-                1 => Vec::new(),
-                _ => (0..t).map(|r| rows.row(r)).collect(),
-            };
             let task = |ids: &[usize], o: &mut [f32]| {
                 let w = &blocks[ids[0] / ROWS * per_row..][..ids.len() / ROWS * per_row];
                 if t == 1 {
@@ -203,7 +199,7 @@ fn matmul_interleaved(
                     return unsafe { interleaved_dots::task(&rows, w, o) };
                 }
                 let mut one = vec![0.0f32; ids.len()];
-                for (r, single) in singles.iter().enumerate() {
+                for (r, single) in rows.each_row().iter().enumerate() {
                     // SAFETY: as above.
                     unsafe { interleaved_dots::task(single, w, &mut one) };
                     for (j, &v) in one.iter().enumerate() {

@@ -868,7 +868,7 @@ unsafe fn rows_task<B: Dot8, const WIDE: bool>(
 fn row_groups_each<B: Dot8>(isa: Isa, x: &Rows8, w: &[B], out: &mut [f32]) -> usize {
     const CHUNK: usize = 16;
     let (t, per_row) = (x.rows(), x.k / B::LEN);
-    let singles: Vec<Rows8> = (0..t).map(|r| x.row(r)).collect();
+    let singles = x.each_row();
     let mut one = [0.0f32; CHUNK];
     let mut done = 0;
     for (c, dst) in out.chunks_mut(CHUNK * t).enumerate() {

@@ -20,6 +20,9 @@ pub struct Rows8 {
     pub(super) q: Vec<i8>,
     pub(super) d: Vec<f32>,
     pub(super) sums: Vec<i16>,
+    /// Each row on its own ([`Rows8::each_row`]), made once for every task that asks.
+    #[cfg(target_arch = "x86_64")]
+    alone: std::sync::OnceLock<Vec<Rows8>>,
 }
 
 /// Rows of `x` per task when [`Rows8::quantise`] works in parallel.
@@ -40,6 +43,8 @@ impl Rows8 {
             q: vec![0; x.len()],
             d: vec![0.0; x.len() / block],
             sums: vec![0; x.len() / SUM_LEN],
+            #[cfg(target_arch = "x86_64")]
+            alone: std::sync::OnceLock::new(),
         };
         let finite = if x.len() < 2 * PARALLEL_ROWS * k {
             quantise_into(x, block, &mut r.q, &mut r.d, &mut r.sums)
@@ -60,16 +65,23 @@ impl Rows8 {
         self.q.len() / self.k
     }
 
-    /// Row `r` alone, as quantising it alone would give it (rounding is per block of a row).
+    /// Every row alone, as quantising it alone would give it (rounding is per block of a row),
+    /// for the kernels that take one row of `x` (Q4_0's grouped, interleaved Q8_0); copied
+    /// once, however many tasks ask.
     #[cfg(target_arch = "x86_64")]
-    pub(super) fn row(&self, r: usize) -> Rows8 {
-        let (k, blocks) = (self.k, self.d.len() / self.rows());
-        Rows8 {
-            k,
-            q: self.q[r * k..][..k].to_vec(),
-            d: self.d[r * blocks..][..blocks].to_vec(),
-            sums: self.sums[r * k / SUM_LEN..][..k / SUM_LEN].to_vec(),
-        }
+    pub(super) fn each_row(&self) -> &[Rows8] {
+        self.alone.get_or_init(|| {
+            let (k, blocks) = (self.k, self.d.len() / self.rows());
+            (0..self.rows())
+                .map(|r| Rows8 {
+                    k,
+                    q: self.q[r * k..][..k].to_vec(),
+                    d: self.d[r * blocks..][..blocks].to_vec(),
+                    sums: self.sums[r * k / SUM_LEN..][..k / SUM_LEN].to_vec(),
+                    alone: std::sync::OnceLock::new(),
+                })
+                .collect()
+        })
     }
 
     /// The rows as the kernels see them, `d[b] * q[i]`.
