@@ -9,7 +9,8 @@
 //! The dot-product kernel is written with AVX2/FMA/F16C intrinsics on x86_64, selected at run
 //! time: LLVM's SLP vectoriser turned the portable fixed-array form into 2-lane code for most
 //! accumulator shapes (7-8 G weights/s per core, a fraction of the memory bandwidth). The portable
-//! form serves other targets and older CPUs.
+//! form serves other targets and older CPUs. Where the CPU has AVX-512, the float types take a
+//! tiled AVX-512 kernel (`avx512`) whose every product is bit for bit the AVX2 kernel's.
 
 use half::{bf16, f16};
 
@@ -295,8 +296,17 @@ fn matmul_dots<T: Sync>(
 }
 
 /// Weight rows `w` (`[rows, k]`) into `out` (`[rows, t]`, the rows of `x` contiguous per output).
-/// Attention calls it too, with one key row as `w` and a task's queries as `x`.
+/// Attention calls it too, with one key row as `w` and a task's queries as `x`. Several rows of
+/// `x` take the tiled kernel where the CPU has AVX-512, else AVX2's, else the portable one; the
+/// first two give the same bits. One row (decode) stays on AVX2's kernel: it is bound by memory,
+/// and in alternating `bench` runs (Zen 4, 2 threads, the 0.8B model in bf16) decode on the tiled
+/// kernel was no faster (its median 0.5-8% slower in each of four sets of runs).
 pub(super) fn dots_task<T: Widen>(x: &[f32], k: usize, w: &[T], out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if x.len() > k && avx512::available() {
+        // SAFETY: the CPU has the features the kernel is compiled for.
+        return unsafe { avx512::dots_task(x, k, w, out) };
+    }
     #[cfg(target_arch = "x86_64")]
     if avx2::available() {
         // SAFETY: the CPU has the features the kernel is compiled for.
@@ -554,7 +564,7 @@ mod avx2 {
     /// The CPU must support AVX2 and F16C.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn load8<T: Widen>(c: &[T; 8]) -> __m256 {
+    pub(super) unsafe fn load8<T: Widen>(c: &[T; 8]) -> __m256 {
         let p = c.as_ptr();
         // SAFETY: each arm reads exactly the 8 elements of `c` (the arm matching T's size: 32
         // bytes for f32, 16 for bf16/f16), with unaligned loads.
@@ -622,6 +632,256 @@ mod avx2 {
                     .fold(0.0f32, |s, (&wv, &xv)| T::widen(&[wv])[0].mul_add(xv, s));
                 sum_lanes(&lanes) + tail
             })
+        }
+    }
+}
+
+/// The float kernel on AVX-512 (bf16, f16 and f32 weights): tiles of [`avx512::W_TILE`] weight
+/// rows by up to [`avx512::X_TILE`] rows of `x`, each weight chunk loaded and widened once per
+/// tile and each chunk of `x` once for all the tile's weight rows. Every (weight row, row of
+/// `x`) product is, bit for bit, the one the AVX2 kernel's one-row pass computes
+/// (`avx2::dots::<T, 1, 4>`), whatever the tile: a verify pass of several rows gives each row
+/// its decode step's products, and a host with AVX-512 computes what a helper with AVX2 alone
+/// does. With the AVX2 kernel's two rows a pass, a verify pass of 1 + 4 rows cost about 2.1
+/// decode steps and 1 + 8 rows 3.6 (Zen 4, 2 threads, `bench` on the 0.8B model in bf16):
+/// every pass widened the weights again and each weight register fed only two FMAs. With this
+/// one, about 1.3 and 2.0-2.3.
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use std::arch::x86_64::*;
+
+    use super::{avx2, DType, Widen};
+
+    /// Weight rows a tile multiplies at once. With [`X_TILE`], 2 x 4 x 3 = 24 accumulator
+    /// registers (two a product), three of `x` and one of weights: within the 32 without
+    /// spilling, and each loaded vector feeds three or four FMAs. Measured on Zen 4 (bf16,
+    /// k = 1024, in cache, one thread) against 3 x 4, 2 x 4 .. 2 x 6, 3 x 3 and 4 x 2 tiles,
+    /// for 1 to 15 rows of `x`: within a few percent of the best at every row count, and
+    /// 40-45 G FMA lanes/s (75% of the core's peak) from 3 rows up.
+    pub const W_TILE: usize = 4;
+
+    /// Rows of `x` a tile takes at most; more rows are split into groups as even as possible
+    /// (five rows: three and two), each taking the tile's weights from L1.
+    pub const X_TILE: usize = 3;
+
+    /// How far ahead of each weight row's chunk the kernel prefetches, into L2 (`T1`): the
+    /// rows of a tile are read from L1 once per group of `x`, and prefetches into L1 evicted
+    /// them (and `x`) before their last use. Measured on Zen 4 (2 threads, weights from
+    /// memory): against `T0` at 2 KiB, 10-25% faster for 3 to 5 rows of `x` and the same for
+    /// 1 and 9; 2 to 8 KiB ahead within noise of each other.
+    const AHEAD_BYTES: usize = 4096;
+
+    pub fn available() -> bool {
+        is_x86_feature_detected!("avx512f") && avx2::available()
+    }
+
+    /// Weight rows `w` (`[rows, k]`) into `out` (`[rows, t]`), as `super::dots_task`.
+    ///
+    /// The rows are taken as [`W_TILE`] bands of consecutive rows, a tile holding row `o` of
+    /// each band, with the few left over one at a time: each band is then read in order, a
+    /// stream the hardware prefetcher follows. Tiles of adjacent rows (four streams 2 KiB
+    /// apart, jumping 8 KiB per tile) made one row of `x` 1.5 times slower from memory.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512F, AVX2, FMA and F16C.
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    pub unsafe fn dots_task<T: Widen>(x: &[f32], k: usize, w: &[T], out: &mut [f32]) {
+        let (t, n) = (x.len() / k, w.len() / k);
+        assert_eq!(out.len(), n * t);
+        let band = n / W_TILE;
+        for o in 0..band {
+            let rows: [usize; W_TILE] = std::array::from_fn(|j| o + j * band);
+            // SAFETY: the caller checked the CPU.
+            unsafe { tile(rows, x, k, w, out) };
+        }
+        for o in W_TILE * band..n {
+            // SAFETY: as above.
+            unsafe { tile([o], x, k, w, out) };
+        }
+    }
+
+    /// Weight rows `rows` of `w` against every row of `x`, in groups of up to [`X_TILE`] rows,
+    /// into their rows of `out` (`[rows of w, t]`).
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512F, AVX2, FMA and F16C.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    unsafe fn tile<T: Widen, const W: usize>(
+        rows: [usize; W],
+        x: &[f32],
+        k: usize,
+        w: &[T],
+        out: &mut [f32],
+    ) {
+        let t = x.len() / k;
+        let wr = rows.map(|o| &w[o * k..][..k]);
+        let groups = t.div_ceil(X_TILE);
+        let mut r0 = 0;
+        for g in 0..groups {
+            let len = t / groups + usize::from(g < t % groups);
+            let xg = &x[r0 * k..(r0 + len) * k];
+            macro_rules! group {
+                ($R:literal) => {{
+                    // SAFETY: the caller checked the CPU.
+                    let d = unsafe { dots::<T, W, $R>(wr, xg) };
+                    for (&o, d) in rows.iter().zip(&d) {
+                        out[o * t + r0..][..$R].copy_from_slice(d);
+                    }
+                }};
+            }
+            match len {
+                1 => group!(1),
+                2 => group!(2),
+                _ => group!(3),
+            }
+            r0 += len;
+        }
+    }
+
+    /// Sixteen elements from `p` widened to f32: the same values as two of `avx2::load8`.
+    ///
+    /// Not a `target_feature` function, so that it is always inlined into its caller.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512F; `p` must be valid for reading 16 elements.
+    #[inline(always)]
+    unsafe fn load16<T: Widen>(p: *const T) -> __m512 {
+        // SAFETY: each arm reads the 16 elements at `p` (64 bytes for f32, 32 for bf16/f16),
+        // with unaligned loads; the caller has the features.
+        unsafe {
+            match T::DTYPE {
+                DType::F32 => _mm512_loadu_ps(p.cast()),
+                DType::BF16 => {
+                    let h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(p.cast()));
+                    _mm512_castsi512_ps(_mm512_slli_epi32::<16>(h))
+                }
+                DType::F16 => _mm512_cvtph_ps(_mm256_loadu_si256(p.cast())),
+                _ => unreachable!("quantised types have their own kernels"),
+            }
+        }
+    }
+
+    /// The sums of two products' 32 accumulator lanes, `a` and `b` (lanes 0..16 and 16..32),
+    /// each in `avx2::dots`'s order: its accumulators 0 to 3 (eight lanes each) added in turn,
+    /// then `super::sum_lanes` of the eight lanes (the upper four added to the lower four,
+    /// lanes 2 and 3 to 0 and 1, lane 1 to lane 0), every addition with the same operands in
+    /// the same order. `a`'s sum is lane 0 of the result, `b`'s lane 8: the two share each
+    /// instruction.
+    ///
+    /// Not a `target_feature` function, so that it is always inlined into its caller.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512F.
+    #[inline(always)]
+    unsafe fn sum2(a: [__m512; 2], b: [__m512; 2]) -> __m512 {
+        // SAFETY: the caller has the features.
+        unsafe {
+            // Accumulator 0 of `a` in lanes 0..8 and of `b` in lanes 8..16, and so on.
+            let acc0 = _mm512_shuffle_f32x4::<0x44>(a[0], b[0]);
+            let acc1 = _mm512_shuffle_f32x4::<0xee>(a[0], b[0]);
+            let acc2 = _mm512_shuffle_f32x4::<0x44>(a[1], b[1]);
+            let acc3 = _mm512_shuffle_f32x4::<0xee>(a[1], b[1]);
+            let sum = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(acc0, acc1), acc2), acc3);
+            // Lanes 4..8 onto 0..4 (and 12..16 onto 8..12).
+            let s4 = _mm512_add_ps(sum, _mm512_shuffle_f32x4::<0xb1>(sum, sum));
+            // Lanes 2 and 3 onto 0 and 1.
+            let s2 = _mm512_add_ps(s4, _mm512_permute_ps::<0x0e>(s4));
+            // Lane 1 onto lane 0.
+            _mm512_add_ps(s2, _mm512_movehdup_ps(s2))
+        }
+    }
+
+    /// Dot products of the `W` weight rows `w` (each of length `k`) with the `R` rows of `xs`
+    /// (`[R, k]`), each as `avx2::dots::<T, 1, 4>` computes it for that pair alone. That
+    /// kernel's four 8-lane accumulators are two 16-lane ones here (accumulators 0 and 1,
+    /// then 2 and 3): chunk `c` of 8 weights of its main loop goes to accumulator `c % 4`, so
+    /// a step of 32 weights takes the same per-lane FMAs as two 512-bit FMAs. The whole chunks
+    /// left after the last step (fewer than four) go to accumulator 0, the last `k % 8`
+    /// weights to a scalar chain from zero added after the lanes' sum, as there.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512F, AVX2, FMA and F16C.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    unsafe fn dots<T: Widen, const W: usize, const R: usize>(
+        w: [&[T]; W],
+        xs: &[f32],
+    ) -> [[f32; R]; W] {
+        let k = xs.len() / R;
+        assert_eq!(xs.len(), R * k);
+        assert!(w.iter().all(|w| w.len() == k));
+        let (wp, xp) = (w.map(|w| w.as_ptr()), xs.as_ptr());
+        // SAFETY: the caller guarantees the CPU features. The main loop reads elements
+        // `i .. i + 32` of each weight row and of each row `r` of `xs` (at `r * k`) only while
+        // `i + 32 <= k`; a prefetch of any address does not fault; the rest goes through
+        // bounds-checked slices.
+        unsafe {
+            let mut acc = [[[_mm512_setzero_ps(); 2]; R]; W];
+            let mut i = 0;
+            while i + 32 <= k {
+                for p in wp {
+                    let ahead = p.wrapping_add(i).cast::<i8>().wrapping_add(AHEAD_BYTES);
+                    for line in (0..32 * size_of::<T>()).step_by(64) {
+                        _mm_prefetch::<_MM_HINT_T1>(ahead.wrapping_add(line));
+                    }
+                }
+                for h in 0..2 {
+                    let mut xv = [_mm512_setzero_ps(); R];
+                    for (r, xv) in xv.iter_mut().enumerate() {
+                        *xv = _mm512_loadu_ps(xp.add(r * k + i + 16 * h));
+                    }
+                    for (p, acc) in wp.iter().zip(acc.iter_mut()) {
+                        let wv = load16(p.add(i + 16 * h));
+                        for (acc, &xv) in acc.iter_mut().zip(&xv) {
+                            acc[h] = _mm512_fmadd_ps(wv, xv, acc[h]);
+                        }
+                    }
+                }
+                i += 32;
+            }
+            // The whole chunks after the last step: accumulator 0, lanes 0..8.
+            while i + 8 <= k {
+                for (w, acc) in w.iter().zip(&mut acc) {
+                    let wv = _mm512_zextps256_ps512(avx2::load8(w[i..i + 8].try_into().unwrap()));
+                    for (r, acc) in acc.iter_mut().enumerate() {
+                        let x = xs[r * k + i..][..8].try_into().unwrap();
+                        let xv = _mm512_zextps256_ps512(avx2::load8::<f32>(x));
+                        acc[0] = _mm512_mask3_fmadd_ps(wv, xv, acc[0], 0x00ff);
+                    }
+                }
+                i += 8;
+            }
+            let mut tail = [[0.0f32; R]; W];
+            if i < k {
+                for (w, tail) in w.iter().zip(&mut tail) {
+                    for (r, tail) in tail.iter_mut().enumerate() {
+                        *tail = w[i..]
+                            .iter()
+                            .zip(&xs[r * k + i..(r + 1) * k])
+                            .fold(0.0f32, |s, (&wv, &xv)| T::widen(&[wv])[0].mul_add(xv, s));
+                    }
+                }
+            }
+            // The products two at a time, in order (the last with itself where they are odd).
+            let mut out = [[0.0f32; R]; W];
+            let mut held: Option<(usize, usize)> = None;
+            for j in 0..W {
+                for r in 0..R {
+                    let Some((hj, hr)) = held.take() else {
+                        held = Some((j, r));
+                        continue;
+                    };
+                    let v = sum2(acc[hj][hr], acc[j][r]);
+                    out[hj][hr] = _mm_cvtss_f32(_mm512_castps512_ps128(v)) + tail[hj][hr];
+                    out[j][r] = _mm_cvtss_f32(_mm512_extractf32x4_ps::<2>(v)) + tail[j][r];
+                }
+            }
+            if let Some((hj, hr)) = held {
+                let v = sum2(acc[hj][hr], acc[hj][hr]);
+                out[hj][hr] = _mm_cvtss_f32(_mm512_castps512_ps128(v)) + tail[hj][hr];
+            }
+            out
         }
     }
 }
@@ -1069,6 +1329,64 @@ pub(super) mod tests {
                             .zip(&one)
                             .all(|(a, b)| a.to_bits() == b.to_bits());
                         assert!(same, "{dtype:?} kernel {i} n={n} t={t}: row {r} differs");
+                    }
+                }
+            }
+        }
+    }
+
+    /// The AVX-512 float kernel gives every row of `x`, whatever the rows beside it, the bits
+    /// the AVX2 kernel gives that row alone: a host with AVX-512 and a helper with AVX2 alone
+    /// compute the same products, and a verify row its decode step's. Rows shorter than a
+    /// chunk, whole 32-weight steps, leftover chunks and a scalar tail; weight rows in whole
+    /// bands of the tile and left over.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn avx512_rows_match_avx2_one_row_bits() {
+        /// Every row of `x` (`[t, k]`) through the AVX-512 kernel, as `[t, n]`, and each row
+        /// alone through the AVX2 kernel.
+        fn both<T: Widen>(x: &[f32], k: usize, w: &[T]) -> (Vec<f32>, Vec<f32>) {
+            let (t, n) = (x.len() / k, w.len() / k);
+            let (mut all, mut one) = (vec![f32::NAN; n * t], vec![f32::NAN; n]);
+            let mut alone = vec![f32::NAN; t * n];
+            // SAFETY: the caller checked that the CPU has AVX-512F (and with it AVX2, FMA,
+            // F16C).
+            unsafe { avx512::dots_task(x, k, w, &mut all) };
+            for (r, row) in x.chunks_exact(k).enumerate() {
+                // SAFETY: as above.
+                unsafe { avx2::dots_task(row, k, w, &mut one) };
+                alone[r * n..][..n].copy_from_slice(&one);
+            }
+            let mut got = vec![0.0; t * n];
+            transpose(&all, t, n, &mut got);
+            (got, alone)
+        }
+        if !avx512::available() {
+            eprintln!("skipped: this CPU lacks AVX-512F");
+            return;
+        }
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            for k in [7, 8, 31, 32, 40, 63, 100, 1000, 1024] {
+                for n in [3, 37, 64] {
+                    let data = Data::from_f32(&values(n * k, (n * 31 + k) as u64), dtype);
+                    let x = values(15 * k, k as u64 + 3);
+                    for t in 1..=15 {
+                        let x = &x[..t * k];
+                        let (got, want) = match &data {
+                            Data::F32(e) => both(x, k, e),
+                            Data::BF16(e) => both(x, k, e),
+                            Data::F16(e) => both(x, k, e),
+                            _ => unreachable!("float types"),
+                        };
+                        for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                            assert_eq!(
+                                a.to_bits(),
+                                b.to_bits(),
+                                "{dtype:?} k={k} n={n} t={t} row {} output {}: {a} vs {b}",
+                                i / n,
+                                i % n
+                            );
+                        }
                     }
                 }
             }
