@@ -75,6 +75,15 @@ pub struct ModelConfig {
     /// safetensors checkpoints read as they did before GGUF.
     #[serde(default, skip_serializing_if = "WeightLayout::is_hugging_face")]
     pub layout: WeightLayout,
+    /// Multi-token-prediction layers after the model's own (`mtp_num_hidden_layers`; a GGUF's
+    /// `nextn_predict_layers`): the checkpoint's draft head (`model::mtp`). Left out of the
+    /// JSON when 0, so that identities of configs without one read as before.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub mtp_layers: usize,
+}
+
+fn is_zero(n: &usize) -> bool {
+    *n == 0
 }
 
 fn field<'a>(obj: &'a Value, name: &str) -> Result<&'a Value> {
@@ -192,6 +201,11 @@ impl ModelConfig {
             layer_types,
             eos_token_ids,
             layout: WeightLayout::HuggingFace,
+            mtp_layers: c
+                .get("mtp_num_hidden_layers")
+                .or_else(|| c.get("num_nextn_predict_layers"))
+                .and_then(Value::as_u64)
+                .map_or(0, |n| n as usize),
         };
         cfg.validate()?;
         Ok(cfg)
@@ -257,6 +271,13 @@ impl ModelConfig {
             }
         }
         check_layers(self.num_hidden_layers)?;
+        if self.mtp_layers > 1 {
+            return err(format!(
+                "{} multi-token-prediction layers: tether reads a head of one (as every \
+                 Qwen3.5 checkpoint has)",
+                self.mtp_layers
+            ));
+        }
         self.check_sizes()?;
         if self.layer_types.len() != self.num_hidden_layers {
             return err(format!(
@@ -371,7 +392,7 @@ impl ModelConfig {
 
     /// A flat `qwen3_5_text` config.json that HF transformers and other engines load.
     pub fn to_hf_json(&self) -> Value {
-        serde_json::json!({
+        let mut json = serde_json::json!({
             "architectures": ["Qwen3_5ForCausalLM"],
             "model_type": "qwen3_5_text",
             "vocab_size": self.vocab_size,
@@ -402,7 +423,11 @@ impl ModelConfig {
                 [one] => Value::from(*one),
                 many => Value::from(many.to_vec()),
             },
-        })
+        });
+        if self.mtp_layers > 0 {
+            json["mtp_num_hidden_layers"] = self.mtp_layers.into();
+        }
+        json
     }
 }
 

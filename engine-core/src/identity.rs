@@ -71,8 +71,15 @@ impl ModelIdentity {
 
     /// A synthetic preset: its weights are a function of shape, dtype and seed, so those are
     /// its identity (a helper knows it without generating a weight).
+    ///
+    /// The MTP head is left out: it runs on the host alone, so a helper started without
+    /// `--mtp` holds the same layers as a host started with it.
     pub fn of_preset(preset: &str, config: &ModelConfig, dtype: DType, seed: u64) -> Self {
-        let mut h = hasher("preset", config);
+        let layers_only = ModelConfig {
+            mtp_layers: 0,
+            ..config.clone()
+        };
+        let mut h = hasher("preset", &layers_only);
         field(&mut h, preset.as_bytes());
         field(&mut h, dtype.name().as_bytes());
         h.update(&seed.to_le_bytes());

@@ -48,6 +48,10 @@ pub struct LoadOptions {
     /// available): less resident memory, slower decode (see `resident`).
     #[cfg_attr(feature = "cli", arg(long))]
     pub mmap: bool,
+    /// Give a preset a multi-token-prediction head, as Qwen3.5 checkpoints have one (one
+    /// layer, `mtp.*`, seeded like the rest).
+    #[cfg_attr(feature = "cli", arg(long))]
+    pub mtp: bool,
 }
 
 impl Default for LoadOptions {
@@ -57,6 +61,7 @@ impl Default for LoadOptions {
             weight_dtype: "bf16".into(),
             weight_seed: 0,
             mmap: false,
+            mtp: false,
         }
     }
 }
@@ -72,9 +77,10 @@ impl LoadOptions {
         })
     }
 
-    /// The preset's config, with the layer override.
+    /// The preset's config, with the layer override and the MTP head if asked for.
     pub fn config(&self, preset: &str) -> Result<ModelConfig> {
-        let config = synth::preset(preset)?;
+        let mut config = synth::preset(preset)?;
+        config.mtp_layers = usize::from(self.mtp);
         match self.layers {
             Some(l) => synth::with_layers(config, l),
             None => Ok(config),

@@ -39,6 +39,7 @@ pub fn preset(name: &str) -> Result<ModelConfig> {
         layer_types: ModelConfig::interval_layer_types(layers, 4),
         eos_token_ids: Vec::new(),
         layout: WeightLayout::HuggingFace,
+        mtp_layers: 0,
     };
     match name {
         "tiny" => Ok(ModelConfig {
@@ -95,8 +96,8 @@ const CHUNK: usize = 1 << 20;
 /// `n` seeded values stored as `dtype`. The generator is named, not `SmallRng`: that one is
 /// another algorithm on 32-bit targets (wasm32), where a browser tab that helps generates the
 /// same preset as its host and must get the same weights (Xoshiro256++ is what `SmallRng` is
-/// on 64-bit targets, so native weights did not change)., generated a chunk at a time so no f32 copy of a large
-/// tensor is ever held (the 0.8B embedding alone would be 1 GB in f32).
+/// on 64-bit targets, so native weights did not change). Generated a chunk at a time so no f32
+/// copy of a large tensor is ever held (the 0.8B embedding alone would be 1 GB in f32).
 fn fill(name: &str, n: usize, init: &Init, seed: u64, dtype: DType) -> Data {
     // FNV-1a of the name separates the tensors' streams.
     let name_hash = name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
@@ -242,31 +243,32 @@ pub fn tensor_shapes(c: &ModelConfig) -> Result<Vec<(String, Vec<usize>)>> {
         .collect())
 }
 
+/// A tensor's name, shape and initialisation.
+type Spec = (String, Vec<usize>, Init);
+
+/// A projection from `inp` to `out`, scaled so that its outputs keep the inputs' magnitude.
+fn linear(name: String, out: usize, inp: usize) -> Spec {
+    let std = 1.0 / (inp as f32).sqrt();
+    (name, vec![out, inp], Init::Normal { mean: 0.0, std })
+}
+
+/// An RMSNorm's offset `w` (the scale is `1 + w`).
+fn offset_norm(name: String, d: usize) -> Spec {
+    (
+        name,
+        vec![d],
+        Init::Normal {
+            mean: 0.0,
+            std: 0.1,
+        },
+    )
+}
+
 /// Name, shape and initialisation of every tensor of a model with `c`'s shapes.
-fn tensor_specs(c: &ModelConfig) -> Result<Vec<(String, Vec<usize>, Init)>> {
+fn tensor_specs(c: &ModelConfig) -> Result<Vec<Spec>> {
     c.validate()?;
-    let (h, i, v) = (c.hidden_size, c.intermediate_size, c.vocab_size);
-    let mut specs: Vec<(String, Vec<usize>, Init)> = Vec::new();
-    let linear = |name: String, out: usize, inp: usize| {
-        (
-            name,
-            vec![out, inp],
-            Init::Normal {
-                mean: 0.0,
-                std: 1.0 / (inp as f32).sqrt(),
-            },
-        )
-    };
-    let offset_norm = |name: String, d: usize| {
-        (
-            name,
-            vec![d],
-            Init::Normal {
-                mean: 0.0,
-                std: 0.1,
-            },
-        )
-    };
+    let (h, v) = (c.hidden_size, c.vocab_size);
+    let mut specs: Vec<Spec> = Vec::new();
     specs.push((
         "model.embed_tokens.weight".into(),
         vec![v, h],
@@ -287,72 +289,86 @@ fn tensor_specs(c: &ModelConfig) -> Result<Vec<(String, Vec<usize>, Init)>> {
     }
     specs.push(offset_norm("model.norm.weight".into(), h));
     for (l, kind) in c.layer_types.iter().enumerate() {
-        let p = format!("model.layers.{l}.");
-        specs.push(offset_norm(format!("{p}input_layernorm.weight"), h));
-        specs.push(offset_norm(
-            format!("{p}post_attention_layernorm.weight"),
-            h,
-        ));
-        specs.push(linear(format!("{p}mlp.gate_proj.weight"), i, h));
-        specs.push(linear(format!("{p}mlp.up_proj.weight"), i, h));
-        specs.push(linear(format!("{p}mlp.down_proj.weight"), h, i));
-        match kind {
-            LayerKind::FullAttention => {
-                let (nh, nkv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
-                let a = format!("{p}self_attn.");
-                specs.push(linear(format!("{a}q_proj.weight"), nh * hd * 2, h));
-                specs.push(linear(format!("{a}k_proj.weight"), nkv * hd, h));
-                specs.push(linear(format!("{a}v_proj.weight"), nkv * hd, h));
-                specs.push(linear(format!("{a}o_proj.weight"), h, nh * hd));
-                specs.push(offset_norm(format!("{a}q_norm.weight"), hd));
-                specs.push(offset_norm(format!("{a}k_norm.weight"), hd));
-            }
-            LayerKind::LinearAttention => {
-                let a = format!("{p}linear_attn.");
-                let (hv, k, vd) = (
-                    c.linear_num_value_heads,
-                    c.linear_conv_kernel_dim,
-                    c.linear_value_dim(),
-                );
-                specs.push(linear(format!("{a}in_proj_qkv.weight"), c.conv_dim(), h));
-                specs.push(linear(format!("{a}in_proj_z.weight"), vd, h));
-                specs.push(linear(format!("{a}in_proj_b.weight"), hv, h));
-                specs.push(linear(format!("{a}in_proj_a.weight"), hv, h));
-                specs.push(linear(format!("{a}out_proj.weight"), h, vd));
-                specs.push((
-                    format!("{a}conv1d.weight"),
-                    vec![c.conv_dim(), 1, k],
-                    Init::Normal {
-                        mean: 0.0,
-                        std: 1.0 / (k as f32).sqrt(),
-                    },
-                ));
-                specs.push((
-                    format!("{a}A_log"),
-                    vec![hv],
-                    Init::Uniform {
-                        lo: 0.02f32.ln(),
-                        hi: 2.0f32.ln(),
-                    },
-                ));
-                specs.push((
-                    format!("{a}dt_bias"),
-                    vec![hv],
-                    Init::Uniform { lo: -1.0, hi: 1.0 },
-                ));
-                // The gated norm's weight is used as is (not 1 + w): centre it on 1.
-                specs.push((
-                    format!("{a}norm.weight"),
-                    vec![c.linear_value_head_dim],
-                    Init::Normal {
-                        mean: 1.0,
-                        std: 0.1,
-                    },
-                ));
-            }
-        }
+        layer_specs(c, &format!("model.layers.{l}."), *kind, &mut specs);
+    }
+    if c.mtp_layers > 0 {
+        // The multi-token-prediction head: its input norms, the projection of [embedding;
+        // hidden], one full-attention layer and its output norm.
+        specs.push(offset_norm("mtp.pre_fc_norm_embedding.weight".into(), h));
+        specs.push(offset_norm("mtp.pre_fc_norm_hidden.weight".into(), h));
+        specs.push(linear("mtp.fc.weight".into(), h, 2 * h));
+        layer_specs(c, "mtp.layers.0.", LayerKind::FullAttention, &mut specs);
+        specs.push(offset_norm("mtp.norm.weight".into(), h));
     }
     Ok(specs)
+}
+
+/// The tensors of one layer of `kind` whose names start with `p`.
+fn layer_specs(c: &ModelConfig, p: &str, kind: LayerKind, specs: &mut Vec<Spec>) {
+    let (h, i) = (c.hidden_size, c.intermediate_size);
+    specs.push(offset_norm(format!("{p}input_layernorm.weight"), h));
+    specs.push(offset_norm(
+        format!("{p}post_attention_layernorm.weight"),
+        h,
+    ));
+    specs.push(linear(format!("{p}mlp.gate_proj.weight"), i, h));
+    specs.push(linear(format!("{p}mlp.up_proj.weight"), i, h));
+    specs.push(linear(format!("{p}mlp.down_proj.weight"), h, i));
+    match kind {
+        LayerKind::FullAttention => {
+            let (nh, nkv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
+            let a = format!("{p}self_attn.");
+            specs.push(linear(format!("{a}q_proj.weight"), nh * hd * 2, h));
+            specs.push(linear(format!("{a}k_proj.weight"), nkv * hd, h));
+            specs.push(linear(format!("{a}v_proj.weight"), nkv * hd, h));
+            specs.push(linear(format!("{a}o_proj.weight"), h, nh * hd));
+            specs.push(offset_norm(format!("{a}q_norm.weight"), hd));
+            specs.push(offset_norm(format!("{a}k_norm.weight"), hd));
+        }
+        LayerKind::LinearAttention => {
+            let a = format!("{p}linear_attn.");
+            let (hv, k, vd) = (
+                c.linear_num_value_heads,
+                c.linear_conv_kernel_dim,
+                c.linear_value_dim(),
+            );
+            specs.push(linear(format!("{a}in_proj_qkv.weight"), c.conv_dim(), h));
+            specs.push(linear(format!("{a}in_proj_z.weight"), vd, h));
+            specs.push(linear(format!("{a}in_proj_b.weight"), hv, h));
+            specs.push(linear(format!("{a}in_proj_a.weight"), hv, h));
+            specs.push(linear(format!("{a}out_proj.weight"), h, vd));
+            specs.push((
+                format!("{a}conv1d.weight"),
+                vec![c.conv_dim(), 1, k],
+                Init::Normal {
+                    mean: 0.0,
+                    std: 1.0 / (k as f32).sqrt(),
+                },
+            ));
+            specs.push((
+                format!("{a}A_log"),
+                vec![hv],
+                Init::Uniform {
+                    lo: 0.02f32.ln(),
+                    hi: 2.0f32.ln(),
+                },
+            ));
+            specs.push((
+                format!("{a}dt_bias"),
+                vec![hv],
+                Init::Uniform { lo: -1.0, hi: 1.0 },
+            ));
+            // The gated norm's weight is used as is (not 1 + w): centre it on 1.
+            specs.push((
+                format!("{a}norm.weight"),
+                vec![c.linear_value_head_dim],
+                Init::Normal {
+                    mean: 1.0,
+                    std: 0.1,
+                },
+            ));
+        }
+    }
 }
 
 /// Write `config.json` and `model.safetensors` so HF transformers and other engines can load

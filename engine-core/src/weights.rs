@@ -1,7 +1,7 @@
 //! Reading and writing safetensors checkpoints: one file, or shards listed in
 //! `model.safetensors.index.json`. Tensor names are normalised to the text-only layout
 //! (`model.layers.N.*`); multimodal checkpoints' `model.language_model.*` prefix is stripped and
-//! their vision tower and MTP head are skipped.
+//! their vision tower skipped; the multi-token-prediction head is `mtp.*` whatever its prefix.
 
 use safetensors::{Dtype as StDtype, SafeTensors};
 use std::collections::HashMap;
@@ -21,16 +21,19 @@ pub fn layer_of(name: &str) -> Option<usize> {
 }
 
 /// The text-only name of a checkpoint tensor, or `None` for tensors text inference ignores.
+/// Qwen3.5 checkpoints hold the MTP head as `mtp.*`; llama.cpp's converter also takes
+/// `model.mtp.*` (and `model.language_model.mtp.*`), so tether does too.
 fn normalise_name(name: &str) -> Option<String> {
-    if name.starts_with("model.visual.")
-        || name.starts_with("mtp.")
-        || name.starts_with("model.mtp.")
-    {
+    if name.starts_with("model.visual.") {
         return None;
     }
-    Some(match name.strip_prefix("model.language_model.") {
-        Some(rest) => format!("model.{rest}"),
-        None => name.to_string(),
+    let text = name
+        .strip_prefix("model.language_model.")
+        .map(|r| format!("model.{r}"));
+    let text = text.as_deref().unwrap_or(name);
+    Some(match text.strip_prefix("model.mtp.") {
+        Some(rest) => format!("mtp.{rest}"),
+        None => text.to_string(),
     })
 }
 

@@ -45,6 +45,7 @@ fn config() -> ModelConfig {
         layer_types: vec![LayerKind::LinearAttention, LayerKind::FullAttention],
         eos_token_ids: vec![1],
         layout: WeightLayout::HuggingFace,
+        mtp_layers: 0,
     }
 }
 

@@ -207,7 +207,7 @@ pub fn metadata(w: &mut Writer, c: &ModelConfig, name: &str, file_type: FileType
     w.meta("general.architecture", Value::Str("qwen35".into()))
         .meta("general.type", Value::Str("model".into()))
         .meta("general.name", Value::Str(name.into()))
-        .meta(&a("block_count"), u(c.num_hidden_layers))
+        .meta(&a("block_count"), u(c.num_hidden_layers + c.mtp_layers))
         .meta(&a("context_length"), u(c.max_position_embeddings))
         .meta(&a("embedding_length"), u(c.hidden_size))
         .meta(&a("feed_forward_length"), u(c.intermediate_size))
@@ -232,6 +232,8 @@ pub fn metadata(w: &mut Writer, c: &ModelConfig, name: &str, file_type: FileType
                 c.layer_types
                     .iter()
                     .map(|k| Value::Bool(*k == LayerKind::LinearAttention))
+                    // The head's block is a full-attention one.
+                    .chain((0..c.mtp_layers).map(|_| Value::Bool(false)))
                     .collect(),
             ),
         )
@@ -244,6 +246,9 @@ pub fn metadata(w: &mut Writer, c: &ModelConfig, name: &str, file_type: FileType
         &a("rope.dimension_sections"),
         Value::Array([11, 11, 10, 0].map(Value::I32).to_vec()),
     );
+    if c.mtp_layers > 0 {
+        w.meta(&a("nextn_predict_layers"), u(c.mtp_layers));
+    }
 }
 
 /// The interval of full-attention layers (the converter writes the checkpoint's, default 4):
@@ -399,12 +404,18 @@ fn grouped_head(h: usize, k_heads: usize, v_heads: usize) -> usize {
 /// What the converter does to tensor `suffix` (its name after `model.layers.N.`, or the whole
 /// name), given that the input is in Hugging Face's layout (`convert`) and has fewer key heads
 /// than value heads (`tile`).
+/// The multi-token-prediction head's two input norms, whose names do not end in `norm.weight`
+/// (their GGUF names do, and the converter stores `1 + w` for them as for every other).
+fn is_mtp_input_norm(name: &str) -> bool {
+    name.starts_with("mtp.pre_fc_norm_")
+}
+
 fn form_of(suffix: &str, convert: bool, tile: bool, c: &ModelConfig) -> Form {
     let (dv, qk) = (c.linear_value_head_dim, 2 * c.linear_key_dim());
     let is = |end: &str| suffix.ends_with(end);
     if !convert {
         Form::Same
-    } else if is("norm.weight") && !is("linear_attn.norm.weight") {
+    } else if (is("norm.weight") && !is("linear_attn.norm.weight")) || is_mtp_input_norm(suffix) {
         Form::Scale
     } else if is("A_log") {
         Form::NegExp
@@ -440,7 +451,7 @@ fn plans<'a>(
         if c.tie_word_embeddings && source == "lm_head.weight" {
             continue;
         }
-        let Some(name) = gguf_name(source) else {
+        let Some(name) = gguf_name(source, c.num_hidden_layers) else {
             return Err(Error::Weights(format!(
                 "{source}: not a tensor of the qwen35 layout"
             )));
@@ -461,9 +472,15 @@ fn plans<'a>(
             form,
         });
     }
-    out.sort_by_cached_key(|p| (crate::weights::layer_of(&p.source), p.name.clone()));
+    out.sort_by_cached_key(|p| (block_of(&p.name), p.name.clone()));
     choose_types(&mut out, f, c);
     Ok(out)
+}
+
+/// The block a GGUF tensor belongs to (`blk.N.`): the multi-token-prediction head's block
+/// comes after the model's layers, as the converter writes it.
+fn block_of(name: &str) -> Option<usize> {
+    name.strip_prefix("blk.")?.split('.').next()?.parse().ok()
 }
 
 /// Each plan's type by llama.cpp's rules; what is not quantised stays f32, as the converter
@@ -471,10 +488,14 @@ fn plans<'a>(
 fn choose_types(plans: &mut [Plan], f: FileType, c: &ModelConfig) {
     let gqa = c.num_attention_heads / c.num_key_value_heads.max(1);
     let tied = !plans.iter().any(|p| p.name == "output.weight");
-    let values = plans
-        .iter()
-        .filter(|p| role(&p.name, tied) == Role::Value)
-        .count();
+    let count = |role_: Role| {
+        plans
+            .iter()
+            .filter(|p| role(&p.name, tied) == role_)
+            .count()
+    };
+    // llama-quantize counts every block's, the multi-token-prediction head's too.
+    let (values, downs) = (count(Role::Value), count(Role::FfnDown));
     let (mut value, mut down) = (0, 0);
     for p in plans.iter_mut() {
         if !quantisable(&p.name, p.shape.len()) {
@@ -483,7 +504,7 @@ fn choose_types(plans: &mut [Plan], f: FileType, c: &ModelConfig) {
         let r = role(&p.name, tied);
         let (i, n) = match r {
             Role::Value => (value, values),
-            Role::FfnDown => (down, c.num_hidden_layers),
+            Role::FfnDown => (down, downs),
             Role::Output | Role::AttnOutput | Role::Other => (0, 0),
         };
         value += usize::from(r == Role::Value);

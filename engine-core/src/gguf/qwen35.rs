@@ -106,6 +106,7 @@ pub fn config(g: &Gguf) -> Result<ModelConfig> {
         layer_types,
         eos_token_ids: eos.into_iter().collect(),
         layout: WeightLayout::Gguf,
+        mtp_layers: nextn,
     };
     cfg.validate()?;
     Ok(cfg)
@@ -188,26 +189,53 @@ const LAYER: [(&str, &str); 20] = [
     ("ssm_out.weight", "linear_attn.out_proj.weight"),
 ];
 
+/// The converter's names of the multi-token-prediction head's own tensors, in the block after
+/// the model's layers (after `blk.N.`): (GGUF, tether's). Its decoder layer's tensors there
+/// take [`LAYER`]'s names.
+const NEXTN: [(&str, &str); 4] = [
+    ("nextn.eh_proj.weight", "mtp.fc.weight"),
+    ("nextn.enorm.weight", "mtp.pre_fc_norm_embedding.weight"),
+    ("nextn.hnorm.weight", "mtp.pre_fc_norm_hidden.weight"),
+    ("nextn.shared_head_norm.weight", "mtp.norm.weight"),
+];
+
 /// tether's (Hugging Face's text-only) name for a GGUF tensor of a model of `layers` layers,
-/// or `None` for one it does not use (the nextn layers).
+/// or `None` for one it does not use. Block `layers` is the multi-token-prediction head's.
 fn hf_name(name: &str, layers: usize) -> Option<String> {
     if let Some((_, hf)) = TOP.iter().find(|(g, _)| *g == name) {
         return Some(hf.to_string());
     }
     let (layer, tensor) = name.strip_prefix("blk.")?.split_once('.')?;
-    let layer: usize = layer.parse().ok().filter(|&l| l < layers)?;
+    let layer: usize = layer.parse().ok().filter(|&l| l <= layers)?;
+    if layer == layers {
+        if let Some((_, hf)) = NEXTN.iter().find(|(g, _)| *g == tensor) {
+            return Some(hf.to_string());
+        }
+    }
     let (_, hf) = LAYER.iter().find(|(g, _)| *g == tensor)?;
-    Some(format!("model.layers.{layer}.{hf}"))
+    Some(match layer < layers {
+        true => format!("model.layers.{layer}.{hf}"),
+        false => format!("mtp.layers.0.{hf}"),
+    })
 }
 
-/// The GGUF name of one of tether's tensor names (`A_log` maps to `ssm_a`, which the writer
-/// computes from it).
-pub(super) fn gguf_name(name: &str) -> Option<String> {
+/// The GGUF name of one of tether's tensor names in a model of `layers` layers (`A_log` maps
+/// to `ssm_a`, which the writer computes from it; the multi-token-prediction head's tensors
+/// to block `layers`).
+pub(super) fn gguf_name(name: &str, layers: usize) -> Option<String> {
     if let Some((g, _)) = TOP.iter().find(|(_, hf)| *hf == name) {
         return Some(g.to_string());
     }
-    let (layer, tensor) = name.strip_prefix("model.layers.")?.split_once('.')?;
-    let layer: usize = layer.parse().ok()?;
+    if let Some((g, _)) = NEXTN.iter().find(|(_, hf)| *hf == name) {
+        return Some(format!("blk.{layers}.{g}"));
+    }
+    let (layer, tensor) = match name.strip_prefix("mtp.layers.0.") {
+        Some(tensor) => (layers, tensor),
+        None => {
+            let (layer, tensor) = name.strip_prefix("model.layers.")?.split_once('.')?;
+            (layer.parse().ok()?, tensor)
+        }
+    };
     let tensor = if tensor == "linear_attn.A_log" {
         "linear_attn.ssm_a"
     } else {

@@ -9,6 +9,7 @@
 
 mod attention;
 mod deltanet;
+mod mtp;
 mod state;
 
 pub use state::{Checkpoint, DeltaState, LayerState, Refills, State};
@@ -17,12 +18,13 @@ use crate::backend::{Act, Backend, Param};
 use crate::config::{LayerKind, ModelConfig, WeightLayout};
 use crate::error::{Error, Result};
 use crate::identity::ModelIdentity;
-use crate::kv::{NoPagesAway, PageSource, PendingAttention};
+use crate::kv::{NoPagesAway, PageSource, PagedKv, PendingAttention};
 use crate::tensor::{Matrix, Tensor};
 use crate::weights::TensorMap;
 
 use attention::Attention;
 use deltanet::DeltaNet;
+use mtp::Mtp;
 
 /// Which rows of the batch need logits.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -109,6 +111,9 @@ struct Ends {
     embed: Matrix,
     lm_head: Matrix,
     norm_final: Param,
+    /// The checkpoint's multi-token-prediction head, where it has one: it drafts with the
+    /// embedding and the LM head.
+    mtp: Option<Mtp>,
 }
 
 /// Looks tensors up by name and checks their shapes, so a wrong checkpoint fails with the name
@@ -119,6 +124,10 @@ pub(crate) struct Loader<'a> {
 }
 
 impl<'a> Loader<'a> {
+    fn has(&self, name: &str) -> bool {
+        self.tensors.contains_key(name)
+    }
+
     fn tensor(&self, name: &str, shape: &[usize]) -> Result<&'a Tensor> {
         let t = self
             .tensors
@@ -230,9 +239,9 @@ impl Model {
         })
     }
 
-    /// The ends (`with_ends`) and the `loaded` layers of `c` from `tensors`, after the config's
-    /// own checks, each tensor checked against the config as it is taken ([`Loader`]): the one
-    /// check of a checkpoint's tensors.
+    /// The ends (`with_ends`, with the MTP head where there is one) and the `loaded`
+    /// layers of `c` from `tensors`, after the config's own checks, each tensor checked
+    /// against the config as it is taken ([`Loader`]): the one check of a checkpoint's tensors.
     fn parts(
         c: &ModelConfig,
         tensors: &TensorMap,
@@ -257,36 +266,17 @@ impl Model {
                 embed,
                 lm_head,
                 norm_final,
+                mtp: Mtp::load(c, &ld)?,
             })
         } else {
             None
         };
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
         for (i, kind) in c.layer_types.iter().enumerate() {
-            if !loaded.contains(&i) {
-                layers.push(None);
-                continue;
-            }
-            let p = format!("model.layers.{i}.");
-            let mixer = match kind {
-                LayerKind::FullAttention => {
-                    Mixer::Attention(Attention::load(c, &ld, &format!("{p}self_attn."))?)
-                }
-                LayerKind::LinearAttention => {
-                    Mixer::DeltaNet(DeltaNet::load(c, &ld, &format!("{p}linear_attn."))?)
-                }
-            };
-            let m = format!("{p}mlp.");
-            layers.push(Some(Layer {
-                norm_in: ld.offset_norm(&format!("{p}input_layernorm.weight"), h)?,
-                norm_post: ld.offset_norm(&format!("{p}post_attention_layernorm.weight"), h)?,
-                mixer,
-                mlp: Mlp {
-                    gate: ld.matrix(&format!("{m}gate_proj.weight"), c.intermediate_size, h)?,
-                    up: ld.matrix(&format!("{m}up_proj.weight"), c.intermediate_size, h)?,
-                    down: ld.matrix(&format!("{m}down_proj.weight"), h, c.intermediate_size)?,
-                },
-            }));
+            layers.push(match loaded.contains(&i) {
+                true => Some(Layer::load(c, &ld, &format!("model.layers.{i}."), *kind)?),
+                false => None,
+            });
         }
         Ok((ends, layers))
     }
@@ -337,17 +327,6 @@ impl Model {
         State::new(&self.config, page_size)
     }
 
-    /// Every matrix of layer `l`.
-    fn matrices(l: &Layer) -> impl Iterator<Item = &Matrix> {
-        let mixer: Vec<&Matrix> = match &l.mixer {
-            Mixer::Attention(a) => a.matrices().to_vec(),
-            Mixer::DeltaNet(d) => d.matrices().to_vec(),
-        };
-        [&l.mlp.gate, &l.mlp.up, &l.mlp.down]
-            .into_iter()
-            .chain(mixer)
-    }
-
     /// Bytes of weights as stored, per layer (0 for a layer not held here) and of the
     /// embedding and head (tied embeddings counted once): what a plan divides among devices.
     pub fn weight_bytes_by_layer(&self) -> (Vec<usize>, usize) {
@@ -364,7 +343,7 @@ impl Model {
             .iter()
             .map(|l| {
                 l.as_ref()
-                    .map_or(0, |l| Self::matrices(l).map(Matrix::nbytes).sum())
+                    .map_or(0, |l| l.matrices().map(Matrix::nbytes).sum())
             })
             .collect();
         (layers, ends)
@@ -381,7 +360,8 @@ impl Model {
     pub fn check_backend(&self, be: &dyn Backend) -> Result<()> {
         let ends = self.ends.iter().flat_map(|e| [&e.embed, &e.lm_head]);
         match ends
-            .chain(self.layers.iter().flatten().flat_map(Self::matrices))
+            .chain(self.layers.iter().flatten().flat_map(Layer::matrices))
+            .chain(self.mtp_head().into_iter().flat_map(Mtp::matrices))
             .find(|m| !be.reads(m.dtype()))
         {
             Some(m) => Err(Error::Invalid(format!(
@@ -530,10 +510,7 @@ impl Model {
     ) -> Result<()> {
         let layer = self.layer(pass.next)?;
         be.add(&mut pass.x, y);
-        let mut normed = be.duplicate(&pass.x);
-        be.rms_norm(&mut normed, &layer.norm_post, self.config.rms_norm_eps);
-        let out = layer.mlp.forward(be, &normed);
-        be.add(&mut pass.x, &out);
+        layer.mlp_residual(be, &mut pass.x, self.config.rms_norm_eps);
         if let Some(tr) = trace {
             tr.push(be.download(&pass.x));
         }
@@ -543,6 +520,15 @@ impl Model {
 
     /// Final norm and output projection of the rows `logits` asks for, read to the host.
     pub fn head(&self, be: &dyn Backend, x: Act, logits: Logits) -> Result<Vec<f32>> {
+        match self.final_rows(be, x, logits)? {
+            Some(rows) => Ok(be.download_owned(be.matmul(&rows, &self.ends()?.lm_head))),
+            None => Ok(Vec::new()),
+        }
+    }
+
+    /// The rows `logits` asks for after the final norm: what the LM head multiplies, and the
+    /// hidden rows the MTP head drafts from.
+    fn final_rows(&self, be: &dyn Backend, x: Act, logits: Logits) -> Result<Option<Act>> {
         let c = &self.config;
         let h = c.hidden_size;
         let n = x.len();
@@ -553,11 +539,115 @@ impl Model {
                 be.write(&mut last, 0, &x, n - h, h);
                 last
             }
-            Logits::None => return Ok(Vec::new()),
+            Logits::None => return Ok(None),
         };
-        let ends = self.ends()?;
-        be.rms_norm(&mut rows, &ends.norm_final, c.rms_norm_eps);
-        Ok(be.download_owned(be.matmul(&rows, &ends.lm_head)))
+        be.rms_norm(&mut rows, &self.ends()?.norm_final, c.rms_norm_eps);
+        Ok(Some(rows))
+    }
+
+    /// Whether this model has a multi-token-prediction head to draft with.
+    pub fn has_mtp(&self) -> bool {
+        self.mtp_head().is_some()
+    }
+
+    fn mtp_head(&self) -> Option<&Mtp> {
+        self.ends.as_ref()?.mtp.as_ref()
+    }
+
+    /// An empty KV cache for the MTP head's layer, of the main caches' page size and types.
+    pub fn new_mtp_cache(
+        &self,
+        page_size: usize,
+        types: crate::cache_types::CacheTypes,
+    ) -> PagedKv {
+        let c = &self.config;
+        PagedKv::new(page_size, c.num_key_value_heads, c.head_dim, types)
+    }
+
+    /// [`Model::forward`] that also returns the rows after the final norm (`[tokens, hidden]`,
+    /// on the host), every row's: what the MTP head drafts from.
+    pub fn forward_hidden(
+        &self,
+        be: &dyn Backend,
+        state: &mut State,
+        tokens: &[u32],
+    ) -> Result<(Vec<f32>, Vec<f32>)> {
+        let mut x = self.embed(be, tokens)?;
+        let (pos, layers) = (state.pos, 0..self.layers.len());
+        self.run_layers(be, state, &mut NoPagesAway, &mut x, pos, layers, None)?;
+        state.pos += tokens.len();
+        let rows = self
+            .final_rows(be, x, Logits::All)?
+            .expect("every row asked");
+        let logits = be.download_owned(be.matmul(&rows, &self.ends()?.lm_head));
+        Ok((be.download_owned(rows), logits))
+    }
+
+    /// The MTP head over the pairs (`hidden` row `i`, `tokens[i]`) at positions `pos ..`
+    /// (`hidden` `[n, H]` on the host: the main model's rows after its final norm, or the
+    /// head's own output for a chained draft), appending to its cache `kv`. Returns the head's
+    /// output rows (the next chained row's hidden) and their logits, `[n, vocab]`.
+    pub fn mtp(
+        &self,
+        be: &dyn Backend,
+        kv: &mut PagedKv,
+        (hidden, tokens): (&[f32], &[u32]),
+        pos: usize,
+    ) -> Result<(Vec<f32>, Vec<f32>)> {
+        let mtp = self.mtp_head().ok_or_else(|| {
+            Error::Invalid("this model has no multi-token-prediction head (mtp.* tensors)".into())
+        })?;
+        let embedded = self.embed(be, tokens)?;
+        let hidden = be.upload(hidden.to_vec());
+        let g = mtp.forward(be, &self.config, (embedded, &hidden), kv, pos)?;
+        let logits = be.download_owned(be.matmul(&g, &self.ends()?.lm_head));
+        Ok((be.download_owned(g), logits))
+    }
+}
+
+impl Layer {
+    /// Layer `p` (its tensors' name prefix) of `kind`.
+    fn load(c: &ModelConfig, ld: &Loader, p: &str, kind: LayerKind) -> Result<Layer> {
+        let h = c.hidden_size;
+        let mixer = match kind {
+            LayerKind::FullAttention => {
+                Mixer::Attention(Attention::load(c, ld, &format!("{p}self_attn."))?)
+            }
+            LayerKind::LinearAttention => {
+                Mixer::DeltaNet(DeltaNet::load(c, ld, &format!("{p}linear_attn."))?)
+            }
+        };
+        let m = format!("{p}mlp.");
+        Ok(Layer {
+            norm_in: ld.offset_norm(&format!("{p}input_layernorm.weight"), h)?,
+            norm_post: ld.offset_norm(&format!("{p}post_attention_layernorm.weight"), h)?,
+            mixer,
+            mlp: Mlp {
+                gate: ld.matrix(&format!("{m}gate_proj.weight"), c.intermediate_size, h)?,
+                up: ld.matrix(&format!("{m}up_proj.weight"), c.intermediate_size, h)?,
+                down: ld.matrix(&format!("{m}down_proj.weight"), h, c.intermediate_size)?,
+            },
+        })
+    }
+
+    /// Every matrix of the layer.
+    fn matrices(&self) -> impl Iterator<Item = &Matrix> {
+        let mixer: Vec<&Matrix> = match &self.mixer {
+            Mixer::Attention(a) => a.matrices().to_vec(),
+            Mixer::DeltaNet(d) => d.matrices().to_vec(),
+        };
+        [&self.mlp.gate, &self.mlp.up, &self.mlp.down]
+            .into_iter()
+            .chain(mixer)
+    }
+
+    /// The layer's second half on the residual `x` (the mixer's output already added): `x +=
+    /// mlp(norm_post(x))`.
+    fn mlp_residual(&self, be: &dyn Backend, x: &mut Act, eps: f32) {
+        let mut normed = be.duplicate(x);
+        be.rms_norm(&mut normed, &self.norm_post, eps);
+        let out = self.mlp.forward(be, &normed);
+        be.add(x, &out);
     }
 }
 
