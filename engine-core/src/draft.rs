@@ -4,8 +4,11 @@
 //! speculation, "prompt lookup decoding"): text that repeats its context (code being edited,
 //! a quoted document, a loop) is proposed from where it appeared before.
 
-use crate::backend::STEP_ROWS;
+use crate::backend::{Backend, STEP_ROWS};
 use crate::error::{Error, Result};
+use crate::generate::argmax;
+use crate::kv::PagedKv;
+use crate::model::{Model, State};
 
 /// The most tokens a draft may hold: with the token being fed, a verify pass is at most
 /// `STEP_ROWS - 1` rows, so every row is computed as its own decode step would be.
@@ -24,6 +27,9 @@ pub enum DraftKind {
     /// The tokens that followed an earlier occurrence of the context's last 3 (else 2, else 1)
     /// tokens: the latest with a whole draft after it.
     Ngram,
+    /// The checkpoint's multi-token-prediction head, chained: each draft the most likely
+    /// token after the one before (`generate::MtpDrafts`).
+    Mtp,
 }
 
 /// How many tokens to draft, and from where.
@@ -65,11 +71,12 @@ impl Drafts {
         Ok(())
     }
 
-    /// The drafter these settings ask for (`None`: no speculation), once they are checked.
+    /// The token drafter these settings ask for (`None`: no speculation, or the MTP head's,
+    /// which `Generation::with_drafts` keeps itself), once they are checked.
     pub fn drafter(self) -> Result<Option<Box<dyn Drafter + Send>>> {
         self.validate()?;
         Ok(match self.kind {
-            DraftKind::None => None,
+            DraftKind::None | DraftKind::Mtp => None,
             DraftKind::Ngram => Some(Box::new(Ngram {
                 max: self.max,
                 min: self.min,
@@ -114,6 +121,136 @@ impl Drafter for Replay {
             *d = d.wrapping_add(1);
         }
         draft
+    }
+}
+
+/// Drafts from the checkpoint's multi-token-prediction head for one sequence. The head's
+/// cache holds an entry for every position the sequence consumed but its last: position `p`'s
+/// from the main model's final row at `p` and the token at `p + 1` (vLLM's layout). A draft
+/// starts from the last position's final row and the token just drawn, and goes on from the
+/// head's own output; once the model has checked it, the entries made from the head's own
+/// rows are replaced by ones from the main model's rows of the kept tokens.
+pub struct MtpDrafts {
+    kv: PagedKv,
+    /// The main model's final row at the sequence's last position (`None` before a prefill
+    /// that handed its rows over).
+    last: Option<Vec<f32>>,
+    max: usize,
+}
+
+impl MtpDrafts {
+    /// Up to `max` tokens a step, for `state`'s sequence (still empty: the head's cache
+    /// follows it from its first position).
+    pub fn new(model: &Model, state: &State, max: usize) -> Result<MtpDrafts> {
+        if !model.has_mtp() {
+            return Err(Error::Invalid(
+                "--draft mtp: this model has no multi-token-prediction head (a checkpoint's \
+                 mtp.* tensors, a GGUF's nextn block; a preset has one with --mtp)"
+                    .into(),
+            ));
+        }
+        if state.pos != 0 {
+            return Err(Error::Invalid(
+                "--draft mtp follows a sequence from its first position".into(),
+            ));
+        }
+        // A model with no full-attention layer of its own still has the head's.
+        let page = state.page_size().unwrap_or(256);
+        Ok(MtpDrafts {
+            kv: model.new_mtp_cache(page, state.kv_types()),
+            last: None,
+            max,
+        })
+    }
+
+    /// The head's cache: an entry per position the sequence consumed but its last.
+    pub fn cache(&self) -> &PagedKv {
+        &self.kv
+    }
+
+    /// Take the main model's final rows `hidden` (`[n, H]`) of positions `pos ..`, where
+    /// `context[p]` is the token at position `p`: each row with a known next token becomes an
+    /// entry of the head's cache; the last row, whose next token is still to be drawn, is
+    /// where the next draft starts.
+    pub fn take_rows(
+        &mut self,
+        model: &Model,
+        be: &dyn Backend,
+        hidden: &[f32],
+        pos: usize,
+        context: &[u32],
+    ) -> Result<()> {
+        let h = model.config.hidden_size;
+        let n = hidden.len() / h;
+        if self.kv.len() != pos || n == 0 {
+            return Err(Error::Invalid(format!(
+                "MTP drafts: rows from position {pos} for a head that holds {} positions",
+                self.kv.len()
+            )));
+        }
+        let paired = n.min(context.len().saturating_sub(pos + 1));
+        if paired > 0 {
+            let tokens = &context[pos + 1..pos + 1 + paired];
+            model.mtp(be, &mut self.kv, (&hidden[..paired * h], tokens), pos)?;
+        }
+        self.last = match paired < n {
+            true => Some(hidden[(n - 1) * h..].to_vec()),
+            false => None,
+        };
+        Ok(())
+    }
+
+    /// The draft after `tok`, the token at position `pos` about to be fed: at most `room`
+    /// tokens, each the head's most likely token after the one before. The entry for the
+    /// position before `pos` is made even when `room` is 0.
+    pub fn propose(
+        &mut self,
+        model: &Model,
+        be: &dyn Backend,
+        tok: u32,
+        pos: usize,
+        room: usize,
+    ) -> Result<Vec<u32>> {
+        let Some(last) = self.last.take() else {
+            return Err(Error::Invalid(
+                "MTP drafts need the final rows of every position before: start the \
+                 generation with its prefill"
+                    .into(),
+            ));
+        };
+        let (mut g, mut token) = (last, tok);
+        let mut draft = Vec::new();
+        for j in 0..=self.max.min(room) {
+            let (out, logits) = model.mtp(be, &mut self.kv, (&g, &[token]), pos - 1 + j)?;
+            if j == self.max.min(room) {
+                break;
+            }
+            token = argmax(&logits);
+            draft.push(token);
+            g = out;
+        }
+        Ok(draft)
+    }
+
+    /// After the model checked `[tok, draft..]` at positions `pos ..` and kept `kept` drafts:
+    /// `hidden` holds the main model's final rows of those positions. The entries the draft
+    /// made from the head's own rows give way to entries from the main model's.
+    pub fn accept(
+        &mut self,
+        model: &Model,
+        be: &dyn Backend,
+        hidden: &[f32],
+        kept: &[u32],
+        pos: usize,
+    ) -> Result<()> {
+        let h = model.config.hidden_size;
+        self.kv.truncate(pos)?;
+        if !kept.is_empty() {
+            model.mtp(be, &mut self.kv, (&hidden[..kept.len() * h], kept), pos)?;
+        }
+        let at = kept.len() * h;
+        self.last = Some(hidden[at..at + h].to_vec());
+        Ok(())
     }
 }
 

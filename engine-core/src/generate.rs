@@ -7,10 +7,10 @@ use std::collections::VecDeque;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
-use crate::backend::Backend;
-use crate::draft::{Drafter, MAX_DRAFT};
+use crate::backend::{Act, Backend};
+use crate::draft::{DraftKind, Drafter, Drafts, MtpDrafts, MAX_DRAFT};
 use crate::error::{Error, Result};
-use crate::host::split::{self, SplitPlan, SplitReport};
+use crate::host::split::{self, RowSink, SplitPlan, SplitReport};
 use crate::host::Sequence;
 use crate::model::{Logits, Model};
 
@@ -141,7 +141,7 @@ impl Sampler {
 /// token is fed to the model only when the next one is asked for, so the last token of a
 /// generation costs no forward pass.
 ///
-/// With drafts ([`Self::with_drafter`]) feeding a token is a speculative step: the drafted
+/// With drafts ([`Self::with_drafts`]) feeding a token is a speculative step: the drafted
 /// tokens ride along in the same forward pass (each row computed as its own decode step
 /// would be: [`crate::backend::STEP_ROWS`]), the sampler draws from each row's logits in
 /// turn, and the drafts are kept while they match its draws. A mismatch rewinds the sequence
@@ -158,8 +158,9 @@ pub struct Generation<'a> {
     stop: Vec<u32>,
     logits: Vec<f32>,
     pending: Option<u32>,
-    drafter: Option<Box<dyn Drafter + Send + 'a>>,
-    /// Every token consumed or to be: the n-gram drafter's context.
+    speculation: Speculation<'a>,
+    /// Every token consumed or to be (from the sequence's first position where the MTP head
+    /// drafts): the n-gram drafter's context.
     context: Vec<u32>,
     /// Drafts kept by the last step, returned before anything is drawn.
     ready: VecDeque<u32>,
@@ -168,6 +169,15 @@ pub struct Generation<'a> {
     /// Tokens the caller may still take (`None`: no limit), so no draft runs past it.
     room: Option<usize>,
     pub stats: DraftStats,
+}
+
+/// Where a generation's drafts come from.
+enum Speculation<'a> {
+    None,
+    /// A drafter that proposes from the tokens alone (n-gram lookup, a replay).
+    Tokens(Box<dyn Drafter + Send + 'a>),
+    /// The MTP head, which drafts from the main model's final rows.
+    Mtp(MtpDrafts),
 }
 
 /// What speculation did: drafted tokens, those kept, and the passes that checked them.
@@ -196,7 +206,7 @@ impl<'a> Generation<'a> {
             stop,
             logits: Vec::new(),
             pending: None,
-            drafter: None,
+            speculation: Speculation::None,
             context: Vec::new(),
             ready: VecDeque::new(),
             drawn: None,
@@ -207,8 +217,24 @@ impl<'a> Generation<'a> {
 
     /// Speculate with the drafts of `drafter` (`None`: decode one token a pass).
     pub fn with_drafter(mut self, drafter: Option<Box<dyn Drafter + Send + 'a>>) -> Self {
-        self.drafter = drafter;
+        self.speculation = match drafter {
+            Some(d) => Speculation::Tokens(d),
+            None => Speculation::None,
+        };
         self
+    }
+
+    /// Speculate as `drafts` say (`--draft`): the MTP head's need a model that has one and a
+    /// sequence this generation prefills from its first position.
+    pub fn with_drafts(mut self, drafts: Drafts) -> Result<Self> {
+        self.speculation = match drafts.kind {
+            DraftKind::Mtp => {
+                drafts.validate()?;
+                Speculation::Mtp(MtpDrafts::new(self.model, &self.seq.state, drafts.max)?)
+            }
+            _ => return Ok(self.with_drafter(drafts.drafter()?)),
+        };
+        Ok(self)
     }
 
     /// At most `n` more tokens will be taken: drafts never run past them (a server's state then
@@ -223,10 +249,25 @@ impl<'a> Generation<'a> {
         if prompt.is_empty() {
             return Err(Error::Invalid("the prompt is empty".into()));
         }
-        let (logits, report) = split::prefill(self.model, self.backend, self.seq, prompt, plan)?;
+        let (model, be) = (self.model, self.backend);
+        self.context.extend_from_slice(prompt);
+        let (seq, context) = (&mut *self.seq, &self.context);
+        let mut mtp = match &mut self.speculation {
+            Speculation::Mtp(m) => Some(m),
+            _ => None,
+        };
+        let has_mtp = mtp.is_some();
+        // The MTP head's cache takes every prompt row as the prefill makes it.
+        let mut take = |x: &Act, pos: usize| -> Result<()> {
+            match mtp.as_deref_mut() {
+                Some(m) => m.take_rows(model, be, &model.final_norm_rows(be, x)?, pos, context),
+                None => Ok(()),
+            }
+        };
+        let sink: Option<RowSink> = has_mtp.then_some(&mut take);
+        let (logits, report) = split::prefill_rows(model, be, seq, prompt, plan, sink)?;
         self.logits = logits;
         self.pending = None;
-        self.context.extend_from_slice(prompt);
         Ok(report)
     }
 
@@ -285,20 +326,31 @@ impl<'a> Generation<'a> {
     /// after the last token fed, and the drafts kept wait in `ready`.
     fn feed(&mut self, tok: u32) -> Result<()> {
         let (model, be) = (self.model, self.backend);
+        let pos = self.seq.state.pos;
         self.context.push(tok);
         // `tok` itself was counted when drawn; each kept draft and the token after them count.
         let room = self.room.map_or(usize::MAX, |r| r.saturating_sub(1));
-        let draft = match &mut self.drafter {
-            Some(d) => d.propose(&self.context, room.min(MAX_DRAFT)),
-            None => Vec::new(),
+        let room = room.min(MAX_DRAFT);
+        let draft = match &mut self.speculation {
+            Speculation::None => Vec::new(),
+            Speculation::Tokens(d) => d.propose(&self.context, room),
+            Speculation::Mtp(m) => m.propose(model, be, tok, pos, room)?,
         };
-        if draft.is_empty() {
+        let mtp = matches!(self.speculation, Speculation::Mtp(_));
+        if draft.is_empty() && !mtp {
             self.logits = self.seq.forward(model, be, &[tok], Logits::Last, None)?;
             return Ok(());
         }
-        let before = self.seq.state.checkpoint(be);
+        let before = (!draft.is_empty()).then(|| self.seq.state.checkpoint(be));
         let rows: Vec<u32> = std::iter::once(tok).chain(draft.iter().copied()).collect();
-        let all = self.seq.forward(model, be, &rows, Logits::All, None)?;
+        // The MTP head drafts the next step from the final rows.
+        let (hidden, all) = match mtp {
+            true => self.seq.forward_rows(model, be, &rows)?,
+            false => (
+                Vec::new(),
+                self.seq.forward(model, be, &rows, Logits::All, None)?,
+            ),
+        };
         let vocab = all.len() / rows.len();
         let row = |i: usize| &all[i * vocab..(i + 1) * vocab];
         let mut kept = 0;
@@ -314,18 +366,23 @@ impl<'a> Generation<'a> {
             }
             kept += 1;
         }
-        if kept < draft.len() {
+        if let Some(before) = before.filter(|_| kept < draft.len()) {
             self.seq.rewind(be, &before)?;
             self.seq
                 .forward(model, be, &rows[..=kept], Logits::None, None)?;
             self.stats.replays += 1;
         }
+        if let Speculation::Mtp(m) = &mut self.speculation {
+            m.accept(model, be, &hidden, &draft[..kept], pos)?;
+        }
         self.logits = row(kept).to_vec();
         self.context.extend_from_slice(&draft[..kept]);
         self.ready.extend(&draft[..kept]);
-        self.stats.steps += 1;
-        self.stats.drafted += draft.len();
-        self.stats.accepted += kept;
+        if !draft.is_empty() {
+            self.stats.steps += 1;
+            self.stats.drafted += draft.len();
+            self.stats.accepted += kept;
+        }
         Ok(())
     }
 }

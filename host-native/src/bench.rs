@@ -94,7 +94,7 @@ pub fn run(a: Args) -> Result<()> {
         bail!("--verify-rows and --draft-ceiling print tables: not with --json");
     }
     a.engine.start(false)?;
-    let drafter = a.draft.drafts().drafter()?;
+    a.draft.drafts().validate()?;
     let loaded = a.engine.load(None)?;
     let model = loaded.model;
     let (be, what) = a.engine.backend_for(&model)?;
@@ -140,8 +140,8 @@ pub fn run(a: Args) -> Result<()> {
     let plan = a.engine.helper.split_plan(&session);
     let split_ubatch = plan.ubatch.max(1);
     let mut greedy = Sampler::new(SamplingParams::greedy())?;
-    let mut g =
-        Generation::new(&model, be, &mut seq, &mut greedy, Vec::new()).with_drafter(drafter);
+    let mut g = Generation::new(&model, be, &mut seq, &mut greedy, Vec::new())
+        .with_drafts(a.draft.drafts())?;
     let t0 = Instant::now();
     let split = g.prefill(&prompt, &plan)?;
     let prefill_s = t0.elapsed().as_secs_f64();

@@ -115,7 +115,8 @@ impl CacheArgs {
 pub struct DraftArgs {
     /// Draft tokens and check them in one forward pass of several rows, keeping those that
     /// match what the model draws: `ngram` proposes what followed an earlier occurrence of the
-    /// context's last tokens (text that repeats its input). Every token, and
+    /// context's last tokens (text that repeats its input); `mtp` chains the checkpoint's
+    /// multi-token-prediction head (`run` and `bench`; not `serve` yet). Every token, and
     /// greedy's logits bit for bit, are those of plain decoding.
     #[arg(long, value_enum, default_value = "none")]
     pub draft: DraftKind,

@@ -45,7 +45,7 @@ pub struct Args {
 
 pub fn run(a: Args) -> Result<()> {
     a.engine.start(false)?;
-    let drafter = a.draft.drafts().drafter()?;
+    a.draft.drafts().validate()?;
     let l = a.engine.load(a.tokenizer.as_deref())?;
     // A vocabulary without chat markers (the presets' byte-level one) gets the prompt as is.
     let chat = !a.raw && l.tokenizer.token_id("<|im_start|>").is_some();
@@ -80,8 +80,8 @@ pub fn run(a: Args) -> Result<()> {
     let (plan, mut seq, link_stats) =
         a.engine
             .session(&l.model, be, (context, prompt.len()), a.ubatch, types)?;
-    let mut generation =
-        Generation::new(&l.model, be, &mut seq, &mut sampler, stop).with_drafter(drafter);
+    let mut generation = Generation::new(&l.model, be, &mut seq, &mut sampler, stop)
+        .with_drafts(a.draft.drafts())?;
     generation.limit(a.max_tokens);
     let t0 = Instant::now();
     let split = generation.prefill(&prompt, &a.engine.helper.split_plan(&plan))?;

@@ -6,11 +6,16 @@
 
 use std::path::PathBuf;
 
+use engine_core::backend::PageRows;
 use engine_core::cache_types::CacheTypes;
-use engine_core::generate::argmax;
+use engine_core::draft::{DraftKind, Drafts, MtpDrafts};
+use engine_core::generate::{argmax, Generation, Sampler, SamplingParams};
 use engine_core::gguf::quantize;
+use engine_core::host::split::SplitPlan;
+use engine_core::host::Sequence;
+use engine_core::kv::PagedKv;
 use engine_core::source::{load_model, LoadOptions};
-use engine_core::{CpuBackend, Model};
+use engine_core::{Backend, CpuBackend, Logits, Model};
 use tests::{max_abs_diff, Reference};
 
 /// The fixtures' bound on fp32 logits.
@@ -154,4 +159,154 @@ fn a_model_without_the_head_says_so() {
         err.to_string().contains("no multi-token-prediction head"),
         "{err}"
     );
+}
+
+/// Every key and value row of an f32 cache, in order.
+fn cache_rows(kv: &PagedKv) -> Vec<f32> {
+    let width = kv.row_width();
+    let mut out = Vec::new();
+    for page in kv.pages() {
+        for rows in [&page.k, &page.v] {
+            let PageRows::Values(a) = rows else {
+                panic!("an f32 cache holds f32 rows")
+            };
+            out.extend_from_slice(&CpuBackend.download(a)[..page.len * width]);
+        }
+    }
+    out
+}
+
+/// The head's cache over `context` and the drafts it makes after it and the token `tok`
+/// drawn after it, computed from scratch: the main model over `context`, the head over every
+/// pair, then `k` chained.
+fn drafts_from_scratch(model: &Model, context: &[u32], tok: u32, k: usize) -> (Vec<f32>, Vec<u32>) {
+    let be = &CpuBackend;
+    let (h, t) = (model.config.hidden_size, context.len());
+    let mut state = model.new_state(PAGE);
+    let (hidden, _) = model.forward_hidden(be, &mut state, context).unwrap();
+    let mut kv = model.new_mtp_cache(PAGE, CacheTypes::F32);
+    if t > 1 {
+        let pairs = (rows(&hidden, h, 0, t - 1), &context[1..]);
+        model.mtp(be, &mut kv, pairs, 0).unwrap();
+    }
+    let cache = cache_rows(&kv);
+    let (mut g, mut token) = (rows(&hidden, h, t - 1, t).to_vec(), tok);
+    let mut drafts = Vec::new();
+    for j in 0..k {
+        let (out, l) = model.mtp(be, &mut kv, (&g, &[token]), t - 1 + j).unwrap();
+        token = argmax(&l);
+        drafts.push(token);
+        g = out;
+    }
+    (cache, drafts)
+}
+
+const PAGE: usize = 16;
+
+/// The head's cache as a generation keeps it: filled from the prompt's rows, extended by a
+/// draft, then cut back to the kept tokens and refilled from the main model's rows of them.
+/// After every number of kept drafts (0 to all), the next draft is the one made from scratch
+/// over the same tokens.
+#[test]
+fn the_heads_cache_follows_the_kept_tokens() {
+    let model = Model::load_dir(&fixture_dir()).unwrap();
+    let be = &CpuBackend;
+    let vocab = model.config.vocab_size;
+    let prompt = reference().ids("tokens");
+    let p = prompt.len();
+    const K: usize = 4;
+    for kept in 0..=K {
+        let mut seq = Sequence::typed(&model.config, PAGE, CacheTypes::F32, be).unwrap();
+        let mut drafts = MtpDrafts::new(&model, &seq.state, K).unwrap();
+        let (hidden, logits) = seq.forward_rows(&model, be, &prompt).unwrap();
+        drafts.take_rows(&model, be, &hidden, 0, &prompt).unwrap();
+        let tok = argmax(&logits[(p - 1) * vocab..]);
+        let (cache, want) = drafts_from_scratch(&model, &prompt, tok, K);
+        assert_eq!(cache_rows(drafts.cache()), cache);
+        let draft = drafts.propose(&model, be, tok, p, K).unwrap();
+        assert_eq!(draft, want);
+
+        // The model checks [tok, draft..]; `kept` of the drafts stay.
+        let rows_in: Vec<u32> = std::iter::once(tok).chain(draft.iter().copied()).collect();
+        let before = seq.state.checkpoint(be);
+        let (hidden, logits) = seq.forward_rows(&model, be, &rows_in).unwrap();
+        seq.rewind(be, &before).unwrap();
+        seq.forward(&model, be, &rows_in[..=kept], Logits::None, None)
+            .unwrap();
+        drafts
+            .accept(&model, be, &hidden, &draft[..kept], p)
+            .unwrap();
+
+        let context: Vec<u32> = prompt.iter().chain(&rows_in[..=kept]).copied().collect();
+        let next = argmax(&logits[kept * vocab..(kept + 1) * vocab]);
+        let (cache, want) = drafts_from_scratch(&model, &context, next, K);
+        let got = cache_rows(drafts.cache());
+        let d = max_abs_diff(&got, &cache);
+        assert!(
+            d <= 1e-5,
+            "after keeping {kept} drafts, the cache differs by {d}"
+        );
+        let again = drafts.propose(&model, be, next, context.len(), K).unwrap();
+        assert_eq!(again, want, "after keeping {kept} drafts");
+    }
+}
+
+/// `--draft mtp`: the tokens of plain decoding, greedy (with the last logits bit for bit) and
+/// sampled, on the fixture's model and on a preset given a head, with a prompt prefilled in
+/// several ubatches (the head's cache takes each one's rows).
+#[test]
+fn mtp_drafts_keep_the_plain_tokens() {
+    let bf16 = LoadOptions {
+        weight_dtype: "bf16".into(),
+        mtp: true,
+        ..Default::default()
+    };
+    let models = [
+        ("fixture", Model::load_dir(&fixture_dir()).unwrap()),
+        ("tiny256 bf16", load_model("tiny256", &bf16).unwrap()),
+    ];
+    let prompt: Vec<u32> = (0..30).map(|i| (i * 37 + 11) % 250).collect();
+    let plan = SplitPlan {
+        ubatch: 7,
+        ..SplitPlan::default()
+    };
+    let mtp = Drafts {
+        kind: DraftKind::Mtp,
+        max: 4,
+        min: 1,
+    };
+    for (what, m) in &models {
+        let sampled = SamplingParams {
+            temperature: 0.9,
+            seed: 5,
+            ..SamplingParams::greedy()
+        };
+        for params in [SamplingParams::greedy(), sampled] {
+            let run = |drafts: Drafts| {
+                let be = &CpuBackend;
+                let mut seq = Sequence::typed(&m.config, PAGE, CacheTypes::F32, be).unwrap();
+                let mut sampler = Sampler::new(params.clone()).unwrap();
+                let mut g = Generation::new(m, be, &mut seq, &mut sampler, Vec::new())
+                    .with_drafts(drafts)
+                    .unwrap();
+                g.limit(40);
+                g.prefill(&prompt, &plan).unwrap();
+                let tokens: Vec<u32> = (0..40).map(|_| g.next_token().unwrap().unwrap()).collect();
+                let stats = g.stats;
+                drop(g);
+                let last = *tokens.last().unwrap();
+                let next = seq.forward(m, be, &[last], Logits::Last, None).unwrap();
+                (tokens, next, stats)
+            };
+            let (want, want_next, _) = run(Drafts::default());
+            let (got, got_next, stats) = run(mtp);
+            assert_eq!(got, want, "{what}, {params:?}");
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert!(
+                bits(&got_next) == bits(&want_next),
+                "{what}: the state differs"
+            );
+            assert!(stats.drafted > 0, "{what}: {stats:?}");
+        }
+    }
 }

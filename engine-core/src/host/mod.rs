@@ -81,12 +81,37 @@ impl Sequence {
         logits: Logits,
         trace: Option<&mut Vec<Vec<f32>>>,
     ) -> Result<Vec<f32>> {
+        let x = self.residual(model, be, tokens, trace)?;
+        model.head(be, x, logits)
+    }
+
+    /// [`Self::forward`] with every row's logits and its final row (after the final norm,
+    /// on the host): `([tokens, hidden], [tokens, vocab])`, what the MTP head drafts from.
+    pub fn forward_rows(
+        &mut self,
+        model: &Model,
+        be: &dyn Backend,
+        tokens: &[u32],
+    ) -> Result<(Vec<f32>, Vec<f32>)> {
+        let x = self.residual(model, be, tokens, None)?;
+        model.head_rows(be, x)
+    }
+
+    /// Every layer over `tokens` at `state.pos ..`, then the pages past the budget out: the
+    /// final residual rows.
+    fn residual(
+        &mut self,
+        model: &Model,
+        be: &dyn Backend,
+        tokens: &[u32],
+        trace: Option<&mut Vec<Vec<f32>>>,
+    ) -> Result<Act> {
         let mut x = model.embed(be, tokens)?;
         let (pos, layers) = (self.state.pos, 0..model.config.num_hidden_layers);
         self.run_layers(model, be, &mut x, pos, layers, trace)?;
         self.state.pos += tokens.len();
         self.offload(be)?;
-        model.head(be, x, logits)
+        Ok(x)
     }
 
     /// [`Model::run_layers`], with the pages that left attended where the placement says.

@@ -75,6 +75,19 @@ pub fn prefill(
     tokens: &[u32],
     plan: &SplitPlan,
 ) -> Result<(Vec<f32>, SplitReport)> {
+    prefill_rows(model, be, seq, tokens, plan, None)
+}
+
+/// [`prefill`] that hands every ubatch's final residual rows to `rows` as they are made
+/// (the layer pipeline is then not used: it leaves the early ubatches' rows on the helper).
+pub fn prefill_rows(
+    model: &Model,
+    be: &dyn Backend,
+    seq: &mut Sequence,
+    tokens: &[u32],
+    plan: &SplitPlan,
+    mut rows: Option<RowSink>,
+) -> Result<(Vec<f32>, SplitReport)> {
     let ubatch = plan.ubatch.max(1);
     let start = seq.state.pos;
     let chunks: Vec<&[u32]> = tokens.chunks(ubatch).collect();
@@ -96,29 +109,44 @@ pub fn prefill(
                     .placement
                     .holds_all_pages_of(c.id, c.prefill_layers.clone())
         }) && tokens.len() > plan.min_tokens
-            && early.len() > 1;
+            && early.len() > 1
+            // The pipeline leaves the early ubatches' final rows on the helper.
+            && rows.is_none();
         x = Some(if pipeline {
             pipelined(model, be, seq, early, &mut report)?
         } else {
-            plain(model, be, seq, early)?
+            plain(model, be, seq, early, &mut rows)?
         });
     }
     if !late.is_empty() {
-        x = Some(interleaved(model, be, seq, late, &mut report)?);
+        x = Some(interleaved(model, be, seq, late, &mut report, &mut rows)?);
     }
     let x = x.ok_or_else(|| Error::Invalid("prefill needs at least one token".into()))?;
     Ok((model.head(be, x, Logits::Last)?, report))
 }
 
+/// Where a prefill hands each ubatch's final residual rows (before the final norm) and their
+/// first position, as they are made: the MTP head's cache is filled from them.
+pub type RowSink<'s> = &'s mut dyn FnMut(&Act, usize) -> Result<()>;
+
 /// Ubatches one after another on the host (the helper only attends pages it holds); returns
 /// the last one's final residual.
-fn plain(model: &Model, be: &dyn Backend, seq: &mut Sequence, chunks: &[&[u32]]) -> Result<Act> {
+fn plain(
+    model: &Model,
+    be: &dyn Backend,
+    seq: &mut Sequence,
+    chunks: &[&[u32]],
+    sink: &mut Option<RowSink>,
+) -> Result<Act> {
     let mut x = None;
     let n = model.config.num_hidden_layers;
     for c in chunks {
         let (t0, pos) = (seq.placement.telemetry.now(), seq.state.pos);
         let mut rows = model.embed(be, c)?;
         seq.run_layers(model, be, &mut rows, pos, 0..n, None)?;
+        if let Some(sink) = sink {
+            sink(&rows, pos)?;
+        }
         host_bar(seq, pos, c.len(), 0..n, t0);
         seq.state.pos += c.len();
         seq.offload(be)?;
@@ -137,6 +165,7 @@ fn interleaved(
     seq: &mut Sequence,
     chunks: &[&[u32]],
     report: &mut SplitReport,
+    sink: &mut Option<RowSink>,
 ) -> Result<Act> {
     let mut x = None;
     for pair in chunks.chunks(2) {
@@ -159,6 +188,13 @@ fn interleaved(
         }
         if waited {
             report.interleaved += pair.len();
+        }
+        if let Some(sink) = sink {
+            let mut at = seq.state.pos;
+            for p in &passes {
+                sink(&p.x, at)?;
+                at += p.x.len() / model.config.hidden_size;
+            }
         }
         // One bar for the pair: its ubatches run by turns.
         let n = model.config.num_hidden_layers;

@@ -576,6 +576,19 @@ impl Model {
         let (pos, layers) = (state.pos, 0..self.layers.len());
         self.run_layers(be, state, &mut NoPagesAway, &mut x, pos, layers, None)?;
         state.pos += tokens.len();
+        self.head_rows(be, x)
+    }
+
+    /// Every row of the final residual `x` after the final norm, on the host (`[rows,
+    /// hidden]`): a prefill's rows for the MTP head, without their logits.
+    pub fn final_norm_rows(&self, be: &dyn Backend, x: &Act) -> Result<Vec<f32>> {
+        let rows = self.final_rows(be, be.duplicate(x), Logits::All)?;
+        Ok(be.download_owned(rows.expect("every row asked")))
+    }
+
+    /// Every row of the final residual `x` after the final norm, and its logits, on the host:
+    /// `([rows, hidden], [rows, vocab])`.
+    pub fn head_rows(&self, be: &dyn Backend, x: Act) -> Result<(Vec<f32>, Vec<f32>)> {
         let rows = self
             .final_rows(be, x, Logits::All)?
             .expect("every row asked");

@@ -118,6 +118,12 @@ impl State {
         self.first_cache().map_or(CacheTypes::F32, PagedKv::types)
     }
 
+    /// Positions per KV page (the same in every layer; `None` for a model without
+    /// full-attention layers).
+    pub fn page_size(&self) -> Option<usize> {
+        self.first_cache().map(PagedKv::page_size)
+    }
+
     /// The first full-attention layer's cache: what every layer's shares (types, pages moved).
     fn first_cache(&self) -> Option<&PagedKv> {
         self.layers.iter().find_map(|l| match l {

@@ -41,6 +41,7 @@ use conversation::Conversation;
 use cross_site::Cors;
 use engine::Engine;
 use engine_core::backend::KvType;
+use engine_core::draft::DraftKind;
 use engine_core::host::plan::Speeds;
 use engine_core::host::Sequence;
 use helpers::Helpers;
@@ -129,6 +130,11 @@ pub fn run(a: Args) -> Result<()> {
     terminal::init_logging(&a.log)?;
     a.engine.start(true)?;
     a.draft.drafts().validate()?;
+    if a.draft.draft == DraftKind::Mtp {
+        // A turn prefills from the conversation cache, which keeps no final rows for the
+        // head's cache to start from.
+        bail!("--draft mtp is for run and bench so far; serve drafts with --draft ngram");
+    }
     if a.engine.page_size == Some(0) || a.ubatch == 0 {
         bail!("--page-size and --ubatch must be at least 1");
     }
