@@ -1501,8 +1501,37 @@ fn drafts_change_no_answer() {
         let text = v["choices"][0]["text"].as_str().unwrap().to_string();
         (text, v["usage"].clone())
     };
+    // What the live page sees of the drafted server's first answer (docs/TELEMETRY.md).
+    let watcher = drafted
+        .agent
+        .get(format!("{}/v1/telemetry", drafted.base))
+        .call()
+        .unwrap();
+    let mut watched = data_lines(watcher).map(|l| serde_json::from_str::<Value>(&l).unwrap());
+    assert_eq!(watched.next().unwrap()["type"], "hello");
     let first = complete(&plain, prompt, false);
     assert_eq!(complete(&drafted, prompt, false), first);
+    let (mut drafts, mut kept) = (0, 0);
+    let done = loop {
+        let e = watched.next().unwrap();
+        if e["type"] == "draft" {
+            let (d, k) = (e["drafted"].as_u64().unwrap(), e["kept"].as_u64().unwrap());
+            assert!(k <= d && d > 0, "{e}");
+            (drafts, kept) = (drafts + d, kept + k);
+        }
+        if e["type"] == "done" {
+            break e;
+        }
+    };
+    assert!(drafts > 0, "the repeating prompt drafts");
+    assert_eq!(
+        (done["drafted"].as_u64(), done["drafts_kept"].as_u64()),
+        (Some(drafts), Some(kept))
+    );
+    assert_eq!(
+        drafted.metric("tether_draft_tokens_kept_total"),
+        kept as f64
+    );
     let more = format!("{prompt}{}abcabc", first.0);
     let second = complete(&plain, &more, true);
     assert_eq!(complete(&drafted, &more, true), second);

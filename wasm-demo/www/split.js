@@ -17,6 +17,8 @@ const fresh = () => ({
   decode: null,
   // The answer being generated: its first token's time and the tokens since (live decode).
   answer: null,
+  // The answer's draft checks so far (--draft): tokens drafted, kept, and passes.
+  drafts: null,
   // Pages held per place, from the latest `pages` event.
   held: {},
   events: 0,
@@ -313,6 +315,28 @@ function onToken(e) {
     : `${a.rate.toFixed(1)} tok/s so far (${e.n} tokens)`;
 }
 
+// One check of drafted tokens (--draft): the running totals, and a mark per drafted token of
+// the pass, kept (green) or thrown away (red; the first of those was refused).
+function onDraft(e) {
+  const d = view.drafts || (view.drafts = { drafted: 0, kept: 0, passes: 0 });
+  d.drafted += e.drafted;
+  d.kept += e.kept;
+  d.passes++;
+  $("drafts").textContent = `${d.kept} of ${d.drafted} kept over ${d.passes} checks`;
+  const pass = document.createElement("span");
+  pass.className = "draft-pass";
+  pass.title = `${e.kept} of ${e.drafted} kept`;
+  for (let i = 0; i < e.drafted; i++) {
+    const t = document.createElement("i");
+    t.className = i < e.kept ? "kept" : "refused";
+    pass.append(t);
+  }
+  const strip = $("draft-passes");
+  strip.append(pass);
+  // The latest checks only: an answer of thousands of tokens keeps the page small.
+  while (strip.childElementCount > 200) strip.firstElementChild.remove();
+}
+
 const handlers = {
   hello(e) {
     view.hello = e;
@@ -334,7 +358,11 @@ const handlers = {
     view.decode = null;
     view.answer = null;
     for (const id of ["prefill-tps", "decode-tps", "ttft"]) $(id).textContent = "…";
+    view.drafts = null;
+    $("drafts").textContent = "-";
+    $("draft-passes").replaceChildren();
   },
+  draft: onDraft,
   token: onToken,
   ubatch(e) { view.ubatches.push(e); scheduleTimeline(); },
   transfer(e) { view.transfers.push(e); scheduleTimeline(); },
@@ -367,7 +395,7 @@ function handle(e) {
 // Forget everything drawn (the simulator starts each run afresh).
 function reset() {
   Object.assign(view, fresh());
-  for (const id of ["layers", "legend", "helpers", "timeline", "pages", "memory"]) $(id).replaceChildren();
+  for (const id of ["layers", "legend", "helpers", "timeline", "pages", "memory", "draft-passes"]) $(id).replaceChildren();
   $("link-rates").tBodies[0].replaceChildren();
 }
 

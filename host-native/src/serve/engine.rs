@@ -372,7 +372,17 @@ impl Engine {
                 outcome = Some(o);
                 break;
             }
-            let Some(tok) = g.next_token()? else {
+            let before = g.stats;
+            let next = g.next_token()?;
+            let pass = g.stats;
+            // A checking pass of drafts, for the live page.
+            if pass.steps > before.steps {
+                self.hub.event("draft", || {
+                    json!({"id": job.id, "drafted": pass.drafted - before.drafted,
+                           "kept": pass.accepted - before.accepted})
+                });
+            }
+            let Some(tok) = next else {
                 reason = FinishReason::Stop;
                 break;
             };
@@ -412,7 +422,8 @@ impl Engine {
         self.metrics.decode(n, decode_s);
         self.hub.event("done", || {
             json!({"id": job.id, "completion_tokens": n,
-                   "decode_tok_s": n as f64 / decode_s.max(1e-9), "finish": reason.as_str()})
+                   "decode_tok_s": n as f64 / decode_s.max(1e-9), "finish": reason.as_str(),
+                   "drafted": drafts.drafted, "drafts_kept": drafts.accepted})
         });
         info!(
             request = job.id,
