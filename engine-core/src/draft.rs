@@ -71,6 +71,19 @@ impl Drafts {
         Ok(())
     }
 
+    /// An error where drafts are asked for on a backend that cannot keep plain decoding's
+    /// tokens with them ([`Backend::rows_are_steps`]).
+    pub fn check_backend(&self, be: &dyn Backend) -> Result<()> {
+        if self.kind != DraftKind::None && !be.rows_are_steps() {
+            return Err(Error::Invalid(format!(
+                "--draft: the {} backend's pass over a draft is not yet its decode steps bit \
+                 for bit, so drafts could change a token; use --backend cpu",
+                be.name()
+            )));
+        }
+        Ok(())
+    }
+
     /// The token drafter these settings ask for (`None`: no speculation, or the MTP head's,
     /// which `Generation::with_drafts` keeps itself), once they are checked.
     pub fn drafter(self) -> Result<Option<Box<dyn Drafter + Send>>> {
@@ -219,15 +232,15 @@ impl MtpDrafts {
             ));
         };
         let (mut g, mut token) = (last, tok);
-        let mut draft = Vec::new();
-        for j in 0..=self.max.min(room) {
+        let k = self.max.min(room);
+        let mut draft = Vec::with_capacity(k);
+        for j in 0..k.max(1) {
             let (out, logits) = model.mtp(be, &mut self.kv, (&g, &[token]), pos - 1 + j)?;
-            if j == self.max.min(room) {
-                break;
+            if j < k {
+                token = argmax(&logits);
+                draft.push(token);
+                g = out;
             }
-            token = argmax(&logits);
-            draft.push(token);
-            g = out;
         }
         Ok(draft)
     }

@@ -227,6 +227,7 @@ impl<'a> Generation<'a> {
     /// Speculate as `drafts` say (`--draft`): the MTP head's need a model that has one and a
     /// sequence this generation prefills from its first position.
     pub fn with_drafts(mut self, drafts: Drafts) -> Result<Self> {
+        drafts.check_backend(self.backend)?;
         self.speculation = match drafts.kind {
             DraftKind::Mtp => {
                 drafts.validate()?;

@@ -225,6 +225,14 @@ pub trait Backend: Send + Sync {
         true
     }
 
+    /// Whether fewer than [`STEP_ROWS`] rows of a pass get, bit for bit, what each gets as its
+    /// own decode step: what speculative decoding needs to keep plain decoding's tokens. The
+    /// CPU's kernels do; the GPU's matrix and attention kernels change form with the row
+    /// count (issue 36), so drafts are refused there.
+    fn rows_are_steps(&self) -> bool {
+        false
+    }
+
     /// Whether matrices stored as `dtype` can be used here (the GPU backend has no k-quant
     /// kernels yet).
     fn reads(&self, dtype: crate::tensor::DType) -> bool {

@@ -362,7 +362,7 @@ impl Engine {
         let stop = self.stop_ids.clone();
         let fed = job.prompt.len() + n;
         let mut g = Generation::new(&self.model, be, &mut self.seq, &mut d.sampler, stop)
-            .with_drafter(self.drafts.drafter()?);
+            .with_drafts(self.drafts)?;
         g.resume(logits, [&job.prompt[..], &d.tokens].concat());
         // The last token is never fed: its forward pass would serve no one.
         g.limit(job.max_tokens - n);

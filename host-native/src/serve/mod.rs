@@ -151,6 +151,7 @@ pub fn run(a: Args) -> Result<()> {
     );
     let (backend, what) = a.engine.backend_for(&l.model)?;
     info!("backend: {what}");
+    a.draft.drafts().check_backend(&*backend)?;
     // The plan decides: the page size before the state (as a session's is, for the largest
     // context the server may choose), then, with the helpers attached and their offers known,
     // the context that fits (`Plan::room`, counting the conversation checkpoints), then the

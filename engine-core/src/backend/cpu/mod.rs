@@ -286,6 +286,10 @@ impl Backend for CpuBackend {
         "cpu"
     }
 
+    fn rows_are_steps(&self) -> bool {
+        true
+    }
+
     fn upload(&self, x: Vec<f32>) -> Act {
         Act::Host(x)
     }
