@@ -663,6 +663,16 @@ fn stop_strings_and_seeded_sampling() {
     assert!(s.metric("tether_decode_tokens_per_second") > 0.0);
 }
 
+/// The events of `s`'s telemetry stream (docs/TELEMETRY.md), as they come.
+fn watch(s: &Server) -> impl Iterator<Item = Value> {
+    let watcher = s
+        .agent
+        .get(format!("{}/v1/telemetry", s.base))
+        .call()
+        .unwrap();
+    data_lines(watcher).map(|l| serde_json::from_str::<Value>(&l).unwrap())
+}
+
 /// SIGTERM (what a service manager or `docker stop` sends) lets the request in flight finish,
 /// then the server exits 0, though a watcher of /v1/telemetry is still connected.
 #[cfg(unix)]
@@ -674,12 +684,7 @@ fn sigterm_finishes_the_request_in_flight_then_exits_cleanly() {
                       "stream_options": {"include_usage": true}});
     // A page watching the server: its stream never ends on its own, so it must not hold up
     // the shutdown below. First, what it sees of one request, in order (docs/TELEMETRY.md).
-    let watcher = s
-        .agent
-        .get(format!("{}/v1/telemetry", s.base))
-        .call()
-        .unwrap();
-    let mut watched = data_lines(watcher).map(|l| serde_json::from_str::<Value>(&l).unwrap());
+    let mut watched = watch(&s);
     let hello = watched.next().unwrap();
     assert_eq!(hello["type"], "hello");
     assert_eq!(hello["layers"].as_array().map(Vec::len), Some(8));
@@ -1502,12 +1507,7 @@ fn drafts_change_no_answer() {
         (text, v["usage"].clone())
     };
     // What the live page sees of the drafted server's first answer (docs/TELEMETRY.md).
-    let watcher = drafted
-        .agent
-        .get(format!("{}/v1/telemetry", drafted.base))
-        .call()
-        .unwrap();
-    let mut watched = data_lines(watcher).map(|l| serde_json::from_str::<Value>(&l).unwrap());
+    let mut watched = watch(&drafted);
     assert_eq!(watched.next().unwrap()["type"], "hello");
     let first = complete(&plain, prompt, false);
     assert_eq!(complete(&drafted, prompt, false), first);

@@ -395,11 +395,23 @@ impl Model {
         logits: Logits,
         trace: Option<&mut Vec<Vec<f32>>>,
     ) -> Result<Vec<f32>> {
+        let x = self.residual(be, state, tokens, trace)?;
+        self.head(be, x, logits)
+    }
+
+    /// Every layer over `tokens` at `state.pos ..`, advancing `state`: the final residual rows.
+    fn residual(
+        &self,
+        be: &dyn Backend,
+        state: &mut State,
+        tokens: &[u32],
+        trace: Option<&mut Vec<Vec<f32>>>,
+    ) -> Result<Act> {
         let mut x = self.embed(be, tokens)?;
         let (pos, layers) = (state.pos, 0..self.layers.len());
         self.run_layers(be, state, &mut NoPagesAway, &mut x, pos, layers, trace)?;
         state.pos += tokens.len();
-        self.head(be, x, logits)
+        Ok(x)
     }
 
     /// Embedding rows `[tokens, hidden]` in the backend; rejects ids outside the vocabulary.
@@ -521,9 +533,14 @@ impl Model {
     /// Final norm and output projection of the rows `logits` asks for, read to the host.
     pub fn head(&self, be: &dyn Backend, x: Act, logits: Logits) -> Result<Vec<f32>> {
         match self.final_rows(be, x, logits)? {
-            Some(rows) => Ok(be.download_owned(be.matmul(&rows, &self.ends()?.lm_head))),
+            Some(rows) => self.logits_of(be, &rows),
             None => Ok(Vec::new()),
         }
+    }
+
+    /// The LM head over normed rows, read to the host: `[rows, vocab]`.
+    fn logits_of(&self, be: &dyn Backend, rows: &Act) -> Result<Vec<f32>> {
+        Ok(be.download_owned(be.matmul(rows, &self.ends()?.lm_head)))
     }
 
     /// The rows `logits` asks for after the final norm: what the LM head multiplies, and the
@@ -572,10 +589,7 @@ impl Model {
         state: &mut State,
         tokens: &[u32],
     ) -> Result<(Vec<f32>, Vec<f32>)> {
-        let mut x = self.embed(be, tokens)?;
-        let (pos, layers) = (state.pos, 0..self.layers.len());
-        self.run_layers(be, state, &mut NoPagesAway, &mut x, pos, layers, None)?;
-        state.pos += tokens.len();
+        let x = self.residual(be, state, tokens, None)?;
         self.head_rows(be, x)
     }
 
@@ -592,7 +606,7 @@ impl Model {
         let rows = self
             .final_rows(be, x, Logits::All)?
             .expect("every row asked");
-        let logits = be.download_owned(be.matmul(&rows, &self.ends()?.lm_head));
+        let logits = self.logits_of(be, &rows)?;
         Ok((be.download_owned(rows), logits))
     }
 
@@ -613,7 +627,7 @@ impl Model {
         let embedded = self.embed(be, tokens)?;
         let hidden = be.upload(hidden.to_vec());
         let g = mtp.forward(be, &self.config, (embedded, &hidden), kv, pos)?;
-        let logits = be.download_owned(be.matmul(&g, &self.ends()?.lm_head));
+        let logits = self.logits_of(be, &g)?;
         Ok((be.download_owned(g), logits))
     }
 }
