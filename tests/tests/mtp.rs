@@ -137,7 +137,8 @@ fn load_model_tensors() -> (engine_core::ModelConfig, engine_core::weights::Tens
 }
 
 /// `--mtp` gives a preset the head; without it (or with its tensors gone from a checkpoint
-/// whose config still declares one) there is none, and asking it for a draft says so.
+/// whose config still declares one) there is none, and asking it for a draft says so. The
+/// head's weights count in the model's bytes (what `tether plan` and serve's memory divide).
 #[test]
 fn a_model_without_the_head_says_so() {
     let with = LoadOptions {
@@ -148,9 +149,18 @@ fn a_model_without_the_head_says_so() {
     let model = load_model("tiny", &LoadOptions::default()).unwrap();
     assert!(!model.has_mtp());
     let (config, mut tensors) = load_model_tensors();
+    let full = Model::from_tensors(config.clone(), &tensors).unwrap();
+    // The head's matrices (its 2-D f32 tensors) are weights the plan must count.
+    let head_bytes: usize = tensors
+        .iter()
+        .filter(|(name, t)| name.starts_with("mtp.") && t.shape.len() == 2)
+        .map(|(_, t)| t.shape.iter().product::<usize>() * 4)
+        .sum();
     tensors.retain(|name, _| !name.starts_with("mtp."));
     let stripped = Model::from_tensors(config, &tensors).unwrap();
     assert!(!stripped.has_mtp());
+    assert!(head_bytes > 0);
+    assert_eq!(full.weight_bytes(), stripped.weight_bytes() + head_bytes);
     let mut kv = stripped.new_mtp_cache(16, CacheTypes::F32);
     let err = stripped
         .mtp(&CpuBackend, &mut kv, (&[0.0; 64], &[1]), 0)

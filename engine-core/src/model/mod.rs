@@ -328,7 +328,8 @@ impl Model {
     }
 
     /// Bytes of weights as stored, per layer (0 for a layer not held here) and of the
-    /// embedding and head (tied embeddings counted once): what a plan divides among devices.
+    /// embedding, head and MTP head (tied embeddings counted once; the MTP head lives with the
+    /// ends, on the host): what a plan divides among devices.
     pub fn weight_bytes_by_layer(&self) -> (Vec<usize>, usize) {
         let ends = self.ends.as_ref().map_or(0, |e| {
             let head = if self.config.tie_word_embeddings {
@@ -336,7 +337,13 @@ impl Model {
             } else {
                 e.lm_head.nbytes()
             };
-            e.embed.nbytes() + head
+            let mtp: usize = e
+                .mtp
+                .iter()
+                .flat_map(Mtp::matrices)
+                .map(Matrix::nbytes)
+                .sum();
+            e.embed.nbytes() + head + mtp
         });
         let layers = self
             .layers
