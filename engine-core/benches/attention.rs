@@ -1,6 +1,7 @@
 //! CPU attention of one decode query over a KV page: what a decode step pays per attention
-//! layer and page at depth, for each cache type (`cargo bench -p engine-core --bench
-//! attention`). Throughput counts the page's bytes as stored.
+//! layer and page at depth, for each cache type, and what a verify pass of 1 + 4 rows pays
+//! (`cargo bench -p engine-core --bench attention`). Throughput counts the page's bytes as
+//! stored.
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use engine_core::backend::cpu::attention::attend_page;
@@ -42,5 +43,33 @@ fn decode(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, decode);
+/// A speculative verify pass of 1 + 4 rows (consecutive positions) at the end of the same
+/// page: each row is computed as its decode step computes it.
+fn verify(c: &mut Criterion) {
+    let mut group = c.benchmark_group("cpu_verify_attention");
+    let shape = AttnShape {
+        q_heads: 8,
+        kv_heads: 2,
+        head_dim: 256,
+    };
+    let row = shape.kv_heads * shape.head_dim;
+    let (len, rows) = (4096, 5);
+    for ty in KvType::ALL {
+        let page = KvPage {
+            start: 0,
+            len,
+            k: PageRows::host(ty, values(len * row, 1)),
+            v: PageRows::host(ty, values(len * row, 2)),
+        };
+        let q = values(rows * shape.q_heads * shape.head_dim, 3);
+        let q_pos: Vec<usize> = (len - rows..len).collect();
+        group.throughput(Throughput::Bytes((len * ty.row_bytes(row) * 2) as u64));
+        group.bench_function(BenchmarkId::new(ty.name(), len), |b| {
+            b.iter(|| attend_page(shape, &q, &q_pos, &page))
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, decode, verify);
 criterion_main!(benches);

@@ -4,7 +4,8 @@
 //! read: a decode row widens one key or value row at a time into a scratch row (as llama.cpp's
 //! CPU attention widens a quantised V row), so the page is read once in its compact size,
 //! except q8_0 keys on x86 with AVX2, which it scores with integer dots against the query rounded to
-//! q8_0 as llama.cpp does ([`q8_0_scores`]); the `gemm` form for many query rows widens the
+//! q8_0 as llama.cpp does ([`q8_0_scores`]); a few rows (a speculative verify) widen a block
+//! of rows at a time, each for all of them; the `gemm` form for many query rows widens the
 //! page's visible rows once per page, on every thread, into a transient buffer its products
 //! read.
 
@@ -12,7 +13,7 @@
 use super::gemm::{product, Mat};
 #[cfg(target_arch = "wasm32")]
 use super::matmul::dot;
-use super::matmul::{axpy, dots_task};
+use super::matmul::{axpy, axpys, dots_task};
 use crate::backend::{AttnShape, STEP_ROWS};
 use crate::backend::{KvPage, Merger, PageRows, Partials};
 
@@ -42,21 +43,11 @@ pub fn attend_page(shape: AttnShape, q: &[f32], q_pos: &[usize], page: &KvPage) 
     // `gemm`'s copy of every key and value row into its packed layout (1.0 against 1.27 ms
     // for a 4096-position page of Qwen3.5-0.8B). From two rows on, `gemm` is faster (1.57
     // against 1.76 ms).
-    // Fewer rows than `STEP_ROWS` (a speculative verify) are streamed one by one, so that each
-    // row's partials are those of its own decode step.
+    // Fewer rows than `STEP_ROWS` (a speculative verify) are streamed together, each row
+    // computed as its own decode step computes it.
     match q_pos {
         &[pos] => streamed(shape, q, pos, page),
-        _ if q_pos.len() < STEP_ROWS => {
-            let width = shape.q_heads * shape.head_dim;
-            let mut all = Partials::empty(0, shape.head_dim);
-            for (q, &pos) in q.chunks_exact(width).zip(q_pos) {
-                let p = streamed(shape, q, pos, page);
-                all.o.extend(p.o);
-                all.m.extend(p.m);
-                all.l.extend(p.l);
-            }
-            all
-        }
+        _ if q_pos.len() < STEP_ROWS => streamed_rows(shape, q, q_pos, page),
         _ => blocked(shape, q, q_pos, page),
     }
 }
@@ -138,6 +129,175 @@ fn span(shape: AttnShape, q: &[f32], page: &KvPage, from: usize, pos: usize) -> 
         o.iter_mut().for_each(|a| *a *= inv);
     }
     p
+}
+
+/// Several query rows (a speculative verify, fewer than `STEP_ROWS`), each row's partials bit
+/// for bit those [`streamed`] gives it alone: the same spans of [`SPAN`] keys (a row has those
+/// up to the last key it sees), each computed by [`span_rows`] with the row's arithmetic of
+/// [`span`], and merged per row as `streamed` merges them. What changes is that a task reads
+/// and widens each key and value row once for every row that sees it. One row at a time, 1 + 4
+/// rows over a 4096-key f16 page of Qwen3.5-0.8B took 5.9-6.1 ms on one thread (a decode row
+/// 1.2), 3.5-3.8 ms this way, and a verify pass of 1 + 4 rows at context 4096 cost 1.53-1.59
+/// decode steps, 1.39-1.41 this way (Zen 4, 2 threads).
+fn streamed_rows(shape: AttnShape, q: &[f32], q_pos: &[usize], page: &KvPage) -> Partials {
+    let (heads, d) = (shape.q_heads, shape.head_dim);
+    let spans_of = |pos: usize| visible(page, 0, page.len, pos).div_ceil(SPAN);
+    let spans = q_pos.iter().map(|&pos| spans_of(pos)).max().unwrap_or(0);
+    let mut parts: Vec<Vec<Partials>> = (0..spans).map(|_| Vec::new()).collect();
+    super::spread(&mut parts, 1, |i, p| {
+        p[0] = span_rows(shape, q, q_pos, page, i * SPAN)
+    });
+    let mut all = Partials::empty(0, d);
+    for (r, &pos) in q_pos.iter().enumerate() {
+        let mut mine = parts[..spans_of(pos)].iter_mut().map(|p| &mut p[r]);
+        let p = match spans_of(pos) {
+            0 => Partials::empty(heads, d),
+            1 => std::mem::replace(mine.next().expect("one span"), Partials::empty(0, d)),
+            _ => {
+                let mut merger = Merger::new(heads, d);
+                mine.for_each(|p| merger.add(p));
+                merger.finish()
+            }
+        };
+        all.o.extend(p.o);
+        all.m.extend(p.m);
+        all.l.extend(p.l);
+    }
+    all
+}
+
+/// Key rows a task of [`span_rows`] widens at a time, each KV head's then multiplied into its
+/// queries of every row in one `dots_task`: the AVX-512 kernel's tiles of four keys by three
+/// queries load each chunk of a key or a query once for several products, where one key a
+/// call takes its one-weight-row form (three products a chunk of the key). 32 rows measured
+/// the same.
+const KEY_ROWS: usize = 16;
+
+/// Value rows a task of [`span_rows`] widens at a time (16 KiB of Qwen3.5-0.8B's rows as
+/// f32, in L1 while every query row's heads take them) before it adds them into the outputs
+/// with [`axpys`]. 16 rows measured the same.
+const VALUE_ROWS: usize = 8;
+
+/// The partials over the keys of `page` from `from` of every query row (rows of `q_heads`
+/// heads in `q`, at `q_pos`), one `Partials` a row (empty for a row that sees none of them).
+/// Each row's are bit for bit [`span`]'s for that row alone:
+///
+/// - scores: per block of [`KEY_ROWS`] keys and KV head, one `dots_task` of those keys
+///   against that head's queries of every row, whose product of each (key, query) is the one
+///   `span`'s call with one key and one row's queries gives (the float kernels' products
+///   depend on neither the rows of `x` nor the weight rows beside them: matmul.rs
+///   `each_row_gets_its_one_row_products`, `avx512_rows_match_avx2_one_row_bits`); or
+///   [`q8_0_scores`] per row, as `span` calls it;
+/// - each row and head's max, `exp` and sum over its own keys, as there;
+/// - values: [`axpys`] over blocks of [`VALUE_ROWS`] keys in key order, `axpy`'s operations
+///   for each output element in the same order.
+fn span_rows(
+    shape: AttnShape,
+    q: &[f32],
+    q_pos: &[usize],
+    page: &KvPage,
+    from: usize,
+) -> Vec<Partials> {
+    let AttnShape {
+        q_heads,
+        kv_heads,
+        head_dim: d,
+    } = shape;
+    let (group, row, width) = (q_heads / kv_heads, kv_heads * d, q_heads * d);
+    let to = (from + SPAN).min(page.len);
+    let lens: Vec<usize> = q_pos
+        .iter()
+        .map(|&pos| visible(page, from, to, pos))
+        .collect();
+    let seen = lens.iter().copied().max().unwrap_or(0);
+    let query = |r: usize| &q[r * width..][..width];
+    // scores[r][h, j]: row `r`'s query head `h` against key `from + j`, as in `span`.
+    let mut scores: Vec<Vec<f32>> = lens.iter().map(|&len| vec![0.0; q_heads * len]).collect();
+    let float: Vec<usize> = (0..lens.len())
+        .filter(|&r| {
+            lens[r] > 0 && !q8_0_scores(shape, query(r), &page.k, (from, lens[r]), &mut scores[r])
+        })
+        .collect();
+    if let Some(keys_seen) = float.iter().map(|&r| lens[r]).max() {
+        // Per KV head, its queries of every such row: `[float.len() * group, d]`.
+        let per_head = float.len() * group * d;
+        let mut stacked = Vec::with_capacity(kv_heads * per_head);
+        for kvh in 0..kv_heads {
+            for &r in &float {
+                stacked.extend_from_slice(&query(r)[kvh * group * d..][..group * d]);
+            }
+        }
+        let nq = float.len() * group;
+        let mut keys = RowReader::new(&page.k, row);
+        let mut heads = vec![0.0f32; kv_heads * KEY_ROWS * d];
+        let mut dots = vec![0.0f32; KEY_ROWS * nq];
+        for j0 in (0..keys_seen).step_by(KEY_ROWS) {
+            let n = KEY_ROWS.min(keys_seen - j0);
+            let heads = &mut heads[..kv_heads * n * d];
+            keys.heads_into(from + j0, n, d, heads);
+            for (kvh, head) in heads.chunks_exact(n * d).enumerate() {
+                let dots = &mut dots[..n * nq];
+                dots_task::<f32>(&stacked[kvh * per_head..][..per_head], d, head, dots);
+                // `dots` is `[n keys, nq queries]`; each query's scores are a run of keys.
+                for (x, &r) in float.iter().enumerate() {
+                    let len = lens[r];
+                    let seen = n.min(len.saturating_sub(j0));
+                    if seen == 0 {
+                        continue;
+                    }
+                    for i in 0..group {
+                        let run = &mut scores[r][(kvh * group + i) * len + j0..][..seen];
+                        for (s, dots) in run.iter_mut().zip(dots.chunks_exact(nq)) {
+                            *s = dots[x * group + i];
+                        }
+                    }
+                }
+            }
+        }
+    }
+    let mut parts: Vec<Partials> = lens.iter().map(|_| Partials::empty(q_heads, d)).collect();
+    for ((p, s), &len) in parts.iter_mut().zip(&mut scores).zip(&lens) {
+        if len == 0 {
+            continue;
+        }
+        for (h, s) in s.chunks_exact_mut(len).enumerate() {
+            let mx = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            s.iter_mut().for_each(|x| *x = super::exp(*x - mx));
+            p.m[h] = mx;
+            p.l[h] = s.iter().sum();
+        }
+    }
+    let mut values = RowReader::new(&page.v, row);
+    let mut weights = vec![0.0f32; group * VALUE_ROWS];
+    for j0 in (0..seen).step_by(VALUE_ROWS) {
+        let block = values.rows(from + j0, VALUE_ROWS.min(seen - j0));
+        for ((p, s), &len) in parts.iter_mut().zip(&scores).zip(&lens) {
+            let keys = VALUE_ROWS.min(len.saturating_sub(j0));
+            if keys == 0 {
+                continue;
+            }
+            // The query heads of each KV head: their weights of these keys, `[group, keys]`,
+            // into their outputs, `[group, d]`.
+            let o = p.o.chunks_exact_mut(group * d);
+            for ((kvh, o), s) in o.enumerate().zip(s.chunks_exact(group * len)) {
+                let weights = &mut weights[..group * keys];
+                for (w, s) in weights.chunks_exact_mut(keys).zip(s.chunks_exact(len)) {
+                    w.copy_from_slice(&s[j0..][..keys]);
+                }
+                axpys(weights, &block[kvh * d..], row, o, d);
+            }
+        }
+    }
+    for (p, &len) in parts.iter_mut().zip(&lens) {
+        if len == 0 {
+            continue;
+        }
+        for (o, &l) in p.o.chunks_exact_mut(d).zip(&p.l) {
+            let inv = 1.0 / l;
+            o.iter_mut().for_each(|a| *a *= inv);
+        }
+    }
+    parts
 }
 
 /// The scores of a decode row against q8_0 keys `from .. from + len` as llama.cpp's CPU
@@ -330,7 +490,50 @@ impl<'a> RowReader<'a> {
             PageRows::Values(a) => &super::host(a)[j * self.width..][..self.width],
             packed => {
                 packed.row_into(j, self.width, &mut self.scratch);
-                &self.scratch
+                &self.scratch[..self.width]
+            }
+        }
+    }
+
+    /// Rows `j .. j + n` as heads of `d` values, head by head: `out` is `[width / d, n, d]`.
+    /// Compact rows whose heads are whole blocks (as a cache's always are) are widened head by
+    /// head straight into place.
+    fn heads_into(&mut self, j: usize, n: usize, d: usize, out: &mut [f32]) {
+        let (width, heads) = (self.width, self.width / d);
+        assert_eq!(out.len(), heads * n * d);
+        let rows = match self.rows {
+            PageRows::Packed { ty, bytes } if d.is_multiple_of(ty.block()) => {
+                let (row_bytes, head_bytes) = (ty.row_bytes(width), ty.row_bytes(d));
+                let rows = bytes[j * row_bytes..][..n * row_bytes].chunks_exact(row_bytes);
+                for (i, row) in rows.enumerate() {
+                    for (h, head) in row.chunks_exact(head_bytes).enumerate() {
+                        ty.decode_into(head, &mut out[(h * n + i) * d..][..d]);
+                    }
+                }
+                return;
+            }
+            _ => self.rows(j, n),
+        };
+        for (i, row) in rows.chunks_exact(width).enumerate() {
+            for (h, head) in row.chunks_exact(d).enumerate() {
+                out[(h * n + i) * d..][..d].copy_from_slice(head);
+            }
+        }
+    }
+
+    /// Rows `j .. j + n`, `width` values each, one after the other.
+    fn rows(&mut self, j: usize, n: usize) -> &[f32] {
+        let len = n * self.width;
+        match self.rows {
+            PageRows::Values(a) => &super::host(a)[j * self.width..][..len],
+            packed => {
+                if self.scratch.len() < len {
+                    self.scratch.resize(len, 0.0);
+                }
+                for (i, row) in self.scratch[..len].chunks_exact_mut(self.width).enumerate() {
+                    packed.row_into(j + i, self.width, row);
+                }
+                &self.scratch[..len]
             }
         }
     }
@@ -593,29 +796,61 @@ mod tests {
     }
 
     /// Fewer rows than `STEP_ROWS` (a speculative verify) get, bit for bit, the partials each
-    /// row gets alone as a decode step, at every cache type.
+    /// row gets alone as a decode step, at every cache type, on a page that starts at neither
+    /// 0 nor a span's multiple: rows before, inside and past the page; consecutive rows whose
+    /// keys end on either side of a span's end (the last seeing one key of the next span);
+    /// `STEP_ROWS - 1` rows at the page's end; a row with an infinite query. Two shapes: four query heads a KV head (one
+    /// `dots_task` over more rows of `x` than a pass of the matmul tests), and one a head with
+    /// `head_dim` not a multiple of 8 (decode's one row on the AVX2 kernel, several on the
+    /// AVX-512 one; a scalar tail in `axpys`; q8_0 keys scored in floats).
     #[test]
     fn a_few_rows_are_their_decode_rows() {
-        let shape = AttnShape {
-            q_heads: 4,
-            kv_heads: 2,
-            head_dim: 64,
-        };
-        let (start, len) = (64, SPAN + 150);
-        let row = shape.kv_heads * shape.head_dim;
-        let positions = [10, 64, 65, 100, SPAN + 150, SPAN + 213, 2000];
-        let qd = shape.q_heads * shape.head_dim;
-        let q = values(positions.len() * qd, 4);
-        for ty in KvType::ALL {
-            let p = page_of(ty, start, row, values(len * row, 5), values(len * row, 6));
-            let got = attend_page(shape, &q, &positions, &p.page);
-            for (r, &pos) in positions.iter().enumerate() {
-                let one = attend_page(shape, &q[r * qd..][..qd], &[pos], &p.page);
-                let h = shape.q_heads;
-                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                assert_eq!(bits(&got.o[r * qd..][..qd]), bits(&one.o), "{ty:?} row {r}");
-                assert_eq!(bits(&got.m[r * h..][..h]), bits(&one.m), "{ty:?} row {r}");
-                assert_eq!(bits(&got.l[r * h..][..h]), bits(&one.l), "{ty:?} row {r}");
+        let shapes = [(8, 2, 64), (8, 8, 44)].map(|(q_heads, kv_heads, head_dim)| AttnShape {
+            q_heads,
+            kv_heads,
+            head_dim,
+        });
+        let (start, len) = (300, 2 * SPAN + 150);
+        let at_span_end = start + SPAN - 1;
+        let sets: [Vec<usize>; 4] = [
+            vec![
+                10,
+                start,
+                start + 1,
+                start + 40,
+                start + SPAN + 150,
+                start + len + 9,
+            ],
+            (at_span_end - 3..at_span_end + 2).collect(),
+            (at_span_end + SPAN - 2..at_span_end + SPAN + 3)
+                .rev()
+                .collect(),
+            (start + len - 10..start + len + 5).collect(),
+        ];
+        for shape in shapes {
+            let row = shape.kv_heads * shape.head_dim;
+            let qd = shape.q_heads * shape.head_dim;
+            for ty in KvType::ALL {
+                let p = page_of(ty, start, row, values(len * row, 5), values(len * row, 6));
+                for (set, positions) in sets.iter().enumerate() {
+                    assert!(positions.len() < super::STEP_ROWS);
+                    let mut q = values(positions.len() * qd, positions[0] as u64);
+                    if set == 0 {
+                        // A query q8_0 cannot round: that row's keys take float dots, the
+                        // others' integer ones.
+                        q[4 * qd + 3] = f32::INFINITY;
+                    }
+                    let got = attend_page(shape, &q, positions, &p.page);
+                    for (r, &pos) in positions.iter().enumerate() {
+                        let one = attend_page(shape, &q[r * qd..][..qd], &[pos], &p.page);
+                        let h = shape.q_heads;
+                        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                        let at = format!("{ty:?} {shape:?} row {r} at {pos}");
+                        assert_eq!(bits(&got.o[r * qd..][..qd]), bits(&one.o), "o: {at}");
+                        assert_eq!(bits(&got.m[r * h..][..h]), bits(&one.m), "m: {at}");
+                        assert_eq!(bits(&got.l[r * h..][..h]), bits(&one.l), "l: {at}");
+                    }
+                }
             }
         }
     }

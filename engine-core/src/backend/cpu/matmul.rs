@@ -494,6 +494,34 @@ pub fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
     y.iter_mut().zip(x).for_each(|(y, x)| *y += a * x);
 }
 
+/// `y_i += a_i[j] * x_j` for `j` in order, for each row `y_i` of `y` (`[m, n]`) with its
+/// weights `a_i` (row `i` of `a`, `[m, keys]`), `x_j` being `x[j * stride..][..n]`: the bits
+/// of `axpy(a_i[j], x_j, y_i)` called for each `j` in turn (attention's value rows, for a
+/// speculative verify that must give each row its decode step's bits). On AVX2 chunks of the
+/// rows of `y` stay in registers across all the keys, taking the same fused multiply-add per
+/// key that `axpy` takes, where `axpy` loads and stores `y` again for every key, and each
+/// chunk of `x` loaded serves four rows of `y`; elsewhere it is `axpy` itself.
+pub fn axpys(a: &[f32], x: &[f32], stride: usize, y: &mut [f32], n: usize) {
+    assert!(n > 0 && y.len().is_multiple_of(n));
+    let m = y.len() / n;
+    if m == 0 || a.is_empty() {
+        return;
+    }
+    assert!(a.len().is_multiple_of(m));
+    let keys = a.len() / m;
+    assert!(x.len() >= (keys - 1) * stride + n);
+    #[cfg(target_arch = "x86_64")]
+    if avx2::available() {
+        // SAFETY: the CPU has the features the kernel is compiled for.
+        return unsafe { avx2::axpys(a, keys, x, stride, y, n) };
+    }
+    for (a, y) in a.chunks_exact(keys).zip(y.chunks_exact_mut(n)) {
+        for (j, &aj) in a.iter().enumerate() {
+            axpy(aj, &x[j * stride..][..n], y);
+        }
+    }
+}
+
 /// Whether the CPU has the AVX2, FMA and F16C that every x86_64 kernel here needs.
 #[cfg(target_arch = "x86_64")]
 pub(super) use avx2::available as avx2_available;
@@ -555,6 +583,106 @@ mod avx2 {
         }
         for (y, &x) in yc.into_remainder().iter_mut().zip(xc.remainder()) {
             *y = a.mul_add(x, *y);
+        }
+    }
+
+    /// `super::axpys` (`a` `[m, keys]`, `y` `[m, n]`, `x` holding `(keys - 1) * stride + n`
+    /// values, none of them empty): per element of `y`, `axpy`'s operations (`_mm256_fmadd_ps`
+    /// in its whole chunks of eight, `mul_add` in the rest) for each key in order, with `y` in
+    /// registers between them. Four rows of `y` by three chunks at a time (twelve independent
+    /// chains of FMAs to cover their latency, with the three chunks of `x` and a weight within
+    /// the sixteen registers), a row left over by eight chunks.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn axpys(a: &[f32], keys: usize, x: &[f32], stride: usize, y: &mut [f32], n: usize) {
+        /// Rows `y[..M]` (`n` apart, their weights `keys` apart in `a`), elements `c .. c + 8 *
+        /// C`, through every key.
+        ///
+        /// # Safety
+        /// The CPU must support AVX2 and FMA; `a` holds `M * keys` weights, `y` `M` rows of
+        /// `n`, `x` `(keys - 1) * stride + n` values, and `c + 8 * C <= n`.
+        #[inline(always)]
+        unsafe fn tile<const M: usize, const C: usize>(
+            (a, keys): (&[f32], usize),
+            (x, stride): (&[f32], usize),
+            (y, n): (&mut [f32], usize),
+            c: usize,
+        ) {
+            // SAFETY: the caller has the features; the loads of `x` are within
+            // `(keys - 1) * stride + c + 8 * C <= x.len()`, those of `y` within its rows, those
+            // of `a` within `M * keys`.
+            unsafe {
+                let (ap, xp, yp) = (a.as_ptr(), x.as_ptr().add(c), y.as_mut_ptr().add(c));
+                let mut acc = [[_mm256_setzero_ps(); C]; M];
+                for (i, acc) in acc.iter_mut().enumerate() {
+                    for (v, acc) in acc.iter_mut().enumerate() {
+                        *acc = _mm256_loadu_ps(yp.add(i * n + 8 * v));
+                    }
+                }
+                for j in 0..keys {
+                    let mut xv = [_mm256_setzero_ps(); C];
+                    for (v, xv) in xv.iter_mut().enumerate() {
+                        *xv = _mm256_loadu_ps(xp.add(j * stride + 8 * v));
+                    }
+                    for (i, acc) in acc.iter_mut().enumerate() {
+                        let av = _mm256_set1_ps(*ap.add(i * keys + j));
+                        for (acc, &xv) in acc.iter_mut().zip(&xv) {
+                            *acc = _mm256_fmadd_ps(av, xv, *acc);
+                        }
+                    }
+                }
+                for (i, acc) in acc.iter().enumerate() {
+                    for (v, acc) in acc.iter().enumerate() {
+                        _mm256_storeu_ps(yp.add(i * n + 8 * v), *acc);
+                    }
+                }
+            }
+        }
+        /// Rows `y[..M]`, every element.
+        ///
+        /// # Safety
+        /// As `tile`, without `c`.
+        #[inline(always)]
+        unsafe fn rows<const M: usize, const C: usize>(
+            a: &[f32],
+            keys: usize,
+            x: (&[f32], usize),
+            y: &mut [f32],
+            n: usize,
+        ) {
+            let mut c = 0;
+            // SAFETY: the caller's conditions, each tile within the rows.
+            unsafe {
+                while c + 8 * C <= n {
+                    tile::<M, C>((a, keys), x, (y, n), c);
+                    c += 8 * C;
+                }
+                while c + 8 <= n {
+                    tile::<M, 1>((a, keys), x, (y, n), c);
+                    c += 8;
+                }
+            }
+            let (x, stride) = x;
+            for (a, y) in a.chunks_exact(keys).zip(y.chunks_exact_mut(n)) {
+                for (e, y) in y.iter_mut().enumerate().skip(c) {
+                    for (j, &aj) in a.iter().enumerate() {
+                        *y = aj.mul_add(x[j * stride + e], *y);
+                    }
+                }
+            }
+        }
+        let (a4, a1) = a.split_at(a.len() / (4 * keys) * 4 * keys);
+        let (y4, y1) = y.split_at_mut(a4.len() / keys * n);
+        // SAFETY: the caller checked the CPU and the lengths.
+        unsafe {
+            for (a, y) in a4.chunks_exact(4 * keys).zip(y4.chunks_exact_mut(4 * n)) {
+                rows::<4, 3>(a, keys, (x, stride), y, n);
+            }
+            for (a, y) in a1.chunks_exact(keys).zip(y1.chunks_exact_mut(n)) {
+                rows::<1, 8>(a, keys, (x, stride), y, n);
+            }
         }
     }
 
@@ -1330,6 +1458,32 @@ pub(super) mod tests {
                             .all(|(a, b)| a.to_bits() == b.to_bits());
                         assert!(same, "{dtype:?} kernel {i} n={n} t={t}: row {r} differs");
                     }
+                }
+            }
+        }
+    }
+
+    /// `axpys` over several keys gives each row of `y` the bits of `axpy` called for each key
+    /// in turn: lengths below a chunk of eight, whole tiles, chunks left over and a scalar
+    /// tail; one row to more than a group of four; from one key to more than a tile's worth.
+    #[test]
+    fn axpys_is_axpy_key_by_key() {
+        for n in [1, 7, 8, 13, 24, 64, 72, 100, 256, 300] {
+            let stride = n + 5;
+            let x = values(17 * stride, n as u64);
+            for m in 1..=6 {
+                for keys in 1..=17 {
+                    let a = values(m * keys, (m * keys) as u64 + 100);
+                    let mut want = values(m * n, 7);
+                    for (a, y) in a.chunks_exact(keys).zip(want.chunks_exact_mut(n)) {
+                        for (j, &aj) in a.iter().enumerate() {
+                            axpy(aj, &x[j * stride..][..n], y);
+                        }
+                    }
+                    let mut got = values(m * n, 7);
+                    axpys(&a, &x[..(keys - 1) * stride + n], stride, &mut got, n);
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&got), bits(&want), "n={n}, {m} rows, {keys} keys");
                 }
             }
         }
