@@ -47,7 +47,8 @@ pub struct Args {
     #[arg(long)]
     prompt: Option<String>,
     /// After the decode, time a verify pass of 1 + k rows for k = 1..K against one decode step
-    /// at the context reached (what checking k drafted tokens costs).
+    /// at the context reached (what checking k drafted tokens costs): medians of 9 rounds that
+    /// each time every size once.
     #[arg(long, default_value_t = 0)]
     verify_rows: usize,
     /// After the decode, decode the same tokens again on the host alone with drafts that replay
@@ -368,22 +369,36 @@ fn verify_cost(model: &Model, be: &dyn Backend, seq: &mut Sequence, most: usize)
         seq.state.pos
     );
     println!("|---|---|---|");
-    let mut one = 0.0;
-    for k in 0..=most {
-        let rows: Vec<u32> = (0..=k as u32).map(|i| (i * 31 + 7) % 200).collect();
-        let mut ms: Vec<f64> = (0..5)
-            .map(|_| {
-                let t = Instant::now();
-                let run = seq.forward(model, be, &rows, Logits::All, None);
-                let took = t.elapsed().as_secs_f64() * 1e3;
-                run.and_then(|_| seq.rewind(be, &before)).map(|_| took)
-            })
-            .collect::<std::result::Result<_, _>>()?;
-        ms.sort_by(f64::total_cmp);
-        if k == 0 {
-            one = ms[2];
+    let passes: Vec<Vec<u32>> = (0..=most as u32)
+        .map(|k| (0..=k).map(|i| (i * 31 + 7) % 200).collect())
+        .collect();
+    // Every size once a round, rounds after rounds: a machine whose speed drifts (a shared
+    // VM) slows every size of a round alike, so each size is set against one step of its
+    // own round and the medians over rounds are compared.
+    let mut ms = vec![Vec::with_capacity(VERIFY_ROUNDS); passes.len()];
+    for _ in 0..VERIFY_ROUNDS {
+        for (rows, times) in passes.iter().zip(&mut ms) {
+            let t = Instant::now();
+            seq.forward(model, be, rows, Logits::All, None)?;
+            times.push(t.elapsed().as_secs_f64() * 1e3);
+            seq.rewind(be, &before)?;
         }
-        println!("| 1 + {k} | {:.2} | {:.2} |", ms[2], ms[2] / one);
+    }
+    for (k, times) in ms.iter().enumerate() {
+        let ratios = times.iter().zip(&ms[0]).map(|(t, one)| t / one).collect();
+        println!(
+            "| 1 + {k} | {:.2} | {:.2} |",
+            median(times.clone()),
+            median(ratios)
+        );
     }
     Ok(())
+}
+
+/// Rounds of [`verify_cost`]: each times every size once.
+const VERIFY_ROUNDS: usize = 9;
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
 }
