@@ -4,6 +4,8 @@
 //! speculation, "prompt lookup decoding"): text that repeats its context (code being edited,
 //! a quoted document, a loop) is proposed from where it appeared before.
 
+use std::borrow::Cow;
+
 use crate::backend::{Backend, STEP_ROWS};
 use crate::error::{Error, Result};
 use crate::generate::argmax;
@@ -181,10 +183,31 @@ impl MtpDrafts {
         &self.kv
     }
 
+    /// The main model's final row at the sequence's last position, where the next draft
+    /// starts: what a checkpoint of the sequence keeps for [`Self::rewind`].
+    pub fn last_row(&self) -> Option<&[f32]> {
+        self.last.as_deref()
+    }
+
+    /// Follow the sequence back to position `pos` (a checkpoint's), whose last position's
+    /// final row is `last` (`None` at position 0): the entries past it are cut.
+    pub fn rewind(&mut self, pos: usize, last: Option<Vec<f32>>) -> Result<()> {
+        if (pos > 0) != last.is_some() || pos > self.kv.len() + 1 {
+            return Err(Error::Invalid(format!(
+                "MTP drafts: a rewind to position {pos} for a head that holds {} positions",
+                self.kv.len()
+            )));
+        }
+        self.kv.truncate(pos.saturating_sub(1))?;
+        self.last = last;
+        Ok(())
+    }
+
     /// Take the main model's final rows `hidden` (`[n, H]`) of positions `pos ..`, where
     /// `context[p]` is the token at position `p`: each row with a known next token becomes an
     /// entry of the head's cache; the last row, whose next token is still to be drawn, is
-    /// where the next draft starts.
+    /// where the next draft starts. A sequence that goes on after a generation (a server's
+    /// next turn) pairs the row it ended with first.
     pub fn take_rows(
         &mut self,
         model: &Model,
@@ -194,13 +217,18 @@ impl MtpDrafts {
         context: &[u32],
     ) -> Result<()> {
         let h = model.config.hidden_size;
-        let n = hidden.len() / h;
-        if self.kv.len() != pos || n == 0 {
+        let start = pos.checked_sub(usize::from(self.last.is_some()));
+        let Some(start) = start.filter(|&s| s == self.kv.len() && hidden.len() >= h) else {
             return Err(Error::Invalid(format!(
                 "MTP drafts: rows from position {pos} for a head that holds {} positions",
                 self.kv.len()
             )));
-        }
+        };
+        let hidden: Cow<[f32]> = match self.last.take() {
+            Some(last) => [last, hidden.to_vec()].concat().into(),
+            None => hidden.into(),
+        };
+        let (n, pos) = (hidden.len() / h, start);
         let paired = n.min(context.len().saturating_sub(pos + 1));
         if paired > 0 {
             let tokens = &context[pos + 1..pos + 1 + paired];

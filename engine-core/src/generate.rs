@@ -226,16 +226,39 @@ impl<'a> Generation<'a> {
 
     /// Speculate as `drafts` say (`--draft`): the MTP head's need a model that has one and a
     /// sequence this generation prefills from its first position.
-    pub fn with_drafts(mut self, drafts: Drafts) -> Result<Self> {
+    pub fn with_drafts(self, drafts: Drafts) -> Result<Self> {
         drafts.check_backend(self.backend)?;
-        self.speculation = match drafts.kind {
+        match drafts.kind {
             DraftKind::Mtp => {
                 drafts.validate()?;
-                Speculation::Mtp(MtpDrafts::new(self.model, &self.seq.state, drafts.max)?)
+                let mtp = MtpDrafts::new(self.model, &self.seq.state, drafts.max)?;
+                self.with_mtp(mtp)
             }
-            _ => return Ok(self.with_drafter(drafts.drafter()?)),
-        };
+            _ => Ok(self.with_drafter(drafts.drafter()?)),
+        }
+    }
+
+    /// Speculate with the MTP head's drafts `mtp`, which follow this generation's sequence
+    /// (a server keeps them from turn to turn: [`Self::take_mtp`]).
+    pub fn with_mtp(mut self, mtp: MtpDrafts) -> Result<Self> {
+        Drafts {
+            kind: DraftKind::Mtp,
+            ..Drafts::default()
+        }
+        .check_backend(self.backend)?;
+        self.speculation = Speculation::Mtp(mtp);
         Ok(self)
+    }
+
+    /// The MTP head's drafts, as they follow the sequence now; the generation drafts no more.
+    pub fn take_mtp(&mut self) -> Option<MtpDrafts> {
+        match std::mem::replace(&mut self.speculation, Speculation::None) {
+            Speculation::Mtp(m) => Some(m),
+            other => {
+                self.speculation = other;
+                None
+            }
+        }
     }
 
     /// At most `n` more tokens will be taken: drafts never run past them (a server's state then

@@ -1490,8 +1490,20 @@ fn the_context_is_the_whole_pages_the_plan_says_fit() {
 /// (which must hold exactly what the drafted run fed).
 #[test]
 fn drafts_change_no_answer() {
+    drafts_change_no_answer_with(&["--draft", "ngram", "--draft-max", "4"]);
+}
+
+/// The same with the MTP head's drafts (a preset given one; the main model's weights are the
+/// same), whose cache follows the conversation: the continuation extends the first turn's
+/// sequence, and a request that goes back to the first prompt rewinds it to a checkpoint.
+#[test]
+fn mtp_drafts_change_no_answer() {
+    drafts_change_no_answer_with(&["--mtp", "--draft", "mtp", "--draft-max", "3"]);
+}
+
+fn drafts_change_no_answer_with(drafting: &[&str]) {
     let plain = Server::start("tiny", &[]);
-    let drafted = Server::start("tiny", &["--draft", "ngram", "--draft-max", "4"]);
+    let drafted = Server::start("tiny", drafting);
     let prompt = "abcabcabcabcabcabcabcabc";
     let complete = |s: &Server, prompt: &str, stream: bool| {
         let body = json!({"model": "tiny", "prompt": prompt, "max_tokens": 40,
@@ -1546,4 +1558,10 @@ fn drafts_change_no_answer() {
     );
     assert!(drafted.metric("tether_draft_tokens_total") > 0.0);
     assert_eq!(plain.metric("tether_draft_tokens_total"), 0.0);
+    // Back to the first prompt: the sequence (and the head's cache) rewind to its checkpoint.
+    let again = format!("{prompt}xyz");
+    assert_eq!(
+        complete(&drafted, &again, false),
+        complete(&plain, &again, false)
+    );
 }

@@ -320,3 +320,65 @@ fn mtp_drafts_keep_the_plain_tokens() {
         }
     }
 }
+
+/// A server's turns: the head's drafts outlive a generation ([`Generation::take_mtp`]), take
+/// the rows of the next turn's prompt after the tokens the generation fed, and rewind with the
+/// sequence to a checkpoint (its position and final row). After each, the cache and the next
+/// draft are those made from scratch over the same tokens.
+#[test]
+fn the_heads_drafts_follow_a_conversation() {
+    let model = Model::load_dir(&fixture_dir()).unwrap();
+    let be = &CpuBackend;
+    let vocab = model.config.vocab_size;
+    let prompt = reference().ids("tokens");
+    const K: usize = 3;
+    let mut seq = Sequence::typed(&model.config, PAGE, CacheTypes::F32, be).unwrap();
+    let mut sampler = Sampler::new(SamplingParams::greedy()).unwrap();
+    let mtp = Drafts {
+        kind: DraftKind::Mtp,
+        max: K,
+        min: 1,
+    };
+    let mut g = Generation::new(&model, be, &mut seq, &mut sampler, Vec::new())
+        .with_drafts(mtp)
+        .unwrap();
+    g.prefill(&prompt, &SplitPlan::default()).unwrap();
+    let first = argmax(g.logits());
+    let at_prompt = g.seq.state.checkpoint(be);
+    let mut drafts = g.take_mtp().unwrap();
+    let prompt_row = drafts.last_row().unwrap().to_vec();
+    g = g.with_mtp(drafts).unwrap();
+    for _ in 0..9 {
+        g.next_token().unwrap().unwrap();
+    }
+    let fed = g.context().to_vec();
+    drafts = g.take_mtp().unwrap();
+    drop(g);
+    assert!(fed.len() > prompt.len() && fed.starts_with(&prompt));
+
+    // The next turn: its prompt extends what the sequence fed.
+    let turn: Vec<u32> = [&fed[..], &[3, 1, 4, 1, 5]].concat();
+    let (hidden, logits) = seq.forward_rows(&model, be, &turn[fed.len()..]).unwrap();
+    drafts
+        .take_rows(&model, be, &hidden, fed.len(), &turn)
+        .unwrap();
+    let next = argmax(&logits[logits.len() - vocab..]);
+    let (cache, want) = drafts_from_scratch(&model, &turn, next, K);
+    let d = max_abs_diff(&cache_rows(drafts.cache()), &cache);
+    assert!(
+        d <= 1e-5,
+        "after the next turn's prompt the cache differs by {d}"
+    );
+    let got = drafts.propose(&model, be, next, turn.len(), K).unwrap();
+    assert_eq!(got, want, "after the next turn's prompt");
+
+    // Back to the first prompt's end, as a conversation cache restores it.
+    seq.rewind(be, &at_prompt).unwrap();
+    drafts.rewind(prompt.len(), Some(prompt_row)).unwrap();
+    let (cache, want) = drafts_from_scratch(&model, &prompt, first, K);
+    assert_eq!(cache_rows(drafts.cache()), cache);
+    let got = drafts.propose(&model, be, first, prompt.len(), K).unwrap();
+    assert_eq!(got, want, "after the rewind");
+    // A rewind the head cannot follow is refused.
+    assert!(drafts.rewind(prompt.len() + 5, None).is_err());
+}

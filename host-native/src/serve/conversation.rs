@@ -28,10 +28,12 @@ pub struct Conversation {
 }
 
 /// A prompt's end: the state there and the logits of its last position, so the very same
-/// prompt again (a regenerated answer, a retry) needs no prefill at all.
+/// prompt again (a regenerated answer, a retry) needs no prefill at all; with MTP drafts, the
+/// main model's final row there, where the head's next draft starts.
 struct Saved {
     cp: Checkpoint,
     logits: Vec<f32>,
+    last_row: Option<Vec<f32>>,
 }
 
 /// Where [`Conversation::restore`] left the state.
@@ -40,6 +42,9 @@ pub struct Restored {
     pub reused: usize,
     /// The last prompt position's logits, when the whole prompt was reused.
     pub logits: Option<Vec<f32>>,
+    /// Where the state was rewound to a checkpoint, the final row its last position gave
+    /// (when one was kept): what the MTP head's drafts rewind to.
+    pub last_row: Option<Vec<f32>>,
 }
 
 impl Conversation {
@@ -73,11 +78,16 @@ impl Conversation {
             return Ok(Restored {
                 reused: common,
                 logits: None,
+                last_row: None,
             });
         }
-        let (cp, logits) = match self.saved.iter().rev().find(|s| s.cp.pos <= common) {
-            Some(s) => (&s.cp, (s.cp.pos == prompt.len()).then(|| s.logits.clone())),
-            None => (&self.origin, None),
+        let (cp, logits, last_row) = match self.saved.iter().rev().find(|s| s.cp.pos <= common) {
+            Some(s) => (
+                &s.cp,
+                (s.cp.pos == prompt.len()).then(|| s.logits.clone()),
+                s.last_row.clone(),
+            ),
+            None => (&self.origin, None, None),
         };
         seq.rewind(be, cp)?;
         let pos = cp.pos;
@@ -86,6 +96,7 @@ impl Conversation {
         Ok(Restored {
             reused: pos,
             logits,
+            last_row,
         })
     }
 
@@ -95,8 +106,14 @@ impl Conversation {
     }
 
     /// Keep a copy of the state where it stands (a prompt's end, or its turn's start) with the
-    /// logits its last position gave.
-    pub fn checkpoint(&mut self, be: &dyn Backend, state: &State, logits: &[f32]) {
+    /// logits and final row (MTP drafts only) its last position gave.
+    pub fn checkpoint(
+        &mut self,
+        be: &dyn Backend,
+        state: &State,
+        logits: &[f32],
+        last_row: Option<&[f32]>,
+    ) {
         if self.keep == 0 || self.saved.last().is_some_and(|s| s.cp.pos == state.pos) {
             return;
         }
@@ -106,6 +123,7 @@ impl Conversation {
         self.saved.push(Saved {
             cp: state.checkpoint(be),
             logits: logits.to_vec(),
+            last_row: last_row.map(<[f32]>::to_vec),
         });
     }
 
@@ -150,12 +168,18 @@ mod tests {
         };
         assert_eq!(restore(&mut conv, &mut st, &[1, 2, 3]), (0, None));
         feed(&mut conv, &mut st, &[1, 2, 3]);
-        conv.checkpoint(&CpuBackend, &st.state, &[0.5]);
+        conv.checkpoint(&CpuBackend, &st.state, &[0.5], Some(&[0.25]));
         feed(&mut conv, &mut st, &[9, 9]);
         // Extends everything held: no rewind.
         assert_eq!(restore(&mut conv, &mut st, &[1, 2, 3, 9, 9, 4]), (5, None));
-        // Diverges inside the generated part: back to the prompt's end.
-        assert_eq!(restore(&mut conv, &mut st, &[1, 2, 3, 8, 8]), (3, None));
+        // Diverges inside the generated part: back to the prompt's end, with its final row.
+        let r = conv
+            .restore(&CpuBackend, &mut st, &[1, 2, 3, 8, 8])
+            .unwrap();
+        assert_eq!(
+            (r.reused, r.logits, r.last_row),
+            (3, None, Some(vec![0.25]))
+        );
         // The same prompt again: wholly reused, with its logits.
         assert_eq!(
             restore(&mut conv, &mut st, &[1, 2, 3]),
@@ -174,7 +198,7 @@ mod tests {
         let mut conv = Conversation::new(&CpuBackend, &st.state, 2);
         for t in 0..5 {
             feed(&mut conv, &mut st, &[t]);
-            conv.checkpoint(&CpuBackend, &st.state, &[]);
+            conv.checkpoint(&CpuBackend, &st.state, &[], None);
         }
         assert_eq!(
             conv.saved.iter().map(|s| s.cp.pos).collect::<Vec<_>>(),

@@ -11,8 +11,8 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use engine_core::backend::CacheTypes;
-use engine_core::draft::Drafts;
+use engine_core::backend::{Act, CacheTypes};
+use engine_core::draft::{DraftKind, Drafts, MtpDrafts};
 use engine_core::generate::{Generation, Sampler};
 use engine_core::host::split::{self, SplitPlan};
 use engine_core::host::Sequence;
@@ -46,6 +46,9 @@ pub struct Engine {
     pub stop_ids: Vec<u32>,
     /// Speculative decoding (`--draft`): what drafts each generation checks.
     pub drafts: Drafts,
+    /// `--draft mtp`: the head's drafts, following the sequence from turn to turn (its cache
+    /// cut with the sequence's rewinds, its last final row kept in the checkpoints).
+    pub mtp: Option<MtpDrafts>,
     pub conversation: Conversation,
     pub metrics: Arc<Metrics>,
     pub timeout_s: u64,
@@ -186,7 +189,16 @@ impl Engine {
             self.start_afresh();
         } else {
             self.conversation.reset(be, &self.seq.state);
+            self.mtp_afresh();
         }
+    }
+
+    /// `--draft mtp`: the head's drafts for the sequence at position 0.
+    fn mtp_afresh(&mut self) {
+        self.mtp = (self.drafts.kind == DraftKind::Mtp).then(|| {
+            MtpDrafts::new(&self.model, &self.seq.state, self.drafts.max)
+                .expect("the server's first drafts were made for the same model at position 0")
+        });
     }
 
     /// Start a fresh sequence on the host alone, with no cached conversation.
@@ -198,6 +210,7 @@ impl Engine {
         self.seq.placement.telemetry = telemetry;
         self.report_devices();
         self.conversation.reset(&*self.backend, &self.seq.state);
+        self.mtp_afresh();
     }
 
     /// Before a request: note a lost helper, and attach helpers that joined or came back
@@ -307,9 +320,14 @@ impl Engine {
     /// Prefill what the conversation cache lacks of the prompt, feed the tokens `d` already
     /// holds (none unless this is a redo), then sample and stream the rest.
     fn attempt(&mut self, job: &Job, d: &mut Decoding) -> Result<Outcome> {
-        let be = &*self.backend;
         let t0 = Instant::now();
-        let restored = self.conversation.restore(be, &mut self.seq, &job.prompt)?;
+        let held = self.seq.state.pos;
+        let restored = self
+            .conversation
+            .restore(&*self.backend, &mut self.seq, &job.prompt)?;
+        if let Some(m) = self.mtp.as_mut().filter(|_| restored.reused != held) {
+            m.rewind(restored.reused, restored.last_row.clone())?;
+        }
         let new = &job.prompt[restored.reused..];
         self.hub.event("request", || {
             json!({"id": job.id, "prompt_tokens": job.prompt.len(),
@@ -329,7 +347,7 @@ impl Engine {
                 if let Some(o) = interrupted(job) {
                     return Ok(o);
                 }
-                let (l, report) = split::prefill(&self.model, be, &mut self.seq, seg, &self.plan)?;
+                let (l, report) = self.prefill(seg, &job.prompt[..end])?;
                 self.conversation.consumed(seg);
                 if let Some(why) = &report.fallback {
                     warn!("the helper failed during prefill ({why}); the host redid its share");
@@ -338,7 +356,9 @@ impl Engine {
                 bar.inc(seg.len());
             }
             pos = end;
-            self.conversation.checkpoint(be, &self.seq.state, &logits);
+            let last_row = self.mtp.as_ref().and_then(MtpDrafts::last_row);
+            self.conversation
+                .checkpoint(&*self.backend, &self.seq.state, &logits, last_row);
         }
         drop(bar);
         self.debug_panic(job);
@@ -350,10 +370,9 @@ impl Engine {
         });
 
         let t1 = Instant::now();
-        for &tok in &d.tokens {
-            logits = self
-                .seq
-                .forward(&self.model, be, &[tok], Logits::Last, None)?;
+        let context = [&job.prompt[..], &d.tokens].concat();
+        for (i, &tok) in d.tokens.iter().enumerate() {
+            logits = self.feed(tok, &context[..=job.prompt.len() + i])?;
             self.conversation.consumed(&[tok]);
         }
         let mut n = d.tokens.len();
@@ -361,9 +380,13 @@ impl Engine {
         let mut stopped_by_string = false;
         let stop = self.stop_ids.clone();
         let fed = job.prompt.len() + n;
-        let mut g = Generation::new(&self.model, be, &mut self.seq, &mut d.sampler, stop)
-            .with_drafts(self.drafts)?;
-        g.resume(logits, [&job.prompt[..], &d.tokens].concat());
+        let be = &*self.backend;
+        let g = Generation::new(&self.model, be, &mut self.seq, &mut d.sampler, stop);
+        let mut g = match self.mtp.take() {
+            Some(mtp) => g.with_mtp(mtp)?,
+            None => g.with_drafts(self.drafts)?,
+        };
+        g.resume(logits, context);
         // The last token is never fed: its forward pass would serve no one.
         g.limit(job.max_tokens - n);
         let mut outcome = None;
@@ -401,6 +424,7 @@ impl Engine {
             }
         }
         let drafts = g.stats;
+        self.mtp = g.take_mtp();
         self.conversation.consumed(&g.context()[fed..]);
         self.metrics.drafts(drafts.drafted, drafts.accepted);
         if let Some(o) = outcome {
@@ -441,6 +465,31 @@ impl Engine {
             completion_tokens: n,
             cached_tokens: restored.reused,
         }))
+    }
+
+    /// Prefill `seg` (the tokens after the sequence's position); `context` is every token up
+    /// to the segment's end. With MTP drafts the head's cache takes the segment's final rows.
+    fn prefill(&mut self, seg: &[u32], context: &[u32]) -> Result<(Vec<f32>, split::SplitReport)> {
+        let (model, be) = (&self.model, &*self.backend);
+        let Some(mtp) = &mut self.mtp else {
+            return split::prefill(model, be, &mut self.seq, seg, &self.plan);
+        };
+        let mut take = |x: &Act, pos: usize| {
+            mtp.take_rows(model, be, &model.final_norm_rows(be, x)?, pos, context)
+        };
+        split::prefill_rows(model, be, &mut self.seq, seg, &self.plan, Some(&mut take))
+    }
+
+    /// Feed one token sent before (a redo's); `context` is every token up to it.
+    fn feed(&mut self, tok: u32, context: &[u32]) -> Result<Vec<f32>> {
+        let (model, be) = (&self.model, &*self.backend);
+        let Some(mtp) = &mut self.mtp else {
+            return self.seq.forward(model, be, &[tok], Logits::Last, None);
+        };
+        let pos = self.seq.state.pos;
+        let (hidden, logits) = self.seq.forward_rows(model, be, &[tok])?;
+        mtp.take_rows(model, be, &hidden, pos, context)?;
+        Ok(logits)
     }
 
     /// `--debug-panic-on`: panic, with the state just updated by a prefill, when the prompt

@@ -41,7 +41,7 @@ use conversation::Conversation;
 use cross_site::Cors;
 use engine::Engine;
 use engine_core::backend::KvType;
-use engine_core::draft::DraftKind;
+use engine_core::draft::{DraftKind, MtpDrafts};
 use engine_core::host::plan::Speeds;
 use engine_core::host::Sequence;
 use helpers::Helpers;
@@ -130,11 +130,6 @@ pub fn run(a: Args) -> Result<()> {
     terminal::init_logging(&a.log)?;
     a.engine.start(true)?;
     a.draft.drafts().validate()?;
-    if a.draft.draft == DraftKind::Mtp {
-        // A turn prefills from the conversation cache, which keeps no final rows for the
-        // head's cache to start from.
-        bail!("--draft mtp is for run and bench so far; serve drafts with --draft ngram");
-    }
     if a.engine.page_size == Some(0) || a.ubatch == 0 {
         bail!("--page-size and --ubatch must be at least 1");
     }
@@ -281,8 +276,14 @@ pub fn run(a: Args) -> Result<()> {
         next_id: AtomicU64::new(0),
         hub: hub.clone(),
     });
+    let drafts = a.draft.drafts();
+    let mtp = match drafts.kind {
+        DraftKind::Mtp => Some(MtpDrafts::new(&l.model, &seq.state, drafts.max)?),
+        _ => None,
+    };
     let engine = Engine {
         conversation: Conversation::new(&*backend, &seq.state, a.checkpoints),
+        mtp,
         backend,
         tokenizer: l.tokenizer,
         model: l.model,
@@ -292,7 +293,7 @@ pub fn run(a: Args) -> Result<()> {
         plan: split,
         segment,
         stop_ids,
-        drafts: a.draft.drafts(),
+        drafts,
         metrics,
         timeout_s: a.timeout,
         helpers,
