@@ -17,9 +17,20 @@ fn values(n: usize, seed: u32) -> Vec<f32> {
         .collect()
 }
 
+/// One decode row at the end of a 4096-key page of Qwen3.5-0.8B's attention layers (8 query
+/// heads over 2 KV heads of 256), for every KV type.
 fn decode(c: &mut Criterion) {
-    let mut group = c.benchmark_group("cpu_decode_attention");
-    // Qwen3.5-0.8B's attention layers: 8 query heads over 2 KV heads of 256.
+    rows_at_the_end(c, "cpu_decode_attention", 1);
+}
+
+/// A speculative verify pass of 1 + 4 rows (consecutive positions) at the end of the same
+/// page: each row is computed as its decode step computes it.
+fn verify(c: &mut Criterion) {
+    rows_at_the_end(c, "cpu_verify_attention", 5);
+}
+
+fn rows_at_the_end(c: &mut Criterion, name: &str, rows: usize) {
+    let mut group = c.benchmark_group(name);
     let shape = AttnShape {
         q_heads: 8,
         kv_heads: 2,
@@ -27,33 +38,6 @@ fn decode(c: &mut Criterion) {
     };
     let row = shape.kv_heads * shape.head_dim;
     let len = 4096;
-    for ty in KvType::ALL {
-        let page = KvPage {
-            start: 0,
-            len,
-            k: PageRows::host(ty, values(len * row, 1)),
-            v: PageRows::host(ty, values(len * row, 2)),
-        };
-        let q = values(shape.q_heads * shape.head_dim, 3);
-        group.throughput(Throughput::Bytes((len * ty.row_bytes(row) * 2) as u64));
-        group.bench_function(BenchmarkId::new(ty.name(), len), |b| {
-            b.iter(|| attend_page(shape, &q, &[len - 1], &page))
-        });
-    }
-    group.finish();
-}
-
-/// A speculative verify pass of 1 + 4 rows (consecutive positions) at the end of the same
-/// page: each row is computed as its decode step computes it.
-fn verify(c: &mut Criterion) {
-    let mut group = c.benchmark_group("cpu_verify_attention");
-    let shape = AttnShape {
-        q_heads: 8,
-        kv_heads: 2,
-        head_dim: 256,
-    };
-    let row = shape.kv_heads * shape.head_dim;
-    let (len, rows) = (4096, 5);
     for ty in KvType::ALL {
         let page = KvPage {
             start: 0,
