@@ -1,9 +1,11 @@
 //! Shared helpers of the cross-crate tests: where the fixtures are and how to read them, how
-//! to tether a state to a helper, seeded random values.
+//! to tether a state to a helper, seeded random values, the GPU backend.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
+use std::sync::OnceLock;
 
+use engine_core::backend::gpu::{GpuBackend, GpuOptions};
 use engine_core::host::remote::{HelperClient, DEFAULT_MAX_FRAME};
 use engine_core::host::Sequence;
 use engine_core::link::Link;
@@ -21,6 +23,17 @@ pub fn fixtures_dir() -> PathBuf {
         return beside;
     }
     PathBuf::from("/work/shared/fixtures")
+}
+
+/// The GPU backend the tests share (lavapipe in CI). With no adapter at all the tests that use
+/// it fail, saying what to install.
+pub fn gpu() -> &'static GpuBackend {
+    static GPU: OnceLock<GpuBackend> = OnceLock::new();
+    GPU.get_or_init(|| {
+        GpuBackend::new(&GpuOptions::default()).unwrap_or_else(|e| {
+            panic!("{e}\nThe GPU tests need a Vulkan adapter: apt-get install mesa-vulkan-drivers")
+        })
+    })
 }
 
 /// The tensors of a reference (or `tether eval`) file: f32 tensors and i64 token ids.

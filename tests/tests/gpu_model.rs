@@ -2,9 +2,8 @@
 //! and its greedy ids; a split run with a GPU host and a CPU helper, and the reverse, gives the
 //! tokens of the host alone; with the GPU on both sides, the host alone's logits bit for bit;
 //! a decode step reads back only the logits; the storage ops under KV pages and checkpoints
-//! agree with the CPU backend.
-
-use std::sync::OnceLock;
+//! agree with the CPU backend; attention over fewer than `STEP_ROWS` query rows gives each
+//! its decode step's bits.
 
 use engine_core::backend::gpu::{GpuBackend, GpuOptions};
 use engine_core::backend::{Act, AttnShape, CacheTypes, KvType};
@@ -13,16 +12,7 @@ use engine_core::host::split::{prefill, SplitPlan};
 use engine_core::host::Sequence;
 use engine_core::kv::PagedKv;
 use engine_core::{Backend, CpuBackend, LayerKind, Logits, Model};
-use tests::{attach, fixtures_dir, max_abs_diff, spawn_helper, Reference};
-
-fn gpu() -> &'static GpuBackend {
-    static GPU: OnceLock<GpuBackend> = OnceLock::new();
-    GPU.get_or_init(|| {
-        GpuBackend::new(&GpuOptions::default()).unwrap_or_else(|e| {
-            panic!("{e}\nThe GPU tests need a Vulkan adapter: apt-get install mesa-vulkan-drivers")
-        })
-    })
-}
+use tests::{attach, fixtures_dir, gpu, max_abs_diff, spawn_helper, Reference};
 
 /// Prefill logits of every row, then `n` greedy steps: (all prefill logits, ids, step logits).
 fn run(m: &Model, be: &dyn Backend, prompt: &[u32], n: usize) -> (Vec<f32>, Vec<u32>, Vec<f32>) {
@@ -334,6 +324,59 @@ fn compact_pages_on_the_gpu_hold_the_cpus_bytes_and_attend_alike() {
         );
         assert_eq!(refill(gpu()), cpu_rows, "{types}: a refilled page");
     }
+}
+
+/// Fewer than `STEP_ROWS` query rows (a verify pass) get, row by row, the attention of their
+/// decode steps bit for bit, at every KV type the GPU holds: in pages of 72, the rows before
+/// position 64 see one 64-key range of a page that holds two for the later rows (a decode
+/// step there has the one range), and the last row alone sees the second page.
+#[test]
+fn gpu_attention_rows_below_step_rows_are_their_decode_steps() {
+    use engine_core::backend::STEP_ROWS;
+    let shape = AttnShape {
+        q_heads: 4,
+        kv_heads: 2,
+        head_dim: 64,
+    };
+    let (row, page) = (shape.kv_heads * shape.head_dim, 72);
+    let positions: Vec<usize> = (58..58 + STEP_ROWS - 1).collect();
+    let len = positions[positions.len() - 1] + 1;
+    let mut rng = tests::Rng(36);
+    let (k, v) = (rng.normal_vec(len * row), rng.normal_vec(len * row));
+    let width = shape.q_heads * shape.head_dim;
+    let q = rng.normal_vec(positions.len() * width);
+    let be = gpu();
+    let attend = |kv: &PagedKv, q: &[f32], positions: &[usize]| {
+        let pages: Vec<_> = kv.pages().iter().collect();
+        let parts = be.attend_pages(shape, &be.upload(q.to_vec()), positions, &pages);
+        let rows = positions.len() * shape.q_heads;
+        bits(&be.download(&be.merge_partials(rows, shape.head_dim, parts)))
+    };
+    for types in [
+        CacheTypes::F32,
+        f16_pages(),
+        CacheTypes {
+            k: KvType::Q8_0,
+            v: KvType::Q4_0,
+        },
+    ] {
+        let mut kv = PagedKv::new(page, shape.kv_heads, shape.head_dim, types);
+        kv.append(be, &be.upload(k.clone()), &be.upload(v.clone()));
+        let pass = attend(&kv, &q, &positions);
+        // Each row as its decode step, the last first: the cache then ends at its position.
+        for (i, &p) in positions.iter().enumerate().rev() {
+            kv.truncate(p + 1).unwrap();
+            let step = attend(&kv, &q[i * width..][..width], &[p]);
+            assert!(
+                pass[i * width..][..width] == step[..],
+                "{types}: row {i} (position {p}) differs from its decode step"
+            );
+        }
+    }
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
 }
 
 /// The GPU's compact kernels read q8_0 and q4_0 rows a pair of blocks (64 values) at a time:

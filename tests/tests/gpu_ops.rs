@@ -15,7 +15,7 @@ use std::task::{Context, Poll, Waker};
 use engine_core::backend::cpu::{self, attention::attend_page as cpu_attend};
 use engine_core::backend::gpu::ops::{self, GpuDeltaInputs, GpuKvPage, GpuPartials, MatmulKernel};
 use engine_core::backend::gpu::{Gpu, GpuBackend, GpuMatrix, GpuOptions, GpuTensor, WeightFormat};
-use engine_core::backend::{Act, AttnShape, Backend, DeltaInputs, DeltaShape};
+use engine_core::backend::{Act, AttnShape, Backend, DeltaInputs, DeltaShape, STEP_ROWS};
 use engine_core::backend::{KvPage, Merger, PageRows, Partials};
 use engine_core::tensor::{DType, Data, Matrix};
 use tests::Rng;
@@ -216,6 +216,43 @@ fn quantised_weights_match_the_cpu_in_both_kernels_and_the_gather() {
     let q41 = matrix(2, 32, &rng.vec(64), DType::Q4_1);
     for format in [WeightFormat::F32, WeightFormat::Q4_0, WeightFormat::Q8_0] {
         assert!(g.upload_matrix(&q41, format).is_err());
+    }
+}
+
+/// Below `STEP_ROWS` rows of x, `matmul` gives every row, bit for bit, its product alone (a
+/// decode step's), for every weight format the device holds: what a speculative verify pass
+/// needs (`Backend::rows_are_steps`). Float rows have a tail past whole groups of 8 columns;
+/// quantised rows are three k-quant super-blocks (more than one pass of matvec's threads).
+#[test]
+fn matmul_gives_each_row_below_step_rows_its_product_alone() {
+    let g = gpu();
+    let mut rng = Rng(36);
+    let floats = weight_cases().into_iter().map(|(d, f, _)| (d, f, 1100));
+    let quantised = [
+        (DType::Q8_0, WeightFormat::Q8_0),
+        (DType::Q4_0, WeightFormat::Q4_0),
+        (DType::Q5_0, WeightFormat::Q5_0),
+        (DType::Q4K, WeightFormat::Q4K),
+        (DType::Q5K, WeightFormat::Q5K),
+        (DType::Q6K, WeightFormat::Q6K),
+    ];
+    let rows = 5;
+    for (dtype, format, cols) in floats.chain(quantised.map(|(d, f)| (d, f, 768))) {
+        let w = matrix(rows, cols, &rng.vec(rows * cols), dtype);
+        let wg = g.upload_matrix(&w, format).unwrap();
+        let x = rng.vec((STEP_ROWS - 1) * cols);
+        let product = |x: &[f32]| bits(&down(&ops::matmul(g, &g.upload_f32(x), &wg)));
+        let alone: Vec<Vec<u32>> = x.chunks(cols).map(product).collect();
+        for t in 2..STEP_ROWS {
+            let pass = product(&x[..t * cols]);
+            for (i, want) in alone[..t].iter().enumerate() {
+                assert!(
+                    &pass[i * rows..][..rows] == want,
+                    "{dtype:?} as {}: row {i} of {t} differs from its product alone",
+                    format.name()
+                );
+            }
+        }
     }
 }
 

@@ -1,18 +1,18 @@
 //! Speculative decoding (issue 36): a verify pass of a few rows gives each row, bit for bit,
 //! the logits of its own decode step, so a drafted generation keeps exactly the plain run's
 //! tokens, and a refused draft leaves the sequence as plain decoding would, on the host alone
-//! and with pages on a helper.
+//! and with pages on a helper; on the GPU backend (lavapipe in CI) as on the CPU.
 
 use std::path::PathBuf;
 
-use engine_core::backend::{CacheTypes, KvType};
+use engine_core::backend::{CacheTypes, KvType, STEP_ROWS};
 use engine_core::draft::{DraftKind, Drafter, Drafts, Replay};
 use engine_core::generate::{DraftStats, Generation, Sampler, SamplingParams};
 use engine_core::host::split::SplitPlan;
 use engine_core::host::Sequence;
 use engine_core::source::{load_model, LoadOptions};
-use engine_core::{CpuBackend, Logits, Model};
-use tests::{attach, spawn_helper};
+use engine_core::{Backend, CpuBackend, Logits, Model};
+use tests::{attach, gpu, spawn_helper};
 
 const PAGE: usize = 16;
 
@@ -56,11 +56,45 @@ fn a_verify_pass_gives_each_row_its_decode_step_logits() {
         ("q4_0", gguf("tiny_fp32.q4_0.gguf")),
         ("q4_k_m", gguf("tiny256.q4_k_m.gguf")),
     ];
-    let be = &CpuBackend;
     let prompt: Vec<u32> = (0..45).map(|i| (i * 37 + 11) % 200).collect();
-    let rows = [5u32, 17, 99, 3, 3, 42];
+    let compact =
+        verify_rows_are_steps(&CpuBackend, &models, PAGE, &prompt, &[5, 17, 99, 3, 3, 42]);
+    assert!(compact >= 4, "compact KV was checked on {compact} models");
+}
+
+/// The same on the GPU, for the weights it holds (f32, bf16 as f16, Q8_0, Q4_0, Q4_K_M's
+/// k-quants) and its KV types, with the largest pass (`STEP_ROWS - 1` rows), in pages of 72:
+/// rows before position 64 see one of the attention kernel's 64-key ranges of a page that
+/// holds two for later rows, and the pass's last row opens a page the others cannot see.
+#[test]
+fn a_gpu_verify_pass_gives_each_row_its_decode_step_logits() {
+    let models = [
+        ("tiny256 f32", preset("tiny256", "f32", None)),
+        ("tiny256 bf16", preset("tiny256", "bf16", None)),
+        ("q8_0", gguf("tiny_fp32.q8_0.gguf")),
+        ("q4_0", gguf("tiny_fp32.q4_0.gguf")),
+        ("q4_k_m", gguf("tiny256.q4_k_m.gguf")),
+    ];
+    let prompt: Vec<u32> = (0..58).map(|i| (i * 37 + 11) % 200).collect();
+    let rows: Vec<u32> = (0..STEP_ROWS as u32 - 1)
+        .map(|i| (i * 53 + 5) % 200)
+        .collect();
+    let compact = verify_rows_are_steps(gpu(), &models, 72, &prompt, &rows);
+    assert!(compact >= 4, "compact KV was checked on {compact} models");
+}
+
+/// Every row of a pass over `rows` after `prompt`, in pages of `page`, gets the logits of
+/// feeding the rows one at a time, bit for bit, for each model at exact and compact KV (where
+/// `be` holds it); returns how many compact cases ran.
+fn verify_rows_are_steps(
+    be: &dyn Backend,
+    models: &[(&str, Model)],
+    page: usize,
+    prompt: &[u32],
+    rows: &[u32],
+) -> usize {
     let mut compact = 0;
-    for (name, m) in &models {
+    for (name, m) in models {
         let all_types = [
             CacheTypes::F32,
             types(KvType::F16, KvType::F16),
@@ -68,14 +102,14 @@ fn a_verify_pass_gives_each_row_its_decode_step_logits() {
         ];
         for types in all_types {
             // Compact blocks need whole blocks of a head: the tiny_fp32 shape's 16 are not.
-            let Ok(mut a) = Sequence::typed(&m.config, PAGE, types, be) else {
+            let Ok(mut a) = Sequence::typed(&m.config, page, types, be) else {
                 continue;
             };
             compact += usize::from(types != CacheTypes::F32);
-            let mut b = Sequence::typed(&m.config, PAGE, types, be).unwrap();
-            a.forward(m, be, &prompt, Logits::None, None).unwrap();
-            b.forward(m, be, &prompt, Logits::None, None).unwrap();
-            let all = a.forward(m, be, &rows, Logits::All, None).unwrap();
+            let mut b = Sequence::typed(&m.config, page, types, be).unwrap();
+            a.forward(m, be, prompt, Logits::None, None).unwrap();
+            b.forward(m, be, prompt, Logits::None, None).unwrap();
+            let all = a.forward(m, be, rows, Logits::All, None).unwrap();
             let vocab = m.config.vocab_size;
             for (i, &t) in rows.iter().enumerate() {
                 let one = b.forward(m, be, &[t], Logits::Last, None).unwrap();
@@ -86,21 +120,20 @@ fn a_verify_pass_gives_each_row_its_decode_step_logits() {
             }
         }
     }
-    assert!(compact >= 4, "compact KV was checked on {compact} models");
+    compact
 }
 
 /// `n` tokens drawn by `sampler` after `prompt` (with `drafter`, if any), the sequence's
 /// logits for feeding the last of them (the state the run left, compared bit for bit), and
 /// what the drafts did.
 fn generate(
-    m: &Model,
+    (m, be): (&Model, &dyn Backend),
     mut seq: Sequence,
     prompt: &[u32],
     n: usize,
     how: (SamplingParams, Option<Box<dyn Drafter + Send>>),
 ) -> (Vec<u32>, Vec<f32>, DraftStats) {
-    let be = &CpuBackend;
-    let (tokens, stats) = draw(m, &mut seq, prompt, n, how);
+    let (tokens, stats) = draw((m, be), &mut seq, prompt, n, how);
     let last = *tokens.last().unwrap();
     let next = seq.forward(m, be, &[last], Logits::Last, None).unwrap();
     assert_eq!(
@@ -113,24 +146,23 @@ fn generate(
 
 /// `n` tokens drawn after `prompt` into `seq`, and what the drafts did.
 fn draw(
-    m: &Model,
+    (m, be): (&Model, &dyn Backend),
     seq: &mut Sequence,
     prompt: &[u32],
     n: usize,
     (sampler, drafter): (SamplingParams, Option<Box<dyn Drafter + Send>>),
 ) -> (Vec<u32>, DraftStats) {
     let mut sampler = Sampler::new(sampler).unwrap();
-    let mut g =
-        Generation::new(m, &CpuBackend, seq, &mut sampler, Vec::new()).with_drafter(drafter);
+    let mut g = Generation::new(m, be, seq, &mut sampler, Vec::new()).with_drafter(drafter);
     g.limit(n);
     g.prefill(prompt, &SplitPlan::default()).unwrap();
     let tokens = (0..n).map(|_| g.next_token().unwrap().unwrap()).collect();
     (tokens, g.stats)
 }
 
-fn fresh(m: &Model) -> Sequence {
+fn fresh(m: &Model, be: &dyn Backend) -> Sequence {
     let f16 = types(KvType::F16, KvType::F16);
-    Sequence::typed(&m.config, PAGE, f16, &CpuBackend).unwrap()
+    Sequence::typed(&m.config, PAGE, f16, be).unwrap()
 }
 
 /// A prompt that repeats: the n-gram drafter proposes its continuation from the repeats.
@@ -144,14 +176,16 @@ fn ngram_drafts_keep_the_plain_tokens() {
     let m = preset("tiny256", "bf16", None);
     let prompt = repeating_prompt();
     let greedy = SamplingParams::greedy();
-    let (want, want_next, _) = generate(&m, fresh(&m), &prompt, 80, (greedy.clone(), None));
+    let be = &CpuBackend;
+    let (want, want_next, _) =
+        generate((&m, be), fresh(&m, be), &prompt, 80, (greedy.clone(), None));
     let ngram = Drafts {
         kind: DraftKind::Ngram,
         max: 6,
         min: 1,
     };
     let drafter = ngram.drafter().unwrap();
-    let (got, got_next, stats) = generate(&m, fresh(&m), &prompt, 80, (greedy, drafter));
+    let (got, got_next, stats) = generate((&m, be), fresh(&m, be), &prompt, 80, (greedy, drafter));
     assert_eq!(got, want);
     assert!(
         bits(&got_next) == bits(&want_next),
@@ -166,11 +200,24 @@ fn ngram_drafts_keep_the_plain_tokens() {
 /// pages on a helper (a rewind then cuts pages the helper holds).
 #[test]
 fn a_refused_draft_rolls_back_to_the_plain_state() {
+    refused_drafts_keep_the_plain_run(&CpuBackend, 70, &[false, true]);
+}
+
+/// The same on the GPU (its host alone), over 64 tokens.
+#[test]
+fn a_refused_draft_on_the_gpu_rolls_back_to_the_plain_state() {
+    refused_drafts_keep_the_plain_run(gpu(), 64, &[false]);
+}
+
+/// Greedy runs of `n` tokens on `be` with the plain run's own tokens as drafts of 4, all kept
+/// or refused at each index: each keeps the plain run's tokens and final state, on the host
+/// alone and, for each `true` of `helpers`, with the older pages on a helper (on `be` too).
+fn refused_drafts_keep_the_plain_run(be: &dyn Backend, n: usize, helpers: &[bool]) {
     let m = preset("tiny256", "bf16", None);
     let prompt: Vec<u32> = (0..40).map(|i| (i * 37 + 11) % 250).collect();
     let greedy = SamplingParams::greedy();
-    let n = 70;
-    let (want, want_next, _) = generate(&m, fresh(&m), &prompt, n, (greedy.clone(), None));
+    let (want, want_next, _) =
+        generate((&m, be), fresh(&m, be), &prompt, n, (greedy.clone(), None));
     let replay = |wrong_at| -> Option<Box<dyn Drafter + Send>> {
         Some(Box::new(Replay {
             prompt: prompt.len(),
@@ -179,18 +226,24 @@ fn a_refused_draft_rolls_back_to_the_plain_state() {
             wrong_at,
         }))
     };
-    for helper in [false, true] {
+    for &helper in helpers {
         for wrong_at in [None, Some(0), Some(1), Some(2), Some(3)] {
             let (got, next, stats) = std::thread::scope(|scope| {
-                let mut seq = fresh(&m);
+                let mut seq = fresh(&m, be);
                 if helper {
-                    let link = spawn_helper(scope, &m, &CpuBackend);
+                    let link = spawn_helper(scope, &m, be);
                     let layers = m.config.num_hidden_layers;
                     attach(&m, &mut seq, link, layers, PAGE, Some(2 * PAGE));
                 }
-                generate(&m, seq, &prompt, n, (greedy.clone(), replay(wrong_at)))
+                generate(
+                    (&m, be),
+                    seq,
+                    &prompt,
+                    n,
+                    (greedy.clone(), replay(wrong_at)),
+                )
             });
-            let case = format!("helper {helper}, wrong at {wrong_at:?}");
+            let case = format!("{}, helper {helper}, wrong at {wrong_at:?}", be.name());
             assert_eq!(got, want, "{case}");
             assert!(bits(&next) == bits(&want_next), "{case}: the state differs");
             match wrong_at {
@@ -268,7 +321,13 @@ fn sampled_drafts_keep_the_distribution() {
             wrong_at: None,
         });
         let mut seq = Sequence::new(&m.config, PAGE);
-        let (got, stats) = draw(&m, &mut seq, &prompt, 3, (params(seed), Some(drafter)));
+        let (got, stats) = draw(
+            (&m, be),
+            &mut seq,
+            &prompt,
+            3,
+            (params(seed), Some(drafter)),
+        );
         kept += stats.accepted;
         *seen.entry([got[0], got[1], got[2]]).or_insert(0usize) += 1;
     }

@@ -227,8 +227,8 @@ pub trait Backend: Send + Sync {
 
     /// Whether fewer than [`STEP_ROWS`] rows of a pass get, bit for bit, what each gets as its
     /// own decode step: what speculative decoding needs to keep plain decoding's tokens. The
-    /// CPU's kernels do; the GPU's matrix and attention kernels change form with the row
-    /// count (issue 36), so drafts are refused there.
+    /// CPU's and the GPU's kernels do (issue 36); a backend that has not shown it is refused
+    /// drafts.
     fn rows_are_steps(&self) -> bool {
         false
     }

@@ -1,7 +1,10 @@
 // Exact merge of attention partials, in the order given (kv.rs's Merger, in f32):
 // M = max m_i; o = sum o_i l_i e^(m_i - M) / sum l_i e^(m_i - M); l = sum l_i e^(m_i - M).
 // Inputs are `parts` stacked partials: o [parts, rows, dim], m and l [parts, rows]. A part
-// with l = 0 saw no key and is skipped; a row no part saw gets m = -inf, l = 0, o = 0.
+// with l = 0 saw no key and is skipped; a row no part saw gets m = -inf, l = 0, o = 0. A row
+// only one part saw keeps that part as it is (the formula's o l / l would round o): a decode
+// step's row may have one part where the same row in a pass over more rows has that part and
+// empty ones (key ranges and pages past its position), and both must give the same bits.
 // One thread per (row, dim).
 
 struct Params {
@@ -26,13 +29,25 @@ fn attn_merge(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgr
     }
     let row = id / p.dim;
     var mx = 0.0;
-    var seen = false;
+    var seen = 0u;
+    var last = 0u;
     for (var i = 0u; i < p.parts; i++) {
         let j = i * p.rows + row;
-        if l_in[j] > 0.0 && (!seen || m_in[j] > mx) {
-            mx = m_in[j];
-            seen = true;
+        if l_in[j] > 0.0 {
+            if seen == 0u || m_in[j] > mx {
+                mx = m_in[j];
+            }
+            seen++;
+            last = j;
         }
+    }
+    if seen == 1u {
+        o[id] = o_in[last * p.dim + id % p.dim];
+        if id % p.dim == 0u {
+            m[row] = mx;
+            l[row] = l_in[last];
+        }
+        return;
     }
     var sum = 0.0;
     var acc = 0.0;
@@ -45,7 +60,7 @@ fn attn_merge(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgr
         }
     }
     var neg_inf_bits = 0xff800000u;
-    if seen {
+    if seen > 0u {
         o[id] = acc / sum;
     } else {
         o[id] = 0.0;

@@ -15,7 +15,7 @@ use super::{Gpu, GpuError, GpuMatrix, GpuOptions, GpuTensor, WeightFormat};
 use crate::backend::{
     Act, ActPartials, AttnShape, Backend, DeltaInputs, DeltaShape, Param, Readback,
 };
-use crate::backend::{CacheTypes, KvPage, KvType, PageRows};
+use crate::backend::{CacheTypes, KvPage, KvType, PageRows, STEP_ROWS};
 use crate::tensor::{DType, Data, Matrix};
 
 pub struct GpuBackend {
@@ -199,6 +199,13 @@ impl Backend for GpuBackend {
         false
     }
 
+    /// Below `STEP_ROWS` rows every op computes each row as its decode step: `matvec` for the
+    /// matrices, the split attention kernel (whose empty key ranges `attn_merge` skips), the
+    /// recurrent delta rule; the rest work per row or per element.
+    fn rows_are_steps(&self) -> bool {
+        true
+    }
+
     /// The float types, and the quantised types weights.wgsl dequantises as it reads: Q8_0,
     /// Q4_0, Q5_0, Q4_K, Q5_K and Q6_K (not Q4_1, Q5_1, IQ4_NL, Q2_K, Q3_K or IQ4_XS yet).
     fn reads(&self, dtype: DType) -> bool {
@@ -358,8 +365,10 @@ impl Backend for GpuBackend {
                         v: v_type,
                     },
                 };
-                // The caller has scaled q.
-                let p = if q_pos.len() < ops::PREFILL_ROWS {
+                // The caller has scaled q. Below `STEP_ROWS` rows (decode steps, verify
+                // passes) the split form: a (row, head)'s partials depend on its own visible
+                // keys only, not on the other rows, as `rows_are_steps` needs.
+                let p = if q_pos.len() < STEP_ROWS {
                     ops::attend_page_split(
                         &self.gpu,
                         shape,

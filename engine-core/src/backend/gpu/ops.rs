@@ -10,14 +10,13 @@ use shaders::{kernel, Kernel, Spec, WeightFormat};
 
 use super::context::{grid, Bind, Gpu};
 use super::tensor::{GpuMatrix, GpuTensor};
-use crate::backend::{AttnShape, CacheTypes, DeltaInputs, DeltaShape, KvType};
+use crate::backend::{AttnShape, CacheTypes, DeltaInputs, DeltaShape, KvType, STEP_ROWS};
 
 /// Threads per workgroup of the element-wise and row kernels (their `WG` default).
 const WG: usize = 64;
 
-/// Up to this many rows of `x`, [`matmul`] streams the weights once (`matvec`, which takes
-/// this many rows of `x` per workgroup: its `MT`); from there the tiled kernel, which reuses
-/// each loaded weight for 16 rows, wins.
+/// Rows of `x` per `matvec` workgroup (its `MT`): each weight row is streamed once for this
+/// many rows of `x`.
 pub const MATVEC_MAX_T: usize = 4;
 
 /// Output tile of the `matmul` kernel.
@@ -77,17 +76,21 @@ pub fn embed(gpu: &Gpu, table: &GpuMatrix, ids: &GpuTensor) -> GpuTensor {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum MatmulKernel {
     /// One workgroup per weight row and group of up to [`MATVEC_MAX_T`] rows of x, each
-    /// weight read once for all of them (decode).
+    /// weight read once for all of them (decode steps and verify passes).
     Vector,
     /// 16 x 16 output tiles (prefill).
     Tiled,
 }
 
 /// `out[t, o] = sum_i x[t, i] * w[o, i]` (a Linear layer), the kernel picked by the number of
-/// rows of `x` (see [`MATVEC_MAX_T`]).
+/// rows of `x`. Below [`STEP_ROWS`] rows, `matvec`: it sums each row of `x` alone, in the same
+/// order whatever the other rows, so a speculative verify pass gives every row its decode
+/// step's products bit for bit ([`crate::Backend::rows_are_steps`]); the tiled kernel's sums
+/// follow its tiles. From there on (prefill) the tiled kernel, which reuses each loaded weight
+/// for 16 rows.
 pub fn matmul(gpu: &Gpu, x: &GpuTensor, w: &GpuMatrix) -> GpuTensor {
     let t = x.len() / w.cols;
-    let which = if t <= MATVEC_MAX_T {
+    let which = if t < STEP_ROWS {
         MatmulKernel::Vector
     } else {
         MatmulKernel::Tiled
@@ -598,8 +601,7 @@ impl GpuPartials {
     }
 }
 
-/// Query rows per `attn_prefill` workgroup (its `BQ`): fewer rows leave it mostly idle, and
-/// [`attend_page_split`] serves them better.
+/// Query rows per `attn_prefill` workgroup (its `BQ`).
 pub const PREFILL_ROWS: usize = 8;
 
 /// Keys per workgroup when few query rows (decode) attend a page: a page of 512 keys keeps
@@ -736,8 +738,10 @@ pub fn attend_page(
     attend(gpu, shape, q, q_pos, page, scale, None)
 }
 
-/// The same partials for few query rows (decode): the page's keys are cut into ranges of
-/// `split_len`, one workgroup each, then merged.
+/// The same partials for few query rows (decode steps, verify passes): the page's keys are
+/// cut into ranges of `split_len`, one workgroup each, then merged. A row's ranges past its
+/// visible keys are empty and the merge skips them, so its partials are those of its decode
+/// step, however many keys the page holds for later rows of the pass.
 pub fn attend_page_split(
     gpu: &Gpu,
     shape: AttnShape,
