@@ -203,10 +203,11 @@ fn a_refused_draft_rolls_back_to_the_plain_state() {
     refused_drafts_keep_the_plain_run(&CpuBackend, 70, &[false, true]);
 }
 
-/// The same on the GPU (its host alone), over 64 tokens.
+/// The same on the GPU over 64 tokens, host alone and with pages on a helper that attends
+/// them on the GPU too.
 #[test]
 fn a_refused_draft_on_the_gpu_rolls_back_to_the_plain_state() {
-    refused_drafts_keep_the_plain_run(gpu(), 64, &[false]);
+    refused_drafts_keep_the_plain_run(gpu(), 64, &[false, true]);
 }
 
 /// Greedy runs of `n` tokens on `be` with the plain run's own tokens as drafts of 4, all kept
