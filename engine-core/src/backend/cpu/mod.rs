@@ -46,8 +46,11 @@ const ELEMS_PER_TASK: usize = 4096;
 /// `f(i, chunk i)` for the chunks of `len` elements of `out`, in parallel: on the spinning
 /// [`team`] where it is free (decode's ops are short and many, and a hand-off to rayon's
 /// sleeping workers costs tens of microseconds), else on rayon's pool. A single chunk runs on
-/// the caller.
+/// the caller; an empty `out` runs nothing (as on the team), whichever path it takes.
 pub(super) fn spread<T: Send>(out: &mut [T], len: usize, f: impl Fn(usize, &mut [T]) + Sync) {
+    if out.is_empty() {
+        return;
+    }
     #[cfg(not(target_arch = "wasm32"))]
     if team::Team::global().chunks_mut(out, len, &f).is_some() {
         return;
@@ -435,6 +438,19 @@ impl Backend for CpuBackend {
 
 #[cfg(test)]
 mod tests {
+    /// An empty `out` calls nothing on either path: the team's, and rayon's, which a call
+    /// takes while the team is busy (here: from inside one of its jobs). A verify pass whose
+    /// rows see no key of a page spreads zero spans, and the fallback used to call `f` with an
+    /// empty chunk (CI caught it when test threads kept the team busy).
+    #[test]
+    fn an_empty_spread_calls_nothing_on_either_path() {
+        let mut outer = [0u8; 4];
+        super::spread(&mut outer, 1, |_, _| {
+            super::spread(&mut [] as &mut [u8], 1, |_, p| p[0] = 1);
+        });
+        super::spread(&mut [] as &mut [u8], 1, |_, p| p[0] = 1);
+    }
+
     /// `exp` against f64's over the range that matters (softmax scores, gates, SiLU
     /// arguments), within 2 ulp of the exact value; the clamped ends and NaN as documented.
     #[test]
