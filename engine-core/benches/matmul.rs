@@ -1,7 +1,7 @@
 //! Linear-layer throughput at the Qwen3.5-0.8B shapes, in rayon's global pool (all cores unless
 //! RAYON_NUM_THREADS says otherwise).
 //!
-//! Decode (one row of `x`) is bound by reading the weights, so it is reported in bytes of weights
+//! Decode (one row of `x`, or a verify pass's few) is bound by reading the weights, so it is reported in bytes of weights
 //! per second; prefill (512 rows) is compute bound, reported in elements per second where one
 //! element is one FLOP (read "Gelem/s" as GFLOP/s).
 
@@ -43,7 +43,7 @@ fn run(c: &mut Criterion, group: &str, t: usize, shapes: &[(usize, usize, DType)
             .map(|i| ((i % 97) as f32 - 48.0) / 64.0)
             .collect();
         let mut out = vec![0.0f32; t * rows];
-        g.throughput(if t == 1 {
+        g.throughput(if t <= 8 {
             Throughput::Bytes(w.nbytes() as u64)
         } else {
             Throughput::Elements((2 * t * rows * cols) as u64)
@@ -94,5 +94,23 @@ fn gemm(c: &mut Criterion) {
     );
 }
 
-criterion_group!(benches, gemv, gemm);
+/// A speculative verify pass's few rows (one step and its drafts): read in bytes of weights per
+/// second like decode, so that the rows beyond the first show what they add to one pass.
+fn verify(c: &mut Criterion) {
+    for t in [1, 2, 3, 4, 5, 9] {
+        run(
+            c,
+            "verify",
+            t,
+            &[
+                (3584, 1024, DType::Q4K),
+                (1024, 3584, DType::Q6K),
+                (3584, 1024, DType::Q8_0),
+                (3584, 1024, DType::F16),
+            ],
+        );
+    }
+}
+
+criterion_group!(benches, gemv, gemm, verify);
 criterion_main!(benches);

@@ -20,10 +20,33 @@ fn tether(args: &[&str]) -> std::process::Output {
     out
 }
 
-fn scratch(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("tether-cli-{}-{name}", std::process::id()));
+/// A test's own folder under the temporary directory, removed when the test ends (a 27B
+/// plan's GGUF and the quantised models are megabytes each, and every run used to leave them).
+struct Scratch(PathBuf);
+
+impl std::ops::Deref for Scratch {
+    type Target = Path;
+
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A new folder each call (tests run in parallel threads of one process, and two may ask for
+/// the same name: helpers' key folders).
+fn scratch(name: &str) -> Scratch {
+    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let pid = std::process::id();
+    let d = std::env::temp_dir().join(format!("tether-cli-{pid}-{n}-{name}"));
     std::fs::create_dir_all(&d).unwrap();
-    d
+    Scratch(d)
 }
 
 fn read_eval(path: &PathBuf) -> Reference {
@@ -743,19 +766,26 @@ fn plan_measures_the_helper_and_balances_the_split() {
 struct HelperProcess {
     child: std::process::Child,
     url: String,
+    /// Its config folder, removed after the helper is killed (fields drop in order).
+    _keys: Scratch,
 }
 
 impl HelperProcess {
     fn start(model: &str, extra: &[&str]) -> HelperProcess {
+        let keys = scratch("helper-keys");
         let (child, lines) = tests::spawn_announcing_lines(
             Command::new(env!("CARGO_BIN_EXE_tether-helper"))
                 .args(["--listen", "127.0.0.1:0", "--insecure", "--model", model])
                 .args(extra)
-                .env("TETHER_CONFIG_DIR", scratch("helper-keys")),
+                .env("TETHER_CONFIG_DIR", &*keys),
             1,
         );
         let url = lines[0].split_whitespace().last().unwrap().to_string();
-        HelperProcess { child, url }
+        HelperProcess {
+            child,
+            url,
+            _keys: keys,
+        }
     }
 }
 
