@@ -1,9 +1,9 @@
 //! Linear-layer throughput at the Qwen3.5-0.8B shapes, in rayon's global pool (all cores unless
 //! RAYON_NUM_THREADS says otherwise).
 //!
-//! Decode (one row of `x`, or a verify pass's few) is bound by reading the weights, so it is reported in bytes of weights
-//! per second; prefill (512 rows) is compute bound, reported in elements per second where one
-//! element is one FLOP (read "Gelem/s" as GFLOP/s).
+//! Decode (one row of `x`, or a verify pass's few) is bound by reading the weights, so it is
+//! reported in bytes of weights per second; prefill (512 rows) is compute bound, reported in
+//! elements per second where one element is one FLOP (read "Gelem/s" as GFLOP/s).
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use engine_core::backend::cpu::matmul::matmul;
