@@ -4,6 +4,7 @@
 #
 #   scripts/bench-vs-llama.sh [--types "f16 q8_0 q4_0 q4_k_m"] [--depths "0 4096"] [--runs 3]
 #                             [--threads 2] [--prompt 512] [--gen 64] [--avx2]
+#                             [--cache-types "f16 q8_0"]
 #   scripts/bench-vs-llama.sh --spec [--types "f16 q4_k_m"] [--runs 5] [--threads 2] [--gen 64]
 #                             [--text TEXT] [--draft-max 8] [--mtp] [--mtp-draft-max 2]
 #                             [--quiet SECONDS]
@@ -15,8 +16,10 @@
 #    the file llama.cpp's converter writes (tests/tests/cli.rs checks that byte for byte); the
 #    other types come from that f16 file through llama.cpp's own `llama-quantize`. Both engines
 #    read the same GGUF.
-# 3. For each type and depth, alternates `tether bench` and `llama-bench` --runs times and prints
-#    the medians and the ratios, with the machine's CPU flags and measured read bandwidth.
+# 3. For each type, depth and KV cache type (--cache-types, keys and values alike; f16 unless
+#    told), alternates `tether bench` and `llama-bench` (flash attention on, as llama.cpp needs
+#    for a quantised V cache) --runs times and prints the medians and the ratios, with the
+#    machine's CPU flags and measured read bandwidth.
 #
 # --avx2: both engines on AVX2 code paths only, so that an AVX-512 machine stands in for an
 # AVX2-only one (the code paths, not its memory system): llama.cpp built for AVX/AVX2/FMA/F16C/
@@ -47,6 +50,7 @@ types="f16 q8_0 q4_0 q4_k_m"
 depths="0 4096"
 runs=3
 threads=2
+cache_types=f16
 prompt=512
 gen=64
 avx2=
@@ -62,6 +66,7 @@ while [ $# -gt 0 ]; do
     case "$1" in
     --types) types="$2"; types_set=1; shift 2 ;;
     --depths) depths="$2"; shift 2 ;;
+    --cache-types) cache_types="$2"; shift 2 ;;
     --runs) runs="$2"; runs_set=1; shift 2 ;;
     --threads) threads="$2"; shift 2 ;;
     --prompt) prompt="$2"; shift 2 ;;
@@ -353,13 +358,17 @@ out=$dir/results.jsonl
 for t in $types; do
     f=$model/$t.gguf
     for depth in $depths; do
-        for r in $(seq "$runs"); do
-            j=$("$tether" bench --model "$f" --threads "$threads" --prompt-tokens "$prompt" \
-                --gen "$gen" --depth "$depth" --json)
-            echo "{\"engine\":\"tether\",\"type\":\"$t\",\"depth\":$depth,\"run\":$j}" >>"$out"
-            j=$("$bin/llama-bench" -m "$f" -t "$threads" -p "$prompt" -n "$gen" -d "$depth" \
-                -r 1 -o json 2>/dev/null | tr -d '\n')
-            echo "{\"engine\":\"llama\",\"type\":\"$t\",\"depth\":$depth,\"run\":$j}" >>"$out"
+        for ct in $cache_types; do
+            for r in $(seq "$runs"); do
+                j=$("$tether" bench --model "$f" --threads "$threads" --prompt-tokens "$prompt" \
+                    --gen "$gen" --depth "$depth" --cache-type-k "$ct" --cache-type-v "$ct" --json)
+                echo "{\"engine\":\"tether\",\"type\":\"$t\",\"kv\":\"$ct\",\"depth\":$depth,\"run\":$j}" >>"$out"
+                # Flash attention on: llama.cpp needs it for a quantised V cache, and it is
+                # the faster of its CPU attentions at depth; the same for every KV type.
+                j=$("$bin/llama-bench" -m "$f" -t "$threads" -p "$prompt" -n "$gen" -d "$depth" \
+                    -ctk "$ct" -ctv "$ct" -fa 1 -r 1 -o json 2>/dev/null | tr -d '\n')
+                echo "{\"engine\":\"llama\",\"type\":\"$t\",\"kv\":\"$ct\",\"depth\":$depth,\"run\":$j}" >>"$out"
+            done
         done
     done
 done
@@ -370,7 +379,7 @@ path, bw, threads, prompt, gen = sys.argv[1], float(sys.argv[2]), *sys.argv[3:]
 rows = {}
 for line in open(path):
     r = json.loads(line)
-    key = (r["type"], r["depth"])
+    key = (r["type"], r["kv"], r["depth"])
     d = rows.setdefault(key, {"tp": [], "td": [], "lp": [], "ld": [], "gb": [], "kv": []})
     if r["engine"] == "tether":
         run = r["run"]
@@ -387,10 +396,10 @@ for line in open(path):
             (d["lp"] if t["n_gen"] == 0 else d["ld"]).append(t["avg_ts"])
 med = statistics.median
 print(f"\n{threads} threads, pp{prompt} and tg{gen}, medians of {len(d['tp'])} alternated runs")
-print("| type | context | tether prefill | llama.cpp prefill | ratio | tether decode | llama.cpp decode | ratio | tether decode GB/s of weights (of %.1f) | of weights and KV |" % bw)
-print("|---|---|---|---|---|---|---|---|---|---|")
-for (t, depth), d in rows.items():
+print("| type | KV | context | tether prefill | llama.cpp prefill | ratio | tether decode | llama.cpp decode | ratio | tether decode GB/s of weights (of %.1f) | of weights and KV |" % bw)
+print("|---|---|---|---|---|---|---|---|---|---|---|")
+for (t, kv_type, depth), d in rows.items():
     tp, lp, td, ld = med(d["tp"]), med(d["lp"]), med(d["td"]), med(d["ld"])
     gb, kv = med(d["gb"]), med(d["kv"])
-    print(f"| {t} | {depth} | {tp:.1f} | {lp:.1f} | {tp/lp:.2f}x | {td:.2f} | {ld:.2f} | {td/ld:.2f}x | {gb:.1f} ({100*gb/bw:.0f}%) | {kv:.1f} ({100*kv/bw:.0f}%) |")
+    print(f"| {t} | {kv_type} | {depth} | {tp:.1f} | {lp:.1f} | {tp/lp:.2f}x | {td:.2f} | {ld:.2f} | {td/ld:.2f}x | {gb:.1f} ({100*gb/bw:.0f}%) | {kv:.1f} ({100*kv/bw:.0f}%) |")
 EOF
