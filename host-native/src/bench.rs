@@ -359,8 +359,12 @@ fn decode(
     Ok((tokens, t.elapsed().as_secs_f64()))
 }
 
-/// Milliseconds of a verify pass of `1 + k` rows (the median of 5, each rewound), for k =
-/// 0..=`most`, against k = 0 (one decode step), at the sequence's context.
+/// Milliseconds of a verify pass of `1 + k` rows (the median of [`VERIFY_ROUNDS`], each
+/// rewound), for k = 0..=`most`, against k = 0 (one decode step), at the sequence's context;
+/// then one copy of the recurrent states, the two ways of rolling a refused draft back:
+/// tether snapshots before a pass and replays the kept rows after a refusal (a pass of
+/// kept + 1 rows, the table's own rows), where keeping each row's states instead would copy
+/// them once per row of every pass.
 fn verify_cost(model: &Model, be: &dyn Backend, seq: &mut Sequence, most: usize) -> Result<()> {
     let most = most.min(MAX_DRAFT);
     let before = seq.state.checkpoint(be);
@@ -376,6 +380,7 @@ fn verify_cost(model: &Model, be: &dyn Backend, seq: &mut Sequence, most: usize)
     // VM) slows every size of a round alike, so each size is set against one step of its
     // own round and the medians over rounds are compared.
     let mut ms = vec![Vec::with_capacity(VERIFY_ROUNDS); passes.len()];
+    let mut copies = Vec::with_capacity(VERIFY_ROUNDS);
     for _ in 0..VERIFY_ROUNDS {
         for (rows, times) in passes.iter().zip(&mut ms) {
             let t = Instant::now();
@@ -383,6 +388,9 @@ fn verify_cost(model: &Model, be: &dyn Backend, seq: &mut Sequence, most: usize)
             times.push(t.elapsed().as_secs_f64() * 1e3);
             seq.rewind(be, &before)?;
         }
+        let t = Instant::now();
+        drop(seq.state.checkpoint(be));
+        copies.push(t.elapsed().as_secs_f64() * 1e3);
     }
     for (k, times) in ms.iter().enumerate() {
         let ratios = times.iter().zip(&ms[0]).map(|(t, one)| t / one).collect();
@@ -392,6 +400,13 @@ fn verify_cost(model: &Model, be: &dyn Backend, seq: &mut Sequence, most: usize)
             median(ratios)
         );
     }
+    let ratios = copies.iter().zip(&ms[0]).map(|(t, one)| t / one).collect();
+    println!(
+        "| a copy of the recurrent states ({:.1} MB) | {:.2} | {:.2} |",
+        seq.state.delta_bytes() as f64 / 1e6,
+        median(copies),
+        median(ratios)
+    );
     Ok(())
 }
 
