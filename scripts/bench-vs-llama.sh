@@ -247,6 +247,10 @@ if [ -n "$spec" ]; then
             sleep 1
         done
     }
+    lspec() { # llama.cpp's speculative loop on the current case's file $f
+        "$bin/llama-speculative-simple" -m "$f" -t "$threads" -tb "$threads" \
+            -c $((n + gen + 64)) -n "$gen" --temp 0 --top-k 1 -p "$text" "$@"
+    }
     for c in $cases; do
         f=$model/$c.gguf
         lids=$("$bin/llama-tokenize" -m "$f" -p "$text" --ids --log-disable 2>/dev/null | tail -n 1)
@@ -268,10 +272,6 @@ if [ -n "$spec" ]; then
                     "$tether" bench --model "$f" --threads "$threads" --prompt "$text" \
                         --prompt-tokens "$n" --gen "$gen" --json $args >"$so/$log.json"
                 else
-                    lspec() {
-                        "$bin/llama-speculative-simple" -m "$f" -t "$threads" -tb "$threads" \
-                            -c $((n + gen + 64)) -n "$gen" --temp 0 --top-k 1 -p "$text" "$@"
-                    }
                     if [ "$r" = 1 ] && [ "$mode" = draft-mtp ]; then
                         # Untimed, at debug verbosity: the drafter logs its candidates.
                         lspec $args -lv 5 >/dev/null 2>"$so/$log.drafts"

@@ -205,9 +205,9 @@ fn a_refused_draft_rolls_back_to_the_plain_state() {
 }
 
 /// The same on the GPU over 48 tokens, host alone and with pages on a helper that attends
-/// them on the GPU too, refusing all, the first or the third draft (the rollback itself is
-/// the backends' shared code, which the CPU test takes through every index; lavapipe runs
-/// each case for tens of seconds).
+/// them on the GPU too, keeping every draft or refusing from the first or the third (the
+/// rollback itself is the backends' shared code, which the CPU test takes through every
+/// index; lavapipe runs each case for tens of seconds).
 #[test]
 fn a_refused_draft_on_the_gpu_rolls_back_to_the_plain_state() {
     refused_drafts_keep_the_plain_run(gpu(), 48, &[false, true], &[None, Some(0), Some(2)]);
