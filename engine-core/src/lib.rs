@@ -4,6 +4,7 @@
 //! (file access and memory mapping are native-only).
 
 pub mod backend;
+pub mod batch;
 pub mod cache_types;
 pub mod config;
 pub mod convert;

@@ -7,6 +7,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Result};
 use engine_core::backend::KvType;
+use engine_core::batch::{Batch, Event, Request};
 use engine_core::draft::{Replay, MAX_DRAFT};
 use engine_core::generate::{Generation, Sampler, SamplingParams};
 use engine_core::host::minimum;
@@ -55,6 +56,12 @@ pub struct Args {
     /// them (every draft kept, --draft-max a step): the most drafting can buy.
     #[arg(long)]
     draft_ceiling: bool,
+    /// Instead of one sequence, decode N sequences together in one batch (as `tether serve
+    /// --parallel` steps them), for each N listed (e.g. 1,4,8,16): each prefills its own
+    /// --prompt-tokens (untimed), then --gen steps are timed in which every one decodes.
+    /// Prints the aggregate decode tok/s against N = 1.
+    #[arg(long, value_delimiter = ',')]
+    parallel: Vec<usize>,
 }
 
 /// Peak resident set size of this process (Linux's VmHWM), if the platform reports it.
@@ -101,6 +108,9 @@ pub fn run(a: Args) -> Result<()> {
     let (be, what) = a.engine.backend_for(&model)?;
     let be = &*be;
     eprintln!("backend: {what}");
+    if !a.parallel.is_empty() {
+        return parallel_decode(&a, &model, be);
+    }
     let v = model.config.vocab_size as u64;
     // A fixed pseudo-random token stream (an LCG), the same on every run.
     let mut x = 0x2545_f491_4f6c_dd1du64;
@@ -407,6 +417,80 @@ fn verify_cost(model: &Model, be: &dyn Backend, seq: &mut Sequence, most: usize)
         median(copies),
         median(ratios)
     );
+    Ok(())
+}
+
+/// `--parallel`: for each N, N sequences of different pseudo-random prompts prefilled in a
+/// batch (untimed), then `--gen` steps in which all N decode, timed: aggregate tok/s.
+fn parallel_decode(a: &Args, model: &Model, be: &dyn Backend) -> Result<()> {
+    if a.gen == 0 || a.parallel.contains(&0) {
+        bail!("--parallel needs --gen and sizes of at least 1");
+    }
+    if a.depth > 0 || a.draft.drafts().kind != engine_core::draft::DraftKind::None {
+        bail!("--parallel runs plain decode from a prompt: not with --depth or --draft");
+    }
+    let c = &model.config;
+    let types = a.engine.cache.types_or(KvType::F16);
+    let page = a.engine.page_size.unwrap_or(plan::STORAGE_PAGE);
+    let ubatch = a.ubatch.unwrap_or(plan::HOST_UBATCH);
+    let plan = SplitPlan {
+        ubatch,
+        ..SplitPlan::default()
+    };
+    println!(
+        "model {} ({} weights), {} threads, prompts of {} tokens, {} decode steps timed",
+        a.engine.model,
+        model.weight_dtype().map_or("none", |d| d.name()),
+        rayon::current_num_threads(),
+        a.prompt_tokens,
+        a.gen
+    );
+    println!("| sequences | decode tok/s (all) | per sequence | ms a step | x one sequence |");
+    println!("|---|---|---|---|---|");
+    let mut one = None;
+    for &n in &a.parallel {
+        let mut batch = Batch::new(model, be, plan.clone())?;
+        for id in 0..n as u64 {
+            let prompt = (0..a.prompt_tokens as u64)
+                .map(|j| ((id * 7919 + j * 104_729 + 13) % c.vocab_size as u64) as u32)
+                .collect();
+            batch.join(Request {
+                id,
+                seq: Sequence::typed(c, page, types, be)?,
+                prompt,
+                sampler: Sampler::new(SamplingParams::greedy())?,
+                stop: Vec::new(),
+                max_tokens: a.gen + 1,
+            })?;
+        }
+        // Until every sequence has drawn its first token, prefill chunks share the steps.
+        let mut started = 0;
+        while started < n {
+            let events = batch.step()?;
+            started += events
+                .iter()
+                .filter(|e| matches!(e, Event::Token { n: 1, .. }))
+                .count();
+        }
+        let t = Instant::now();
+        let mut tokens = 0;
+        for _ in 0..a.gen {
+            let events = batch.step()?;
+            tokens += events
+                .iter()
+                .filter(|e| matches!(e, Event::Token { .. }))
+                .count();
+        }
+        let s = t.elapsed().as_secs_f64();
+        let tok_s = tokens as f64 / s;
+        let base = *one.get_or_insert(tok_s / n as f64);
+        println!(
+            "| {n} | {tok_s:.2} | {:.2} | {:.1} | {:.2} |",
+            tok_s / n as f64,
+            s * 1e3 / a.gen as f64,
+            tok_s / base
+        );
+    }
     Ok(())
 }
 

@@ -1565,3 +1565,86 @@ fn drafts_change_no_answer_with(drafting: &[&str]) {
         complete(&plain, &again, false)
     );
 }
+
+/// `--parallel 4` (continuous batching): eight clients at once, greedy and seeded, one ending
+/// at a stop string, streamed and whole, get the answers each gets from a server that runs
+/// one request at a time; up to four run together (the telemetry's request and done events
+/// overlap); a client that leaves mid-stream is cancelled and the others go on.
+#[test]
+fn parallel_requests_get_the_answers_they_get_alone() {
+    let alone = Server::start("tiny", &[]);
+    let batched = Arc::new(Server::start("tiny", &["--parallel", "4"]));
+    let want: Vec<_> = (0..8).map(|i| parallel_ask(&alone, i)).collect();
+    let mut watched = watch(&batched);
+    assert_eq!(watched.next().unwrap()["type"], "hello");
+    // A long stream that leaves after a few pieces, beside the eight.
+    let long = json!({"model": "tiny", "prompt": "x", "max_tokens": 400, "stream": true});
+    let mut leaver = batched.stream("/v1/completions", &long);
+    assert!(leaver.next().is_some());
+    let clients: Vec<_> = (0..8)
+        .map(|i| {
+            let s = batched.clone();
+            std::thread::spawn(move || parallel_ask(&s, i))
+        })
+        .collect();
+    leaver.next().unwrap();
+    drop(leaver);
+    for (i, c) in clients.into_iter().enumerate() {
+        assert_eq!(c.join().unwrap(), want[i], "request {i}");
+    }
+    // Requests in flight, as the live page sees them: at most four at once, and more than one.
+    // The first `request` is the leaver's, which sends no `done` (docs/TELEMETRY.md).
+    let (mut running, mut most, mut done) = (-1i64, 0, 0);
+    while done < 8 {
+        let e = watched.next().unwrap();
+        match e["type"].as_str() {
+            Some("request") => running += 1,
+            Some("done") => (running, done) = (running - 1, done + 1),
+            _ => {}
+        }
+        most = most.max(running);
+    }
+    assert!((2..=4).contains(&most), "{most} requests ran at once");
+    assert_eq!(batched.metric("tether_requests_cancelled_total"), 1.0);
+    assert_eq!(batched.metric("tether_active_requests"), 0.0);
+    // Helpers and drafts need one request at a time, for now: refused at start.
+    let refused = Command::new(env!("CARGO_BIN_EXE_tether"))
+        .args(["serve", "--model", "tiny", "--port", "0", "--parallel", "2"])
+        .args(["--draft", "ngram"])
+        .output()
+        .unwrap();
+    assert!(!refused.status.success());
+    let err = String::from_utf8_lossy(&refused.stderr);
+    assert!(err.contains("--parallel 2"), "{err}");
+}
+
+/// Request `i` of eight different ones: greedy, seeded or ending at a stop string; every
+/// other one streamed.
+fn parallel_body(i: usize) -> Value {
+    let mut b = json!({"model": "tiny", "prompt": format!("request {i}: {}", "ab".repeat(3 * i)),
+                       "max_tokens": 16 + 2 * i});
+    let o = b.as_object_mut().unwrap();
+    if i % 2 == 1 {
+        o.insert("stream".into(), json!(true));
+        o.insert("stream_options".into(), json!({"include_usage": true}));
+    }
+    match i % 3 {
+        0 => o.insert("temperature".into(), json!(0)),
+        1 => o.insert("seed".into(), json!(7 + i)),
+        _ => o.insert("stop".into(), json!(["e"])),
+    };
+    b
+}
+
+/// Request `i`'s text and completion tokens from `s`.
+fn parallel_ask(s: &Server, i: usize) -> (String, Value) {
+    let b = parallel_body(i);
+    if b["stream"] == true {
+        let (text, _, usage) = collect_stream(s.stream("/v1/completions", &b), false);
+        return (text, usage["completion_tokens"].clone());
+    }
+    let (status, v) = s.post("/v1/completions", &b);
+    assert_eq!(status, 200, "{v}");
+    let text = v["choices"][0]["text"].as_str().unwrap().to_string();
+    (text, v["usage"]["completion_tokens"].clone())
+}

@@ -2,8 +2,7 @@
 //! q/k, per-head decay `g = -exp(A_log) softplus(a + dt_bias)` and write strength
 //! `beta = sigmoid(b)`, the gated delta rule, then a gated RMSNorm and the output projection.
 
-use super::state::DeltaState;
-use super::Loader;
+use super::{join_rows, span_rows, Loader, Span};
 use crate::backend::{Act, Backend, DeltaInputs, DeltaShape, Param, STEP_ROWS};
 use crate::config::{ModelConfig, WeightLayout};
 use crate::error::Result;
@@ -82,21 +81,38 @@ impl DeltaNet {
         ]
     }
 
+    /// The layer over every span's rows: the projections, norms and gates take all rows at
+    /// once; the conv and the delta rule run span by span on each sequence's state of layer
+    /// `layer` (a span of a few rows, such as a decode step, in the recurrent form row by row,
+    /// so each row's output is its decode step's).
     pub(super) fn forward(
         &self,
         be: &dyn Backend,
         c: &ModelConfig,
         x: &Act,
-        st: &mut DeltaState,
-    ) -> Act {
+        layer: usize,
+        spans: &mut [Span],
+    ) -> Result<Act> {
         let s = self.shape;
-        let t = x.len() / c.hidden_size;
         let (kd, vd, cd) = (c.linear_key_dim(), c.linear_value_dim(), c.conv_dim());
         let mut qkv = be.matmul(x, &self.in_proj_qkv);
         let z = be.matmul(x, &self.in_proj_z);
         let mut b = be.matmul(x, &self.in_proj_b);
         let mut a = be.matmul(x, &self.in_proj_a);
-        be.causal_conv_silu(&mut qkv, &mut st.conv, &self.conv, c.linear_conv_kernel_dim);
+        let (kern, whole) = (c.linear_conv_kernel_dim, spans.len() == 1);
+        let mut convolved = Vec::with_capacity(spans.len());
+        let mut r0 = 0;
+        for span in spans.iter_mut() {
+            let st = span.state.delta_mut(layer)?;
+            let mut part = match whole {
+                true => std::mem::replace(&mut qkv, Act::Host(Vec::new())),
+                false => span_rows(be, &qkv, cd, r0, span.rows),
+            };
+            be.causal_conv_silu(&mut part, &mut st.conv, &self.conv, kern);
+            convolved.push(part);
+            r0 += span.rows;
+        }
+        let qkv = join_rows(be, convolved);
         // The conv output's rows are [q | k | v].
         let mut q = be.copy_cols(&qkv, cd, 0, kd);
         let mut k = be.copy_cols(&qkv, cd, kd, kd);
@@ -105,21 +121,48 @@ impl DeltaNet {
         be.l2_norm(&mut k, s.dk, L2_EPS, 1.0);
         // a becomes the log decay g, b the write strength beta.
         be.delta_gates(&mut a, &mut b, &self.gates);
-        let inputs = DeltaInputs {
-            q: &q,
-            k: &k,
-            v: &v,
-            g: &a,
-            beta: &b,
-        };
-        // A few rows (a decode step, a speculative verify) take the recurrent form, row by row
-        // as decode does, so each row's output is its decode step's.
-        let mut o = if t < STEP_ROWS {
-            be.delta_rule_recurrent(s, inputs, &mut st.s)
-        } else {
-            be.delta_rule_chunked(s, inputs, &mut st.s)
-        };
+        let mut outputs = Vec::with_capacity(spans.len());
+        let mut r0 = 0;
+        for span in spans.iter_mut() {
+            let st = span.state.delta_mut(layer)?;
+            let part = |x: &Act, width| span_rows(be, x, width, r0, span.rows);
+            let own;
+            let inputs = match whole {
+                true => DeltaInputs {
+                    q: &q,
+                    k: &k,
+                    v: &v,
+                    g: &a,
+                    beta: &b,
+                },
+                false => {
+                    own = [
+                        part(&q, kd),
+                        part(&k, kd),
+                        part(&v, vd),
+                        part(&a, s.v_heads),
+                        part(&b, s.v_heads),
+                    ];
+                    DeltaInputs {
+                        q: &own[0],
+                        k: &own[1],
+                        v: &own[2],
+                        g: &own[3],
+                        beta: &own[4],
+                    }
+                }
+            };
+            // A few rows (a decode step, a speculative verify) take the recurrent form, row
+            // by row as decode does, so each row's output is its decode step's.
+            outputs.push(if span.rows < STEP_ROWS {
+                be.delta_rule_recurrent(s, inputs, &mut st.s)
+            } else {
+                be.delta_rule_chunked(s, inputs, &mut st.s)
+            });
+            r0 += span.rows;
+        }
+        let mut o = join_rows(be, outputs);
         be.gated_rms_norm(&mut o, &z, &self.norm, c.rms_norm_eps);
-        be.matmul(&o, &self.out_proj)
+        Ok(be.matmul(&o, &self.out_proj))
     }
 }

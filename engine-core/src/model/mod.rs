@@ -48,10 +48,52 @@ pub struct Pass {
     waiting: Option<Waiting>,
 }
 
-/// A full-attention layer whose helper partials are still to come.
+/// A full-attention layer whose helper partials are still to come: each span's attention.
 struct Waiting {
-    attention: PendingAttention,
+    attention: Vec<PendingAttention>,
     gate: Act,
+}
+
+/// One sequence's rows in a pass over several sequences ([`Model::advance_spans`]): `rows`
+/// consecutive rows of the pass at positions `pos ..`, the sequence's state, and where its
+/// pages that left this device are attended. The projections and the MLP take every span's
+/// rows in one product; the conv, the delta rule and attention run span by span, each on its
+/// own state, as they would for the sequence alone.
+pub struct Span<'a> {
+    pub rows: usize,
+    pub pos: usize,
+    pub state: &'a mut State,
+    pub source: &'a mut dyn PageSource,
+}
+
+impl Span<'_> {
+    /// Every span's positions, in row order: what RoPE rotates the pass's rows by.
+    fn positions(spans: &[Span]) -> Vec<usize> {
+        spans.iter().flat_map(|s| s.pos..s.pos + s.rows).collect()
+    }
+}
+
+/// Rows `r0 .. r0 + rows` of `x` (rows of `width` values), copied out: one span's share of
+/// a pass over several (a pass of one sequence takes its values whole).
+fn span_rows(be: &dyn Backend, x: &Act, width: usize, r0: usize, rows: usize) -> Act {
+    let mut part = be.alloc(rows * width);
+    be.write(&mut part, 0, x, r0 * width, rows * width);
+    part
+}
+
+/// The spans' outputs, one after another in row order.
+fn join_rows(be: &dyn Backend, mut parts: Vec<Act>) -> Act {
+    if parts.len() == 1 {
+        return parts.pop().expect("one part");
+    }
+    let total: usize = parts.iter().map(Act::len).sum();
+    let mut out = be.alloc(total);
+    let mut at = 0;
+    for p in &parts {
+        be.write(&mut out, at, p, 0, p.len());
+        at += p.len();
+    }
+    out
 }
 
 impl Pass {
@@ -471,25 +513,52 @@ impl Model {
         source: &mut dyn PageSource,
         pass: &mut Pass,
         pause: bool,
+        trace: Option<&mut Vec<Vec<f32>>>,
+    ) -> Result<()> {
+        let rows = pass.x.len() / self.config.hidden_size;
+        let pos = pass.pos;
+        let span = Span {
+            rows,
+            pos,
+            state,
+            source,
+        };
+        self.advance_spans(be, &mut [span], pass, pause, trace)
+    }
+
+    /// [`Self::advance`] for the rows of several sequences, `spans` in row order (`pass.pos`
+    /// unused: each span has its own). Each row's arithmetic is what it gets in a pass of its
+    /// own sequence where the backend's products are batch-invariant, as the CPU's and the
+    /// GPU's are for fewer than [`crate::backend::STEP_ROWS`] rows in all
+    /// ([`Backend::rows_are_steps`]): every op besides the products, the conv, the delta rule
+    /// and attention works row by row, and those three run span by span.
+    pub fn advance_spans(
+        &self,
+        be: &dyn Backend,
+        spans: &mut [Span],
+        pass: &mut Pass,
+        pause: bool,
         mut trace: Option<&mut Vec<Vec<f32>>>,
     ) -> Result<()> {
         let c = &self.config;
-        state.check_matches(c)?;
-        if pass.end > self.layers.len() || !pass.x.len().is_multiple_of(c.hidden_size) {
+        for s in spans.iter() {
+            s.state.check_matches(c)?;
+        }
+        let rows: usize = spans.iter().map(|s| s.rows).sum();
+        if pass.end > self.layers.len() || pass.x.len() != rows * c.hidden_size {
             return Err(Error::Invalid(format!(
-                "layers ..{} on {} values: the model has {} layers of width {}",
+                "layers ..{} on {} values as {rows} rows: the model has {} layers of width {}",
                 pass.end,
                 pass.x.len(),
                 self.layers.len(),
                 c.hidden_size
             )));
         }
-        let positions: Vec<usize> = (pass.pos..pass.pos + pass.x.len() / c.hidden_size).collect();
         if let Some(w) = pass.waiting.take() {
             let Mixer::Attention(a) = &self.layer(pass.next)?.mixer else {
                 unreachable!("a pass waits only at full-attention layers")
             };
-            let y = a.finish(be, w.attention.finish(be, source)?, &w.gate);
+            let y = a.finish(be, Attention::collect(be, w.attention, spans)?, &w.gate);
             self.close_layer(be, pass, &y, trace.as_deref_mut())?;
         }
         while pass.next < pass.end {
@@ -497,22 +566,16 @@ impl Model {
             let layer = self.layer(i)?;
             let mut normed = be.duplicate(&pass.x);
             be.rms_norm(&mut normed, &layer.norm_in, c.rms_norm_eps);
-            let y = match (&layer.mixer, &mut state.layers[i]) {
-                (Mixer::Attention(a), LayerState::Attention(kv)) => {
-                    let (attention, gate) = a.begin(be, &normed, &positions, (i, kv), source)?;
-                    if pause && attention.awaits_helper() {
+            let y = match &layer.mixer {
+                Mixer::Attention(a) => {
+                    let (attention, gate) = a.begin(be, &normed, i, spans)?;
+                    if pause && attention.iter().any(PendingAttention::awaits_helper) {
                         pass.waiting = Some(Waiting { attention, gate });
                         return Ok(());
                     }
-                    a.finish(be, attention.finish(be, source)?, &gate)
+                    a.finish(be, Attention::collect(be, attention, spans)?, &gate)
                 }
-                (Mixer::DeltaNet(d), LayerState::DeltaNet(st)) => d.forward(be, c, &normed, st),
-                (Mixer::DeltaNet(_), LayerState::Elsewhere) => {
-                    return Err(Error::Invalid(format!(
-                        "layer {i} does not run on this device: its sequence state holds none of it"
-                    )))
-                }
-                _ => unreachable!("State::check_matches verified the layer kinds"),
+                Mixer::DeltaNet(d) => d.forward(be, c, &normed, i, spans)?,
             };
             self.close_layer(be, pass, &y, trace.as_deref_mut())?;
         }

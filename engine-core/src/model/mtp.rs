@@ -90,7 +90,8 @@ impl Mtp {
         let mut normed = be.duplicate(&x);
         be.rms_norm(&mut normed, &self.layer.norm_in, eps);
         // The layer index names the cache to a page source; the head's pages never leave.
-        let (attention, gate) = a.begin(be, &normed, &positions, (0, kv), &mut NoPagesAway)?;
+        let (rows, gate) = a.project(be, &normed, &positions);
+        let attention = a.attend(be, &rows, &positions, (0, kv), &mut NoPagesAway)?;
         let y = a.finish(be, attention.finish(be, &mut NoPagesAway)?, &gate);
         be.add(&mut x, &y);
         self.layer.mlp_residual(be, &mut x, eps);

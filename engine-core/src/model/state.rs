@@ -195,6 +195,27 @@ impl State {
         Ok(())
     }
 
+    /// Full-attention layer `i`'s cache ([`State::check_matches`] has checked the kinds).
+    pub(crate) fn kv_mut(&mut self, i: usize) -> &mut PagedKv {
+        match &mut self.layers[i] {
+            LayerState::Attention(kv) => kv,
+            _ => unreachable!("State::check_matches verified the layer kinds"),
+        }
+    }
+
+    /// DeltaNet layer `i`'s state; an error where this device holds none of it.
+    pub(crate) fn delta_mut(&mut self, i: usize) -> Result<&mut DeltaState> {
+        match &mut self.layers[i] {
+            LayerState::DeltaNet(d) => Ok(d),
+            LayerState::Elsewhere => Err(Error::Invalid(format!(
+                "layer {i} does not run on this device: its sequence state holds none of it"
+            ))),
+            LayerState::Attention(_) => {
+                unreachable!("State::check_matches verified the layer kinds")
+            }
+        }
+    }
+
     pub(crate) fn check_matches(&self, c: &ModelConfig) -> Result<()> {
         let ok = self.layers.len() == c.layer_types.len()
             && self.layers.iter().zip(&c.layer_types).all(|(s, k)| {

@@ -66,7 +66,7 @@ pub struct Engine {
 
 /// How long the engine waits for a request before it looks for helpers that joined: the
 /// longest a joined helper stays unseen while the server is idle.
-const IDLE_LOOK: Duration = Duration::from_millis(250);
+pub(super) const IDLE_LOOK: Duration = Duration::from_millis(250);
 
 /// A request's decoding so far. It outlives a redo: when the helper is lost mid-request the
 /// host runs the request again alone and feeds these tokens instead of sampling them again,
@@ -80,14 +80,14 @@ struct Decoding {
 }
 
 /// How a job ended, short of an engine error.
-enum Outcome {
+pub(super) enum Outcome {
     Finished(Finish),
     /// The client went away.
     Cancelled,
     TimedOut,
 }
 
-fn interrupted(job: &Job) -> Option<Outcome> {
+pub(super) fn interrupted(job: &Job) -> Option<Outcome> {
     if job.cancel.load(Ordering::Relaxed) || job.events.is_closed() {
         Some(Outcome::Cancelled)
     } else if Instant::now() >= job.deadline {
@@ -111,10 +111,10 @@ impl Engine {
                 Next::Closed => break,
             };
             let t = Instant::now();
-            self.metrics.set_active(true);
+            self.metrics.set_active(1);
             let last = panic::catch_unwind(AssertUnwindSafe(|| self.serve(&job)))
                 .unwrap_or_else(|panic| Some(self.restart(&job, panic.as_ref())));
-            self.metrics.set_active(false);
+            self.metrics.set_active(0);
             self.metrics.job_done(
                 t.elapsed().as_secs_f64(),
                 self.kv_placement(),
@@ -161,11 +161,7 @@ impl Engine {
     /// After a panic nothing the sequence holds can be trusted: start a fresh one on the host
     /// alone (a helper reconnects before the next request); the job fails with a 500.
     fn restart(&mut self, job: &Job, panic: &(dyn Any + Send)) -> Event {
-        let why = panic
-            .downcast_ref::<&str>()
-            .copied()
-            .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
-            .unwrap_or("no message");
+        let why = panic_text(panic);
         tracing::error!(
             request = job.id,
             "the engine panicked ({why}); restarting it with a fresh sequence"
@@ -525,6 +521,14 @@ impl Engine {
         }
         p
     }
+}
+
+/// A panic's message, for the log and the failed request's error.
+pub(super) fn panic_text(p: &(dyn Any + Send)) -> String {
+    p.downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| p.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "no message".into())
 }
 
 /// Finds stop strings in streamed text. Text that could still be the start of one is held

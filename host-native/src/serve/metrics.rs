@@ -52,7 +52,8 @@ struct Counters {
     tokenise_seconds: f64,
     /// Times the engine panicked and was restarted.
     engine_restarts: u64,
-    active: bool,
+    /// Requests the engine is running now.
+    active: usize,
     /// Seconds an engine job takes, smoothed; sizes `Retry-After`.
     job_seconds: f64,
     kv: KvPlacement,
@@ -94,8 +95,9 @@ impl Metrics {
         self.lock().engine_restarts += 1;
     }
 
-    pub fn set_active(&self, active: bool) {
-        self.lock().active = active;
+    /// Requests the engine is running now (one at a time, or a batch's).
+    pub fn set_active(&self, running: usize) {
+        self.lock().active = running;
     }
 
     /// A prefill of `prefilled` new tokens for a prompt of `prompt` (the rest reused).
@@ -268,8 +270,8 @@ impl Metrics {
         one(
             "tether_active_requests",
             "gauge",
-            "Requests being generated (the engine runs one sequence).",
-            f64::from(u8::from(c.active)),
+            "Requests being generated (one at a time, or up to --parallel in one batch).",
+            c.active as f64,
         );
         one(
             "tether_requests_rejected_total",

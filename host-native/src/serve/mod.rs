@@ -10,6 +10,7 @@
 //! endpoints, limits, queueing, reuse and metrics.
 
 mod api;
+mod batched;
 mod connections;
 mod conversation;
 mod cross_site;
@@ -37,6 +38,7 @@ use tracing::{info, warn};
 
 use crate::attach::{Fixed, HelperArgs};
 use crate::load::{DraftArgs, EngineArgs};
+use batched::Batched;
 use conversation::Conversation;
 use cross_site::Cors;
 use engine::Engine;
@@ -99,6 +101,12 @@ pub struct Args {
     /// Prompt tokens per forward pass on the host alone.
     #[arg(long, default_value_t = 512)]
     ubatch: usize,
+    /// Requests generated together (continuous batching): their decode rows share each pass
+    /// over the weights, and a prompt prefills one ubatch a step beside them. The context is
+    /// divided among them. 1 (the default) runs one request at a time, with conversation
+    /// reuse, helpers and drafts, which --parallel does not have yet.
+    #[arg(long, default_value_t = 1)]
+    parallel: usize,
     /// A tokenizer.json to use instead of the model's.
     #[arg(long)]
     tokenizer: Option<PathBuf>,
@@ -130,8 +138,16 @@ pub fn run(a: Args) -> Result<()> {
     terminal::init_logging(&a.log)?;
     a.engine.start(true)?;
     a.draft.drafts().validate()?;
-    if a.engine.page_size == Some(0) || a.ubatch == 0 {
-        bail!("--page-size and --ubatch must be at least 1");
+    if a.engine.page_size == Some(0) || a.ubatch == 0 || a.parallel == 0 {
+        bail!("--page-size, --ubatch and --parallel must be at least 1");
+    }
+    if a.parallel > 1 && (a.engine.helper.has_helper() || a.draft.drafts().kind != DraftKind::None)
+    {
+        bail!(
+            "--parallel {} runs requests on the host alone without drafts: helpers and --draft \
+             work with one request at a time (--parallel 1) for now",
+            a.parallel
+        );
     }
     let l = terminal::spinner(format!("loading {}", a.engine.model), || {
         a.engine.load(a.tokenizer.as_deref())
@@ -197,6 +213,20 @@ pub fn run(a: Args) -> Result<()> {
         available.map_or_else(|| "unknown".into(), memory::gib),
         context.on_helper
     );
+    // As llama-server's slots: the requests of a batch share the context's memory.
+    let per_request = ctx / a.parallel;
+    if a.parallel > 1 {
+        info!(
+            "--parallel {}: up to {} requests together, {per_request} positions each",
+            a.parallel, a.parallel
+        );
+        if per_request == 0 {
+            bail!(
+                "--parallel {}: a {ctx}-token context leaves no position per request",
+                a.parallel
+            );
+        }
+    }
     if let Some(w) = &context.warning {
         warn!("{w}");
     }
@@ -260,7 +290,7 @@ pub fn run(a: Args) -> Result<()> {
         created: routes::unix_now(),
         tokenizer: l.tokenizer.clone(),
         vocab: config.vocab_size,
-        ctx,
+        ctx: per_request,
         ctx_on_helper: context.on_helper,
         footprint: context.footprint,
         queue: queue.clone(),
@@ -276,6 +306,23 @@ pub fn run(a: Args) -> Result<()> {
         next_id: AtomicU64::new(0),
         hub: hub.clone(),
     });
+    if a.parallel > 1 {
+        let worker = Batched {
+            model: l.model,
+            backend,
+            tokenizer: l.tokenizer,
+            page_size,
+            kv_types,
+            plan: split,
+            stop_ids,
+            parallel: a.parallel,
+            metrics,
+            timeout_s: a.timeout,
+            hub,
+        };
+        engine_core::batch::Batch::new(&worker.model, &*worker.backend, worker.plan.clone())?;
+        return listen(&a, app, queue, move |q| worker.run(q));
+    }
     let drafts = a.draft.drafts();
     let mtp = match drafts.kind {
         DraftKind::Mtp => Some(MtpDrafts::new(&l.model, &seq.state, drafts.max)?),
@@ -301,6 +348,17 @@ pub fn run(a: Args) -> Result<()> {
         hub,
         plan_for: (ctx, prompt),
     };
+    listen(&a, app, queue, move |q| engine.run(q))
+}
+
+/// Run `engine` on its own thread over `queue`, and the HTTP server in front of it until a
+/// shutdown signal.
+fn listen(
+    a: &Args,
+    app: Arc<App>,
+    queue: Arc<Queue>,
+    engine: impl FnOnce(&Queue) + Send + 'static,
+) -> Result<()> {
     let worker = {
         let queue = queue.clone();
         std::thread::Builder::new()
@@ -309,7 +367,7 @@ pub fn run(a: Args) -> Result<()> {
                 // However the engine ends (a panic outside a job included), waiting and later
                 // requests are answered rather than left hanging.
                 let _close = CloseOnDrop(queue.clone());
-                engine.run(&queue);
+                engine(&queue);
             })
             .context("starting the engine thread")?
     };

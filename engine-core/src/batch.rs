@@ -1,0 +1,284 @@
+//! Several sequences in one step (continuous batching): each active sequence's decode row
+//! rides in one pass over the weights with the others', and one sequence at a time prefills a
+//! chunk of its prompt in a pass of its own, so a long prompt holds the others up for one
+//! chunk at most. Requests join and leave between steps.
+//!
+//! Each answer is the one the request gets alone. A decode pass of fewer than
+//! [`STEP_ROWS`] rows gives every row, bit for bit, what its own one-row step gives on a
+//! backend whose kernels say so ([`Backend::rows_are_steps`]): the products are
+//! batch-invariant there, every other op but the conv, the delta rule and attention works row
+//! by row, and those three run sequence by sequence ([`Model::advance_spans`]). A prefill
+//! chunk is one ubatch of the prompt (the split plan's), the ubatch a prefill alone runs, in
+//! a pass of its own: mixed into the decode rows it would take the many-row kernels and
+//! change their arithmetic. So a step that prefills reads the weights twice; a step that only
+//! decodes reads them once for every sequence.
+
+use crate::backend::{Backend, STEP_ROWS};
+use crate::error::{Error, Result};
+use crate::generate::Sampler;
+use crate::host::split::{self, SplitPlan};
+use crate::host::Sequence;
+use crate::model::{Logits, Model, Pass, Span};
+
+/// One request to run in the batch.
+pub struct Request {
+    /// The caller's name for it, in every event.
+    pub id: u64,
+    /// A fresh sequence (or one holding what the prompt's first tokens already made: the
+    /// prompt then lists only the tokens after it).
+    pub seq: Sequence,
+    pub prompt: Vec<u32>,
+    pub sampler: Sampler,
+    /// Tokens that end the answer (not sent).
+    pub stop: Vec<u32>,
+    pub max_tokens: usize,
+}
+
+/// What a step did for one request.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Event {
+    /// A token of the answer, its `n`-th (from 1), with the logits it was drawn from where
+    /// the batch keeps them ([`Batch::keep_logits`]).
+    Token {
+        id: u64,
+        token: u32,
+        n: usize,
+        logits: Option<Vec<f32>>,
+    },
+    /// The answer is complete; the request has left the batch.
+    Done { id: u64, reason: Finish },
+}
+
+/// Why an answer ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Finish {
+    /// A stop token was drawn.
+    Stop,
+    /// `max_tokens` were sent.
+    Length,
+}
+
+/// A request in the batch.
+struct Slot {
+    id: u64,
+    seq: Sequence,
+    prompt: Vec<u32>,
+    /// Prompt tokens fed so far.
+    prefilled: usize,
+    sampler: Sampler,
+    stop: Vec<u32>,
+    max_tokens: usize,
+    sent: usize,
+    /// The logits the last token was drawn from.
+    logits: Vec<f32>,
+    /// The token drawn last, fed by the next decode pass.
+    drawn: Option<u32>,
+    done: bool,
+}
+
+/// The active requests of a server, stepped together.
+pub struct Batch<'m> {
+    model: &'m Model,
+    be: &'m dyn Backend,
+    /// Prefill chunks are its ubatches.
+    plan: SplitPlan,
+    slots: Vec<Slot>,
+    keep_logits: bool,
+}
+
+impl<'m> Batch<'m> {
+    /// An empty batch; prompts prefill in `plan`'s ubatches (on the host: a batch's
+    /// sequences keep their pages here).
+    pub fn new(model: &'m Model, be: &'m dyn Backend, plan: SplitPlan) -> Result<Self> {
+        if !be.rows_are_steps() {
+            return Err(Error::Invalid(format!(
+                "the {} backend has not shown that a row's arithmetic is the same in a pass \
+                 of several: it runs one request at a time",
+                be.name()
+            )));
+        }
+        Ok(Batch {
+            model,
+            be,
+            plan,
+            slots: Vec::new(),
+            keep_logits: false,
+        })
+    }
+
+    /// Every token event carries the logits it was drawn from (a client that asks for
+    /// probabilities; the tests, which compare them with a request's run alone).
+    pub fn keep_logits(mut self) -> Self {
+        self.keep_logits = true;
+        self
+    }
+
+    /// Requests in the batch.
+    pub fn len(&self) -> usize {
+        self.slots.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.slots.is_empty()
+    }
+
+    /// Take `r` in: it prefills from the next step on, after the requests that came before.
+    /// Refused (nothing else changes) if its id is taken, its prompt is empty or holds an id
+    /// outside the vocabulary, or it asks for no token.
+    pub fn join(&mut self, r: Request) -> Result<()> {
+        let vocab = self.model.config.vocab_size;
+        if self.slots.iter().any(|s| s.id == r.id) {
+            return Err(Error::Invalid(format!(
+                "request {} is already in the batch",
+                r.id
+            )));
+        }
+        if r.prompt.is_empty() || r.max_tokens == 0 {
+            return Err(Error::Invalid(
+                "a request needs a prompt and room for one token at least".into(),
+            ));
+        }
+        if let Some(&id) = r.prompt.iter().find(|&&t| t as usize >= vocab) {
+            return Err(Error::TokenOutOfRange { id, vocab });
+        }
+        self.slots.push(Slot {
+            id: r.id,
+            seq: r.seq,
+            prompt: r.prompt,
+            prefilled: 0,
+            sampler: r.sampler,
+            stop: r.stop,
+            max_tokens: r.max_tokens,
+            sent: 0,
+            logits: Vec::new(),
+            drawn: None,
+            done: false,
+        });
+        Ok(())
+    }
+
+    /// Take request `id` out (a cancellation), returning its sequence; the others go on as
+    /// if it had never been there.
+    pub fn leave(&mut self, id: u64) -> Option<Sequence> {
+        let i = self.slots.iter().position(|s| s.id == id)?;
+        Some(self.slots.remove(i).seq)
+    }
+
+    /// One step: every request that has drawn a token feeds it (in passes of fewer than
+    /// [`STEP_ROWS`] rows) and draws the next; then the oldest request still prefilling runs
+    /// one ubatch of its prompt, and draws its first token when that was the last. Requests
+    /// that finish leave. On error the batch's sequences may have moved on part of a step:
+    /// the caller fails every request in it.
+    pub fn step(&mut self) -> Result<Vec<Event>> {
+        let mut events = Vec::new();
+        let keep = self.keep_logits;
+        self.decode(&mut events, keep)?;
+        self.prefill(&mut events, keep)?;
+        self.slots.retain(|s| !s.done);
+        Ok(events)
+    }
+
+    fn decode(&mut self, events: &mut Vec<Event>, keep: bool) -> Result<()> {
+        let (model, be) = (self.model, self.be);
+        let mut feeding: Vec<&mut Slot> = self
+            .slots
+            .iter_mut()
+            .filter(|s| s.drawn.is_some())
+            .collect();
+        for group in feeding.chunks_mut(STEP_ROWS - 1) {
+            let tokens: Vec<u32> = group.iter().map(|s| s.drawn.expect("filtered")).collect();
+            let mut seqs: Vec<&mut Sequence> = group.iter_mut().map(|s| &mut s.seq).collect();
+            let logits = decode_rows(model, be, &mut seqs, &tokens)?;
+            let vocab = logits.len() / group.len();
+            for (slot, row) in group.iter_mut().zip(logits.chunks_exact(vocab)) {
+                slot.logits = row.to_vec();
+                slot.draw(events, keep);
+            }
+        }
+        Ok(())
+    }
+
+    fn prefill(&mut self, events: &mut Vec<Event>, keep: bool) -> Result<()> {
+        let Some(slot) = self.slots.iter_mut().find(|s| s.prefilled < s.prompt.len()) else {
+            return Ok(());
+        };
+        let end = (slot.prefilled + self.plan.ubatch.max(1)).min(slot.prompt.len());
+        let chunk = &slot.prompt[slot.prefilled..end];
+        let (logits, _) = split::prefill(self.model, self.be, &mut slot.seq, chunk, &self.plan)?;
+        slot.prefilled = end;
+        if end == slot.prompt.len() {
+            slot.logits = logits;
+            slot.draw(events, keep);
+        }
+        Ok(())
+    }
+}
+
+impl Slot {
+    /// Draw the next token from the logits: sent, and fed by the next decode pass unless the
+    /// answer ends with it (a stop token, or the last token asked for: never fed, as a
+    /// generation alone never feeds its last).
+    fn draw(&mut self, events: &mut Vec<Event>, keep: bool) {
+        let token = self.sampler.sample(&self.logits);
+        self.drawn = None;
+        if self.stop.contains(&token) {
+            self.finish(Finish::Stop, events);
+            return;
+        }
+        self.sent += 1;
+        events.push(Event::Token {
+            id: self.id,
+            token,
+            n: self.sent,
+            logits: keep.then(|| self.logits.clone()),
+        });
+        match self.sent >= self.max_tokens {
+            true => self.finish(Finish::Length, events),
+            false => self.drawn = Some(token),
+        }
+    }
+
+    fn finish(&mut self, reason: Finish, events: &mut Vec<Event>) {
+        self.done = true;
+        events.push(Event::Done {
+            id: self.id,
+            reason,
+        });
+    }
+}
+
+/// One decode row for each of `seqs` (fewer than [`STEP_ROWS`]), `tokens[i]` at
+/// `seqs[i]`'s position, in one pass: the logits `[seqs, vocab]`, each row the bits its
+/// sequence's own step gives on a backend whose rows are steps.
+pub fn decode_rows(
+    model: &Model,
+    be: &dyn Backend,
+    seqs: &mut [&mut Sequence],
+    tokens: &[u32],
+) -> Result<Vec<f32>> {
+    if seqs.len() != tokens.len() || seqs.is_empty() || seqs.len() >= STEP_ROWS {
+        return Err(Error::Invalid(format!(
+            "a decode pass takes one token for each of 1 to {} sequences, not {} for {}",
+            STEP_ROWS - 1,
+            tokens.len(),
+            seqs.len()
+        )));
+    }
+    let x = model.embed(be, tokens)?;
+    let mut pass = Pass::new(x, 0, 0..model.config.num_hidden_layers);
+    let mut spans: Vec<Span> = seqs
+        .iter_mut()
+        .map(|s| Span {
+            rows: 1,
+            pos: s.state.pos,
+            state: &mut s.state,
+            source: &mut s.placement,
+        })
+        .collect();
+    model.advance_spans(be, &mut spans, &mut pass, false, None)?;
+    for s in seqs.iter_mut() {
+        s.state.pos += 1;
+        s.offload(be)?;
+    }
+    model.head(be, pass.x, Logits::All)
+}

@@ -1,0 +1,277 @@
+//! The engine worker with `--parallel N` (N > 1): up to N requests run together in one
+//! [`Batch`] (continuous batching). Each step feeds every decoding request's last token in one
+//! pass over the weights and prefills one ubatch of the oldest request still prefilling; a
+//! request joins at the next step after it is queued and leaves as soon as it finishes, its
+//! client goes away or its time runs out. Each answer is the one it gets alone (see
+//! `engine_core::batch`).
+//!
+//! What the one-sequence worker ([`super::engine::Engine`]) has and this one has not yet:
+//! conversation reuse, helpers and speculative drafts (`tether serve` refuses them with
+//! `--parallel`). An engine error or panic during a step fails the requests of that step's
+//! batch (each with a 500), and the worker goes on with a fresh batch.
+
+use std::collections::HashMap;
+use std::panic::{self, AssertUnwindSafe};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use engine_core::backend::CacheTypes;
+use engine_core::batch::{self, Batch, Request};
+use engine_core::generate::Sampler;
+use engine_core::host::split::SplitPlan;
+use engine_core::host::Sequence;
+use engine_core::tokenizer::{StreamDecoder, Tokenizer};
+use engine_core::{Backend, Model, Result};
+use serde_json::json;
+use tracing::{info, warn};
+
+use super::api::ApiError;
+use super::engine::{interrupted, panic_text, Outcome, StopScan, IDLE_LOOK};
+use super::metrics::{KvPlacement, Metrics};
+use super::queue::{Event, Finish, FinishReason, Job, Next, Queue};
+use super::telemetry::Hub;
+
+pub struct Batched {
+    pub model: Model,
+    pub backend: Box<dyn Backend>,
+    pub tokenizer: Tokenizer,
+    pub page_size: usize,
+    pub kv_types: CacheTypes,
+    /// Prompts prefill in its ubatches, one a step.
+    pub plan: SplitPlan,
+    pub stop_ids: Vec<u32>,
+    /// Most requests in the batch (`--parallel`).
+    pub parallel: usize,
+    pub metrics: Arc<Metrics>,
+    pub timeout_s: u64,
+    pub hub: Arc<Hub>,
+}
+
+/// A request in the batch: its job and its text so far.
+struct Running {
+    job: Job,
+    decoder: StreamDecoder,
+    scan: StopScan,
+    sent: usize,
+    arrived: Instant,
+    /// When its first token came (its prefill's end).
+    first: Option<Instant>,
+}
+
+impl Batched {
+    /// Serve jobs until the queue closes and the batch has finished.
+    pub fn run(self, queue: &Queue) {
+        let (model, be) = (&self.model, &*self.backend);
+        let fresh = || {
+            Batch::new(model, be, self.plan.clone())
+                .expect("`tether serve` checked the backend before choosing --parallel")
+        };
+        let mut batch = fresh();
+        let mut running: HashMap<u64, Running> = HashMap::new();
+        let mut closed = false;
+        while !(closed && running.is_empty()) {
+            closed |= self.take_jobs(queue, &mut batch, &mut running);
+            self.drop_interrupted(&mut batch, &mut running);
+            if running.is_empty() {
+                continue;
+            }
+            match panic::catch_unwind(AssertUnwindSafe(|| batch.step())) {
+                Ok(Ok(events)) => {
+                    for e in events {
+                        self.deliver(e, &mut batch, &mut running);
+                    }
+                }
+                Ok(Err(e)) => self.fail_all(&mut running, &format!("generation failed: {e}")),
+                Err(p) => {
+                    self.metrics.engine_restarted();
+                    let why = panic_text(p.as_ref());
+                    self.fail_all(
+                        &mut running,
+                        &format!("the engine failed unexpectedly ({why})"),
+                    );
+                }
+            }
+            if running.is_empty() && !batch.is_empty() {
+                batch = fresh();
+            }
+            self.metrics.set_active(running.len());
+        }
+        tracing::debug!("engine stopped");
+    }
+
+    /// Fill the batch from the queue (waiting only while nothing runs); true once the queue
+    /// is closed.
+    fn take_jobs(
+        &self,
+        queue: &Queue,
+        batch: &mut Batch,
+        running: &mut HashMap<u64, Running>,
+    ) -> bool {
+        while running.len() < self.parallel {
+            let wait = if running.is_empty() {
+                IDLE_LOOK
+            } else {
+                Duration::ZERO
+            };
+            match queue.next_within(wait) {
+                Next::Job(job) => self.admit(job, batch, running),
+                Next::Idle => return false,
+                Next::Closed => return true,
+            }
+        }
+        false
+    }
+
+    fn admit(&self, job: Job, batch: &mut Batch, running: &mut HashMap<u64, Running>) {
+        let request = || -> Result<Request> {
+            let c = &self.model.config;
+            Ok(Request {
+                id: job.id,
+                seq: Sequence::typed(c, self.page_size, self.kv_types, &*self.backend)?,
+                prompt: job.prompt.clone(),
+                sampler: Sampler::new(job.sampling.clone())?,
+                stop: self.stop_ids.clone(),
+                max_tokens: job.max_tokens,
+            })
+        };
+        if let Err(e) = request().and_then(|r| batch.join(r)) {
+            let _ = job.events.send(Event::Failed(ApiError::server(format!(
+                "the request could not start: {e}"
+            ))));
+            return;
+        }
+        self.hub.event(
+            "request",
+            || json!({"id": job.id, "prompt_tokens": job.prompt.len(), "reused_tokens": 0}),
+        );
+        running.insert(
+            job.id,
+            Running {
+                decoder: StreamDecoder::new(&self.tokenizer),
+                scan: StopScan::new(&job.stop),
+                sent: 0,
+                arrived: Instant::now(),
+                first: None,
+                job,
+            },
+        );
+    }
+
+    /// Requests whose client left or whose time ran out leave before the step.
+    fn drop_interrupted(&self, batch: &mut Batch, running: &mut HashMap<u64, Running>) {
+        let gone: Vec<(u64, Outcome)> = running
+            .iter()
+            .filter_map(|(&id, r)| interrupted(&r.job).map(|o| (id, o)))
+            .collect();
+        for (id, outcome) in gone {
+            batch.leave(id);
+            let r = running.remove(&id).expect("listed above");
+            match outcome {
+                Outcome::TimedOut => {
+                    self.metrics.timed_out();
+                    warn!(request = id, "time limit of {} s reached", self.timeout_s);
+                    let _ = r
+                        .job
+                        .events
+                        .send(Event::Failed(ApiError::timeout(self.timeout_s)));
+                }
+                Outcome::Cancelled | Outcome::Finished(_) => {
+                    self.metrics.cancelled();
+                    info!(request = id, "client disconnected; generation cancelled");
+                }
+            }
+            self.metrics
+                .decode(r.sent, r.first.map_or(0.0, |t| t.elapsed().as_secs_f64()));
+        }
+    }
+
+    /// One event of a step: text to its client, or its end.
+    fn deliver(&self, e: batch::Event, batch: &mut Batch, running: &mut HashMap<u64, Running>) {
+        match e {
+            batch::Event::Token { id, token, n, .. } => {
+                let Some(r) = running.get_mut(&id) else {
+                    return;
+                };
+                if n == 1 {
+                    self.prefilled(r);
+                }
+                r.sent = n;
+                self.hub.event("token", || json!({"id": id, "n": n}));
+                let piece = r.decoder.push(token).unwrap_or_default();
+                let (text, stopped) = r.scan.push(&piece);
+                if !text.is_empty() && r.job.events.send(Event::Text(text)).is_err() {
+                    return; // The client left: it leaves before the next step.
+                }
+                if stopped {
+                    batch.leave(id);
+                    let r = running.remove(&id).expect("present");
+                    self.finish(r, FinishReason::Stop, true);
+                }
+            }
+            batch::Event::Done { id, reason } => {
+                if let Some(r) = running.remove(&id) {
+                    let reason = match reason {
+                        batch::Finish::Stop => FinishReason::Stop,
+                        batch::Finish::Length => FinishReason::Length,
+                    };
+                    self.finish(r, reason, false);
+                }
+            }
+        }
+    }
+
+    /// The request's prefill is over: its first token came.
+    fn prefilled(&self, r: &mut Running) {
+        let s = r.arrived.elapsed().as_secs_f64();
+        r.first = Some(Instant::now());
+        let n = r.job.prompt.len();
+        self.metrics.prefill(n, n, s);
+        self.hub.event("prefill", || {
+            json!({"id": r.job.id, "tokens": n, "ms": s * 1e3,
+                   "tok_s": n as f64 / s.max(1e-9), "ttft_ms": s * 1e3})
+        });
+    }
+
+    /// Send what the text scan still holds and the end of the stream (`by_string`: a stop
+    /// string ended it, and the text after it is dropped).
+    fn finish(&self, mut r: Running, mut reason: FinishReason, by_string: bool) {
+        if !by_string {
+            let tail = r.decoder.finish().unwrap_or_default();
+            let (mut text, stopped) = r.scan.push(&tail);
+            if stopped {
+                reason = FinishReason::Stop;
+            } else {
+                text.push_str(&r.scan.finish());
+            }
+            if !text.is_empty() {
+                let _ = r.job.events.send(Event::Text(text));
+            }
+        }
+        let decode_s = r.first.map_or(0.0, |t| t.elapsed().as_secs_f64());
+        self.metrics.decode(r.sent, decode_s);
+        self.metrics
+            .job_done(r.arrived.elapsed().as_secs_f64(), KvPlacement::default(), 0);
+        self.hub.event("done", || {
+            json!({"id": r.job.id, "completion_tokens": r.sent,
+                   "decode_tok_s": r.sent as f64 / decode_s.max(1e-9), "finish": reason.as_str()})
+        });
+        let _ = r.job.events.send(Event::Done(Finish {
+            reason,
+            prompt_tokens: r.job.prompt.len(),
+            completion_tokens: r.sent,
+            cached_tokens: 0,
+        }));
+    }
+
+    /// A step failed: every request in it fails with a 500 (their sequences may have moved
+    /// on part of the step); the worker goes on with a fresh batch.
+    fn fail_all(&self, running: &mut HashMap<u64, Running>, why: &str) {
+        tracing::error!("{why}; the {} request(s) of the batch fail", running.len());
+        for (_, r) in running.drain() {
+            let _ = r
+                .job
+                .events
+                .send(Event::Failed(ApiError::server(why.to_string())));
+        }
+    }
+}
