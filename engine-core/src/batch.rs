@@ -28,6 +28,10 @@ pub struct Request {
     /// prompt then lists only the tokens after it).
     pub seq: Sequence,
     pub prompt: Vec<u32>,
+    /// A position of the prompt where a prefill ubatch ends, ubatches starting again from it
+    /// (a chat prompt's new turn, where `tether serve`'s one-request worker checkpoints and so
+    /// restarts its ubatches): the ubatch boundaries, and so the answer, are then that worker's.
+    pub prefill_break: Option<usize>,
     pub sampler: Sampler,
     /// Tokens that end the answer (not sent).
     pub stop: Vec<u32>,
@@ -63,6 +67,7 @@ struct Slot {
     id: u64,
     seq: Sequence,
     prompt: Vec<u32>,
+    prefill_break: Option<usize>,
     /// Prompt tokens fed so far.
     prefilled: usize,
     sampler: Sampler,
@@ -145,6 +150,7 @@ impl<'m> Batch<'m> {
             id: r.id,
             seq: r.seq,
             prompt: r.prompt,
+            prefill_break: r.prefill_break,
             prefilled: 0,
             sampler: r.sampler,
             stop: r.stop,
@@ -167,15 +173,24 @@ impl<'m> Batch<'m> {
     /// One step: every request that has drawn a token feeds it (in passes of fewer than
     /// [`STEP_ROWS`] rows) and draws the next; then the oldest request still prefilling runs
     /// one ubatch of its prompt, and draws its first token when that was the last. Requests
-    /// that finish leave. On error the batch's sequences may have moved on part of a step:
-    /// the caller fails every request in it.
+    /// that finish leave. On error the sequences may have moved on part of a step, so every
+    /// request leaves (the batch is empty, ready for new ones): the caller fails them all.
     pub fn step(&mut self) -> Result<Vec<Event>> {
         let mut events = Vec::new();
         let keep = self.keep_logits;
-        self.decode(&mut events, keep)?;
-        self.prefill(&mut events, keep)?;
-        self.slots.retain(|s| !s.done);
-        Ok(events)
+        let stepped = self
+            .decode(&mut events, keep)
+            .and_then(|()| self.prefill(&mut events, keep));
+        match stepped {
+            Ok(()) => {
+                self.slots.retain(|s| !s.done);
+                Ok(events)
+            }
+            Err(e) => {
+                self.slots.clear();
+                Err(e)
+            }
+        }
     }
 
     fn decode(&mut self, events: &mut Vec<Event>, keep: bool) -> Result<()> {
@@ -202,7 +217,10 @@ impl<'m> Batch<'m> {
         let Some(slot) = self.slots.iter_mut().find(|s| s.prefilled < s.prompt.len()) else {
             return Ok(());
         };
-        let end = (slot.prefilled + self.plan.ubatch.max(1)).min(slot.prompt.len());
+        let mut end = (slot.prefilled + self.plan.ubatch.max(1)).min(slot.prompt.len());
+        if let Some(b) = slot.prefill_break.filter(|&b| b > slot.prefilled) {
+            end = end.min(b);
+        }
         let chunk = &slot.prompt[slot.prefilled..end];
         let (logits, _) = split::prefill(self.model, self.be, &mut slot.seq, chunk, &self.plan)?;
         slot.prefilled = end;

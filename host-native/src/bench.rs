@@ -59,7 +59,7 @@ pub struct Args {
     /// Instead of one sequence, decode N sequences together in one batch (as `tether serve
     /// --parallel` steps them), for each N listed (e.g. 1,4,8,16): each prefills its own
     /// --prompt-tokens (untimed), then --gen steps are timed in which every one decodes.
-    /// Prints the aggregate decode tok/s against N = 1.
+    /// Prints the aggregate decode tok/s against N = 1 (when 1 comes first in the list).
     #[arg(long, value_delimiter = ',')]
     parallel: Vec<usize>,
 }
@@ -447,7 +447,7 @@ fn parallel_decode(a: &Args, model: &Model, be: &dyn Backend) -> Result<()> {
     );
     println!("| sequences | decode tok/s (all) | per sequence | ms a step | x one sequence |");
     println!("|---|---|---|---|---|");
-    let mut one = None;
+    let mut one: Option<f64> = None;
     for &n in &a.parallel {
         let mut batch = Batch::new(model, be, plan.clone())?;
         for id in 0..n as u64 {
@@ -458,9 +458,12 @@ fn parallel_decode(a: &Args, model: &Model, be: &dyn Backend) -> Result<()> {
                 id,
                 seq: Sequence::typed(c, page, types, be)?,
                 prompt,
+                prefill_break: None,
                 sampler: Sampler::new(SamplingParams::greedy())?,
                 stop: Vec::new(),
-                max_tokens: a.gen + 1,
+                // No end: the first to prefill decode while the others prefill, and every one
+                // must still decode in each of the timed steps.
+                max_tokens: usize::MAX,
             })?;
         }
         // Until every sequence has drawn its first token, prefill chunks share the steps.
@@ -483,12 +486,14 @@ fn parallel_decode(a: &Args, model: &Model, be: &dyn Backend) -> Result<()> {
         }
         let s = t.elapsed().as_secs_f64();
         let tok_s = tokens as f64 / s;
-        let base = *one.get_or_insert(tok_s / n as f64);
+        if n == 1 {
+            one = Some(tok_s);
+        }
+        let against_one = one.map_or("-".to_string(), |o| format!("{:.2}", tok_s / o));
         println!(
-            "| {n} | {tok_s:.2} | {:.2} | {:.1} | {:.2} |",
+            "| {n} | {tok_s:.2} | {:.2} | {:.1} | {against_one} |",
             tok_s / n as f64,
             s * 1e3 / a.gen as f64,
-            tok_s / base
         );
     }
     Ok(())

@@ -1619,11 +1619,16 @@ fn parallel_requests_get_the_answers_they_get_alone() {
 }
 
 /// Request `i` of eight different ones: greedy, seeded or ending at a stop string; every
-/// other one streamed.
+/// other one streamed; the seventh a chat (whose prefill restarts its ubatches at the new
+/// turn).
 fn parallel_body(i: usize) -> Value {
-    let mut b = json!({"model": "tiny", "prompt": format!("request {i}: {}", "ab".repeat(3 * i)),
-                       "max_tokens": 16 + 2 * i});
+    let text = format!("request {i}: {}", "ab".repeat(3 * i));
+    let mut b = match i {
+        6 => json!({"model": "tiny", "messages": [{"role": "user", "content": text}]}),
+        _ => json!({"model": "tiny", "prompt": text}),
+    };
     let o = b.as_object_mut().unwrap();
+    o.insert("max_tokens".into(), json!(16 + 2 * i));
     if i % 2 == 1 {
         o.insert("stream".into(), json!(true));
         o.insert("stream_options".into(), json!({"include_usage": true}));
@@ -1639,12 +1644,25 @@ fn parallel_body(i: usize) -> Value {
 /// Request `i`'s text and completion tokens from `s`.
 fn parallel_ask(s: &Server, i: usize) -> (String, Value) {
     let b = parallel_body(i);
+    let chat = b.get("messages").is_some();
+    let path = if chat {
+        "/v1/chat/completions"
+    } else {
+        "/v1/completions"
+    };
     if b["stream"] == true {
-        let (text, _, usage) = collect_stream(s.stream("/v1/completions", &b), false);
+        let (text, _, usage) = collect_stream(s.stream(path, &b), chat);
         return (text, usage["completion_tokens"].clone());
     }
-    let (status, v) = s.post("/v1/completions", &b);
+    let (status, v) = s.post(path, &b);
     assert_eq!(status, 200, "{v}");
-    let text = v["choices"][0]["text"].as_str().unwrap().to_string();
-    (text, v["usage"]["completion_tokens"].clone())
+    let choice = &v["choices"][0];
+    let text = match chat {
+        true => choice["message"]["content"].as_str(),
+        false => choice["text"].as_str(),
+    };
+    (
+        text.unwrap().to_string(),
+        v["usage"]["completion_tokens"].clone(),
+    )
 }

@@ -47,6 +47,8 @@ fn bits(v: &[f32]) -> Vec<u32> {
 #[derive(Clone)]
 struct Spec {
     prompt: Vec<u32>,
+    /// Where a prefill ubatch ends and the next ones start from (a chat's turn start).
+    prefill_break: Option<usize>,
     sampling: SamplingParams,
     stop: Vec<u32>,
     max_tokens: usize,
@@ -61,7 +63,7 @@ struct Answer {
 }
 
 /// `n` requests of different lengths (3 to 47 tokens: several prefill chunks for the longer),
-/// every third sampled at its own seed, the rest greedy.
+/// every third sampled at its own seed, the rest greedy; the sixth with a prefill break.
 fn specs(n: usize, max_tokens: usize) -> Vec<Spec> {
     (0..n)
         .map(|i| {
@@ -79,6 +81,8 @@ fn specs(n: usize, max_tokens: usize) -> Vec<Spec> {
                 prompt: (0..len)
                     .map(|j| ((i * 31 + j * 7 + 3) % 250) as u32)
                     .collect(),
+                // One prompt of 43 tokens breaks at 21: ubatches 0..16, 16..21, 21..37, 37..43.
+                prefill_break: (i == 5).then_some(21),
                 sampling,
                 stop: Vec::new(),
                 max_tokens,
@@ -97,7 +101,11 @@ fn alone(m: &Model, be: &dyn Backend, types: CacheTypes, spec: &Spec) -> Answer 
     let mut sampler = Sampler::new(spec.sampling.clone()).unwrap();
     let mut g = Generation::new(m, be, &mut seq, &mut sampler, spec.stop.clone());
     g.limit(spec.max_tokens);
-    g.prefill(&spec.prompt, &plan()).unwrap();
+    let at = spec.prefill_break.unwrap_or(0);
+    if at > 0 {
+        g.prefill(&spec.prompt[..at], &plan()).unwrap();
+    }
+    g.prefill(&spec.prompt[at..], &plan()).unwrap();
     let mut a = Answer {
         tokens: Vec::new(),
         logits: Vec::new(),
@@ -147,6 +155,7 @@ fn batched(
                         id: i as u64,
                         seq: sequence(m, be, types),
                         prompt: spec.prompt.clone(),
+                        prefill_break: spec.prefill_break,
                         sampler: Sampler::new(spec.sampling.clone()).unwrap(),
                         stop: spec.stop.clone(),
                         max_tokens: spec.max_tokens,
@@ -304,6 +313,7 @@ fn bad_requests_are_refused_and_the_batch_goes_on() {
         id,
         seq: sequence(&m, be, f16()),
         prompt,
+        prefill_break: None,
         sampler: Sampler::new(SamplingParams::greedy()).unwrap(),
         stop: Vec::new(),
         max_tokens,

@@ -95,6 +95,10 @@ impl DeltaNet {
     ) -> Result<Act> {
         let s = self.shape;
         let (kd, vd, cd) = (c.linear_key_dim(), c.linear_value_dim(), c.conv_dim());
+        // Every span's state first, so that a span without one changes no other's.
+        for span in spans.iter_mut() {
+            span.state.delta_mut(layer)?;
+        }
         let mut qkv = be.matmul(x, &self.in_proj_qkv);
         let z = be.matmul(x, &self.in_proj_z);
         let mut b = be.matmul(x, &self.in_proj_b);

@@ -26,7 +26,7 @@ use serde_json::json;
 use tracing::{info, warn};
 
 use super::api::ApiError;
-use super::engine::{interrupted, panic_text, Outcome, StopScan, IDLE_LOOK};
+use super::engine::{interrupted, panic_text, remaining_text, Outcome, StopScan, IDLE_LOOK};
 use super::metrics::{KvPlacement, Metrics};
 use super::queue::{Event, Finish, FinishReason, Job, Next, Queue};
 use super::telemetry::Hub;
@@ -45,6 +45,28 @@ pub struct Batched {
     pub metrics: Arc<Metrics>,
     pub timeout_s: u64,
     pub hub: Arc<Hub>,
+}
+
+/// How a request in the batch ends.
+enum End {
+    /// A stop string in its text.
+    StopString,
+    /// The batch finished it.
+    Done(FinishReason),
+    /// Its text could not be decoded.
+    Failed(engine_core::Error),
+}
+
+impl Running {
+    /// The text the decoder and the scan still hold, sent; a stop string in it makes the
+    /// reason `Stop`.
+    fn flush(&mut self, reason: FinishReason) -> Result<FinishReason> {
+        let (text, stopped) = remaining_text(&mut self.decoder, &mut self.scan)?;
+        if !text.is_empty() {
+            let _ = self.job.events.send(Event::Text(text));
+        }
+        Ok(if stopped { FinishReason::Stop } else { reason })
+    }
 }
 
 /// A request in the batch: its job and its text so far.
@@ -72,6 +94,7 @@ impl Batched {
         while !(closed && running.is_empty()) {
             closed |= self.take_jobs(queue, &mut batch, &mut running);
             self.drop_interrupted(&mut batch, &mut running);
+            self.metrics.set_active(running.len());
             if running.is_empty() {
                 continue;
             }
@@ -129,6 +152,8 @@ impl Batched {
                 id: job.id,
                 seq: Sequence::typed(c, self.page_size, self.kv_types, &*self.backend)?,
                 prompt: job.prompt.clone(),
+                // Where the one-request worker checkpoints a chat and restarts its ubatches.
+                prefill_break: job.turn_start,
                 sampler: Sampler::new(job.sampling.clone())?,
                 stop: self.stop_ids.clone(),
                 max_tokens: job.max_tokens,
@@ -187,7 +212,7 @@ impl Batched {
 
     /// One event of a step: text to its client, or its end.
     fn deliver(&self, e: batch::Event, batch: &mut Batch, running: &mut HashMap<u64, Running>) {
-        match e {
+        let (id, end) = match e {
             batch::Event::Token { id, token, n, .. } => {
                 let Some(r) = running.get_mut(&id) else {
                     return;
@@ -197,25 +222,48 @@ impl Batched {
                 }
                 r.sent = n;
                 self.hub.event("token", || json!({"id": id, "n": n}));
-                let piece = r.decoder.push(token).unwrap_or_default();
-                let (text, stopped) = r.scan.push(&piece);
-                if !text.is_empty() && r.job.events.send(Event::Text(text)).is_err() {
-                    return; // The client left: it leaves before the next step.
-                }
-                if stopped {
-                    batch.leave(id);
-                    let r = running.remove(&id).expect("present");
-                    self.finish(r, FinishReason::Stop, true);
+                match r.decoder.push(token) {
+                    Ok(piece) => {
+                        let (text, stopped) = r.scan.push(&piece);
+                        // A client that left leaves before the next step.
+                        if !text.is_empty() {
+                            let _ = r.job.events.send(Event::Text(text));
+                        }
+                        if !stopped {
+                            return;
+                        }
+                        (id, End::StopString)
+                    }
+                    Err(e) => (id, End::Failed(e)),
                 }
             }
             batch::Event::Done { id, reason } => {
-                if let Some(r) = running.remove(&id) {
-                    let reason = match reason {
-                        batch::Finish::Stop => FinishReason::Stop,
-                        batch::Finish::Length => FinishReason::Length,
-                    };
-                    self.finish(r, reason, false);
-                }
+                let reason = match reason {
+                    batch::Finish::Stop => FinishReason::Stop,
+                    batch::Finish::Length => FinishReason::Length,
+                };
+                (id, End::Done(reason))
+            }
+        };
+        // A stop string or a decoding error ends a request the batch still holds.
+        batch.leave(id);
+        let Some(mut r) = running.remove(&id) else {
+            return;
+        };
+        // The gauge first: a client that reads /metrics once answered is not counted.
+        self.metrics.set_active(running.len());
+        let ended = match end {
+            // The text after a stop string is dropped.
+            End::StopString => Ok(FinishReason::Stop),
+            End::Done(reason) => r.flush(reason),
+            End::Failed(e) => Err(e),
+        };
+        match ended {
+            Ok(reason) => self.finish(r, reason),
+            Err(e) => {
+                tracing::error!(request = id, "generation failed: {e}");
+                let why = format!("generation failed: {e}");
+                let _ = r.job.events.send(Event::Failed(ApiError::server(why)));
             }
         }
     }
@@ -232,21 +280,8 @@ impl Batched {
         });
     }
 
-    /// Send what the text scan still holds and the end of the stream (`by_string`: a stop
-    /// string ended it, and the text after it is dropped).
-    fn finish(&self, mut r: Running, mut reason: FinishReason, by_string: bool) {
-        if !by_string {
-            let tail = r.decoder.finish().unwrap_or_default();
-            let (mut text, stopped) = r.scan.push(&tail);
-            if stopped {
-                reason = FinishReason::Stop;
-            } else {
-                text.push_str(&r.scan.finish());
-            }
-            if !text.is_empty() {
-                let _ = r.job.events.send(Event::Text(text));
-            }
-        }
+    /// The end of the stream, its text already sent.
+    fn finish(&self, r: Running, reason: FinishReason) {
         let decode_s = r.first.map_or(0.0, |t| t.elapsed().as_secs_f64());
         self.metrics.decode(r.sent, decode_s);
         self.metrics

@@ -428,11 +428,9 @@ impl Engine {
             return Ok(o);
         }
         if !stopped_by_string {
-            let (mut text, stopped) = d.scan.push(&d.decoder.finish()?);
+            let (text, stopped) = remaining_text(&mut d.decoder, &mut d.scan)?;
             if stopped {
                 reason = FinishReason::Stop;
-            } else {
-                text.push_str(&d.scan.finish());
             }
             if !text.is_empty() {
                 let _ = job.events.send(Event::Text(text));
@@ -521,6 +519,19 @@ impl Engine {
         }
         p
     }
+}
+
+/// The end of a generation's text: what the decoder and the stop scan still hold, cut at a
+/// stop string if one is found in it; and whether one was.
+pub(super) fn remaining_text(
+    decoder: &mut StreamDecoder,
+    scan: &mut StopScan,
+) -> Result<(String, bool)> {
+    let (mut text, stopped) = scan.push(&decoder.finish()?);
+    if !stopped {
+        text.push_str(&scan.finish());
+    }
+    Ok((text, stopped))
 }
 
 /// A panic's message, for the log and the failed request's error.
