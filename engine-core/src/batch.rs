@@ -127,6 +127,13 @@ impl<'m> Batch<'m> {
         self.slots.is_empty()
     }
 
+    /// Bytes the requests' sequences hold (KV pages and DeltaNet states): zero once every
+    /// request has left.
+    pub fn state_bytes(&self) -> usize {
+        let state = |s: &Slot| s.seq.state.kv_bytes() + s.seq.state.delta_bytes();
+        self.slots.iter().map(state).sum()
+    }
+
     /// Take `r` in: it prefills from the next step on, after the requests that came before.
     /// Refused (nothing else changes) if its id is taken, its prompt is empty or holds an id
     /// outside the vocabulary, or it asks for no token.

@@ -96,6 +96,7 @@ impl Batched {
             self.drop_interrupted(&mut batch, &mut running);
             self.metrics.set_active(running.len());
             if running.is_empty() {
+                self.metrics.set_batch(batch.len(), batch.state_bytes());
                 continue;
             }
             match panic::catch_unwind(AssertUnwindSafe(|| batch.step())) {
@@ -104,20 +105,24 @@ impl Batched {
                         self.deliver(e, &mut batch, &mut running);
                     }
                 }
-                Ok(Err(e)) => self.fail_all(&mut running, &format!("generation failed: {e}")),
+                Ok(Err(e)) => {
+                    let error = ApiError::server(format!("generation failed: {e}"));
+                    self.fail_all(&mut running, error);
+                }
                 Err(p) => {
                     self.metrics.engine_restarted();
                     let why = panic_text(p.as_ref());
-                    self.fail_all(
-                        &mut running,
-                        &format!("the engine failed unexpectedly ({why})"),
-                    );
+                    let error = ApiError::server(format!(
+                        "the engine failed unexpectedly ({why}); it serves later requests"
+                    ))
+                    .with_code("engine_panic");
+                    self.fail_all(&mut running, error);
                 }
             }
             if running.is_empty() && !batch.is_empty() {
                 batch = fresh();
             }
-            self.metrics.set_active(running.len());
+            self.metrics.set_batch(batch.len(), batch.state_bytes());
         }
         tracing::debug!("engine stopped");
     }
@@ -298,15 +303,14 @@ impl Batched {
         }));
     }
 
-    /// A step failed: every request in it fails with a 500 (their sequences may have moved
+    /// A step failed: every request in it fails with `error` (their sequences may have moved
     /// on part of the step); the worker goes on with a fresh batch.
-    fn fail_all(&self, running: &mut HashMap<u64, Running>, why: &str) {
-        tracing::error!("{why}; the {} request(s) of the batch fail", running.len());
+    fn fail_all(&self, running: &mut HashMap<u64, Running>, error: ApiError) {
+        let n = running.len();
+        tracing::error!("{}; the {n} request(s) of the batch fail", error.message);
+        self.metrics.set_active(0);
         for (_, r) in running.drain() {
-            let _ = r
-                .job
-                .events
-                .send(Event::Failed(ApiError::server(why.to_string())));
+            let _ = r.job.events.send(Event::Failed(error.clone()));
         }
     }
 }

@@ -54,6 +54,9 @@ struct Counters {
     engine_restarts: u64,
     /// Requests the engine is running now.
     active: usize,
+    /// `--parallel`: sequences the batch holds, and the bytes of their KV pages and states.
+    batch_sequences: usize,
+    batch_state_bytes: usize,
     /// Seconds an engine job takes, smoothed; sizes `Retry-After`.
     job_seconds: f64,
     kv: KvPlacement,
@@ -98,6 +101,13 @@ impl Metrics {
     /// Requests the engine is running now (one at a time, or a batch's).
     pub fn set_active(&self, running: usize) {
         self.lock().active = running;
+    }
+
+    /// `--parallel`: what the batch holds after a step.
+    pub fn set_batch(&self, sequences: usize, state_bytes: usize) {
+        let mut c = self.lock();
+        c.batch_sequences = sequences;
+        c.batch_state_bytes = state_bytes;
     }
 
     /// A prefill of `prefilled` new tokens for a prompt of `prompt` (the rest reused).
@@ -272,6 +282,18 @@ impl Metrics {
             "gauge",
             "Requests being generated (one at a time, or up to --parallel in one batch).",
             c.active as f64,
+        );
+        one(
+            "tether_batch_sequences",
+            "gauge",
+            "With --parallel: sequences the batch holds (each running request's).",
+            c.batch_sequences as f64,
+        );
+        one(
+            "tether_batch_state_bytes",
+            "gauge",
+            "With --parallel: bytes of the batch's KV pages and DeltaNet states.",
+            c.batch_state_bytes as f64,
         );
         one(
             "tether_requests_rejected_total",
