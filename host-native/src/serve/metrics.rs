@@ -54,6 +54,8 @@ struct Counters {
     engine_restarts: u64,
     /// Requests the engine is running now.
     active: usize,
+    /// Requests run at once (`--parallel`; 0 until set, read as 1).
+    parallel: usize,
     /// `--parallel`: sequences the batch holds, and the bytes of their KV pages and states.
     batch_sequences: usize,
     batch_state_bytes: usize,
@@ -158,10 +160,18 @@ impl Metrics {
     }
 
     /// A guess at when a refused client may find room: the jobs ahead of it at the usual
-    /// pace, at least one second and at most a minute.
+    /// pace (`--parallel` of them at a time), at least one second and at most a minute.
     pub fn retry_after(&self, queued: usize) -> u64 {
-        let s = self.lock().job_seconds * (queued + 1) as f64;
+        let c = self.lock();
+        // With --parallel the jobs ahead finish that many at a time.
+        let rounds = (queued + 1).div_ceil(c.parallel.max(1));
+        let s = c.job_seconds * rounds as f64;
         (s.ceil() as u64).clamp(1, 60)
+    }
+
+    /// Requests the engine runs at once (`--parallel`), for [`Self::retry_after`].
+    pub fn set_parallel(&self, n: usize) {
+        self.lock().parallel = n;
     }
 
     /// The metrics in Prometheus' text format; `links` are the helpers' links by helper id
@@ -390,5 +400,22 @@ impl Metrics {
             }
         }
         t
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{KvPlacement, Metrics};
+
+    /// Retry-After counts the jobs ahead at the usual pace, `--parallel` of them at a time.
+    #[test]
+    fn retry_after_counts_rounds_of_parallel_jobs() {
+        let m = Metrics::default();
+        m.job_done(2.0, KvPlacement::default(), 0);
+        assert_eq!(m.retry_after(3), 8, "one at a time: four jobs of 2 s");
+        m.set_parallel(4);
+        assert_eq!(m.retry_after(3), 2, "four at a time: one round");
+        assert_eq!(m.retry_after(4), 4, "five jobs: two rounds");
+        assert_eq!(m.retry_after(400), 60, "at most a minute");
     }
 }

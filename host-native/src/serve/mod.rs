@@ -270,6 +270,7 @@ pub fn run(a: Args) -> Result<()> {
             .filter_map(|t| l.tokenizer.token_id(t)),
     );
     let metrics = Arc::new(Metrics::default());
+    metrics.set_parallel(a.parallel);
     metrics.set_helpers_attached(seq.placement.helpers.len());
     let helpers = has_helpers.then(|| {
         Helpers::new(
