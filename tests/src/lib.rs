@@ -25,6 +25,13 @@ pub fn fixtures_dir() -> PathBuf {
     PathBuf::from("/work/shared/fixtures")
 }
 
+/// A model from the committed GGUF fixtures (tests/fixtures/gguf), read as the engine reads it.
+pub fn gguf_model(name: &str) -> Model {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(format!("fixtures/gguf/{name}"));
+    let (config, tensors) = engine_core::gguf::qwen35::load(&path).unwrap();
+    Model::from_tensors(config, &tensors).unwrap()
+}
+
 /// The GPU backend the tests share (lavapipe in CI). With no adapter at all the tests that use
 /// it fail, saying what to install.
 pub fn gpu() -> &'static GpuBackend {

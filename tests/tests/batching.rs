@@ -4,8 +4,6 @@
 //! pass's worth at once; greedy and sampled; on the CPU and on the GPU (lavapipe in CI; one
 //! model there: the GPU verify test covers its weight types' row invariance).
 
-use std::path::PathBuf;
-
 use engine_core::backend::{CacheTypes, KvType, STEP_ROWS};
 use engine_core::batch::{Batch, Event, Finish, Request};
 use engine_core::generate::{Generation, Sampler, SamplingParams};
@@ -13,7 +11,7 @@ use engine_core::host::split::SplitPlan;
 use engine_core::host::Sequence;
 use engine_core::source::{load_model, LoadOptions};
 use engine_core::{Backend, CpuBackend, Model};
-use tests::gpu;
+use tests::{gguf_model, gpu};
 
 const PAGE: usize = 16;
 
@@ -31,12 +29,6 @@ fn preset(name: &str, dtype: &str) -> Model {
         ..Default::default()
     };
     load_model(name, &o).unwrap()
-}
-
-fn gguf(name: &str) -> Model {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(format!("fixtures/gguf/{name}"));
-    let (config, tensors) = engine_core::gguf::qwen35::load(&path).unwrap();
-    Model::from_tensors(config, &tensors).unwrap()
 }
 
 fn bits(v: &[f32]) -> Vec<u32> {
@@ -276,7 +268,11 @@ fn batched_answers_are_their_runs_alone() {
                 preset("tiny256", "f32"),
                 CacheTypes::F32,
             ),
-            ("q4_k_m, q8_0/q4_0 KV", gguf("tiny256.q4_k_m.gguf"), q8),
+            (
+                "q4_k_m, q8_0/q4_0 KV",
+                gguf_model("tiny256.q4_k_m.gguf"),
+                q8,
+            ),
         ],
     );
 }
@@ -285,7 +281,7 @@ fn batched_answers_are_their_runs_alone() {
 fn gpu_batched_answers_are_their_runs_alone() {
     answers_are_their_runs_alone(
         gpu(),
-        &[("q4_k_m, f16 KV", gguf("tiny256.q4_k_m.gguf"), f16())],
+        &[("q4_k_m, f16 KV", gguf_model("tiny256.q4_k_m.gguf"), f16())],
     );
 }
 

@@ -3,8 +3,6 @@
 //! tokens, and a refused draft leaves the sequence as plain decoding would, on the host alone
 //! and with pages on a helper; on the GPU backend (lavapipe in CI) as on the CPU.
 
-use std::path::PathBuf;
-
 use engine_core::backend::{CacheTypes, KvType, STEP_ROWS};
 use engine_core::draft::{DraftKind, Drafter, Drafts, Replay};
 use engine_core::generate::{DraftStats, Generation, Sampler, SamplingParams};
@@ -12,7 +10,7 @@ use engine_core::host::split::SplitPlan;
 use engine_core::host::Sequence;
 use engine_core::source::{load_model, LoadOptions};
 use engine_core::{Backend, CpuBackend, Logits, Model};
-use tests::{attach, gpu, spawn_helper};
+use tests::{attach, gguf_model, gpu, spawn_helper};
 
 const PAGE: usize = 16;
 
@@ -23,12 +21,6 @@ fn preset(name: &str, dtype: &str, layers: Option<usize>) -> Model {
         ..Default::default()
     };
     load_model(name, &o).unwrap()
-}
-
-fn gguf(name: &str) -> Model {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(format!("fixtures/gguf/{name}"));
-    let (config, tensors) = engine_core::gguf::qwen35::load(&path).unwrap();
-    Model::from_tensors(config, &tensors).unwrap()
 }
 
 fn types(k: KvType, v: KvType) -> CacheTypes {
@@ -52,9 +44,9 @@ fn a_verify_pass_gives_each_row_its_decode_step_logits() {
             "qwen35-0.8b bf16, 4 layers",
             preset("qwen35-0.8b", "bf16", Some(4)),
         ),
-        ("q8_0", gguf("tiny_fp32.q8_0.gguf")),
-        ("q4_0", gguf("tiny_fp32.q4_0.gguf")),
-        ("q4_k_m", gguf("tiny256.q4_k_m.gguf")),
+        ("q8_0", gguf_model("tiny_fp32.q8_0.gguf")),
+        ("q4_0", gguf_model("tiny_fp32.q4_0.gguf")),
+        ("q4_k_m", gguf_model("tiny256.q4_k_m.gguf")),
     ];
     let prompt: Vec<u32> = (0..45).map(|i| (i * 37 + 11) % 200).collect();
     let compact =
@@ -71,9 +63,9 @@ fn a_gpu_verify_pass_gives_each_row_its_decode_step_logits() {
     let models = [
         ("tiny256 f32", preset("tiny256", "f32", None)),
         ("tiny256 bf16", preset("tiny256", "bf16", None)),
-        ("q8_0", gguf("tiny_fp32.q8_0.gguf")),
-        ("q4_0", gguf("tiny_fp32.q4_0.gguf")),
-        ("q4_k_m", gguf("tiny256.q4_k_m.gguf")),
+        ("q8_0", gguf_model("tiny_fp32.q8_0.gguf")),
+        ("q4_0", gguf_model("tiny_fp32.q4_0.gguf")),
+        ("q4_k_m", gguf_model("tiny256.q4_k_m.gguf")),
     ];
     let prompt: Vec<u32> = (0..58).map(|i| (i * 37 + 11) % 200).collect();
     let rows: Vec<u32> = (0..STEP_ROWS as u32 - 1)
