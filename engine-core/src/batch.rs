@@ -74,8 +74,6 @@ struct Slot {
     stop: Vec<u32>,
     max_tokens: usize,
     sent: usize,
-    /// The logits the last token was drawn from.
-    logits: Vec<f32>,
     /// The token drawn last, fed by the next decode pass.
     drawn: Option<u32>,
     done: bool,
@@ -163,7 +161,6 @@ impl<'m> Batch<'m> {
             stop: r.stop,
             max_tokens: r.max_tokens,
             sent: 0,
-            logits: Vec::new(),
             drawn: None,
             done: false,
         });
@@ -213,8 +210,7 @@ impl<'m> Batch<'m> {
             let logits = decode_rows(model, be, &mut seqs, &tokens)?;
             let vocab = logits.len() / group.len();
             for (slot, row) in group.iter_mut().zip(logits.chunks_exact(vocab)) {
-                slot.logits = row.to_vec();
-                slot.draw(events, keep);
+                slot.draw(row, events, keep);
             }
         }
         Ok(())
@@ -232,19 +228,18 @@ impl<'m> Batch<'m> {
         let (logits, _) = split::prefill(self.model, self.be, &mut slot.seq, chunk, &self.plan)?;
         slot.prefilled = end;
         if end == slot.prompt.len() {
-            slot.logits = logits;
-            slot.draw(events, keep);
+            slot.draw(&logits, events, keep);
         }
         Ok(())
     }
 }
 
 impl Slot {
-    /// Draw the next token from the logits: sent, and fed by the next decode pass unless the
-    /// answer ends with it (a stop token, or the last token asked for: never fed, as a
-    /// generation alone never feeds its last).
-    fn draw(&mut self, events: &mut Vec<Event>, keep: bool) {
-        let token = self.sampler.sample(&self.logits);
+    /// Draw the next token from `logits` (its sequence's last row's): sent, and fed by the
+    /// next decode pass unless the answer ends with it (a stop token, or the last token asked
+    /// for: never fed, as a generation alone never feeds its last).
+    fn draw(&mut self, logits: &[f32], events: &mut Vec<Event>, keep: bool) {
+        let token = self.sampler.sample(logits);
         self.drawn = None;
         if self.stop.contains(&token) {
             self.finish(Finish::Stop, events);
@@ -255,7 +250,7 @@ impl Slot {
             id: self.id,
             token,
             n: self.sent,
-            logits: keep.then(|| self.logits.clone()),
+            logits: keep.then(|| logits.to_vec()),
         });
         match self.sent >= self.max_tokens {
             true => self.finish(Finish::Length, events),
