@@ -8,6 +8,8 @@
 #   scripts/bench-vs-llama.sh --spec [--types "f16 q4_k_m"] [--runs 5] [--threads 2] [--gen 64]
 #                             [--text TEXT] [--draft-max 8] [--mtp] [--mtp-draft-max 2]
 #                             [--quiet SECONDS]
+#   scripts/bench-vs-llama.sh --serve [--types q4_k_m] [--runs 2] [--threads 2] [--gen 64]
+#                             [--parallel 1,4,8,16]
 #
 # 1. Builds llama.cpp once into .llama/ (ignored): the llama-cpp-python 0.3.36 sdist from PyPI
 #    vendors upstream 0c1e57098, which has the qwen35 architecture.
@@ -43,6 +45,11 @@
 # far behind when a third runnable process takes a core (tether's much less); --quiet S waits up
 # to S seconds before each run for 3 s with no other runnable process, and every run records
 # the load average.
+#
+# --serve: many users at once (issue 37): `tether serve --parallel N` against `llama-server -np
+# N` (continuous batching) on the same GGUF, through scripts/serve_load.py: aggregate
+# throughput of N concurrent requests at each N, alternated --runs times, and the time to first
+# token (p50, p95) under a steady stream of new requests at N = 8.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -55,6 +62,8 @@ prompt=512
 gen=64
 avx2=
 spec=
+serve=
+parallel=1,4,8,16
 text=abcabcabcabcabcabcabcabcabcabcabcabcabcabcabcabcabcabc
 draft_max=8
 mtp_max=2
@@ -73,6 +82,8 @@ while [ $# -gt 0 ]; do
     --gen) gen="$2"; shift 2 ;;
     --avx2) avx2=1; shift ;;
     --spec) spec=1; shift ;;
+    --serve) serve=1; shift ;;
+    --parallel) parallel="$2"; shift 2 ;;
     --text) text="$2"; shift 2 ;;
     --draft-max) draft_max="$2"; shift 2 ;;
     --mtp) mtp=1; shift ;;
@@ -85,6 +96,11 @@ if [ -n "$spec" ]; then
     [ -z "$avx2" ] || { echo "--spec and --avx2 do not go together" >&2; exit 2; }
     [ -n "$types_set" ] || types="f16 q4_k_m"
     [ -n "$runs_set" ] || runs=5
+fi
+if [ -n "$serve" ]; then
+    [ -z "$avx2$spec" ] || { echo "--serve goes with neither --spec nor --avx2" >&2; exit 2; }
+    [ -n "$types_set" ] || types="q4_k_m"
+    [ -n "$runs_set" ] || runs=2
 fi
 
 dir=$PWD/.llama
@@ -103,6 +119,7 @@ targets="llama-bench llama-quantize"
 # --spec: examples/speculative-simple (n-gram and MTP speculation, greedy, with timings and
 # draft counts) and llama-tokenize (to check the prompt's ids).
 [ -z "$spec" ] || targets="$targets llama-speculative-simple llama-tokenize"
+[ -z "$serve" ] || targets="$targets llama-server"
 missing=
 for t in $targets; do [ -x "$bin/$t" ] || missing=1; done
 if [ -n "$missing" ]; then
@@ -133,7 +150,7 @@ if [ -n "$missing" ]; then
     fi
     PATH=$dir/venv/bin:$PATH cmake -S "$dir/llama.cpp" -B "$dir/llama.cpp/build" -G Ninja \
         -DCMAKE_BUILD_TYPE=Release $isa -DGGML_OPENMP=ON -DLLAMA_CURL=OFF \
-        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_SERVER=OFF
+        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_SERVER=ON
     # shellcheck disable=SC2086 # $targets is a list
     PATH=$dir/venv/bin:$PATH cmake --build "$dir/llama.cpp/build" -j 2 --target $targets
 fi
@@ -211,6 +228,17 @@ flags=$(grep -o -w 'avx2\|fma\|f16c\|avx512f\|avx512bw\|avx512vl\|avx512_vnni\|a
 echo "machine: $cpu; $(nproc) cores; flags: $flags; read bandwidth $bw GB/s with $threads threads"
 [ -z "$avx2" ] || echo "both engines on AVX2 code paths (--avx2)"
 echo "llama.cpp: $(cd "$dir/llama.cpp" && git describe --always 2>/dev/null || echo 0c1e57098 from llama-cpp-python 0.3.36); tether: $(git rev-parse --short HEAD)"
+
+# 4p. --serve: the two servers, alternated
+if [ -n "$serve" ]; then
+    for t in $types; do
+        echo "== $t: aggregate decode of N concurrent requests, then TTFT under load"
+        python3 scripts/serve_load.py --tether "$tether" --llama-server "$bin/llama-server" \
+            --model "$model/$t.gguf" --parallel "$parallel" --runs "$runs" --gen "$gen" \
+            --threads "$threads" --log "$dir/serve-$t.log"
+    done
+    exit 0
+fi
 
 # 4s. --spec: speculative decoding, alternated runs
 if [ -n "$spec" ]; then

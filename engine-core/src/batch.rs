@@ -24,14 +24,22 @@ use crate::model::{Logits, Model, Pass, Span};
 pub struct Request {
     /// The caller's name for it, in every event.
     pub id: u64,
-    /// A fresh sequence (or one holding what the prompt's first tokens already made: the
-    /// prompt then lists only the tokens after it).
+    /// A fresh sequence, or one holding what the prompt's first `seq.state.pos` tokens made
+    /// (a cached prefix, forked at one of `breaks` or at the prompt's end).
     pub seq: Sequence,
+    /// The whole prompt, the tokens `seq` holds included.
     pub prompt: Vec<u32>,
-    /// A position of the prompt where a prefill ubatch ends, ubatches starting again from it
-    /// (a chat prompt's new turn, where `tether serve`'s one-request worker checkpoints and so
-    /// restarts its ubatches): the ubatch boundaries, and so the answer, are then that worker's.
-    pub prefill_break: Option<usize>,
+    /// When `seq` holds the whole prompt: the logits of its last position, which the first
+    /// token is drawn from.
+    pub logits: Option<Vec<f32>>,
+    /// Positions of the prompt where a prefill ubatch ends, ubatches starting again from each
+    /// (a chat's message boundaries): the ubatch boundaries, and so the state at each break
+    /// and the answer, are a function of the prompt and its breaks alone, whether the prefill
+    /// starts from position 0 or from a prefix cached at a break.
+    pub breaks: Vec<usize>,
+    /// Fork the sequence at each break and at the prompt's end, for a prefix cache
+    /// ([`Batch::take_forks`]).
+    pub fork: bool,
     pub sampler: Sampler,
     /// Tokens that end the answer (not sent).
     pub stop: Vec<u32>,
@@ -62,14 +70,29 @@ pub enum Finish {
     Length,
 }
 
+/// A request's sequence as it stood at a break or at its prompt's end, with the prompt tokens
+/// it holds: a prefix a later request may start from.
+pub struct Fork {
+    pub id: u64,
+    pub tokens: Vec<u32>,
+    pub seq: Sequence,
+    /// At the prompt's end, the logits of its last position.
+    pub logits: Option<Vec<f32>>,
+}
+
 /// A request in the batch.
 struct Slot {
     id: u64,
     seq: Sequence,
     prompt: Vec<u32>,
-    prefill_break: Option<usize>,
+    /// Strictly ascending, inside the prompt.
+    breaks: Vec<usize>,
+    fork: bool,
     /// Prompt tokens fed so far.
     prefilled: usize,
+    /// A sequence that joined holding the whole prompt: the logits its first token is drawn
+    /// from, at the next step.
+    cached_logits: Option<Vec<f32>>,
     sampler: Sampler,
     stop: Vec<u32>,
     max_tokens: usize,
@@ -87,6 +110,7 @@ pub struct Batch<'m> {
     plan: SplitPlan,
     slots: Vec<Slot>,
     keep_logits: bool,
+    forks: Vec<Fork>,
 }
 
 impl<'m> Batch<'m> {
@@ -106,6 +130,7 @@ impl<'m> Batch<'m> {
             plan,
             slots: Vec::new(),
             keep_logits: false,
+            forks: Vec::new(),
         })
     }
 
@@ -134,8 +159,9 @@ impl<'m> Batch<'m> {
 
     /// Take `r` in: it prefills from the next step on, after the requests that came before.
     /// Refused (nothing else changes) if its id is taken, its prompt is empty or holds an id
-    /// outside the vocabulary, or it asks for no token.
-    pub fn join(&mut self, r: Request) -> Result<()> {
+    /// outside the vocabulary, it asks for no token, its sequence holds more than the prompt
+    /// (or all of it without the logits), or its breaks do not ascend.
+    pub fn join(&mut self, mut r: Request) -> Result<()> {
         let vocab = self.model.config.vocab_size;
         if self.slots.iter().any(|s| s.id == r.id) {
             return Err(Error::Invalid(format!(
@@ -151,12 +177,37 @@ impl<'m> Batch<'m> {
         if let Some(&id) = r.prompt.iter().find(|&&t| t as usize >= vocab) {
             return Err(Error::TokenOutOfRange { id, vocab });
         }
+        let held = r.seq.state.pos;
+        let logits_ok = match &r.logits {
+            None => held < r.prompt.len(),
+            Some(l) => held == r.prompt.len() && l.len() == vocab,
+        };
+        if !logits_ok {
+            return Err(Error::Invalid(format!(
+                "a sequence holding {held} of {} prompt tokens needs {} logits",
+                r.prompt.len(),
+                if held == r.prompt.len() {
+                    "its last position's"
+                } else {
+                    "no"
+                }
+            )));
+        }
+        if !r.breaks.windows(2).all(|w| w[0] < w[1]) {
+            return Err(Error::Invalid(format!(
+                "prefill breaks must ascend: {:?}",
+                r.breaks
+            )));
+        }
+        r.breaks.retain(|&b| b > 0 && b < r.prompt.len());
         self.slots.push(Slot {
             id: r.id,
             seq: r.seq,
             prompt: r.prompt,
-            prefill_break: r.prefill_break,
-            prefilled: 0,
+            breaks: r.breaks,
+            fork: r.fork,
+            prefilled: held,
+            cached_logits: r.logits,
             sampler: r.sampler,
             stop: r.stop,
             max_tokens: r.max_tokens,
@@ -182,6 +233,11 @@ impl<'m> Batch<'m> {
     pub fn step(&mut self) -> Result<Vec<Event>> {
         let mut events = Vec::new();
         let keep = self.keep_logits;
+        for slot in &mut self.slots {
+            if let Some(logits) = slot.cached_logits.take() {
+                slot.draw(&logits, &mut events, keep);
+            }
+        }
         let stepped = self
             .decode(&mut events, keep)
             .and_then(|()| self.prefill(&mut events, keep));
@@ -221,16 +277,31 @@ impl<'m> Batch<'m> {
             return Ok(());
         };
         let mut end = (slot.prefilled + self.plan.ubatch.max(1)).min(slot.prompt.len());
-        if let Some(b) = slot.prefill_break.filter(|&b| b > slot.prefilled) {
+        if let Some(&b) = slot.breaks.iter().find(|&&b| b > slot.prefilled) {
             end = end.min(b);
         }
         let chunk = &slot.prompt[slot.prefilled..end];
         let (logits, _) = split::prefill(self.model, self.be, &mut slot.seq, chunk, &self.plan)?;
         slot.prefilled = end;
-        if end == slot.prompt.len() {
+        let last = end == slot.prompt.len();
+        if slot.fork && (last || slot.breaks.contains(&end)) {
+            self.forks.push(Fork {
+                id: slot.id,
+                tokens: slot.prompt[..end].to_vec(),
+                seq: slot.seq.fork(&self.model.config, self.be)?,
+                logits: last.then(|| logits.clone()),
+            });
+        }
+        if last {
             slot.draw(&logits, events, keep);
         }
         Ok(())
+    }
+
+    /// The sequences forked at breaks and prompt ends since the last call (requests that
+    /// asked for them, [`Request::fork`]), oldest first.
+    pub fn take_forks(&mut self) -> Vec<Fork> {
+        std::mem::take(&mut self.forks)
     }
 }
 

@@ -191,14 +191,14 @@ impl MtpDrafts {
 
     /// Follow the sequence back to position `pos` (a checkpoint's), whose last position's
     /// final row is `last` (`None` at position 0): the entries past it are cut.
-    pub fn rewind(&mut self, pos: usize, last: Option<Vec<f32>>) -> Result<()> {
+    pub fn rewind(&mut self, be: &dyn Backend, pos: usize, last: Option<Vec<f32>>) -> Result<()> {
         if (pos > 0) != last.is_some() || pos > self.kv.len() + 1 {
             return Err(Error::Invalid(format!(
                 "MTP drafts: a rewind to position {pos} for a head that holds {} positions",
                 self.kv.len()
             )));
         }
-        self.kv.truncate(pos.saturating_sub(1))?;
+        self.kv.truncate(be, pos.saturating_sub(1))?;
         self.last = last;
         Ok(())
     }
@@ -285,7 +285,7 @@ impl MtpDrafts {
         pos: usize,
     ) -> Result<()> {
         let h = model.config.hidden_size;
-        self.kv.truncate(pos)?;
+        self.kv.truncate(be, pos)?;
         if !kept.is_empty() {
             model.mtp(be, &mut self.kv, (&hidden[..kept.len() * h], kept), pos)?;
         }

@@ -6,6 +6,7 @@
 //! host's helpers and page file: `host::placement`); this module knows nothing of links.
 
 use std::ops::Range;
+use std::sync::Arc;
 
 use crate::backend::page_rows::{bytes_of, words_of};
 use crate::backend::{Act, ActPartials, AttnShape, Backend, CacheTypes, KvPage, KvType, PageRows};
@@ -25,7 +26,9 @@ pub struct PagedKv {
     page_size: usize,
     row: usize,
     types: CacheTypes,
-    pages: Vec<KvPage>,
+    /// Shared with the caches [`Self::share`] made: a page is copied before it is written
+    /// while another cache holds it (only the last page is ever written).
+    pages: Vec<Arc<KvPage>>,
     len: usize,
     remote_len: usize,
 }
@@ -79,7 +82,7 @@ impl PagedKv {
         refill: Option<(Encoded, Encoded)>,
     ) -> Result<()> {
         if len >= self.remote_len {
-            return self.truncate(len);
+            return self.truncate(be, len);
         }
         let start = len / self.page_size * self.page_size;
         let (k, v) = refill.unwrap_or_else(|| (self.empty(self.types.k), self.empty(self.types.v)));
@@ -138,7 +141,7 @@ impl PagedKv {
             .filter_map(|p| {
                 let lo = start.max(p.start);
                 let hi = (start + len).min(p.start + p.len);
-                (lo < hi).then(|| (p, lo - p.start..hi - p.start))
+                (lo < hi).then(|| (&**p, lo - p.start..hi - p.start))
             })
             .collect();
         let held: usize = pieces.iter().map(|(_, r)| r.len()).sum();
@@ -171,7 +174,10 @@ impl PagedKv {
 
     /// The oldest local page, if it is full (the next to move to the remote).
     pub fn oldest_full_page(&self) -> Option<&KvPage> {
-        self.pages.first().filter(|p| p.len == self.page_size)
+        self.pages
+            .first()
+            .map(|p| &**p)
+            .filter(|p| p.len == self.page_size)
     }
 
     /// Forget the oldest local page once it is stored elsewhere (the caller records where).
@@ -192,8 +198,33 @@ impl PagedKv {
         self.len == 0
     }
 
-    pub fn pages(&self) -> &[KvPage] {
+    pub fn pages(&self) -> &[Arc<KvPage>] {
         &self.pages
+    }
+
+    /// A cache holding the same rows that evolves separately (a prefix another sequence
+    /// starts from): the pages are shared until one of the two writes to one, which then
+    /// gets its own copy. Only a cache whose pages are all here can be shared.
+    pub fn share(&self) -> Result<PagedKv> {
+        if self.remote_len > 0 {
+            return Err(Error::Invalid(format!(
+                "positions below {} live elsewhere: only a cache held wholly here is shared",
+                self.remote_len
+            )));
+        }
+        Ok(PagedKv {
+            pages: self.pages.clone(),
+            ..*self
+        })
+    }
+
+    /// The last page, to write to: copied first if another cache shares it.
+    fn last_page_mut(&mut self, be: &dyn Backend) -> Option<&mut KvPage> {
+        let last = self.pages.last_mut()?;
+        if Arc::get_mut(last).is_none() {
+            *last = Arc::new(copy_page(be, last));
+        }
+        Arc::get_mut(last)
     }
 
     /// Bytes held by K and V rows (not counting spare capacity).
@@ -252,11 +283,11 @@ impl PagedKv {
                     k: self.new_rows(be, self.types.k),
                     v: self.new_rows(be, self.types.v),
                 };
-                self.pages.push(page);
+                self.pages.push(Arc::new(page));
             }
-            let row = self.row;
-            let page = self.pages.last_mut().expect("a page was just ensured");
-            let take = (self.page_size - page.len).min(total - done);
+            let (row, page_size) = (self.row, self.page_size);
+            let page = self.last_page_mut(be).expect("a page was just ensured");
+            let take = (page_size - page.len).min(total - done);
             let rows = (page.len, done, take);
             write_rows(be, &mut page.k, row, rows, k);
             write_rows(be, &mut page.v, row, rows, v);
@@ -267,8 +298,9 @@ impl PagedKv {
     }
 
     /// Drop every position `>= len` (rewinding a sequence). Positions held remotely cannot be
-    /// dropped here. Only lengths change: the next append overwrites the dropped rows in place.
-    pub fn truncate(&mut self, len: usize) -> Result<()> {
+    /// dropped here. Only lengths change: the next append overwrites the dropped rows in place
+    /// (a page another cache shares is copied first).
+    pub fn truncate(&mut self, be: &dyn Backend, len: usize) -> Result<()> {
         if len < self.remote_len {
             return Err(Error::Invalid(format!(
                 "cannot rewind to {len}: positions below {} live on the helper",
@@ -281,7 +313,7 @@ impl PagedKv {
         self.pages.retain(|p| p.start < len);
         // A cut inside a gap (a helper holding some pages) ends at the last page kept, so the
         // next rows start a page at its boundary.
-        self.len = self.pages.last_mut().map_or(0, |p| {
+        self.len = self.last_page_mut(be).map_or(0, |p| {
             p.len = p.len.min(len - p.start);
             p.start + p.len
         });
@@ -327,7 +359,7 @@ impl PagedKv {
         let (k_in, v_in) = (Incoming::stored(be, &k), Incoming::stored(be, &v));
         write_rows(be, &mut page.k, self.row, (0, 0, rows), &k_in.as_ref());
         write_rows(be, &mut page.v, self.row, (0, 0, rows), &v_in.as_ref());
-        self.pages.insert(at, page);
+        self.pages.insert(at, Arc::new(page));
         Ok(())
     }
 
@@ -392,6 +424,27 @@ impl Arrived<'_> {
 /// Rows `from .. from + n` of `src` (`(at, from, n)`, rows of `row` values) written at row
 /// `at` of a page's `dst`: by the backend for f32 values and rows it packs, encoded or copied
 /// for compact ones on the host.
+/// A page's rows in buffers of its own, for a cache that writes to a page it shares.
+fn copy_page(be: &dyn Backend, p: &KvPage) -> KvPage {
+    let rows = |r: &PageRows| match r {
+        PageRows::Values(x) => PageRows::Values(be.duplicate(x)),
+        PageRows::Device { ty, words } => PageRows::Device {
+            ty: *ty,
+            words: be.duplicate(words),
+        },
+        PageRows::Packed { ty, bytes } => PageRows::Packed {
+            ty: *ty,
+            bytes: bytes.clone(),
+        },
+    };
+    KvPage {
+        start: p.start,
+        len: p.len,
+        k: rows(&p.k),
+        v: rows(&p.v),
+    }
+}
+
 fn write_rows(
     be: &dyn Backend,
     dst: &mut PageRows,
@@ -638,7 +691,10 @@ pub fn begin_attention(
         positions,
         (kv.remote_len, kv.page_size),
     )?;
-    let pages: Vec<&KvPage> = kv.pages().iter().filter(|p| p.start <= last).collect();
+    let pages: Vec<&KvPage> = (kv.pages().iter())
+        .filter(|p| p.start <= last)
+        .map(|p| &**p)
+        .collect();
     let began = web_time::Instant::now();
     let own = be.attend_pages(shape, q, positions, &pages);
     if be.timed_on_return() && away.is_some() {
@@ -692,13 +748,62 @@ mod tests {
             pollster::block_on(kv.rows(be, 3, 3).unwrap()).0,
             Encoded::f32(&rows[6..12])
         );
-        kv.truncate(4).unwrap();
+        kv.truncate(be, 4).unwrap();
         let starts: Vec<(usize, usize)> = kv.pages().iter().map(|p| (p.start, p.len)).collect();
         assert_eq!(starts, vec![(0, 3), (3, 1)]);
         kv.append(be, &part(8..10), &part(8..10));
         let (k, v) = pollster::block_on(kv.rows(be, 2, 3).unwrap());
         assert_eq!(k, Encoded::f32(&[&rows[4..8], &rows[8..10]].concat()));
         assert_eq!(k, v);
+    }
+
+    /// A shared cache holds what the original held when it was shared, whatever either writes
+    /// or cuts afterwards: full pages stay shared, the page written to is copied first.
+    #[test]
+    fn shared_pages_are_copied_on_write() {
+        let be = &CpuBackend;
+        let row = 32;
+        let rows: Vec<f32> = (0..9 * row).map(|x| (x as f32 * 0.29).cos()).collect();
+        let part = |r: std::ops::Range<usize>| Act::Host(rows[r.start * row..r.end * row].to_vec());
+        let other = |r: std::ops::Range<usize>| {
+            Act::Host(
+                rows[r.start * row..r.end * row]
+                    .iter()
+                    .map(|x| -x)
+                    .collect(),
+            )
+        };
+        for ty in [KvType::F32, KvType::F16, KvType::Q8_0] {
+            let types = CacheTypes { k: ty, v: ty };
+            let mut a = PagedKv::new(3, 1, row, types);
+            a.append(be, &part(0..5), &part(0..5));
+            let before = pollster::block_on(a.rows(be, 0, 5).unwrap());
+            let mut b = a.share().unwrap();
+            assert!(Arc::ptr_eq(&a.pages()[0], &b.pages()[0]));
+            // Each writes into the shared partial page, and one cuts into it.
+            a.append(be, &part(5..9), &part(5..9));
+            b.append(be, &other(5..7), &other(5..7));
+            b.truncate(be, 4).unwrap();
+            b.append(be, &other(7..8), &other(7..8));
+            let mut c = a.share().unwrap();
+            c.truncate(be, 2).unwrap();
+            assert!(
+                Arc::ptr_eq(&a.pages()[0], &b.pages()[0]),
+                "a full page stays shared"
+            );
+            assert_eq!(pollster::block_on(a.rows(be, 0, 5).unwrap()), before);
+            let (a_all, b_all) = (
+                pollster::block_on(a.rows(be, 0, 9).unwrap()),
+                pollster::block_on(b.rows(be, 0, 5).unwrap()),
+            );
+            let mut alone = PagedKv::new(3, 1, row, types);
+            alone.append(be, &part(0..9), &part(0..9));
+            assert_eq!(a_all, pollster::block_on(alone.rows(be, 0, 9).unwrap()));
+            let mut alone = PagedKv::new(3, 1, row, types);
+            alone.append(be, &part(0..4), &part(0..4));
+            alone.append(be, &other(7..8), &other(7..8));
+            assert_eq!(b_all, pollster::block_on(alone.rows(be, 0, 5).unwrap()));
+        }
     }
 
     /// Compact pages take rows across page boundaries and rewinds as f32 pages do: each row
@@ -716,7 +821,7 @@ mod tests {
             };
             let mut kv = PagedKv::new(3, 1, row, types);
             kv.append(be, &part(0..4), &part(0..4));
-            kv.truncate(2).unwrap();
+            kv.truncate(be, 2).unwrap();
             kv.append(be, &part(4..7), &part(4..7));
             assert_eq!(kv.len(), 5);
             assert_eq!(kv.bytes(), 5 * (ty.row_bytes(row) + 2 * row));

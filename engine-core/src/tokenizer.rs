@@ -202,6 +202,30 @@ impl Tokenizer {
         )
     }
 
+    /// Positions of `prompt` (`encode_chat(messages, true)`) where a prefill restarts its
+    /// ubatches and a prefix cache may keep the state: where the first message ends (a system
+    /// prompt many requests share), where the message two before the last ends (the
+    /// previous request's history, one reply and one new message ago) and where the last one
+    /// ends (this request's history, before the generation prompt). Each is the prompt's
+    /// common prefix with the messages up to there rendered without the generation prompt: a
+    /// later request renders the same messages the same way up to there, while the end of
+    /// this prompt may tokenise differently once a reply follows it. Ascending, inside the
+    /// prompt; a template that cannot render a prefix gives no break there.
+    pub fn chat_breaks(&self, messages: &[ChatMessage], prompt: &[u32]) -> Vec<usize> {
+        let n = messages.len();
+        let mut ends: Vec<usize> = [Some(1), n.checked_sub(2), Some(n)]
+            .into_iter()
+            .flatten()
+            .filter(|&k| k >= 1 && k <= n)
+            .filter_map(|k| self.encode_chat(&messages[..k], false).ok())
+            .map(|h| prompt.iter().zip(&h).take_while(|(a, b)| a == b).count())
+            .filter(|&p| p > 0 && p < prompt.len())
+            .collect();
+        ends.sort_unstable();
+        ends.dedup();
+        ends
+    }
+
     /// A private-use character in none of `texts` and not in the template: it cannot be
     /// confused with anything else in a rendered prompt. Found in one pass over the texts.
     fn free_mark<'a>(&self, texts: impl IntoIterator<Item = &'a str>) -> Result<char> {

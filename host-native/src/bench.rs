@@ -458,7 +458,9 @@ fn parallel_decode(a: &Args, model: &Model, be: &dyn Backend) -> Result<()> {
                 id,
                 seq: Sequence::typed(c, page, types, be)?,
                 prompt,
-                prefill_break: None,
+                logits: None,
+                breaks: Vec::new(),
+                fork: false,
                 sampler: Sampler::new(SamplingParams::greedy())?,
                 stop: Vec::new(),
                 // No end: the first to prefill decode while the others prefill, and every one

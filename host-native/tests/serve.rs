@@ -1709,3 +1709,77 @@ fn many_clients_and_disconnects_leave_the_batch_empty() {
     assert!(s.metric("tether_requests_cancelled_total") <= 52.0);
     assert_eq!(s.metric("tether_requests_rejected_total"), 0.0);
 }
+
+/// `--parallel` keeps a prefix cache: chats that share a system prompt prefill it once, a
+/// conversation's next turn starts from where the previous turn's history ended, and the very
+/// same prompt again needs no prefill. Every answer is the one-request server's (whose
+/// prefill restarts its ubatches at the same breaks), and /metrics counts the hits.
+#[test]
+fn prefix_cache_prefills_shared_prompts_once() {
+    let alone = Server::start("tiny", &[]);
+    let batched = Arc::new(Server::start("tiny", &["--parallel", "4"]));
+    let system = format!("You answer briefly. {}", "Rules follow. ".repeat(12));
+    let chat = |turns: &[&str]| {
+        let mut messages = vec![json!({"role": "system", "content": system})];
+        for (i, t) in turns.iter().enumerate() {
+            let role = if i % 2 == 0 { "user" } else { "assistant" };
+            messages.push(json!({"role": role, "content": t}));
+        }
+        json!({"model": "tiny", "messages": messages, "max_tokens": 12, "temperature": 0})
+    };
+    let ask = |s: &Server, body: &Value| {
+        let (status, v) = s.post("/v1/chat/completions", body);
+        assert_eq!(status, 200, "{v}");
+        let text = v["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        let usage = &v["usage"];
+        let cached = usage["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap();
+        (text, cached, usage["prompt_tokens"].as_u64().unwrap())
+    };
+    let first = chat(&["What is a page?"]);
+    let (text, cached, prompt) = ask(&batched, &first);
+    assert_eq!((text.clone(), 0), (ask(&alone, &first).0, cached));
+    // Three others at once, each with the system prompt cached.
+    let others: Vec<Value> = ["Why?", "And a frame?", "Say more about the link."]
+        .iter()
+        .map(|q| chat(&[q]))
+        .collect();
+    let clients: Vec<_> = (others.iter().cloned())
+        .map(|b| {
+            let s = batched.clone();
+            std::thread::spawn(move || ask(&s, &b))
+        })
+        .collect();
+    let mut system_end = None;
+    for (c, b) in clients.into_iter().zip(&others) {
+        let (got, cached, _) = c.join().unwrap();
+        assert_eq!(got, ask(&alone, b).0, "{b}");
+        assert!(
+            cached > system.len() as u64,
+            "{cached} tokens reused for {b}"
+        );
+        assert_eq!(*system_end.get_or_insert(cached), cached);
+    }
+    // The next turn starts where the first turn's history ended.
+    let next = chat(&["What is a page?", &text, "Thanks. And a helper?"]);
+    let (got, cached, _) = ask(&batched, &next);
+    assert_eq!(got, ask(&alone, &next).0);
+    assert!(
+        cached > system_end.unwrap() + 10,
+        "{cached} reused of the next turn"
+    );
+    // The same prompt again: wholly cached, the same answer.
+    assert_eq!(ask(&batched, &first), (text, prompt, prompt));
+    assert_eq!(batched.metric("tether_prefix_cache_misses_total"), 1.0);
+    assert_eq!(batched.metric("tether_prefix_cache_hits_total"), 5.0);
+    assert!(batched.metric("tether_prefix_cache_entries") >= 4.0);
+    assert!(batched.metric("tether_prefix_cache_bytes") > 0.0);
+    assert_eq!(
+        batched.metric("tether_prompt_tokens_reused_total"),
+        (3 * system_end.unwrap() + cached + prompt) as f64
+    );
+}

@@ -2,10 +2,11 @@
 //! they get alone, token for token with the logits bit for bit, whatever else shares the
 //! step: submitted together, staggered, with one cancelled mid-way, more than one decode
 //! pass's worth at once; greedy and sampled; on the CPU and on the GPU (lavapipe in CI; one
-//! model there: the GPU verify test covers its weight types' row invariance).
+//! model there: the GPU verify test covers its weight types' row invariance). A request that
+//! starts from another's fork (a prefix cache's hit) gets the bits of its run from 0.
 
 use engine_core::backend::{CacheTypes, KvType, STEP_ROWS};
-use engine_core::batch::{Batch, Event, Finish, Request};
+use engine_core::batch::{Batch, Event, Finish, Fork, Request};
 use engine_core::generate::{Generation, Sampler, SamplingParams};
 use engine_core::host::split::SplitPlan;
 use engine_core::host::Sequence;
@@ -39,8 +40,8 @@ fn bits(v: &[f32]) -> Vec<u32> {
 #[derive(Clone)]
 struct Spec {
     prompt: Vec<u32>,
-    /// Where a prefill ubatch ends and the next ones start from (a chat's turn start).
-    prefill_break: Option<usize>,
+    /// Where prefill ubatches end and the next ones start from (a chat's message ends).
+    breaks: Vec<usize>,
     sampling: SamplingParams,
     stop: Vec<u32>,
     max_tokens: usize,
@@ -74,7 +75,7 @@ fn specs(n: usize, max_tokens: usize) -> Vec<Spec> {
                     .map(|j| ((i * 31 + j * 7 + 3) % 250) as u32)
                     .collect(),
                 // One prompt of 43 tokens breaks at 21: ubatches 0..16, 16..21, 21..37, 37..43.
-                prefill_break: (i == 5).then_some(21),
+                breaks: if i == 5 { vec![21] } else { Vec::new() },
                 sampling,
                 stop: Vec::new(),
                 max_tokens,
@@ -93,11 +94,12 @@ fn alone(m: &Model, be: &dyn Backend, types: CacheTypes, spec: &Spec) -> Answer 
     let mut sampler = Sampler::new(spec.sampling.clone()).unwrap();
     let mut g = Generation::new(m, be, &mut seq, &mut sampler, spec.stop.clone());
     g.limit(spec.max_tokens);
-    let at = spec.prefill_break.unwrap_or(0);
-    if at > 0 {
-        g.prefill(&spec.prompt[..at], &plan()).unwrap();
+    let ends = spec.breaks.iter().copied().chain([spec.prompt.len()]);
+    let mut at = 0;
+    for end in ends {
+        g.prefill(&spec.prompt[at..end], &plan()).unwrap();
+        at = end;
     }
-    g.prefill(&spec.prompt[at..], &plan()).unwrap();
     let mut a = Answer {
         tokens: Vec::new(),
         logits: Vec::new(),
@@ -129,7 +131,21 @@ fn batched(
     specs: &[Spec],
     schedule: &Schedule,
 ) -> Vec<Answer> {
+    let fresh = &mut |_: usize| (sequence(m, be, types), None);
+    batched_from(m, be, specs, schedule, fresh).0
+}
+
+/// [`batched`] with each request's sequence (and, holding its whole prompt, the logits) from
+/// `start`, forking every sequence at its breaks and prompt end: the answers, and the forks.
+fn batched_from(
+    m: &Model,
+    be: &dyn Backend,
+    specs: &[Spec],
+    schedule: &Schedule,
+    start: &mut dyn FnMut(usize) -> (Sequence, Option<Vec<f32>>),
+) -> (Vec<Answer>, Vec<Fork>) {
     let mut batch = Batch::new(m, be, plan()).unwrap().keep_logits();
+    let mut forks = Vec::new();
     let mut answers: Vec<Answer> = specs
         .iter()
         .map(|_| Answer {
@@ -142,12 +158,15 @@ fn batched(
     while step <= *schedule.joins.iter().max().unwrap() || !batch.is_empty() {
         for (i, spec) in specs.iter().enumerate() {
             if schedule.joins[i] == step {
+                let (seq, logits) = start(i);
                 batch
                     .join(Request {
                         id: i as u64,
-                        seq: sequence(m, be, types),
+                        seq,
                         prompt: spec.prompt.clone(),
-                        prefill_break: spec.prefill_break,
+                        logits,
+                        breaks: spec.breaks.clone(),
+                        fork: true,
                         sampler: Sampler::new(spec.sampling.clone()).unwrap(),
                         stop: spec.stop.clone(),
                         max_tokens: spec.max_tokens,
@@ -176,10 +195,11 @@ fn batched(
                 Event::Done { id, reason } => answers[id as usize].finish = Some(reason),
             }
         }
+        forks.extend(batch.take_forks());
         step += 1;
         assert!(step < 10_000, "the batch never emptied");
     }
-    answers
+    (answers, forks)
 }
 
 /// Submitted together, staggered (a request joins while others decode and while one
@@ -285,6 +305,97 @@ fn gpu_batched_answers_are_their_runs_alone() {
     );
 }
 
+/// Requests that start from other requests' forks (what `tether serve --parallel`'s prefix
+/// cache hands out) get their runs alone from position 0, bit for bit: from a fork at a break
+/// they share (a system prompt of 37 tokens: two whole pages and a partial one, which the
+/// request then writes to), and from a fork at the whole prompt (no prefill, the saved
+/// logits). The forks stay as they were made while the requests that started from them
+/// write: a later request from the same fork gets its run alone too.
+fn forks_are_prefixes(be: &dyn Backend, models: &[(&str, Model, CacheTypes)]) {
+    let shared: Vec<u32> = (0..37).map(|j| (j * 11 + 5) % 250).collect();
+    let spec = |tail: u32, seed: u64| Spec {
+        prompt: [
+            &shared[..],
+            &(0..9 + tail)
+                .map(|j| (j * 13 + tail * 29) % 250)
+                .collect::<Vec<_>>(),
+        ]
+        .concat(),
+        breaks: vec![shared.len()],
+        sampling: match seed {
+            0 => SamplingParams::greedy(),
+            seed => SamplingParams {
+                temperature: 0.8,
+                seed,
+                ..SamplingParams::greedy()
+            },
+        },
+        stop: Vec::new(),
+        max_tokens: 6,
+    };
+    for (name, m, types) in models {
+        let first = [spec(0, 0)];
+        let fresh = &mut |_: usize| (sequence(m, be, *types), None);
+        let once = Schedule {
+            joins: vec![0],
+            cancel: None,
+        };
+        let (_, forks) = batched_from(m, be, &first, &once, fresh);
+        let at: Vec<usize> = forks.iter().map(|f| f.tokens.len()).collect();
+        assert_eq!(
+            at,
+            [37, first[0].prompt.len()],
+            "{name}: where forks were made"
+        );
+        assert!(forks[0].logits.is_none() && forks[1].logits.is_some());
+        assert_eq!(forks[1].tokens, first[0].prompt);
+        // From the shared prefix (greedy and sampled), and the first prompt again, wholly
+        // cached; then, once those wrote to the fork's partial page, the prefix again.
+        let specs = [spec(3, 0), spec(5, 7), first[0].clone(), spec(8, 0)];
+        let mut start = |i: usize| {
+            let f = &forks[if i == 2 { 1 } else { 0 }];
+            let seq = f.seq.fork(&m.config, be).unwrap();
+            (seq, f.logits.clone())
+        };
+        let schedule = Schedule {
+            joins: vec![0, 0, 1, 12],
+            cancel: None,
+        };
+        let (got, _) = batched_from(m, be, &specs, &schedule, &mut start);
+        for (i, (g, s)) in got.iter().zip(&specs).enumerate() {
+            let w = alone(m, be, *types, s);
+            assert_eq!(g.tokens, w.tokens, "{name}: request {i}'s tokens");
+            assert!(g.logits == w.logits, "{name}: request {i}'s logits");
+        }
+    }
+}
+
+#[test]
+fn requests_from_forks_are_their_runs_alone() {
+    forks_are_prefixes(
+        &CpuBackend,
+        &[
+            ("tiny256 bf16, f16 KV", preset("tiny256", "bf16"), f16()),
+            (
+                "q4_k_m, q8_0/q4_0 KV",
+                gguf_model("tiny256.q4_k_m.gguf"),
+                CacheTypes {
+                    k: KvType::Q8_0,
+                    v: KvType::Q4_0,
+                },
+            ),
+        ],
+    );
+}
+
+#[test]
+fn gpu_requests_from_forks_are_their_runs_alone() {
+    forks_are_prefixes(
+        gpu(),
+        &[("q4_k_m, f16 KV", gguf_model("tiny256.q4_k_m.gguf"), f16())],
+    );
+}
+
 /// More requests than one decode pass takes (`STEP_ROWS - 1` rows): the step runs two, and
 /// every answer is still its run alone.
 #[test]
@@ -309,7 +420,9 @@ fn bad_requests_are_refused_and_the_batch_goes_on() {
         id,
         seq: sequence(&m, be, f16()),
         prompt,
-        prefill_break: None,
+        logits: None,
+        breaks: Vec::new(),
+        fork: false,
         sampler: Sampler::new(SamplingParams::greedy()).unwrap(),
         stop: Vec::new(),
         max_tokens,

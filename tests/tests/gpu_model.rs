@@ -6,7 +6,7 @@
 //! its decode step's bits.
 
 use engine_core::backend::gpu::{GpuBackend, GpuOptions};
-use engine_core::backend::{Act, AttnShape, CacheTypes, KvType};
+use engine_core::backend::{Act, AttnShape, CacheTypes, KvPage, KvType};
 use engine_core::generate::argmax;
 use engine_core::host::split::{prefill, SplitPlan};
 use engine_core::host::Sequence;
@@ -282,7 +282,7 @@ fn compact_pages_on_the_gpu_hold_the_cpus_bytes_and_attend_alike() {
             "{types}: rows that arrived"
         );
         let attend = |kv: &PagedKv, be: &dyn Backend| {
-            let pages: Vec<_> = kv.pages().iter().collect();
+            let pages: Vec<&KvPage> = kv.pages().iter().map(|p| &**p).collect();
             let parts = be.attend_pages(shape, &be.upload(q.clone()), &positions, &pages);
             let rows = positions.len() * shape.q_heads;
             be.download(&be.merge_partials(rows, shape.head_dim, parts))
@@ -313,7 +313,7 @@ fn compact_pages_on_the_gpu_hold_the_cpus_bytes_and_attend_alike() {
             };
             kv.fill_gap(be, 0, (few(&cpu_rows.0), few(&cpu_rows.1)))
                 .unwrap();
-            kv.truncate(5).unwrap();
+            kv.truncate(be, 5).unwrap();
             kv.append(be, &part(&k, 5..len), &part(&v, 5..len));
             rows(&kv, be)
         };
@@ -347,7 +347,7 @@ fn gpu_attention_rows_below_step_rows_are_their_decode_steps() {
     let q = rng.normal_vec(positions.len() * width);
     let be = gpu();
     let attend = |kv: &PagedKv, q: &[f32], positions: &[usize]| {
-        let pages: Vec<_> = kv.pages().iter().collect();
+        let pages: Vec<&KvPage> = kv.pages().iter().map(|p| &**p).collect();
         let parts = be.attend_pages(shape, &be.upload(q.to_vec()), positions, &pages);
         let rows = positions.len() * shape.q_heads;
         bits(&be.download(&be.merge_partials(rows, shape.head_dim, parts)))
@@ -365,7 +365,7 @@ fn gpu_attention_rows_below_step_rows_are_their_decode_steps() {
         let pass = attend(&kv, &q, &positions);
         // Each row as its decode step, the last first: the cache then ends at its position.
         for (i, &p) in positions.iter().enumerate().rev() {
-            kv.truncate(p + 1).unwrap();
+            kv.truncate(be, p + 1).unwrap();
             let step = attend(&kv, &q[i * width..][..width], &[p]);
             assert!(
                 pass[i * width..][..width] == step[..],

@@ -374,11 +374,11 @@ fn the_heads_drafts_follow_a_conversation() {
 
     // Back to the first prompt's end, as a conversation cache restores it.
     seq.rewind(be, &at_prompt).unwrap();
-    drafts.rewind(prompt.len(), Some(prompt_row)).unwrap();
+    drafts.rewind(be, prompt.len(), Some(prompt_row)).unwrap();
     let (cache, want) = drafts_from_scratch(&model, &prompt, first, K);
     assert_eq!(cache_rows(drafts.cache()), cache);
     let got = drafts.propose(&model, be, first, prompt.len(), K).unwrap();
     assert_eq!(got, want, "after the rewind");
     // A rewind the head cannot follow is refused.
-    assert!(drafts.rewind(prompt.len() + 5, None).is_err());
+    assert!(drafts.rewind(be, prompt.len() + 5, None).is_err());
 }

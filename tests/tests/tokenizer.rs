@@ -243,3 +243,31 @@ fn malformed_or_missing_files_are_errors_naming_the_file() {
     assert!(matches!(err, Error::Io { .. }), "{err}");
     assert!(err.to_string().contains("tokenizer.json"), "{err}");
 }
+
+/// A chat's breaks fall where its system prompt, the previous turn's history and this turn's
+/// history end: each the rendering of the messages up to there, a prefix of the prompt.
+#[test]
+fn chat_breaks_fall_at_message_ends() {
+    let t = qwen();
+    let m = [
+        ChatMessage::new("system", "Be brief."),
+        ChatMessage::new("user", "What is a page?"),
+        ChatMessage::new("assistant", "Rows of keys."),
+        ChatMessage::new("user", "And a frame?"),
+    ];
+    let prompt = t.encode_chat(&m, true).unwrap();
+    let ends: Vec<usize> = [1, 2, 4]
+        .iter()
+        .map(|&k| t.encode_chat(&m[..k], false).unwrap())
+        .inspect(|h| assert_eq!(prompt[..h.len()], h[..]))
+        .map(|h| h.len())
+        .collect();
+    assert!(ends.windows(2).all(|w| w[0] < w[1]) && ends[2] < prompt.len());
+    assert_eq!(t.chat_breaks(&m, &prompt), ends);
+    // One message: its end; two: both ends once.
+    let one = t.encode_chat(&m[1..2], true).unwrap();
+    let user_end = t.encode_chat(&m[1..2], false).unwrap().len();
+    assert_eq!(t.chat_breaks(&m[1..2], &one), [user_end]);
+    let two = t.encode_chat(&m[..2], true).unwrap();
+    assert_eq!(t.chat_breaks(&m[..2], &two), ends[..2]);
+}

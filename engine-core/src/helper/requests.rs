@@ -79,7 +79,7 @@ impl Helper<'_> {
                 start,
                 len,
             } => self.on_kv_fetch(s, seq, layer, start, len).await,
-            Message::KvTruncate { seq, len } => on_kv_truncate(s, seq, len),
+            Message::KvTruncate { seq, len } => on_kv_truncate(self.backend, s, seq, len),
             other => {
                 s.configured(other.msg_type())?;
                 Err(Refusal(
@@ -230,6 +230,7 @@ impl Helper<'_> {
             .pages()
             .iter()
             .filter(|p| (p.start as u64) < end)
+            .map(|p| &**p)
             .collect();
         let rows = positions.len() * shape.q_heads;
         // A small query over many pages asks for many partials: the reply must fit a frame,
@@ -553,12 +554,12 @@ fn check_mirror_at(s: &Held, seq: u64, pos: u64, full: &[u32]) -> Result<(), Ref
 
 /// Forget the rows of `seq` from `len` on (a host rewinding); nothing to do for a sequence
 /// this helper does not hold.
-fn on_kv_truncate(s: &mut Held, seq: u64, len: u64) -> Result<Message, Refusal> {
+fn on_kv_truncate(be: &dyn Backend, s: &mut Held, seq: u64, len: u64) -> Result<Message, Refusal> {
     s.configured(MsgType::KvTruncate)?;
     if let Some(st) = s.seqs.get_mut(&seq) {
         for l in &mut st.layers {
             if let LayerState::Attention(kv) = l {
-                kv.truncate(len as usize)
+                kv.truncate(be, len as usize)
                     .map_err(|e| Refusal("truncate", e.to_string()))?;
             }
         }

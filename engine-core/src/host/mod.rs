@@ -71,6 +71,15 @@ impl Sequence {
         })
     }
 
+    /// A copy that evolves separately (see [`State::fork`]), on this host alone: a sequence
+    /// some of whose pages left it is not forked.
+    pub fn fork(&self, c: &ModelConfig, be: &dyn Backend) -> Result<Sequence> {
+        Ok(Sequence {
+            state: self.state.fork(be)?,
+            placement: Placement::new(c, self.placement.page_size()),
+        })
+    }
+
     /// [`Model::forward`] for a host's sequence: run `tokens` at `state.pos ..`, then move
     /// the pages past the budget out; logits `[rows, vocab]` of the rows `logits` asks for.
     pub fn forward(

@@ -315,7 +315,7 @@ fn pipelined(
             // layers over the kept residuals, then whole ubatches that were never sent.
             for l in tail.clone() {
                 if let LayerState::Attention(kv) = &mut seq.state.layers[l] {
-                    kv.truncate(start)?;
+                    kv.truncate(be, start)?;
                 }
             }
             let kept = sent.len();

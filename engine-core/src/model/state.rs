@@ -238,6 +238,28 @@ impl State {
     }
 
     /// Bytes held by KV caches.
+    /// A copy that evolves separately, in the same backend (a prefix another sequence starts
+    /// from): the KV pages shared until one of the two writes to one (see
+    /// [`PagedKv::share`]), the DeltaNet states duplicated. Only a state whose pages are all
+    /// on this device is forked.
+    pub fn fork(&self, be: &dyn Backend) -> Result<State> {
+        let layers = self
+            .layers
+            .iter()
+            .map(|l| {
+                Ok(match l {
+                    LayerState::Attention(kv) => LayerState::Attention(kv.share()?),
+                    LayerState::DeltaNet(d) => LayerState::DeltaNet(d.duplicate(be)),
+                    LayerState::Elsewhere => LayerState::Elsewhere,
+                })
+            })
+            .collect::<Result<_>>()?;
+        Ok(State {
+            pos: self.pos,
+            layers,
+        })
+    }
+
     pub fn kv_bytes(&self) -> usize {
         self.layers
             .iter()

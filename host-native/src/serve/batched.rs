@@ -5,10 +5,13 @@
 //! client goes away or its time runs out. Each answer is the one it gets alone (see
 //! `engine_core::batch`).
 //!
-//! What the one-sequence worker ([`super::engine::Engine`]) has and this one has not yet:
-//! conversation reuse, helpers and speculative drafts (`tether serve` refuses them with
-//! `--parallel`). An engine error or panic during a step fails the requests of that step's
-//! batch (each with a 500), and the worker goes on with a fresh batch.
+//! Each request forks its sequence where its prompt breaks and where it ends, into a prefix
+//! cache ([`PrefixCache`]) that later requests start from: a shared system prompt, or a
+//! conversation's previous turn, is prefilled once. What the one-sequence worker
+//! ([`super::engine::Engine`]) has and this one has not yet: helpers and speculative drafts
+//! (`tether serve` refuses them with `--parallel`). An engine error or panic during a step
+//! fails the requests of that step's batch (each with a 500), and the worker goes on with a
+//! fresh batch; the prefix cache keeps what it held.
 
 use std::collections::HashMap;
 use std::panic::{self, AssertUnwindSafe};
@@ -28,6 +31,7 @@ use tracing::{info, warn};
 use super::api::ApiError;
 use super::engine::{interrupted, panic_text, remaining_text, Outcome, StopScan, IDLE_LOOK};
 use super::metrics::{KvPlacement, Metrics};
+use super::prefix::{Hit, PrefixCache};
 use super::queue::{Event, Finish, FinishReason, Job, Next, Queue};
 use super::telemetry::Hub;
 
@@ -42,6 +46,8 @@ pub struct Batched {
     pub stop_ids: Vec<u32>,
     /// Most requests in the batch (`--parallel`).
     pub parallel: usize,
+    /// Bytes the prefix cache may hold (0: no cache).
+    pub prefix_budget: usize,
     pub metrics: Arc<Metrics>,
     pub timeout_s: u64,
     pub hub: Arc<Hub>,
@@ -75,6 +81,8 @@ struct Running {
     decoder: StreamDecoder,
     scan: StopScan,
     sent: usize,
+    /// Prompt tokens its sequence held from the prefix cache.
+    reused: usize,
     arrived: Instant,
     /// When its first token came (its prefill's end).
     first: Option<Instant>,
@@ -90,16 +98,24 @@ impl Batched {
         };
         let mut batch = fresh();
         let mut running: HashMap<u64, Running> = HashMap::new();
+        let mut cache = PrefixCache::new(self.prefix_budget);
         let mut closed = false;
         while !(closed && running.is_empty()) {
-            closed |= self.take_jobs(queue, &mut batch, &mut running);
+            closed |= self.take_jobs(queue, &mut batch, &mut running, &mut cache);
             self.drop_interrupted(&mut batch, &mut running);
             self.metrics.set_active(running.len());
             if running.is_empty() {
                 self.metrics.set_batch(batch.len(), batch.state_bytes());
                 continue;
             }
-            match panic::catch_unwind(AssertUnwindSafe(|| batch.step())) {
+            let stepped = panic::catch_unwind(AssertUnwindSafe(|| batch.step()));
+            // Forks are whole prefixes even when a later part of the step failed.
+            for f in batch.take_forks() {
+                cache.insert(f);
+            }
+            self.metrics
+                .set_prefix_cache(cache.len(), cache.bytes(), cache.evicted);
+            match stepped {
                 Ok(Ok(events)) => {
                     for e in events {
                         self.deliver(e, &mut batch, &mut running);
@@ -134,6 +150,7 @@ impl Batched {
         queue: &Queue,
         batch: &mut Batch,
         running: &mut HashMap<u64, Running>,
+        cache: &mut PrefixCache,
     ) -> bool {
         while running.len() < self.parallel {
             let wait = if running.is_empty() {
@@ -142,7 +159,7 @@ impl Batched {
                 Duration::ZERO
             };
             match queue.next_within(wait) {
-                Next::Job(job) => self.admit(job, batch, running),
+                Next::Job(job) => self.admit(job, batch, running, cache),
                 Next::Idle => return false,
                 Next::Closed => return true,
             }
@@ -150,15 +167,35 @@ impl Batched {
         false
     }
 
-    fn admit(&self, job: Job, batch: &mut Batch, running: &mut HashMap<u64, Running>) {
-        let request = || -> Result<Request> {
-            let c = &self.model.config;
+    fn admit(
+        &self,
+        job: Job,
+        batch: &mut Batch,
+        running: &mut HashMap<u64, Running>,
+        cache: &mut PrefixCache,
+    ) {
+        let mut reused = 0;
+        let mut request = || -> Result<Request> {
+            let (c, be) = (&self.model.config, &*self.backend);
+            let hit = cache.lookup(c, be, &job.prompt, &job.breaks)?;
+            if self.prefix_budget > 0 {
+                self.metrics.prefix_lookup(hit.is_some());
+            }
+            let Hit { seq, logits } = match hit {
+                Some(hit) => hit,
+                None => Hit {
+                    seq: Sequence::typed(c, self.page_size, self.kv_types, be)?,
+                    logits: None,
+                },
+            };
+            reused = seq.state.pos;
             Ok(Request {
                 id: job.id,
-                seq: Sequence::typed(c, self.page_size, self.kv_types, &*self.backend)?,
+                seq,
                 prompt: job.prompt.clone(),
-                // Where the one-request worker checkpoints a chat and restarts its ubatches.
-                prefill_break: job.turn_start,
+                logits,
+                breaks: job.breaks.clone(),
+                fork: self.prefix_budget > 0,
                 sampler: Sampler::new(job.sampling.clone())?,
                 stop: self.stop_ids.clone(),
                 max_tokens: job.max_tokens,
@@ -172,7 +209,7 @@ impl Batched {
         }
         self.hub.event(
             "request",
-            || json!({"id": job.id, "prompt_tokens": job.prompt.len(), "reused_tokens": 0}),
+            || json!({"id": job.id, "prompt_tokens": job.prompt.len(), "reused_tokens": reused}),
         );
         running.insert(
             job.id,
@@ -180,6 +217,7 @@ impl Batched {
                 decoder: StreamDecoder::new(&self.tokenizer),
                 scan: StopScan::new(&job.stop),
                 sent: 0,
+                reused,
                 arrived: Instant::now(),
                 first: None,
                 job,
@@ -278,10 +316,11 @@ impl Batched {
         let s = r.arrived.elapsed().as_secs_f64();
         r.first = Some(Instant::now());
         let n = r.job.prompt.len();
-        self.metrics.prefill(n, n, s);
+        let new = n - r.reused;
+        self.metrics.prefill(n, new, s);
         self.hub.event("prefill", || {
-            json!({"id": r.job.id, "tokens": n, "ms": s * 1e3,
-                   "tok_s": n as f64 / s.max(1e-9), "ttft_ms": s * 1e3})
+            json!({"id": r.job.id, "tokens": new, "ms": s * 1e3,
+                   "tok_s": new as f64 / s.max(1e-9), "ttft_ms": s * 1e3})
         });
     }
 
@@ -299,7 +338,7 @@ impl Batched {
             reason,
             prompt_tokens: r.job.prompt.len(),
             completion_tokens: r.sent,
-            cached_tokens: 0,
+            cached_tokens: r.reused,
         }));
     }
 

@@ -322,7 +322,7 @@ impl Engine {
             .conversation
             .restore(&*self.backend, &mut self.seq, &job.prompt)?;
         if let Some(m) = self.mtp.as_mut().filter(|_| restored.reused != held) {
-            m.rewind(restored.reused, restored.last_row.clone())?;
+            m.rewind(&*self.backend, restored.reused, restored.last_row.clone())?;
         }
         let new = &job.prompt[restored.reused..];
         self.hub.event("request", || {
@@ -331,13 +331,12 @@ impl Engine {
         });
         let mut logits = restored.logits.unwrap_or_default();
         let bar = terminal::prefill_bar(new.len(), self.segment);
-        // Checkpoints at the turn's start (when it is still ahead) and at the prompt's end.
+        // Checkpoints at the breaks still ahead and at the prompt's end.
         let mut pos = restored.reused;
-        let ends = job
-            .turn_start
+        let ends: Vec<usize> = (job.breaks.iter().copied())
             .filter(|&t| t > pos && t < job.prompt.len())
-            .into_iter()
-            .chain((pos < job.prompt.len()).then_some(job.prompt.len()));
+            .chain((pos < job.prompt.len()).then_some(job.prompt.len()))
+            .collect();
         for end in ends {
             for seg in job.prompt[pos..end].chunks(self.segment) {
                 if let Some(o) = interrupted(job) {

@@ -59,6 +59,13 @@ struct Counters {
     /// `--parallel`: sequences the batch holds, and the bytes of their KV pages and states.
     batch_sequences: usize,
     batch_state_bytes: usize,
+    /// `--parallel`: the prefix cache's lookups that found a prefix and those that did not,
+    /// its entries, bytes and evictions.
+    prefix_hits: u64,
+    prefix_misses: u64,
+    prefix_entries: usize,
+    prefix_bytes: usize,
+    prefix_evictions: u64,
     /// Seconds an engine job takes, smoothed; sizes `Retry-After`.
     job_seconds: f64,
     kv: KvPlacement,
@@ -110,6 +117,23 @@ impl Metrics {
         let mut c = self.lock();
         c.batch_sequences = sequences;
         c.batch_state_bytes = state_bytes;
+    }
+
+    /// `--parallel`: a prefix cache lookup, which found a prefix or not.
+    pub fn prefix_lookup(&self, hit: bool) {
+        let mut c = self.lock();
+        match hit {
+            true => c.prefix_hits += 1,
+            false => c.prefix_misses += 1,
+        }
+    }
+
+    /// `--parallel`: what the prefix cache holds after a step.
+    pub fn set_prefix_cache(&self, entries: usize, bytes: usize, evictions: u64) {
+        let mut c = self.lock();
+        c.prefix_entries = entries;
+        c.prefix_bytes = bytes;
+        c.prefix_evictions = evictions;
     }
 
     /// A prefill of `prefilled` new tokens for a prompt of `prompt` (the rest reused).
@@ -304,6 +328,36 @@ impl Metrics {
             "gauge",
             "With --parallel: bytes of the batch's KV pages and DeltaNet states.",
             c.batch_state_bytes as f64,
+        );
+        one(
+            "tether_prefix_cache_hits_total",
+            "counter",
+            "With --parallel: requests that started from a cached prefix of their prompt.",
+            c.prefix_hits as f64,
+        );
+        one(
+            "tether_prefix_cache_misses_total",
+            "counter",
+            "With --parallel: requests that found no cached prefix and prefilled from 0.",
+            c.prefix_misses as f64,
+        );
+        one(
+            "tether_prefix_cache_entries",
+            "gauge",
+            "With --parallel: prefixes the cache holds (sequences forked at prompt breaks and ends).",
+            c.prefix_entries as f64,
+        );
+        one(
+            "tether_prefix_cache_bytes",
+            "gauge",
+            "With --parallel: bytes the prefix cache holds (pages shared by entries counted once).",
+            c.prefix_bytes as f64,
+        );
+        one(
+            "tether_prefix_cache_evictions_total",
+            "counter",
+            "With --parallel: prefixes evicted, least recently used first, to keep the budget.",
+            c.prefix_evictions as f64,
         );
         one(
             "tether_requests_rejected_total",

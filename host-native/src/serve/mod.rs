@@ -22,6 +22,7 @@ mod helpers;
 pub mod memory;
 mod metrics;
 mod page;
+mod prefix;
 mod queue;
 mod routes;
 mod telemetry;
@@ -107,6 +108,11 @@ pub struct Args {
     /// reuse, helpers and drafts, which --parallel does not have yet.
     #[arg(long, default_value_t = 1)]
     parallel: usize,
+    /// With --parallel: MiB the prefix cache may hold (sequences kept where chat prompts
+    /// break and where prompts end, for later requests that start the same way; 0: none).
+    /// Taken from the memory the context is sized to.
+    #[arg(long, default_value_t = 1024, value_name = "MIB")]
+    prefix_cache_mib: usize,
     /// A tokenizer.json to use instead of the model's.
     #[arg(long)]
     tokenizer: Option<PathBuf>,
@@ -200,7 +206,11 @@ pub fn run(a: Args) -> Result<()> {
             ctx.min(2048),
         )
     };
-    let available = a.engine.helper.host_memory();
+    let prefix_budget = match a.parallel {
+        1 => 0,
+        _ => a.prefix_cache_mib.saturating_mul(1 << 20),
+    };
+    let available = (a.engine.helper.host_memory()).map(|m| m.saturating_sub(prefix_budget as u64));
     let context = memory::choose_context(
         a.ctx_size,
         planned(&seq, most).room,
@@ -319,6 +329,7 @@ pub fn run(a: Args) -> Result<()> {
             plan: split,
             stop_ids,
             parallel: a.parallel,
+            prefix_budget,
             metrics,
             timeout_s: a.timeout,
             hub,

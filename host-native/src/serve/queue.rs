@@ -18,10 +18,10 @@ use super::metrics::Metrics;
 pub struct Job {
     pub id: u64,
     pub prompt: Vec<u32>,
-    /// Where a chat prompt's history ends and the new turn's generation prompt begins
-    /// (`<|im_start|>assistant`...): a checkpoint there survives the next turn, whose prompt
-    /// renders the same history but may tokenise the end of this one differently.
-    pub turn_start: Option<usize>,
+    /// Where a chat prompt's prefill restarts its ubatches and its state is kept (the ends
+    /// of its system prompt, of the previous turn's history and of this one's: see
+    /// [`engine_core::tokenizer::Tokenizer::chat_breaks`]); empty for a completion.
+    pub breaks: Vec<usize>,
     /// Already capped by the context.
     pub max_tokens: usize,
     pub sampling: SamplingParams,
@@ -273,7 +273,7 @@ mod tests {
         Job {
             id,
             prompt: vec![1],
-            turn_start: None,
+            breaks: Vec::new(),
             max_tokens: 1,
             sampling: SamplingParams {
                 temperature: 0.0,

@@ -159,22 +159,14 @@ async fn chat(State(app): State<Arc<App>>, body: Result<Bytes, BytesRejection>) 
         // Only the messages are needed from here on.
         drop((body, req));
         let tok = app.tokenizer.clone();
-        let (prompt, turn_start) = app
+        let (prompt, breaks) = app
             .tokenise("messages", move || {
                 let prompt = tok.encode_chat(&messages, true)?;
-                // The history alone, to find where the new turn starts (a template that cannot
-                // render it just gets no checkpoint there).
-                let history = tok.encode_chat(&messages, false).unwrap_or_default();
-                let turn_start = prompt
-                    .iter()
-                    .zip(&history)
-                    .take_while(|(a, b)| a == b)
-                    .count();
-                Ok((prompt, turn_start))
+                let breaks = tok.chat_breaks(&messages, &prompt);
+                Ok((prompt, breaks))
             })
             .await?;
-        app.submit(admission, true, prompt, Some(turn_start), settings)
-            .await
+        app.submit(admission, true, prompt, breaks, settings).await
     };
     run.await.unwrap_or_else(IntoResponse::into_response)
 }
@@ -201,7 +193,8 @@ async fn completions(State(app): State<Arc<App>>, body: Result<Bytes, BytesRejec
                     .await?
             }
         };
-        app.submit(admission, false, prompt, None, settings).await
+        app.submit(admission, false, prompt, Vec::new(), settings)
+            .await
     };
     run.await.unwrap_or_else(IntoResponse::into_response)
 }
@@ -292,7 +285,7 @@ impl App {
         admission: Admission,
         chat: bool,
         prompt: Vec<u32>,
-        turn_start: Option<usize>,
+        breaks: Vec<usize>,
         s: Settings,
     ) -> Result<Response, ApiError> {
         let param = if chat { "messages" } else { "prompt" };
@@ -337,7 +330,7 @@ impl App {
         let job = Job {
             id,
             prompt,
-            turn_start,
+            breaks,
             max_tokens,
             sampling: s.sampling,
             stop: s.stop,
