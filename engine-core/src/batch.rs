@@ -70,6 +70,14 @@ pub enum Finish {
     Length,
 }
 
+/// The rows one step ran for one request: its decode row, or a ubatch of its prompt.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StepRows {
+    pub id: u64,
+    pub rows: usize,
+    pub prefill: bool,
+}
+
 /// A request's sequence as it stood at a break or at its prompt's end, with the prompt tokens
 /// it holds: a prefix a later request may start from.
 pub struct Fork {
@@ -111,6 +119,8 @@ pub struct Batch<'m> {
     slots: Vec<Slot>,
     keep_logits: bool,
     forks: Vec<Fork>,
+    /// What the last step ran, in the order it ran.
+    last: Vec<StepRows>,
 }
 
 impl<'m> Batch<'m> {
@@ -131,6 +141,7 @@ impl<'m> Batch<'m> {
             slots: Vec::new(),
             keep_logits: false,
             forks: Vec::new(),
+            last: Vec::new(),
         })
     }
 
@@ -233,6 +244,7 @@ impl<'m> Batch<'m> {
     pub fn step(&mut self) -> Result<Vec<Event>> {
         let mut events = Vec::new();
         let keep = self.keep_logits;
+        self.last.clear();
         for slot in &mut self.slots {
             if let Some(logits) = slot.cached_logits.take() {
                 slot.draw(&logits, &mut events, keep);
@@ -262,6 +274,11 @@ impl<'m> Batch<'m> {
             .collect();
         for group in feeding.chunks_mut(STEP_ROWS - 1) {
             let tokens: Vec<u32> = group.iter().map(|s| s.drawn.expect("filtered")).collect();
+            self.last.extend(group.iter().map(|s| StepRows {
+                id: s.id,
+                rows: 1,
+                prefill: false,
+            }));
             let mut seqs: Vec<&mut Sequence> = group.iter_mut().map(|s| &mut s.seq).collect();
             let logits = decode_rows(model, be, &mut seqs, &tokens)?;
             let vocab = logits.len() / group.len();
@@ -281,6 +298,11 @@ impl<'m> Batch<'m> {
             end = end.min(b);
         }
         let chunk = &slot.prompt[slot.prefilled..end];
+        self.last.push(StepRows {
+            id: slot.id,
+            rows: chunk.len(),
+            prefill: true,
+        });
         let (logits, _) = split::prefill(self.model, self.be, &mut slot.seq, chunk, &self.plan)?;
         slot.prefilled = end;
         let last = end == slot.prompt.len();
@@ -296,6 +318,12 @@ impl<'m> Batch<'m> {
             slot.draw(&logits, events, keep);
         }
         Ok(())
+    }
+
+    /// The rows the last step ran for each request, decode rows first (a request that drew
+    /// its first token from cached logits ran none).
+    pub fn last_step(&self) -> &[StepRows] {
+        &self.last
     }
 
     /// The sequences forked at breaks and prompt ends since the last call (requests that

@@ -422,3 +422,63 @@ fn the_simulator_runs_in_firefox_too() {
     assert!(seen.page_runs.get(&helper) > Some(&0), "{seen:?}");
     assert!(seen.phone.width <= seen.phone.screen, "{:?}", seen.phone);
 }
+
+/// What batch_page.mjs read from the page of a `--parallel` server.
+#[derive(Debug, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct BatchSeen {
+    errors: Vec<String>,
+    answers: Vec<i64>,
+    /// `batch` events (one a step), the most requests one held, and those that ran a prefill
+    /// ubatch beside decode rows.
+    steps: usize,
+    most: usize,
+    mixed: usize,
+    /// The steps the page keeps, the columns and segments it drew of them, and their rows.
+    kept: usize,
+    columns: usize,
+    segments: usize,
+    drawn_rows: usize,
+    figures: String,
+}
+
+/// The live page of `tether serve --parallel 4` shows the batch: a column per step with a
+/// segment per request in it, and a caption with the latest step's requests and rows, while
+/// four completions sent at once run together.
+#[test]
+fn the_page_shows_the_batch_of_a_parallel_server() {
+    if !browser_ready() {
+        return;
+    }
+    let mut serve = Process::start(Command::new(env!("CARGO_BIN_EXE_tether")).args([
+        "serve",
+        "--model",
+        "tiny",
+        "--port",
+        "0",
+        "--parallel",
+        "4",
+    ]));
+    let url = serve
+        .stdout_line()
+        .strip_prefix("listening on ")
+        .expect("serve announces its address")
+        .to_string();
+    let seen: BatchSeen = page_script(
+        "batch_page.mjs",
+        &[&format!("{url}/"), "4"],
+        &[("SHOT", "split-batch.png")],
+    );
+    drop(serve);
+    assert!(seen.errors.is_empty(), "console errors: {:?}", seen.errors);
+    assert_eq!(seen.answers, [24; 4], "{seen:?}");
+    assert!((2..=4).contains(&seen.most), "{seen:?}");
+    assert!(seen.mixed > 0, "a prefill beside decode rows: {seen:?}");
+    assert_eq!(seen.kept, seen.steps.min(120), "{seen:?}");
+    assert_eq!(seen.columns, seen.kept, "{seen:?}");
+    assert_eq!(seen.segments, seen.drawn_rows, "{seen:?}");
+    assert!(
+        seen.figures.contains(" request") && seen.figures.contains(" row"),
+        "{seen:?}"
+    );
+}

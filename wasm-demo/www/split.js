@@ -21,6 +21,8 @@ const fresh = () => ({
   drafts: null,
   // Pages held per place, from the latest `pages` event.
   held: {},
+  // --parallel: the latest steps' rows per request (`batch` events), oldest first.
+  steps: [],
   events: 0,
 });
 const view = fresh();
@@ -337,6 +339,43 @@ function onDraft(e) {
   while (strip.childElementCount > 200) strip.firstElementChild.remove();
 }
 
+// One step of a batch (--parallel): the requests in it and the rows each ran, drawn as a
+// column per step (a segment per request, its colour the request's, a prefill ubatch taller
+// than a decode row) beside the latest steps, at most one redraw a frame.
+const STEPS_SHOWN = 120;
+let batchPending = false;
+function onBatch(e) {
+  view.steps.push(e);
+  if (view.steps.length > STEPS_SHOWN) view.steps.shift();
+  if (batchPending) return;
+  batchPending = true;
+  requestAnimationFrame(() => { batchPending = false; drawBatch(); });
+}
+
+function drawBatch() {
+  const last = view.steps[view.steps.length - 1];
+  if (!last) return;
+  const rows = last.rows.reduce((n, r) => n + r.rows, 0);
+  const prefill = last.rows.find((r) => r.prefill);
+  const many = (n, what) => `${n} ${what}${n === 1 ? "" : "s"}`;
+  $("batch-figures").textContent = `${many(last.requests, "request")}; the last step ran ${many(rows, "row")}` +
+    (prefill ? ` (a ubatch of ${prefill.rows} for request ${prefill.id})` : "") +
+    ` in ${last.ms.toFixed(0)} ms`;
+  const strip = $("batch");
+  strip.replaceChildren(...view.steps.map((s) => {
+    const col = document.createElement("span");
+    col.className = "step";
+    col.title = s.rows.map((r) => `${r.id}: ${r.rows} ${r.prefill ? "prefill" : "decode"}`).join("\n");
+    for (const r of s.rows) {
+      const seg = document.createElement("i");
+      seg.className = r.prefill ? "prefill" : "decode";
+      seg.style.background = `hsl(${(r.id * 47) % 360} 60% 50%)`;
+      col.append(seg);
+    }
+    return col;
+  }));
+}
+
 const handlers = {
   hello(e) {
     view.hello = e;
@@ -363,6 +402,7 @@ const handlers = {
     $("draft-passes").replaceChildren();
   },
   draft: onDraft,
+  batch: onBatch,
   token: onToken,
   ubatch(e) { view.ubatches.push(e); scheduleTimeline(); },
   transfer(e) { view.transfers.push(e); scheduleTimeline(); },
@@ -395,7 +435,7 @@ function handle(e) {
 // Forget everything drawn (the simulator starts each run afresh).
 function reset() {
   Object.assign(view, fresh());
-  for (const id of ["layers", "legend", "helpers", "timeline", "pages", "memory", "draft-passes"]) $(id).replaceChildren();
+  for (const id of ["layers", "legend", "helpers", "timeline", "pages", "memory", "draft-passes", "batch"]) $(id).replaceChildren();
   $("link-rates").tBodies[0].replaceChildren();
 }
 

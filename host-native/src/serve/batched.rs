@@ -108,7 +108,15 @@ impl Batched {
                 self.metrics.set_batch(batch.len(), batch.state_bytes());
                 continue;
             }
+            let t0 = Instant::now();
             let stepped = panic::catch_unwind(AssertUnwindSafe(|| batch.step()));
+            self.hub.event("batch", || {
+                let rows: Vec<_> = (batch.last_step().iter())
+                    .map(|r| json!({"id": r.id, "rows": r.rows, "prefill": r.prefill}))
+                    .collect();
+                json!({"ms": t0.elapsed().as_secs_f64() * 1e3, "requests": running.len(),
+                       "rows": rows})
+            });
             // Forks are whole prefixes even when a later part of the step failed.
             for f in batch.take_forks() {
                 cache.insert(f);
