@@ -1327,10 +1327,20 @@ fn a_tight_queue_memory_refuses_the_excess_with_retry_after() {
 }
 
 /// A panic in the engine (a bug) answers its request with a 500 and restarts the engine with
-/// a fresh sequence: later requests are served, from scratch.
+/// a fresh sequence (with `--parallel`, a fresh batch and prefix cache): later requests are
+/// served, from scratch.
 #[test]
 fn an_engine_panic_fails_its_request_and_the_engine_restarts() {
-    let s = Server::start("tiny", &["--debug-panic-on", "PANIC"]);
+    for parallel in ["1", "3"] {
+        engine_panic_fails_its_request(parallel);
+    }
+}
+
+fn engine_panic_fails_its_request(parallel: &str) {
+    let s = Server::start(
+        "tiny",
+        &["--debug-panic-on", "PANIC", "--parallel", parallel],
+    );
     let body = json!({"model": "tiny", "prompt": "Once upon a time", "max_tokens": 8,
                       "temperature": 0});
     let (status, first) = s.post("/v1/completions", &body);

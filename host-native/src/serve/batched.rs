@@ -11,7 +11,7 @@
 //! ([`super::engine::Engine`]) has and this one has not yet: helpers and speculative drafts
 //! (`tether serve` refuses them with `--parallel`). An engine error or panic during a step
 //! fails the requests of that step's batch (each with a 500), and the worker goes on with a
-//! fresh batch; the prefix cache keeps what it held.
+//! fresh batch; the prefix cache keeps what it held (after a panic, it starts afresh too).
 
 use std::collections::HashMap;
 use std::panic::{self, AssertUnwindSafe};
@@ -46,6 +46,8 @@ pub struct Batched {
     pub stop_ids: Vec<u32>,
     /// Most requests in the batch (`--parallel`).
     pub parallel: usize,
+    /// Testing only: panic in the step that prefills a prompt holding this text.
+    pub panic_on: Option<String>,
     /// Bytes the prefix cache may hold (0: no cache).
     pub prefix_budget: usize,
     pub metrics: Arc<Metrics>,
@@ -109,7 +111,11 @@ impl Batched {
                 continue;
             }
             let t0 = Instant::now();
-            let stepped = panic::catch_unwind(AssertUnwindSafe(|| batch.step()));
+            let stepped = panic::catch_unwind(AssertUnwindSafe(|| {
+                let events = batch.step()?;
+                self.debug_panic(&events, &running);
+                Ok::<_, engine_core::Error>(events)
+            }));
             self.hub.event("batch", || {
                 let rows: Vec<_> = (batch.last_step().iter())
                     .map(|r| json!({"id": r.id, "rows": r.rows, "prefill": r.prefill}))
@@ -117,7 +123,12 @@ impl Batched {
                 json!({"ms": t0.elapsed().as_secs_f64() * 1e3, "requests": running.len(),
                        "rows": rows})
             });
-            // Forks are whole prefixes even when a later part of the step failed.
+            // Forks are whole prefixes even when a later part of the step failed; after a
+            // panic (a bug) nothing is trusted: the cache starts afresh.
+            if stepped.is_err() {
+                batch.take_forks();
+                cache = PrefixCache::new(self.prefix_budget);
+            }
             for f in batch.take_forks() {
                 cache.insert(f);
             }
@@ -137,7 +148,7 @@ impl Batched {
                     self.metrics.engine_restarted();
                     let why = panic_text(p.as_ref());
                     let error = ApiError::server(format!(
-                        "the engine failed unexpectedly ({why}); it serves later requests"
+                        "the engine failed unexpectedly ({why}); it was restarted with an empty batch and serves later requests"
                     ))
                     .with_code("engine_panic");
                     self.fail_all(&mut running, error);
@@ -149,6 +160,22 @@ impl Batched {
             self.metrics.set_batch(batch.len(), batch.state_bytes());
         }
         tracing::debug!("engine stopped");
+    }
+
+    /// `--debug-panic-on`: a panic once a prompt holding the text has been prefilled.
+    fn debug_panic(&self, events: &[batch::Event], running: &HashMap<u64, Running>) {
+        let Some(text) = &self.panic_on else {
+            return;
+        };
+        let prefilled = events.iter().filter_map(|e| match e {
+            batch::Event::Token { id, n: 1, .. } => running.get(id),
+            _ => None,
+        });
+        for r in prefilled {
+            if (self.tokenizer.decode(&r.job.prompt)).is_ok_and(|p| p.contains(text.as_str())) {
+                panic!("--debug-panic-on {text:?}: the prompt holds it");
+            }
+        }
     }
 
     /// Fill the batch from the queue (waiting only while nothing runs); true once the queue

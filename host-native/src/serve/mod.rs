@@ -147,13 +147,11 @@ pub fn run(a: Args) -> Result<()> {
     if a.engine.page_size == Some(0) || a.ubatch == 0 || a.parallel == 0 {
         bail!("--page-size, --ubatch and --parallel must be at least 1");
     }
-    let alone_only = a.engine.helper.has_helper()
-        || a.draft.drafts().kind != DraftKind::None
-        || a.debug_panic_on.is_some();
+    let alone_only = a.engine.helper.has_helper() || a.draft.drafts().kind != DraftKind::None;
     if a.parallel > 1 && alone_only {
         bail!(
-            "--parallel {} runs requests on the host alone without drafts: helpers, --draft and \
-             --debug-panic-on work with one request at a time (--parallel 1) for now",
+            "--parallel {} runs requests on the host alone without drafts: helpers and --draft \
+             work with one request at a time (--parallel 1) for now",
             a.parallel
         );
     }
@@ -329,6 +327,7 @@ pub fn run(a: Args) -> Result<()> {
             plan: split,
             stop_ids,
             parallel: a.parallel,
+            panic_on: a.debug_panic_on.clone(),
             prefix_budget,
             metrics,
             timeout_s: a.timeout,
