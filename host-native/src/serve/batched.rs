@@ -11,7 +11,8 @@
 //! ([`super::engine::Engine`]) has and this one has not yet: helpers and speculative drafts
 //! (`tether serve` refuses them with `--parallel`). An engine error or panic during a step
 //! fails the requests of that step's batch (each with a 500), and the worker goes on with a
-//! fresh batch; the prefix cache keeps what it held (after a panic, it starts afresh too).
+//! fresh batch. The prefix cache keeps what it held after an error, and starts afresh after
+//! a panic.
 
 use std::collections::HashMap;
 use std::panic::{self, AssertUnwindSafe};
