@@ -23,6 +23,7 @@ import argparse
 import http.client
 import json
 import random
+import socket
 import statistics
 import subprocess
 import sys
@@ -45,6 +46,12 @@ class Server:
 
     def __init__(self, argv, port, log):
         self.port = port
+        # Something else answering on the port would be measured instead.
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            raise SystemExit(f"port {port} is taken: stop what listens there")
+        except OSError:
+            pass
         self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.time() + 300
         while time.time() < deadline:
@@ -53,14 +60,17 @@ class Server:
             try:
                 c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
                 c.request("GET", "/health")
-                if c.getresponse().status == 200:
+                r = c.getresponse()
+                r.read()
+                if r.status == 200 and self.proc.poll() is None:
                     c.request("GET", "/v1/models")
                     # The name each server answers to.
                     self.model = json.loads(c.getresponse().read())["data"][0]["id"]
                     return
-            except (OSError, ValueError, KeyError, IndexError):
+            except (OSError, http.client.HTTPException, ValueError, KeyError, IndexError):
                 pass
             time.sleep(0.5)
+        self.stop()
         raise SystemExit(f"{argv[0]} did not come up")
 
     def post(self, body):
@@ -102,6 +112,12 @@ class Server:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *_):
+        self.stop()
 
 
 def start(engine, a, n, port, log):
@@ -190,12 +206,9 @@ def main():
         for r in range(a.runs):
             # Alternate which engine goes first.
             for e in (engines if r % 2 == 0 else engines[::-1]):
-                s = start(e, a, n, a.port, log)
-                try:
+                with start(e, a, n, a.port, log) as s:
                     aggregate(s, n, f"warm-{e}-{n}-{r}", a)
                     tps, tokens = aggregate(s, n, f"agg-{n}-{r}", a)
-                finally:
-                    s.stop()
                 runs[e].append(tps)
                 print(f"N={n} run {r} {e}: {tps:.1f} tok/s ({tokens})", file=sys.stderr)
         med = {e: statistics.median(v) for e, v in runs.items()}
@@ -211,12 +224,9 @@ def main():
         t += rng.expovariate(rate)
     result["ttft"] = {"parallel": n, "rate_per_s": rate}
     for e in engines:
-        s = start(e, a, n, a.port, log)
-        try:
+        with start(e, a, n, a.port, log) as s:
             aggregate(s, n, f"warm-ttft-{e}", a)
             result["ttft"][e] = ttft(s, arrivals, "ttft", a)
-        finally:
-            s.stop()
         print(f"TTFT {e}: {result['ttft'][e]}", file=sys.stderr)
     print(json.dumps(result, indent=1))
 
