@@ -37,9 +37,9 @@ pub struct Request {
     /// and the answer, are a function of the prompt and its breaks alone, whether the prefill
     /// starts from position 0 or from a prefix cached at a break.
     pub breaks: Vec<usize>,
-    /// Fork the sequence at each break and at the prompt's end, for a prefix cache
-    /// ([`Batch::take_forks`]).
-    pub fork: bool,
+    /// Where to fork the sequence for a prefix cache ([`Batch::take_forks`]): breaks, or
+    /// the prompt's length (its end).
+    pub fork_at: Vec<usize>,
     pub sampler: Sampler,
     /// Tokens that end the answer (not sent).
     pub stop: Vec<u32>,
@@ -83,6 +83,8 @@ pub struct StepRows {
 pub struct Fork {
     pub id: u64,
     pub tokens: Vec<u32>,
+    /// The request's breaks below the fork: where its prefill restarted on the way there.
+    pub breaks: Vec<usize>,
     pub seq: Sequence,
     /// At the prompt's end, the logits of its last position.
     pub logits: Option<Vec<f32>>,
@@ -95,7 +97,7 @@ struct Slot {
     prompt: Vec<u32>,
     /// Strictly ascending, inside the prompt.
     breaks: Vec<usize>,
-    fork: bool,
+    fork_at: Vec<usize>,
     /// Prompt tokens fed so far.
     prefilled: usize,
     /// A sequence that joined holding the whole prompt: the logits its first token is drawn
@@ -171,7 +173,9 @@ impl<'m> Batch<'m> {
     /// Take `r` in: it prefills from the next step on, after the requests that came before.
     /// Refused (nothing else changes) if its id is taken, its prompt is empty or holds an id
     /// outside the vocabulary, it asks for no token, its sequence holds more than the prompt
-    /// (or all of it without the logits), or its breaks do not ascend.
+    /// (or all of it without the logits) or stops short of it elsewhere than at a break (its
+    /// ubatches would then start where its prefill from 0 does not), its breaks do not ascend,
+    /// or it asks for a fork elsewhere than at a break or its end.
     pub fn join(&mut self, mut r: Request) -> Result<()> {
         let vocab = self.model.config.vocab_size;
         if self.slots.iter().any(|s| s.id == r.id) {
@@ -211,12 +215,21 @@ impl<'m> Batch<'m> {
             )));
         }
         r.breaks.retain(|&b| b > 0 && b < r.prompt.len());
+        let len = r.prompt.len();
+        let at_break = |p: usize| r.breaks.contains(&p) || p == len;
+        if (held > 0 && !at_break(held)) || !r.fork_at.iter().all(|&p| at_break(p)) {
+            return Err(Error::Invalid(format!(
+                "a sequence may hold, and fork at, only a break or the end of its prompt: holds \
+                 {held}, forks at {:?}, breaks at {:?}",
+                r.fork_at, r.breaks
+            )));
+        }
         self.slots.push(Slot {
             id: r.id,
             seq: r.seq,
             prompt: r.prompt,
             breaks: r.breaks,
-            fork: r.fork,
+            fork_at: r.fork_at,
             prefilled: held,
             cached_logits: r.logits,
             sampler: r.sampler,
@@ -306,10 +319,11 @@ impl<'m> Batch<'m> {
         let (logits, _) = split::prefill(self.model, self.be, &mut slot.seq, chunk, &self.plan)?;
         slot.prefilled = end;
         let last = end == slot.prompt.len();
-        if slot.fork && (last || slot.breaks.contains(&end)) {
+        if slot.fork_at.contains(&end) {
             self.forks.push(Fork {
                 id: slot.id,
                 tokens: slot.prompt[..end].to_vec(),
+                breaks: slot.breaks.iter().copied().filter(|&b| b < end).collect(),
                 seq: slot.seq.fork(&self.model.config, self.be)?,
                 logits: last.then(|| logits.clone()),
             });

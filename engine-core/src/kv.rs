@@ -421,9 +421,6 @@ impl Arrived<'_> {
     }
 }
 
-/// Rows `from .. from + n` of `src` (`(at, from, n)`, rows of `row` values) written at row
-/// `at` of a page's `dst`: by the backend for f32 values and rows it packs, encoded or copied
-/// for compact ones on the host.
 /// A page's rows in buffers of its own, for a cache that writes to a page it shares.
 fn copy_page(be: &dyn Backend, p: &KvPage) -> KvPage {
     let rows = |r: &PageRows| match r {
@@ -445,6 +442,9 @@ fn copy_page(be: &dyn Backend, p: &KvPage) -> KvPage {
     }
 }
 
+/// Rows `from .. from + n` of `src` (`(at, from, n)`, rows of `row` values) written at row
+/// `at` of a page's `dst`: by the backend for f32 values and rows it packs, encoded or copied
+/// for compact ones on the host.
 fn write_rows(
     be: &dyn Backend,
     dst: &mut PageRows,

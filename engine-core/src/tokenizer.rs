@@ -203,24 +203,27 @@ impl Tokenizer {
     }
 
     /// Positions of `prompt` (`encode_chat(messages, true)`) where a prefill restarts its
-    /// ubatches and a prefix cache may keep the state: where the first message ends (a system
-    /// prompt many requests share), where the message two before the last ends (the
-    /// previous request's history, one reply and one new message ago) and where the last one
-    /// ends (this request's history, before the generation prompt). Each is the prompt's
-    /// common prefix with the messages up to there rendered without the generation prompt: a
-    /// later request renders the same messages the same way up to there, while the end of
-    /// this prompt may tokenise differently once a reply follows it. Ascending, inside the
-    /// prompt; a template that cannot render a prefix gives no break there.
+    /// ubatches and a prefix cache may keep the state: where each message ends. The breaks
+    /// below a position depend only on the messages before it, so a later request that
+    /// renders the same messages the same way breaks at the same places up to there (its
+    /// state there is the same bits), while the end of this prompt may tokenise differently
+    /// once a reply follows it. With a `<|im_start|>` token (ChatML, the Qwen templates) these
+    /// are the positions of that token after the first; otherwise the prompt's common prefix
+    /// with each prefix of the messages rendered without the generation prompt (a template
+    /// that cannot render one gives no break there). Ascending, inside the prompt.
     pub fn chat_breaks(&self, messages: &[ChatMessage], prompt: &[u32]) -> Vec<usize> {
-        let n = messages.len();
-        let mut ends: Vec<usize> = [Some(1), n.checked_sub(2), Some(n)]
-            .into_iter()
-            .flatten()
-            .filter(|&k| k >= 1 && k <= n)
-            .filter_map(|k| self.encode_chat(&messages[..k], false).ok())
-            .map(|h| prompt.iter().zip(&h).take_while(|(a, b)| a == b).count())
-            .filter(|&p| p > 0 && p < prompt.len())
-            .collect();
+        let mut ends: Vec<usize> = match self.token_id("<|im_start|>") {
+            // User text never becomes this token (see `encode_chat`).
+            Some(start) => (prompt.iter().enumerate().skip(1))
+                .filter(|&(_, &t)| t == start)
+                .map(|(i, _)| i)
+                .collect(),
+            None => (1..=messages.len())
+                .filter_map(|k| self.encode_chat(&messages[..k], false).ok())
+                .map(|h| prompt.iter().zip(&h).take_while(|(a, b)| a == b).count())
+                .collect(),
+        };
+        ends.retain(|&p| p > 0 && p < prompt.len());
         ends.sort_unstable();
         ends.dedup();
         ends

@@ -460,7 +460,7 @@ fn parallel_decode(a: &Args, model: &Model, be: &dyn Backend) -> Result<()> {
                 prompt,
                 logits: None,
                 breaks: Vec::new(),
-                fork: false,
+                fork_at: Vec::new(),
                 sampler: Sampler::new(SamplingParams::greedy())?,
                 stop: Vec::new(),
                 // No end: the first to prefill decode while the others prefill, and every one

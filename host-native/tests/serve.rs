@@ -1774,22 +1774,36 @@ fn prefix_cache_prefills_shared_prompts_once() {
         );
         assert_eq!(*system_end.get_or_insert(cached), cached);
     }
-    // The next turn starts where the first turn's history ended.
+    // The next turn starts where the first turn's history ended, and the turn after it
+    // where the second's did.
     let next = chat(&["What is a page?", &text, "Thanks. And a helper?"]);
-    let (got, cached, _) = ask(&batched, &next);
-    assert_eq!(got, ask(&alone, &next).0);
+    let (reply, cached, next_prompt) = ask(&batched, &next);
+    assert_eq!(reply, ask(&alone, &next).0);
     assert!(
         cached > system_end.unwrap() + 10,
         "{cached} reused of the next turn"
     );
+    let third = chat(&[
+        "What is a page?",
+        &text,
+        "Thanks. And a helper?",
+        &reply,
+        "Bye.",
+    ]);
+    let (got, third_cached, _) = ask(&batched, &third);
+    assert_eq!(got, ask(&alone, &third).0);
+    assert!(
+        third_cached > cached + 10 && third_cached < next_prompt,
+        "{third_cached} reused of the third turn"
+    );
     // The same prompt again: wholly cached, the same answer.
     assert_eq!(ask(&batched, &first), (text, prompt, prompt));
     assert_eq!(batched.metric("tether_prefix_cache_misses_total"), 1.0);
-    assert_eq!(batched.metric("tether_prefix_cache_hits_total"), 5.0);
+    assert_eq!(batched.metric("tether_prefix_cache_hits_total"), 6.0);
     assert!(batched.metric("tether_prefix_cache_entries") >= 4.0);
     assert!(batched.metric("tether_prefix_cache_bytes") > 0.0);
     assert_eq!(
         batched.metric("tether_prompt_tokens_reused_total"),
-        (3 * system_end.unwrap() + cached + prompt) as f64
+        (3 * system_end.unwrap() + cached + third_cached + prompt) as f64
     );
 }

@@ -166,7 +166,7 @@ fn batched_from(
                         prompt: spec.prompt.clone(),
                         logits,
                         breaks: spec.breaks.clone(),
-                        fork: true,
+                        fork_at: [&spec.breaks[..], &[spec.prompt.len()]].concat(),
                         sampler: Sampler::new(spec.sampling.clone()).unwrap(),
                         stop: spec.stop.clone(),
                         max_tokens: spec.max_tokens,
@@ -422,7 +422,7 @@ fn bad_requests_are_refused_and_the_batch_goes_on() {
         prompt,
         logits: None,
         breaks: Vec::new(),
-        fork: false,
+        fork_at: Vec::new(),
         sampler: Sampler::new(SamplingParams::greedy()).unwrap(),
         stop: Vec::new(),
         max_tokens,
@@ -437,6 +437,37 @@ fn bad_requests_are_refused_and_the_batch_goes_on() {
         ),
         ("no room for a token", request(4, vec![1], 0)),
         ("a taken id", request(1, vec![1], 3)),
+        ("a sequence held up to no break", {
+            let mut r = request(5, vec![1, 2, 3], 3);
+            r.seq.state.pos = 2;
+            r
+        }),
+        ("the whole prompt held without its logits", {
+            let mut r = request(6, vec![1, 2, 3], 3);
+            r.seq.state.pos = 3;
+            r
+        }),
+        (
+            "logits for a prompt not all held",
+            Request {
+                logits: Some(vec![0.0; vocab as usize]),
+                ..request(7, vec![1, 2, 3], 3)
+            },
+        ),
+        (
+            "breaks out of order",
+            Request {
+                breaks: vec![2, 1],
+                ..request(8, vec![1, 2, 3], 3)
+            },
+        ),
+        (
+            "a fork asked for at no break",
+            Request {
+                fork_at: vec![2],
+                ..request(9, vec![1, 2, 3], 3)
+            },
+        ),
     ] {
         assert!(batch.join(r).is_err(), "{why} was taken");
     }

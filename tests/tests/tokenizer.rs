@@ -244,8 +244,8 @@ fn malformed_or_missing_files_are_errors_naming_the_file() {
     assert!(err.to_string().contains("tokenizer.json"), "{err}");
 }
 
-/// A chat's breaks fall where its system prompt, the previous turn's history and this turn's
-/// history end: each the rendering of the messages up to there, a prefix of the prompt.
+/// A chat's breaks fall where each of its messages ends: the rendering of the messages up to
+/// there, a prefix of the prompt (found from the `<|im_start|>` tokens with this tokenizer).
 #[test]
 fn chat_breaks_fall_at_message_ends() {
     let t = qwen();
@@ -256,13 +256,13 @@ fn chat_breaks_fall_at_message_ends() {
         ChatMessage::new("user", "And a frame?"),
     ];
     let prompt = t.encode_chat(&m, true).unwrap();
-    let ends: Vec<usize> = [1, 2, 4]
+    let ends: Vec<usize> = [1, 2, 3, 4]
         .iter()
         .map(|&k| t.encode_chat(&m[..k], false).unwrap())
         .inspect(|h| assert_eq!(prompt[..h.len()], h[..]))
         .map(|h| h.len())
         .collect();
-    assert!(ends.windows(2).all(|w| w[0] < w[1]) && ends[2] < prompt.len());
+    assert!(ends.windows(2).all(|w| w[0] < w[1]) && ends[3] < prompt.len());
     assert_eq!(t.chat_breaks(&m, &prompt), ends);
     // One message: its end; two: both ends once.
     let one = t.encode_chat(&m[1..2], true).unwrap();

@@ -237,7 +237,6 @@ impl State {
         }
     }
 
-    /// Bytes held by KV caches.
     /// A copy that evolves separately, in the same backend (a prefix another sequence starts
     /// from): the KV pages shared until one of the two writes to one (see
     /// [`PagedKv::share`]), the DeltaNet states duplicated. Only a state whose pages are all
@@ -260,6 +259,7 @@ impl State {
         })
     }
 
+    /// Bytes held by KV caches.
     pub fn kv_bytes(&self) -> usize {
         self.layers
             .iter()

@@ -163,6 +163,24 @@ impl Batched {
         tracing::debug!("engine stopped");
     }
 
+    /// Where a request's sequence is forked into the prefix cache: where its first message
+    /// ends (a system prompt other requests share), where its last ends (the history the next
+    /// turn extends) and where its prompt ends (the same prompt again); nowhere without a
+    /// cache.
+    fn fork_at(&self, job: &Job) -> Vec<usize> {
+        if self.prefix_budget == 0 {
+            return Vec::new();
+        }
+        let mut at: Vec<usize> = [job.breaks.first(), job.breaks.last()]
+            .into_iter()
+            .flatten()
+            .copied()
+            .chain([job.prompt.len()])
+            .collect();
+        at.dedup();
+        at
+    }
+
     /// `--debug-panic-on`: a panic once a prompt holding the text has been prefilled.
     fn debug_panic(&self, events: &[batch::Event], running: &HashMap<u64, Running>) {
         let Some(text) = &self.panic_on else {
@@ -231,7 +249,7 @@ impl Batched {
                 prompt: job.prompt.clone(),
                 logits,
                 breaks: job.breaks.clone(),
-                fork: self.prefix_budget > 0,
+                fork_at: self.fork_at(&job),
                 sampler: Sampler::new(job.sampling.clone())?,
                 stop: self.stop_ids.clone(),
                 max_tokens: job.max_tokens,

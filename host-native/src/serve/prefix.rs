@@ -6,7 +6,9 @@
 //! copy of the whole state was taken. And a prompt's prefill restarts its ubatches at its
 //! breaks, so the state at a break is the same whether the prefill started from position 0
 //! or from a cached prefix there: a request reuses a prefix only where it ends at one of the
-//! request's own breaks (or is its whole prompt, with the logits saved). A hit then changes
+//! request's own breaks (or is its whole prompt, with the logits saved), and only where the
+//! request's breaks below that point are those the prefix was prefilled with (a chat's breaks
+//! are its message ends, so they are, when the messages are). A hit then changes
 //! no bit of the answer (see `engine_core::batch`). KV pages are shared with the sequences
 //! forked from an entry, copied only where one writes (`PagedKv::share`); the DeltaNet states
 //! are copies. The cache holds at most its budget of bytes (pages shared by several entries
@@ -33,6 +35,9 @@ pub struct PrefixCache {
 
 struct Entry {
     tokens: Vec<u32>,
+    /// Where its prefill restarted on the way there: a request whose breaks below the same
+    /// point differ would have other ubatches, and so another state, there.
+    breaks: Vec<usize>,
     seq: Sequence,
     /// At a prompt's end, its last position's logits.
     logits: Option<Vec<f32>>,
@@ -58,7 +63,8 @@ impl PrefixCache {
     }
 
     /// A fork of the longest cached prefix of `prompt` that ends at one of `breaks` or is
-    /// the whole prompt with its logits; `None` when there is none.
+    /// the whole prompt with its logits, and was prefilled with the same breaks below its
+    /// end; `None` when there is none.
     pub fn lookup(
         &mut self,
         c: &ModelConfig,
@@ -70,6 +76,7 @@ impl PrefixCache {
             let n = e.tokens.len();
             prompt.starts_with(&e.tokens)
                 && (breaks.contains(&n) || (n == prompt.len() && e.logits.is_some()))
+                && breaks.iter().take_while(|&&b| b < n).eq(&e.breaks)
         };
         let Some(e) = (self.entries.iter_mut())
             .filter(usable)
@@ -99,6 +106,7 @@ impl PrefixCache {
             }
             None => self.entries.push(Entry {
                 tokens: f.tokens,
+                breaks: f.breaks,
                 seq: f.seq,
                 logits: f.logits,
                 used: self.clock,
@@ -120,7 +128,8 @@ impl PrefixCache {
     }
 
     /// Bytes the entries hold: their DeltaNet states, logits and KV pages, a page shared by
-    /// several entries counted once.
+    /// several entries counted once, each at its capacity (a whole page is allocated, and
+    /// copied on write, however few of its rows are used).
     pub fn bytes(&self) -> usize {
         self.bytes
     }
@@ -135,10 +144,10 @@ impl PrefixCache {
                 let LayerState::Attention(kv) = l else {
                     continue;
                 };
-                let per_row = kv.types().position_bytes(kv.row_width());
+                let page = kv.page_size() * kv.types().position_bytes(kv.row_width());
                 for p in kv.pages() {
                     if pages.insert(Arc::as_ptr(p)) {
-                        bytes += p.len * per_row;
+                        bytes += page;
                     }
                 }
             }
@@ -168,6 +177,7 @@ mod tests {
         Fork {
             id: 0,
             tokens: tokens.to_vec(),
+            breaks: Vec::new(),
             seq,
             logits: logits.then(|| vec![0.25; c.vocab_size]),
         }
@@ -184,16 +194,30 @@ mod tests {
         let c = preset("tiny").unwrap();
         let mut cache = PrefixCache::new(usize::MAX);
         cache.insert(fork(&c, &[1, 2, 3], 0, false));
-        cache.insert(fork(&c, &[1, 2, 3, 4, 5], 0, true));
+        cache.insert(Fork {
+            breaks: vec![3],
+            ..fork(&c, &[1, 2, 3, 4, 5], 0, true)
+        });
         // The longest prefix at one of the prompt's breaks.
         assert_eq!(hit(&mut cache, &c, &[1, 2, 3, 4, 5, 6], &[3, 5]), Some(5));
         assert_eq!(hit(&mut cache, &c, &[1, 2, 3, 4, 5, 6], &[3]), Some(3));
         // A prefix that is no break of this prompt changes its ubatches: not used.
         assert_eq!(hit(&mut cache, &c, &[1, 2, 3, 4, 5, 6], &[2]), None);
-        // The whole prompt, with its logits; at a break without logits, not the whole.
-        assert_eq!(hit(&mut cache, &c, &[1, 2, 3, 4, 5], &[]), Some(5));
+        // The whole prompt, with its logits (prefilled with the same breaks: the same ids
+        // sent as a completion, with none, are not); at a break without logits, not the whole.
+        assert_eq!(hit(&mut cache, &c, &[1, 2, 3, 4, 5], &[3]), Some(5));
+        assert_eq!(hit(&mut cache, &c, &[1, 2, 3, 4, 5], &[]), None);
         assert_eq!(hit(&mut cache, &c, &[1, 2, 3], &[]), None);
         assert_eq!(hit(&mut cache, &c, &[1, 2, 9, 4, 5, 6], &[3, 5]), None);
+        // Prefilled with a break at 2 on the way: a prompt breaking elsewhere below 4 (or
+        // not at all) would have other ubatches there.
+        cache.insert(Fork {
+            breaks: vec![2],
+            ..fork(&c, &[1, 2, 3, 4], 0, false)
+        });
+        assert_eq!(hit(&mut cache, &c, &[1, 2, 3, 4, 7], &[2, 4]), Some(4));
+        assert_eq!(hit(&mut cache, &c, &[1, 2, 3, 4, 7], &[3, 4]), Some(3));
+        assert_eq!(hit(&mut cache, &c, &[1, 2, 3, 4, 7], &[4]), None);
     }
 
     #[test]
@@ -209,8 +233,9 @@ mod tests {
             0..c.num_hidden_layers,
             engine_core::config::LayerKind::FullAttention,
         );
-        let delta = one - 6 * row_bytes * kv_layers;
-        assert!(delta > 0);
+        // Six rows take two pages of four, counted whole, beside the DeltaNet state.
+        let delta = Sequence::new(&c, 4).state.delta_bytes();
+        assert_eq!(one, delta + 8 * row_bytes * kv_layers);
         // A fork of a fork shares its pages: counted once.
         let mut cache = PrefixCache::new(usize::MAX);
         let a = fork(&c, &[1], 6, false);
