@@ -106,9 +106,11 @@ impl Batched {
         while !(closed && running.is_empty()) {
             closed |= self.take_jobs(queue, &mut batch, &mut running, &mut cache);
             self.drop_interrupted(&mut batch, &mut running);
+            // The batch's gauges before the requests': a client that sees no request running
+            // sees no sequence held either.
+            self.metrics.set_batch(batch.len(), batch.state_bytes());
             self.metrics.set_active(running.len());
             if running.is_empty() {
-                self.metrics.set_batch(batch.len(), batch.state_bytes());
                 continue;
             }
             let t0 = Instant::now();
@@ -161,24 +163,6 @@ impl Batched {
             self.metrics.set_batch(batch.len(), batch.state_bytes());
         }
         tracing::debug!("engine stopped");
-    }
-
-    /// Where a request's sequence is forked into the prefix cache: where its first message
-    /// ends (a system prompt other requests share), where its last ends (the history the next
-    /// turn extends) and where its prompt ends (the same prompt again); nowhere without a
-    /// cache.
-    fn fork_at(&self, job: &Job) -> Vec<usize> {
-        if self.prefix_budget == 0 {
-            return Vec::new();
-        }
-        let mut at: Vec<usize> = [job.breaks.first(), job.breaks.last()]
-            .into_iter()
-            .flatten()
-            .copied()
-            .chain([job.prompt.len()])
-            .collect();
-        at.dedup();
-        at
     }
 
     /// `--debug-panic-on`: a panic once a prompt holding the text has been prefilled.
@@ -249,7 +233,11 @@ impl Batched {
                 prompt: job.prompt.clone(),
                 logits,
                 breaks: job.breaks.clone(),
-                fork_at: self.fork_at(&job),
+                // Into the prefix cache, where there is one.
+                fork_at: match self.prefix_budget {
+                    0 => Vec::new(),
+                    _ => job.keep_at(),
+                },
                 sampler: Sampler::new(job.sampling.clone())?,
                 stop: self.stop_ids.clone(),
                 max_tokens: job.max_tokens,
@@ -347,8 +335,10 @@ impl Batched {
         let Some(mut r) = running.remove(&id) else {
             return;
         };
-        // The gauge first: a client that reads /metrics once answered is not counted.
+        // The gauges first: a client that reads /metrics once answered finds neither its
+        // request nor its sequence counted.
         self.metrics.set_active(running.len());
+        self.metrics.set_batch(batch.len(), batch.state_bytes());
         let ended = match end {
             // The text after a stop string is dropped.
             End::StopString => Ok(FinishReason::Stop),

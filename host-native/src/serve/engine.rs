@@ -331,7 +331,9 @@ impl Engine {
         });
         let mut logits = restored.logits.unwrap_or_default();
         let bar = terminal::prefill_bar(new.len(), self.segment);
-        // Checkpoints at the breaks still ahead and at the prompt's end.
+        // The prefill restarts at each break still ahead; checkpoints where the job keeps
+        // its state.
+        let keep = job.keep_at();
         let mut pos = restored.reused;
         let ends: Vec<usize> = (job.breaks.iter().copied())
             .filter(|&t| t > pos && t < job.prompt.len())
@@ -351,9 +353,11 @@ impl Engine {
                 bar.inc(seg.len());
             }
             pos = end;
-            let last_row = self.mtp.as_ref().and_then(MtpDrafts::last_row);
-            self.conversation
-                .checkpoint(&*self.backend, &self.seq.state, &logits, last_row);
+            if keep.contains(&end) {
+                let last_row = self.mtp.as_ref().and_then(MtpDrafts::last_row);
+                self.conversation
+                    .checkpoint(&*self.backend, &self.seq.state, &logits, last_row);
+            }
         }
         drop(bar);
         self.debug_panic(job);

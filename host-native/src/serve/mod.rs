@@ -96,7 +96,8 @@ pub struct Args {
     #[arg(long)]
     ctx_size: Option<usize>,
     /// State checkpoints kept for conversation reuse (the end of each of the latest prompts,
-    /// and for chats where the new turn starts); each is a copy of every DeltaNet layer's state.
+    /// and for chats where the first and the last message end); each is a copy of every
+    /// DeltaNet layer's state.
     #[arg(long, default_value_t = 4)]
     checkpoints: usize,
     /// Prompt tokens per forward pass on the host alone.

@@ -33,6 +33,24 @@ pub struct Job {
     pub events: UnboundedSender<Event>,
 }
 
+impl Job {
+    /// Where a worker keeps a copy of the request's state for later requests: where its
+    /// first message ends (a system prompt others share), where its last ends (the history
+    /// the next turn extends) and where its prompt ends (the same prompt again). Its prefill
+    /// restarts at every break, but a copy of every DeltaNet state at each of a long chat's
+    /// message ends would cost more than it saves.
+    pub fn keep_at(&self) -> Vec<usize> {
+        let mut at: Vec<usize> = [self.breaks.first(), self.breaks.last()]
+            .into_iter()
+            .flatten()
+            .copied()
+            .chain([self.prompt.len()])
+            .collect();
+        at.dedup();
+        at
+    }
+}
+
 /// What the engine tells a request's handler, in order: text pieces, then one `Done` or
 /// `Failed`.
 #[derive(Debug)]
