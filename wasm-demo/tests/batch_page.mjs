@@ -5,19 +5,15 @@
 // host-native/tests/split_page.rs: `node wasm-demo/tests/batch_page.mjs URL REQUESTS`. Prints
 // one JSON line: {errors, steps, most, mixed, columns, segments, figures, answers}. Env:
 // CHROMIUM (default /usr/bin/chromium), SHOT (a screenshot there), PAGE_TIMEOUT_MS (120000).
-import { chromium } from 'playwright-core';
-import { CHROMIUM_ARGS, collectErrors } from './common.mjs';
+import { PAGE_TIMEOUT, collectErrors, launchChromium } from './common.mjs';
 
 const [url, requests] = process.argv.slice(2);
 if (!url || !requests) {
   console.error('usage: node batch_page.mjs URL REQUESTS');
   process.exit(2);
 }
-const timeout = Number(process.env.PAGE_TIMEOUT_MS || 120000);
-const browser = await chromium.launch({
-  executablePath: process.env.CHROMIUM || '/usr/bin/chromium',
-  args: CHROMIUM_ARGS,
-});
+const timeout = PAGE_TIMEOUT;
+const browser = await launchChromium();
 const errors = [];
 try {
   const page = await browser.newPage({ viewport: { width: 1280, height: 900 } });

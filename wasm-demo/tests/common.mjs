@@ -1,6 +1,7 @@
 // What the page tests share: a static file server for wasm-demo/www (the simulator needs no
 // tether server), Chromium's flags, console errors, counting what was drawn, a phone-sized view.
 import { createServer } from 'node:http';
+import { chromium } from 'playwright-core';
 import { readFile } from 'node:fs/promises';
 import { extname, join, normalize } from 'node:path';
 import { fileURLToPath } from 'node:url';
@@ -30,6 +31,17 @@ export async function serveWww() {
 // network is closed).
 export const CHROMIUM_ARGS = ['--no-sandbox', '--headless=new', '--disable-background-networking',
                               '--disable-component-update', '--disable-sync', '--no-first-run'];
+
+// How long a page test waits for what it expects (PAGE_TIMEOUT_MS, default 120000).
+export const PAGE_TIMEOUT = Number(process.env.PAGE_TIMEOUT_MS || 120000);
+
+// Headless Chromium with those flags (CHROMIUM, default /usr/bin/chromium).
+export function launchChromium() {
+  return chromium.launch({
+    executablePath: process.env.CHROMIUM || '/usr/bin/chromium',
+    args: CHROMIUM_ARGS,
+  });
+}
 
 // Collect the page's console errors and uncaught exceptions into `errors`.
 export function collectErrors(page, errors) {

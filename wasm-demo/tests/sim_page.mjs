@@ -6,17 +6,13 @@
 // plan}], phone: {width, screen}}. Used by host-native/tests/split_page.rs:
 // `node wasm-demo/tests/sim_page.mjs`. Env: CHROMIUM (default /usr/bin/chromium), SHOT and
 // SHOT_PHONE (screenshots), PAGE_TIMEOUT_MS (default 120000).
-import { chromium } from 'playwright-core';
-import { CHROMIUM_ARGS, collectErrors, installCountBy, phoneWidth, serveWww } from './common.mjs';
+import { PAGE_TIMEOUT, collectErrors, installCountBy, launchChromium, phoneWidth, serveWww } from './common.mjs';
 
 const www = await serveWww();
 const url = `${www.url}index.html?sim`;
 
-const timeout = Number(process.env.PAGE_TIMEOUT_MS || 120000);
-const browser = await chromium.launch({
-  executablePath: process.env.CHROMIUM || '/usr/bin/chromium',
-  args: CHROMIUM_ARGS,
-});
+const timeout = PAGE_TIMEOUT;
+const browser = await launchChromium();
 const errors = [];
 const runs = [];
 try {

@@ -10,19 +10,15 @@
 // prefill, decode, ..., phone: {width, screen}}. Env: CHROMIUM (default /usr/bin/chromium),
 // SHOT and SHOT_PHONE (save screenshots there, desktop and phone-sized), PAGE_TIMEOUT_MS
 // (default 120000).
-import { chromium } from 'playwright-core';
-import { CHROMIUM_ARGS, collectErrors, installCountBy, phoneWidth } from './common.mjs';
+import { PAGE_TIMEOUT, collectErrors, installCountBy, launchChromium, phoneWidth } from './common.mjs';
 
 const [url, prompt, code] = process.argv.slice(2);
 if (!url || !prompt || !code) {
   console.error('usage: node split_page.mjs URL PROMPT CODE');
   process.exit(2);
 }
-const timeout = Number(process.env.PAGE_TIMEOUT_MS || 120000);
-const browser = await chromium.launch({
-  executablePath: process.env.CHROMIUM || '/usr/bin/chromium',
-  args: CHROMIUM_ARGS,
-});
+const timeout = PAGE_TIMEOUT;
+const browser = await launchChromium();
 const errors = [];
 try {
   const page = await browser.newPage({ viewport: { width: 1280, height: 900 } });
