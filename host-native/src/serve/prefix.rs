@@ -93,11 +93,13 @@ impl PrefixCache {
         }))
     }
 
-    /// Keep `f` (the same prefix again only counts as a use), then evict the least recently
-    /// used entries until the cache is within its budget.
+    /// Keep `f` (the same prefix with the same breaks again only counts as a use: the logits
+    /// of one are those of the other), then evict the least recently used entries until the
+    /// cache is within its budget.
     pub fn insert(&mut self, f: Fork) {
         self.clock += 1;
-        match self.entries.iter_mut().find(|e| e.tokens == f.tokens) {
+        let same = |e: &&mut Entry| e.tokens == f.tokens && e.breaks == f.breaks;
+        match self.entries.iter_mut().find(same) {
             Some(e) => {
                 e.used = self.clock;
                 if e.logits.is_none() {
@@ -218,6 +220,12 @@ mod tests {
         assert_eq!(hit(&mut cache, &c, &[1, 2, 3, 4, 7], &[2, 4]), Some(4));
         assert_eq!(hit(&mut cache, &c, &[1, 2, 3, 4, 7], &[3, 4]), Some(3));
         assert_eq!(hit(&mut cache, &c, &[1, 2, 3, 4, 7], &[4]), None);
+        // The same ids prefilled without that break (a completion's): another entry, whose
+        // logits never serve the prompt with the break.
+        cache.insert(fork(&c, &[1, 2, 3, 4], 0, true));
+        assert_eq!(cache.len(), 4);
+        assert_eq!(hit(&mut cache, &c, &[1, 2, 3, 4], &[]), Some(4));
+        assert_eq!(hit(&mut cache, &c, &[1, 2, 3, 4], &[2]), None);
     }
 
     #[test]
