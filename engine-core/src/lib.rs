@@ -8,6 +8,8 @@ pub mod batch;
 pub mod cache_types;
 pub mod config;
 pub mod convert;
+#[cfg(feature = "coreml")]
+pub mod coreml;
 pub mod draft;
 pub mod error;
 pub mod generate;
