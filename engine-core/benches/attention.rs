@@ -5,8 +5,9 @@
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use engine_core::backend::cpu::attention::attend_page;
+use engine_core::backend::cpu::frozen::FrozenPage;
 use engine_core::backend::AttnShape;
-use engine_core::backend::{KvPage, KvType, PageRows};
+use engine_core::backend::{KvPage, KvType, Merger, PageRows};
 
 fn values(n: usize, seed: u32) -> Vec<f32> {
     (0..n as u32)
@@ -55,5 +56,58 @@ fn rows_at_the_end(c: &mut Criterion, name: &str, rows: usize) {
     group.finish();
 }
 
-criterion_group!(benches, decode, verify);
+/// One decode row over a layer's 32k and 128k keys of the 0.8B shape: f16 pages of 4096
+/// positions through the paged kernel, against the same keys frozen into pages of 16384
+/// (`FrozenPage`, issue 39), each merged in page order. Throughput counts K and V at fp16.
+fn frozen(c: &mut Criterion) {
+    let mut group = c.benchmark_group("cpu_frozen_decode_attention");
+    group.sample_size(20);
+    let shape = AttnShape {
+        q_heads: 8,
+        kv_heads: 2,
+        head_dim: 256,
+    };
+    let row = shape.kv_heads * shape.head_dim;
+    let q = values(shape.q_heads * shape.head_dim, 3);
+    for keys in [32 * 1024, 128 * 1024] {
+        let pages = |size: usize| -> Vec<KvPage> {
+            (0..keys / size)
+                .map(|p| KvPage {
+                    start: p * size,
+                    len: size,
+                    k: PageRows::host(KvType::F16, values(size * row, 1 + p as u32)),
+                    v: PageRows::host(KvType::F16, values(size * row, 1000 + p as u32)),
+                })
+                .collect()
+        };
+        group.throughput(Throughput::Bytes((keys * row * 2 * 2) as u64));
+        let paged = pages(4096);
+        group.bench_function(BenchmarkId::new("paged_f16", keys), |b| {
+            b.iter(|| {
+                let mut m = Merger::new(shape.q_heads, shape.head_dim);
+                for p in &paged {
+                    m.add(&attend_page(shape, &q, &[keys], p));
+                }
+                m.finish()
+            })
+        });
+        drop(paged);
+        let frozen: Vec<FrozenPage> = pages(16384)
+            .iter()
+            .map(|p| FrozenPage::pack(shape, p))
+            .collect();
+        group.bench_function(BenchmarkId::new("frozen_f16", keys), |b| {
+            b.iter(|| {
+                let mut m = Merger::new(shape.q_heads, shape.head_dim);
+                for p in &frozen {
+                    m.add(&p.attend(shape, &q, keys));
+                }
+                m.finish()
+            })
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, decode, verify, frozen);
 criterion_main!(benches);

@@ -7,6 +7,7 @@
 
 pub mod attention;
 pub mod delta;
+pub mod frozen;
 mod gemm;
 #[cfg(target_arch = "x86_64")]
 mod interleaved_dots;
