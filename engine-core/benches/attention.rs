@@ -5,7 +5,8 @@
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use engine_core::backend::cpu::attention::attend_page;
-use engine_core::backend::cpu::frozen::FrozenPage;
+use engine_core::backend::cpu::frozen;
+use engine_core::backend::frozen::FrozenPage;
 use engine_core::backend::AttnShape;
 use engine_core::backend::{KvPage, KvType, Merger, PageRows};
 
@@ -45,6 +46,7 @@ fn rows_at_the_end(c: &mut Criterion, name: &str, rows: usize) {
             len,
             k: PageRows::host(ty, values(len * row, 1)),
             v: PageRows::host(ty, values(len * row, 2)),
+            frozen: None,
         };
         let q = values(rows * shape.q_heads * shape.head_dim, 3);
         let q_pos: Vec<usize> = (len - rows..len).collect();
@@ -77,6 +79,7 @@ fn frozen(c: &mut Criterion) {
                     len: size,
                     k: PageRows::host(KvType::F16, values(size * row, 1 + p as u32)),
                     v: PageRows::host(KvType::F16, values(size * row, 1000 + p as u32)),
+                    frozen: None,
                 })
                 .collect()
         };
@@ -94,13 +97,13 @@ fn frozen(c: &mut Criterion) {
         drop(paged);
         let frozen: Vec<FrozenPage> = pages(16384)
             .iter()
-            .map(|p| FrozenPage::pack(shape, p))
+            .map(|p| FrozenPage::pack(shape.kv_heads, shape.head_dim, p))
             .collect();
         group.bench_function(BenchmarkId::new("frozen_f16", keys), |b| {
             b.iter(|| {
                 let mut m = Merger::new(shape.q_heads, shape.head_dim);
                 for p in &frozen {
-                    m.add(&p.attend(shape, &q, keys));
+                    m.add(&frozen::attend(p, shape, &q, keys));
                 }
                 m.finish()
             })

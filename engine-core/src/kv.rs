@@ -31,6 +31,10 @@ pub struct PagedKv {
     pages: Vec<Arc<KvPage>>,
     len: usize,
     remote_len: usize,
+    head_dim: usize,
+    /// Pack each page as it fills for the backend's frozen-page decode kernel
+    /// ([`Backend::freeze_page`]; `--freeze-pages`).
+    freeze: bool,
 }
 
 impl PagedKv {
@@ -49,7 +53,16 @@ impl PagedKv {
             pages: Vec::new(),
             len: 0,
             remote_len: 0,
+            head_dim,
+            freeze: false,
         }
+    }
+
+    /// From now on, pack every page that fills for the backend's frozen-page decode kernel,
+    /// where it has one: a second, fp16 copy of each full page held here, which decode reads
+    /// (`--freeze-pages`, opt-in: docs/FROZEN_PAGES.md).
+    pub fn freeze_full_pages(&mut self) {
+        self.freeze = true;
     }
 
     /// Values per position: `kv_heads * head_dim`.
@@ -218,18 +231,28 @@ impl PagedKv {
         })
     }
 
-    /// The last page, to write to: copied first if another cache shares it.
+    /// The last page, to write to: copied first if another cache shares it, and no longer
+    /// frozen (its packed copy would not see the write).
     fn last_page_mut(&mut self, be: &dyn Backend) -> Option<&mut KvPage> {
         let last = self.pages.last_mut()?;
         if Arc::get_mut(last).is_none() {
             *last = Arc::new(copy_page(be, last));
         }
-        Arc::get_mut(last)
+        let page = Arc::get_mut(last)?;
+        page.frozen = None;
+        Some(page)
     }
 
-    /// Bytes held by K and V rows (not counting spare capacity).
+    /// Bytes held by K and V rows (not counting spare capacity), and by frozen pages' packed
+    /// copies.
     pub fn bytes(&self) -> usize {
-        self.len * self.types.position_bytes(self.row)
+        let frozen: usize = self
+            .pages
+            .iter()
+            .filter_map(|p| p.frozen.as_ref())
+            .map(|f| f.bytes())
+            .sum();
+        self.len * self.types.position_bytes(self.row) + frozen
     }
 
     /// A page's empty rows of type `ty`, with room for a whole page of them: on the backend's
@@ -282,16 +305,21 @@ impl PagedKv {
                     len: 0,
                     k: self.new_rows(be, self.types.k),
                     v: self.new_rows(be, self.types.v),
+                    frozen: None,
                 };
                 self.pages.push(Arc::new(page));
             }
-            let (row, page_size) = (self.row, self.page_size);
+            let (row, page_size, freeze, d) =
+                (self.row, self.page_size, self.freeze, self.head_dim);
             let page = self.last_page_mut(be).expect("a page was just ensured");
             let take = (page_size - page.len).min(total - done);
             let rows = (page.len, done, take);
             write_rows(be, &mut page.k, row, rows, k);
             write_rows(be, &mut page.v, row, rows, v);
             page.len += take;
+            if freeze && page.len == page_size {
+                page.frozen = be.freeze_page(row / d, d, page);
+            }
             self.len += take;
             done += take;
         }
@@ -355,6 +383,7 @@ impl PagedKv {
             len: rows,
             k: self.new_rows(be, self.types.k),
             v: self.new_rows(be, self.types.v),
+            frozen: None,
         };
         let (k_in, v_in) = (Incoming::stored(be, &k), Incoming::stored(be, &v));
         write_rows(be, &mut page.k, self.row, (0, 0, rows), &k_in.as_ref());
@@ -439,6 +468,7 @@ fn copy_page(be: &dyn Backend, p: &KvPage) -> KvPage {
         len: p.len,
         k: rows(&p.k),
         v: rows(&p.v),
+        frozen: None,
     }
 }
 

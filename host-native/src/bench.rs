@@ -327,7 +327,8 @@ pub fn run(a: Args) -> Result<()> {
             max: a.draft.draft_max,
             wrong_at: None,
         };
-        let mut fresh = Sequence::typed(c, page_size, types, be)?;
+        let freeze = a.engine.freeze_pages;
+        let mut fresh = crate::load::fresh_sequence(c, page_size, types, freeze, be)?;
         let mut greedy = Sampler::new(SamplingParams::greedy())?;
         let mut g = Generation::new(&model, be, &mut fresh, &mut greedy, Vec::new())
             .with_drafter(Some(Box::new(replay)));
@@ -456,7 +457,7 @@ fn parallel_decode(a: &Args, model: &Model, be: &dyn Backend) -> Result<()> {
                 .collect();
             batch.join(Request {
                 id,
-                seq: Sequence::typed(c, page, types, be)?,
+                seq: crate::load::fresh_sequence(c, page, types, a.engine.freeze_pages, be)?,
                 prompt,
                 logits: None,
                 breaks: Vec::new(),

@@ -31,6 +31,12 @@ pub struct EngineArgs {
     pub threads: Option<usize>,
     #[command(flatten)]
     pub cache: CacheArgs,
+    /// Pack each KV page held here into fp16 as it fills, for the frozen-page decode kernel
+    /// (CPU backend; heads of whole 16-value chunks): decode attention at depth reads it at
+    /// near memory speed. Opt-in: it keeps a second, fp16 copy of each full page (the plan
+    /// does not count it yet), and its sums run in another order (docs/FROZEN_PAGES.md).
+    #[arg(long)]
+    pub freeze_pages: bool,
     #[command(flatten)]
     pub synth: LoadOptions,
     #[command(flatten)]
@@ -67,7 +73,11 @@ impl EngineArgs {
             kv_types,
             ..Fixed::default()
         };
-        self.helper.session(model, be, fixed, context, prompt)
+        let (plan, mut seq, attached) = self.helper.session(model, be, fixed, context, prompt)?;
+        if self.freeze_pages {
+            seq.state.freeze_pages();
+        }
+        Ok((plan, seq, attached))
     }
 
     /// The `--backend`, and a line saying what it runs on, once it is known to compute with
@@ -174,6 +184,22 @@ pub fn load(spec: &str, o: &LoadOptions, tokenizer: Option<&Path>) -> Result<Loa
 /// Where this process reads its weights from, for messages: a copy in huge pages, which
 /// decodes faster, or the file's mapping (with `--mmap`, or when the copy would not fit in
 /// 7/8 of the memory available), so that a user sees why decode is slower than expected.
+/// A fresh sequence on `be` alone: KV pages of `page_size` positions stored as `types`,
+/// frozen as they fill where `freeze` (`--freeze-pages`).
+pub fn fresh_sequence(
+    c: &engine_core::ModelConfig,
+    page_size: usize,
+    types: CacheTypes,
+    freeze: bool,
+    be: &dyn Backend,
+) -> engine_core::Result<Sequence> {
+    let mut seq = Sequence::typed(c, page_size, types, be)?;
+    if freeze {
+        seq.state.freeze_pages();
+    }
+    Ok(seq)
+}
+
 pub fn residence() -> String {
     match engine_core::resident::copied() {
         0 => "mapped from the file".to_string(),

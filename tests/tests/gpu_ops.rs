@@ -631,6 +631,7 @@ fn pages(start: usize, len: usize, k: Vec<f32>, v: Vec<f32>) -> (KvPage, GpuKvPa
         len,
         k: PageRows::Values(Act::Host(k)),
         v: PageRows::Values(Act::Host(v)),
+        frozen: None,
     };
     (host, dev)
 }

@@ -9,6 +9,7 @@
 //! (logits, and whatever crosses the link: KV rows, a state, a helper's attention partials).
 
 pub mod cpu;
+pub mod frozen;
 #[cfg(feature = "gpu")]
 pub mod gpu;
 pub(crate) mod page_rows;
@@ -251,6 +252,18 @@ pub trait Backend: Send + Sync {
     /// Whether this backend keeps KV rows of compact type `ty` on its device, packed in
     /// 32-bit words as the host would store their bytes ([`PageRows::Device`], written by
     /// [`Self::write_packed`]); otherwise compact rows live on the host ([`PageRows::Packed`]).
+    /// `page` (full, and read only from now on) packed for this backend's frozen-page decode
+    /// kernel, if it has one and can take heads of `head_dim` (`--freeze-pages`).
+    fn freeze_page(
+        &self,
+        kv_heads: usize,
+        head_dim: usize,
+        page: &KvPage,
+    ) -> Option<frozen::FrozenPage> {
+        let _ = (kv_heads, head_dim, page);
+        None
+    }
+
     fn packs_kv(&self, ty: KvType) -> bool {
         let _ = ty;
         false

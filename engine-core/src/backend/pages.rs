@@ -8,6 +8,7 @@
 //! computed (host or helper). [`Merger`] is that merge on the host, in f64; the GPU's
 //! `attn_merge` kernel is the same formula in f32.
 
+use super::frozen::FrozenPage;
 use super::PageRows;
 
 /// KV rows for positions `start .. start + len`, token-major: row `j` holds
@@ -20,6 +21,10 @@ pub struct KvPage {
     pub len: usize,
     pub k: PageRows,
     pub v: PageRows,
+    /// The same full page packed for decode (`--freeze-pages`, on a backend with a frozen
+    /// page kernel): decode rows read it, everything else the rows. Dropped before the page
+    /// is written again (a rewind into it).
+    pub frozen: Option<FrozenPage>,
 }
 
 /// Attention partials for `rows` (query row, head) pairs: `o` `[rows, head_dim]` normalised by

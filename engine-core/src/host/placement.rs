@@ -739,6 +739,7 @@ fn attend_from_disk(
             len: page_size,
             k: PageRows::arrived(be, k),
             v: PageRows::arrived(be, v),
+            frozen: None,
         });
         if group_bytes >= DISK_GROUP_BYTES || n + 1 == starts.len() {
             let refs: Vec<&KvPage> = group.iter().collect();

@@ -124,6 +124,16 @@ impl State {
         self.first_cache().map(PagedKv::page_size)
     }
 
+    /// Pack every KV page that fills from now on for the backend's frozen-page decode kernel,
+    /// where it has one (`--freeze-pages`; docs/FROZEN_PAGES.md).
+    pub fn freeze_pages(&mut self) {
+        for l in &mut self.layers {
+            if let LayerState::Attention(kv) = l {
+                kv.freeze_full_pages();
+            }
+        }
+    }
+
     /// The first full-attention layer's cache: what every layer's shares (types, pages moved).
     fn first_cache(&self) -> Option<&PagedKv> {
         self.layers.iter().find_map(|l| match l {

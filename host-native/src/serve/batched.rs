@@ -19,11 +19,11 @@ use std::panic::{self, AssertUnwindSafe};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::load::fresh_sequence;
 use engine_core::backend::CacheTypes;
 use engine_core::batch::{self, Batch, Request};
 use engine_core::generate::Sampler;
 use engine_core::host::split::SplitPlan;
-use engine_core::host::Sequence;
 use engine_core::tokenizer::{StreamDecoder, Tokenizer};
 use engine_core::{Backend, Model, Result};
 use serde_json::json;
@@ -42,6 +42,8 @@ pub struct Batched {
     pub tokenizer: Tokenizer,
     pub page_size: usize,
     pub kv_types: CacheTypes,
+    /// Pack KV pages as they fill for the frozen-page kernel (`--freeze-pages`).
+    pub freeze_pages: bool,
     /// Prompts prefill in its ubatches, one a step.
     pub plan: SplitPlan,
     pub stop_ids: Vec<u32>,
@@ -222,7 +224,7 @@ impl Batched {
             let Hit { seq, logits } = match hit {
                 Some(hit) => hit,
                 None => Hit {
-                    seq: Sequence::typed(c, self.page_size, self.kv_types, be)?,
+                    seq: fresh_sequence(c, self.page_size, self.kv_types, self.freeze_pages, be)?,
                     logits: None,
                 },
             };

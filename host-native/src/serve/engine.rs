@@ -38,6 +38,8 @@ pub struct Engine {
     pub page_size: usize,
     /// How the sequence's KV pages store keys and values (`--cache-type-k/-v`).
     pub kv_types: CacheTypes,
+    /// Pack KV pages as they fill for the frozen-page kernel (`--freeze-pages`).
+    pub freeze_pages: bool,
     pub plan: SplitPlan,
     /// Prompt tokens per `split::prefill` call: the unit of the progress bar and of the
     /// cancellation checks during a long prefill.
@@ -201,7 +203,8 @@ impl Engine {
     fn start_afresh(&mut self) {
         let telemetry = self.seq.placement.telemetry.clone();
         let (c, be) = (&self.model.config, &*self.backend);
-        self.seq = Sequence::typed(c, self.page_size, self.kv_types, be)
+        let freeze = self.freeze_pages;
+        self.seq = crate::load::fresh_sequence(c, self.page_size, self.kv_types, freeze, be)
             .expect("the server's first sequence was made with the same types and backend");
         self.seq.placement.telemetry = telemetry;
         self.report_devices();

@@ -38,7 +38,7 @@ use anyhow::{bail, Context, Result};
 use tracing::{info, warn};
 
 use crate::attach::{Fixed, HelperArgs};
-use crate::load::{DraftArgs, EngineArgs};
+use crate::load::{fresh_sequence, DraftArgs, EngineArgs};
 use batched::Batched;
 use conversation::Conversation;
 use cross_site::Cors;
@@ -190,7 +190,14 @@ pub fn run(a: Args) -> Result<()> {
         most.min(2048),
     );
     let page_size = start.page_size;
-    let mut seq = Sequence::typed(&l.model.config, page_size, kv_types, &*backend)?;
+    let freeze_pages = a.engine.freeze_pages;
+    let mut seq = fresh_sequence(
+        &l.model.config,
+        page_size,
+        kv_types,
+        freeze_pages,
+        &*backend,
+    )?;
     let attached = a
         .engine
         .helper
@@ -325,6 +332,7 @@ pub fn run(a: Args) -> Result<()> {
             tokenizer: l.tokenizer,
             page_size,
             kv_types,
+            freeze_pages,
             plan: split,
             stop_ids,
             parallel: a.parallel,
@@ -351,6 +359,7 @@ pub fn run(a: Args) -> Result<()> {
         seq,
         page_size,
         kv_types,
+        freeze_pages,
         plan: split,
         segment,
         stop_ids,

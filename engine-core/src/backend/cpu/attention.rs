@@ -688,7 +688,13 @@ mod tests {
         };
         let ((k, k_held), (v, v_held)) = (stored(k), stored(v));
         TypedPage {
-            page: KvPage { start, len, k, v },
+            page: KvPage {
+                start,
+                len,
+                k,
+                v,
+                frozen: None,
+            },
             held: (k_held, v_held),
         }
     }

@@ -1,151 +1,76 @@
-//! A frozen KV page: one that decode only reads, re-packed once into fp16 in the layout its
-//! decode kernel streams (issue 39, item 5).
-//!
-//! The paged kernel ([`super::attention`]) reads a key row (every KV head) at a time, widens it
-//! into a scratch row and takes its dot products with the group's queries: four products of
-//! 256 values per KV head, each a reduction, for every key. Here a KV head's keys are
-//! transposed in blocks of [`LANES`]: `[block][head_dim][LANES]`, so one vector load holds
-//! dimension `d` of sixteen keys, and the group's queries multiply it broadcast, giving sixteen
-//! scores per accumulator with no reduction at all. Values are laid out per KV head in chunks
-//! of [`LANES`] dimensions, `[chunk][key][LANES]`, so the weighted sum sweeps contiguous memory
-//! for each chunk of the output. The page is read once per decode row, in its fp16 size.
-//!
-//! fp16 K and V are a departure from an f32 page (none from an f16 one), and the sums run in
-//! another order than the paged kernel's: a frozen page's partials are close to the paged
-//! kernel's, not equal (docs/FROZEN_PAGES.md).
+//! Decode attention over a frozen page ([`FrozenPage`]): one query row, its scores as
+//! broadcast FMAs over transposed key blocks and its weighted sum over value chunks, with the
+//! accumulators in registers (AVX-512; a portable form elsewhere). Spans of [`SPAN`] keys are
+//! tasks, merged in order, so the result does not depend on the thread count.
 
 use half::f16;
 
 use super::{exp, spread};
-use crate::backend::{AttnShape, KvPage, Merger, PageRows, Partials};
-
-/// Keys (and value dimensions) a vector holds: sixteen f32 in a 512-bit register.
-pub const LANES: usize = 16;
+use crate::backend::frozen::{FrozenPage, LANES};
+use crate::backend::{AttnShape, Merger, Partials};
 
 /// Keys per task: a task's scores (group x SPAN) stay in L1, and its values' chunks in L2.
 const SPAN: usize = 1024;
 
-/// One frozen page of one attention layer.
-pub struct FrozenPage {
-    /// The first position, as the page it was packed from.
-    pub start: usize,
-    pub len: usize,
-    kv_heads: usize,
-    head_dim: usize,
-    /// Per KV head: `[len / LANES][head_dim][LANES]`, the last block padded with zeros.
-    keys: Vec<f16>,
-    /// Per KV head: `[head_dim / LANES][len][LANES]`.
-    values: Vec<f16>,
+/// Partials of one decode row at `pos` (query heads `q`, scaled, `[q_heads][head_dim]`)
+/// over the keys it sees: spans of [`SPAN`] keys, one task each, merged in order (so the
+/// result does not depend on the thread count).
+pub fn attend(page: &FrozenPage, shape: AttnShape, q: &[f32], pos: usize) -> Partials {
+    assert_eq!(
+        (shape.kv_heads, shape.head_dim),
+        (page.kv_heads, page.head_dim)
+    );
+    assert_eq!(q.len(), shape.q_heads * shape.head_dim);
+    let seen = pos
+        .saturating_add(1)
+        .saturating_sub(page.start)
+        .min(page.len);
+    let spans: Vec<usize> = (0..seen).step_by(SPAN).collect();
+    if spans.is_empty() {
+        return Partials::empty(shape.q_heads, page.head_dim);
+    }
+    let mut parts: Vec<Partials> = spans.iter().map(|_| Partials::empty(0, 0)).collect();
+    spread(&mut parts, 1, |i, p| {
+        let to = (spans[i] + SPAN).min(seen);
+        p[0] = span(page, shape, q, spans[i], to)
+    });
+    if parts.len() == 1 {
+        return parts.pop().expect("one span");
+    }
+    let mut merger = Merger::new(shape.q_heads, page.head_dim);
+    parts.iter().for_each(|p| merger.add(p));
+    merger.finish()
 }
 
-impl FrozenPage {
-    /// Pack `page` (every key and value row, whatever its type) for `shape`'s heads. Heads
-    /// must be whole multiples of [`LANES`] (Qwen3.5's 256 are).
-    pub fn pack(shape: AttnShape, page: &KvPage) -> FrozenPage {
-        let AttnShape {
-            kv_heads,
-            head_dim: d,
-            ..
-        } = shape;
-        assert_eq!(d % LANES, 0, "a frozen page needs heads of whole {LANES}-value chunks");
-        let (len, row) = (page.len, kv_heads * d);
-        let blocks = len.div_ceil(LANES);
-        let mut keys = vec![f16::ZERO; kv_heads * blocks * d * LANES];
-        let mut values = vec![f16::ZERO; kv_heads * d * len];
-        let (mut k, mut v) = (vec![0.0f32; row], vec![0.0f32; row]);
-        for j in 0..len {
-            read_row(&page.k, j, row, &mut k);
-            read_row(&page.v, j, row, &mut v);
-            let (b, lane) = (j / LANES, j % LANES);
-            for h in 0..kv_heads {
-                let kh = &mut keys[h * blocks * d * LANES..][b * d * LANES..];
-                let vh = &mut values[h * d * len..];
-                for i in 0..d {
-                    kh[i * LANES + lane] = f16::from_f32(k[h * d + i]);
-                    vh[(i / LANES) * len * LANES + j * LANES + i % LANES] =
-                        f16::from_f32(v[h * d + i]);
-                }
-            }
+/// Partials of every query head over keys `from..to` (`from` a multiple of [`LANES`]).
+fn span(page: &FrozenPage, shape: AttnShape, q: &[f32], from: usize, to: usize) -> Partials {
+    let (d, group) = (page.head_dim, shape.q_heads / page.kv_heads);
+    let n = to - from;
+    let mut p = Partials::empty(shape.q_heads, d);
+    let mut scores = vec![0.0f32; group * n.next_multiple_of(LANES)];
+    for h in 0..page.kv_heads {
+        let qh = &q[h * group * d..][..group * d];
+        let blocks = page.len.div_ceil(LANES);
+        let keys =
+            &page.keys[h * blocks * d * LANES..][from * d..][..n.div_ceil(LANES) * d * LANES];
+        scores_of(qh, keys, d, &mut scores);
+        let stride = n.next_multiple_of(LANES);
+        for g in 0..group {
+            let s = &mut scores[g * stride..][..n];
+            let mx = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            s.iter_mut().for_each(|x| *x = exp(*x - mx));
+            p.m[h * group + g] = mx;
+            p.l[h * group + g] = s.iter().sum();
         }
-        FrozenPage {
-            start: page.start,
-            len,
-            kv_heads,
-            head_dim: d,
-            keys,
-            values,
+        let values = &page.values[h * d * page.len..][..d * page.len];
+        let o = &mut p.o[h * group * d..][..group * d];
+        weighted_values(&scores, stride, n, values, (page.len, from), d, o);
+        for (o, &l) in o.chunks_exact_mut(d).zip(&p.l[h * group..]) {
+            let inv = 1.0 / l;
+            o.iter_mut().for_each(|a| *a *= inv);
         }
     }
-
-    /// Bytes the packed page holds (K and V, fp16, the last key block's padding included).
-    pub fn bytes(&self) -> usize {
-        2 * (self.keys.len() + self.values.len())
-    }
-
-    /// Partials of one decode row at `pos` (query heads `q`, scaled, `[q_heads][head_dim]`)
-    /// over the keys it sees: spans of [`SPAN`] keys, one task each, merged in order (so the
-    /// result does not depend on the thread count).
-    pub fn attend(&self, shape: AttnShape, q: &[f32], pos: usize) -> Partials {
-        assert_eq!(
-            (shape.kv_heads, shape.head_dim),
-            (self.kv_heads, self.head_dim)
-        );
-        assert_eq!(q.len(), shape.q_heads * shape.head_dim);
-        let seen = pos.saturating_add(1).saturating_sub(self.start).min(self.len);
-        let spans: Vec<usize> = (0..seen).step_by(SPAN).collect();
-        if spans.is_empty() {
-            return Partials::empty(shape.q_heads, self.head_dim);
-        }
-        let mut parts: Vec<Partials> = spans.iter().map(|_| Partials::empty(0, 0)).collect();
-        spread(&mut parts, 1, |i, p| {
-            let to = (spans[i] + SPAN).min(seen);
-            p[0] = self.span(shape, q, spans[i], to)
-        });
-        if parts.len() == 1 {
-            return parts.pop().expect("one span");
-        }
-        let mut merger = Merger::new(shape.q_heads, self.head_dim);
-        parts.iter().for_each(|p| merger.add(p));
-        merger.finish()
-    }
-
-    /// Partials of every query head over keys `from..to` (`from` a multiple of [`LANES`]).
-    fn span(&self, shape: AttnShape, q: &[f32], from: usize, to: usize) -> Partials {
-        let (d, group) = (self.head_dim, shape.q_heads / self.kv_heads);
-        let n = to - from;
-        let mut p = Partials::empty(shape.q_heads, d);
-        let mut scores = vec![0.0f32; group * n.next_multiple_of(LANES)];
-        for h in 0..self.kv_heads {
-            let qh = &q[h * group * d..][..group * d];
-            let blocks = self.len.div_ceil(LANES);
-            let keys = &self.keys[h * blocks * d * LANES..][from * d..][..n.div_ceil(LANES) * d * LANES];
-            scores_of(qh, keys, d, &mut scores);
-            let stride = n.next_multiple_of(LANES);
-            for g in 0..group {
-                let s = &mut scores[g * stride..][..n];
-                let mx = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                s.iter_mut().for_each(|x| *x = exp(*x - mx));
-                p.m[h * group + g] = mx;
-                p.l[h * group + g] = s.iter().sum();
-            }
-            let values = &self.values[h * d * self.len..][..d * self.len];
-            let o = &mut p.o[h * group * d..][..group * d];
-            weighted_values(&scores, stride, n, values, (self.len, from), d, o);
-            for (o, &l) in o.chunks_exact_mut(d).zip(&p.l[h * group..]) {
-                let inv = 1.0 / l;
-                o.iter_mut().for_each(|a| *a *= inv);
-            }
-        }
-        p
-    }
-}
-
-/// Row `j` of a page on this backend (f32 values, or compact rows), as f32.
-fn read_row(rows: &PageRows, j: usize, row: usize, out: &mut [f32]) {
-    match rows {
-        PageRows::Values(a) => out.copy_from_slice(&super::host(a)[j * row..][..row]),
-        packed => packed.row_into(j, row, out),
-    }
+    p
 }
 
 /// `scores[g][j]` (rows of `stride` = the blocks' keys) for the group's queries `q`
@@ -304,7 +229,7 @@ mod avx512 {
         let chunks = d / LANES;
         let mut c0 = 0;
         while c0 < chunks {
-            let cn = if chunks - c0 >= 2 { 2 } else { 1 };
+            let cn = if chunks - c0 >= 4 { 4 } else { 1 };
             for g0 in (0..group).step_by(4) {
                 let t = Tile {
                     weights: &weights[g0 * stride..],
@@ -321,10 +246,10 @@ mod avx512 {
                         (2, 1) => values_tile::<2, 1>(&t, d, o),
                         (3, 1) => values_tile::<3, 1>(&t, d, o),
                         (_, 1) => values_tile::<4, 1>(&t, d, o),
-                        (1, _) => values_tile::<1, 2>(&t, d, o),
-                        (2, _) => values_tile::<2, 2>(&t, d, o),
-                        (3, _) => values_tile::<3, 2>(&t, d, o),
-                        _ => values_tile::<4, 2>(&t, d, o),
+                        (1, _) => values_tile::<1, 4>(&t, d, o),
+                        (2, _) => values_tile::<2, 4>(&t, d, o),
+                        (3, _) => values_tile::<3, 4>(&t, d, o),
+                        _ => values_tile::<4, 4>(&t, d, o),
                     }
                 }
             }
@@ -377,7 +302,7 @@ mod avx512 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::KvType;
+    use crate::backend::{KvPage, KvType, PageRows};
 
     fn values(n: usize, seed: u32) -> Vec<f32> {
         (0..n as u32)
@@ -397,13 +322,22 @@ mod tests {
             .map(|h| {
                 let kvh = h / group;
                 let s: Vec<f64> = (0..seen)
-                    .map(|j| (0..d).map(|i| q[h * d + i] as f64 * r(k[j * row + kvh * d + i])).sum())
+                    .map(|j| {
+                        (0..d)
+                            .map(|i| q[h * d + i] as f64 * r(k[j * row + kvh * d + i]))
+                            .sum()
+                    })
                     .collect();
                 let mx = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
                 let w: Vec<f64> = s.iter().map(|x| (x - mx).exp()).collect();
                 let l: f64 = w.iter().sum();
                 (0..d)
-                    .map(|i| (0..seen).map(|j| w[j] * r(v[j * row + kvh * d + i])).sum::<f64>() / l)
+                    .map(|i| {
+                        (0..seen)
+                            .map(|j| w[j] * r(v[j * row + kvh * d + i]))
+                            .sum::<f64>()
+                            / l
+                    })
                     .collect()
             })
             .collect()
@@ -419,7 +353,11 @@ mod tests {
             (8, 2, 64, 16, 40),
             (4, 1, 32, 3000, 5),
         ] {
-            let shape = AttnShape { q_heads, kv_heads, head_dim: d };
+            let shape = AttnShape {
+                q_heads,
+                kv_heads,
+                head_dim: d,
+            };
             let row = kv_heads * d;
             let (k, v) = (values(len * row, 1), values(len * row, 2));
             let q: Vec<f32> = values(q_heads * d, 3).iter().map(|x| 4.0 * x).collect();
@@ -429,14 +367,18 @@ mod tests {
                 len,
                 k: PageRows::host(KvType::F32, k.clone()),
                 v: PageRows::host(KvType::F32, v.clone()),
+                frozen: None,
             };
-            let frozen = FrozenPage::pack(shape, &page);
-            let got = frozen.attend(shape, &q, pos);
+            let frozen = FrozenPage::pack(shape.kv_heads, shape.head_dim, &page);
+            let got = attend(&frozen, shape, &q, pos);
             let want = reference(shape, &q, &k, &v, (pos + 1).min(len));
             for (h, want) in want.iter().enumerate() {
                 for (i, w) in want.iter().enumerate() {
                     let g = got.o[h * d + i] as f64;
-                    assert!((g - w).abs() < 2e-5, "{q_heads}/{kv_heads}/{d}/{len}: {g} vs {w}");
+                    assert!(
+                        (g - w).abs() < 2e-5,
+                        "{q_heads}/{kv_heads}/{d}/{len}: {g} vs {w}"
+                    );
                 }
             }
         }
@@ -444,14 +386,20 @@ mod tests {
 
     #[test]
     fn a_row_before_the_page_sees_nothing() {
-        let shape = AttnShape { q_heads: 2, kv_heads: 1, head_dim: 16 };
+        let shape = AttnShape {
+            q_heads: 2,
+            kv_heads: 1,
+            head_dim: 16,
+        };
         let page = KvPage {
             start: 100,
             len: 20,
             k: PageRows::host(KvType::F16, values(20 * 16, 1)),
             v: PageRows::host(KvType::F16, values(20 * 16, 2)),
+            frozen: None,
         };
-        let p = FrozenPage::pack(shape, &page).attend(shape, &values(32, 3), 50);
+        let frozen = FrozenPage::pack(shape.kv_heads, shape.head_dim, &page);
+        let p = attend(&frozen, shape, &values(32, 3), 50);
         assert_eq!(p, Partials::empty(2, 16));
     }
 }

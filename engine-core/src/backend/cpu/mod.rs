@@ -395,10 +395,22 @@ impl Backend for CpuBackend {
         q_pos: &[usize],
         pages: &[&KvPage],
     ) -> Vec<ActPartials> {
-        pages
-            .iter()
-            .map(|page| attention::attend_page(shape, host(q), q_pos, page).into())
-            .collect()
+        let attend = |page: &KvPage| match (&page.frozen, q_pos) {
+            (Some(frozen), &[pos]) => frozen::attend(frozen, shape, host(q), pos),
+            _ => attention::attend_page(shape, host(q), q_pos, page),
+        };
+        pages.iter().map(|page| attend(page).into()).collect()
+    }
+
+    fn freeze_page(
+        &self,
+        kv_heads: usize,
+        head_dim: usize,
+        page: &KvPage,
+    ) -> Option<crate::backend::frozen::FrozenPage> {
+        head_dim
+            .is_multiple_of(crate::backend::frozen::LANES)
+            .then(|| crate::backend::frozen::FrozenPage::pack(kv_heads, head_dim, page))
     }
 
     fn merge_partials(&self, rows: usize, head_dim: usize, parts: Vec<ActPartials>) -> Act {
