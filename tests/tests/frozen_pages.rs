@@ -95,6 +95,34 @@ fn frozen_pages_decode_the_paged_kernels_tokens() {
     }
 }
 
+/// A pass of a few rows (a speculative verify) gives each row, bit for bit, what its decode
+/// step gives over frozen pages too.
+#[test]
+fn a_few_rows_over_frozen_pages_are_their_decode_steps() {
+    let m = tiny256();
+    let be = &CpuBackend;
+    let prompt: Vec<u32> = (0..37).map(|i| (i * 11 + 5) % 1024).collect();
+    let f16 = CacheTypes {
+        k: KvType::F16,
+        v: KvType::F16,
+    };
+    let fresh = || {
+        let mut seq = Sequence::typed(&m.config, PAGE, f16, be).unwrap();
+        seq.state.freeze_pages();
+        seq.forward(&m, be, &prompt, Logits::Last, None).unwrap();
+        seq
+    };
+    let rows = [17u32, 400, 3, 999, 42];
+    let together = fresh().forward(&m, be, &rows, Logits::All, None).unwrap();
+    let mut alone = fresh();
+    let steps: Vec<f32> = rows
+        .iter()
+        .flat_map(|&t| alone.forward(&m, be, &[t], Logits::Last, None).unwrap())
+        .collect();
+    assert!(frozen_pages(&alone) > 0);
+    assert_eq!(together, steps);
+}
+
 #[test]
 fn a_rewind_into_a_frozen_page_unfreezes_it() {
     let m = tiny256();

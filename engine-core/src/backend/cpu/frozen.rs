@@ -16,6 +16,57 @@ const SPAN: usize = 1024;
 /// over the keys it sees: spans of [`SPAN`] keys, one task each, merged in order (so the
 /// result does not depend on the thread count).
 pub fn attend(page: &FrozenPage, shape: AttnShape, q: &[f32], pos: usize) -> Partials {
+    attend_with(Kernel::best(), page, shape, q, pos)
+}
+
+/// [`attend`] for each row of `q` (`[rows][q_heads][head_dim]`) at `q_pos`, the partials one
+/// after the other: each row's are its decode step's.
+pub fn attend_rows(page: &FrozenPage, shape: AttnShape, q: &[f32], q_pos: &[usize]) -> Partials {
+    let mut all = Partials::empty(0, page.head_dim);
+    let per_row = shape.q_heads * shape.head_dim;
+    for (q, &pos) in q.chunks_exact(per_row).zip(q_pos) {
+        let p = attend(page, shape, q, pos);
+        all.o.extend(p.o);
+        all.m.extend(p.m);
+        all.l.extend(p.l);
+    }
+    all
+}
+
+/// The instructions the kernels run: the widest this CPU has (`TETHER_ISA=avx2` caps it, as
+/// for the matrix products).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kernel {
+    Portable,
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+    #[cfg(target_arch = "x86_64")]
+    Avx512,
+}
+
+impl Kernel {
+    fn best() -> Kernel {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use super::quant_dots::Isa;
+            match Isa::best() {
+                None => Kernel::Portable,
+                Some(Isa::Avx2) => Kernel::Avx2,
+                Some(Isa::Avx512 | Isa::Vnni) => Kernel::Avx512,
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        Kernel::Portable
+    }
+}
+
+fn attend_with(
+    kernel: Kernel,
+    page: &FrozenPage,
+    shape: AttnShape,
+    q: &[f32],
+    pos: usize,
+) -> Partials {
     assert_eq!(
         (shape.kv_heads, shape.head_dim),
         (page.kv_heads, page.head_dim)
@@ -32,7 +83,7 @@ pub fn attend(page: &FrozenPage, shape: AttnShape, q: &[f32], pos: usize) -> Par
     let mut parts: Vec<Partials> = spans.iter().map(|_| Partials::empty(0, 0)).collect();
     spread(&mut parts, 1, |i, p| {
         let to = (spans[i] + SPAN).min(seen);
-        p[0] = span(page, shape, q, spans[i], to)
+        p[0] = span(kernel, page, shape, q, spans[i], to)
     });
     if parts.len() == 1 {
         return parts.pop().expect("one span");
@@ -43,7 +94,14 @@ pub fn attend(page: &FrozenPage, shape: AttnShape, q: &[f32], pos: usize) -> Par
 }
 
 /// Partials of every query head over keys `from..to` (`from` a multiple of [`LANES`]).
-fn span(page: &FrozenPage, shape: AttnShape, q: &[f32], from: usize, to: usize) -> Partials {
+fn span(
+    kernel: Kernel,
+    page: &FrozenPage,
+    shape: AttnShape,
+    q: &[f32],
+    from: usize,
+    to: usize,
+) -> Partials {
     let (d, group) = (page.head_dim, shape.q_heads / page.kv_heads);
     let n = to - from;
     let mut p = Partials::empty(shape.q_heads, d);
@@ -53,7 +111,7 @@ fn span(page: &FrozenPage, shape: AttnShape, q: &[f32], from: usize, to: usize) 
         let blocks = page.len.div_ceil(LANES);
         let keys =
             &page.keys[h * blocks * d * LANES..][from * d..][..n.div_ceil(LANES) * d * LANES];
-        scores_of(qh, keys, d, &mut scores);
+        scores_of(kernel, qh, keys, d, &mut scores);
         let stride = n.next_multiple_of(LANES);
         for g in 0..group {
             let s = &mut scores[g * stride..][..n];
@@ -64,7 +122,7 @@ fn span(page: &FrozenPage, shape: AttnShape, q: &[f32], from: usize, to: usize) 
         }
         let values = &page.values[h * d * page.len..][..d * page.len];
         let o = &mut p.o[h * group * d..][..group * d];
-        weighted_values(&scores, stride, n, values, (page.len, from), d, o);
+        weighted_values(kernel, &scores, (stride, n), values, (page.len, from), d, o);
         for (o, &l) in o.chunks_exact_mut(d).zip(&p.l[h * group..]) {
             let inv = 1.0 / l;
             o.iter_mut().for_each(|a| *a *= inv);
@@ -75,13 +133,17 @@ fn span(page: &FrozenPage, shape: AttnShape, q: &[f32], from: usize, to: usize) 
 
 /// `scores[g][j]` (rows of `stride` = the blocks' keys) for the group's queries `q`
 /// (`[group][d]`) against `keys` (`[blocks][d][LANES]`).
-fn scores_of(q: &[f32], keys: &[f16], d: usize, scores: &mut [f32]) {
+fn scores_of(kernel: Kernel, q: &[f32], keys: &[f16], d: usize, scores: &mut [f32]) {
     let group = q.len() / d;
     let stride = keys.len() / d;
-    #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx512f") {
-        // SAFETY: the CPU has AVX-512F, checked just above.
-        return unsafe { avx512::scores_of(q, keys, d, group, stride, scores) };
+    match kernel {
+        // SAFETY: `Kernel::best` (or a test) chose it on a CPU that has its instructions.
+        #[cfg(target_arch = "x86_64")]
+        Kernel::Avx512 => return unsafe { avx512::scores_of(q, keys, d, group, stride, scores) },
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        Kernel::Avx2 => return unsafe { avx2::scores_of(q, keys, d, group, stride, scores) },
+        Kernel::Portable => {}
     }
     for (b, block) in keys.chunks_exact(d * LANES).enumerate() {
         for g in 0..group {
@@ -100,19 +162,27 @@ fn scores_of(q: &[f32], keys: &[f16], d: usize, scores: &mut [f32]) {
 /// `o[g] += sum_j weights[g][j] * values[j]` over keys `from..from + n` of a head's values
 /// (`[d / LANES][len][LANES]`), for the group's rows of `o` (`[group][d]`).
 fn weighted_values(
+    kernel: Kernel,
     weights: &[f32],
-    stride: usize,
-    n: usize,
+    (stride, n): (usize, usize),
     values: &[f16],
     (len, from): (usize, usize),
     d: usize,
     o: &mut [f32],
 ) {
     let group = o.len() / d;
-    #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx512f") {
-        // SAFETY: the CPU has AVX-512F, checked just above.
-        return unsafe { avx512::weighted_values(weights, stride, n, values, len, from, d, o) };
+    match kernel {
+        // SAFETY: `Kernel::best` (or a test) chose it on a CPU that has its instructions.
+        #[cfg(target_arch = "x86_64")]
+        Kernel::Avx512 => {
+            return unsafe { avx512::weighted_values(weights, stride, n, values, len, from, d, o) }
+        }
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        Kernel::Avx2 => {
+            return unsafe { avx2::weighted_values(weights, stride, n, values, len, from, d, o) }
+        }
+        Kernel::Portable => {}
     }
     for c in 0..d / LANES {
         let chunk = &values[c * len * LANES..][from * LANES..][..n * LANES];
@@ -299,6 +369,158 @@ mod avx512 {
     }
 }
 
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    //! [`super::avx512`]'s kernels in 256-bit registers: a block of 16 keys (or a chunk of 16
+    //! dimensions) is two registers, so the tiles are smaller (4 query heads by one chunk) to
+    //! fit AVX2's sixteen.
+    use std::arch::x86_64::*;
+
+    use half::f16;
+
+    use super::LANES;
+
+    const GROUP_TILE: usize = 4;
+
+    /// Sixteen fp16 values at `p`, widened into two registers.
+    ///
+    /// # Safety
+    /// `p` must point at 16 readable fp16 values, and the CPU must have AVX2 and F16C.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn widen(p: *const f16) -> [__m256; 2] {
+        // SAFETY: the caller's.
+        unsafe {
+            [
+                _mm256_cvtph_ps(_mm_loadu_si128(p.cast())),
+                _mm256_cvtph_ps(_mm_loadu_si128(p.add(8).cast())),
+            ]
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn scores_of(
+        q: &[f32],
+        keys: &[f16],
+        d: usize,
+        group: usize,
+        stride: usize,
+        scores: &mut [f32],
+    ) {
+        for g0 in (0..group).step_by(GROUP_TILE) {
+            let q = &q[g0 * d..];
+            let scores = &mut scores[g0 * stride..];
+            // SAFETY: AVX2 is the caller's; the tiles index within `q`, `keys`, `scores`.
+            unsafe {
+                match (group - g0).min(GROUP_TILE) {
+                    1 => scores_tile::<1>(q, keys, d, stride, scores),
+                    2 => scores_tile::<2>(q, keys, d, stride, scores),
+                    3 => scores_tile::<3>(q, keys, d, stride, scores),
+                    _ => scores_tile::<4>(q, keys, d, stride, scores),
+                }
+            }
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn scores_tile<const G: usize>(
+        q: &[f32],
+        keys: &[f16],
+        d: usize,
+        stride: usize,
+        scores: &mut [f32],
+    ) {
+        assert!(q.len() >= G * d && scores.len() >= (G - 1) * stride + keys.len() / d);
+        for (b, block) in keys.chunks_exact(d * LANES).enumerate() {
+            let mut acc = [[_mm256_setzero_ps(); 2]; G];
+            for i in 0..d {
+                // SAFETY: `block` holds `d * LANES` values, so `i * LANES + 16` of them.
+                let k = unsafe { widen(block.as_ptr().add(i * LANES)) };
+                for (g, a) in acc.iter_mut().enumerate() {
+                    // SAFETY: `g * d + i < G * d <= q.len()`, asserted above.
+                    let qv = _mm256_set1_ps(unsafe { *q.get_unchecked(g * d + i) });
+                    a[0] = _mm256_fmadd_ps(qv, k[0], a[0]);
+                    a[1] = _mm256_fmadd_ps(qv, k[1], a[1]);
+                }
+            }
+            for (g, a) in acc.iter().enumerate() {
+                let out = &mut scores[g * stride + b * LANES..][..LANES];
+                // SAFETY: `out` holds 16 f32.
+                unsafe {
+                    _mm256_storeu_ps(out.as_mut_ptr(), a[0]);
+                    _mm256_storeu_ps(out.as_mut_ptr().add(8), a[1]);
+                }
+            }
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn weighted_values(
+        weights: &[f32],
+        stride: usize,
+        n: usize,
+        values: &[f16],
+        len: usize,
+        from: usize,
+        d: usize,
+        o: &mut [f32],
+    ) {
+        let group = o.len() / d;
+        for c in 0..d / LANES {
+            let values = &values[c * len * LANES + from * LANES..][..n * LANES];
+            for g0 in (0..group).step_by(GROUP_TILE) {
+                let weights = &weights[g0 * stride..];
+                let o = &mut o[g0 * d + c * LANES..];
+                // SAFETY: AVX2 is the caller's; the tiles index within their slices.
+                unsafe {
+                    match (group - g0).min(GROUP_TILE) {
+                        1 => values_tile::<1>(weights, stride, values, d, o),
+                        2 => values_tile::<2>(weights, stride, values, d, o),
+                        3 => values_tile::<3>(weights, stride, values, d, o),
+                        _ => values_tile::<4>(weights, stride, values, d, o),
+                    }
+                }
+            }
+        }
+    }
+
+    /// `G` query heads' outputs for one chunk of 16 dimensions over the span's keys (`values`
+    /// holds the chunk's rows of the span, 16 values each).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn values_tile<const G: usize>(
+        weights: &[f32],
+        stride: usize,
+        values: &[f16],
+        d: usize,
+        o: &mut [f32],
+    ) {
+        let n = values.len() / LANES;
+        assert!(weights.len() >= (G - 1) * stride + n && o.len() >= (G - 1) * d + LANES);
+        let mut acc = [[_mm256_setzero_ps(); 2]; G];
+        for j in 0..n {
+            // SAFETY: `values` holds `n` rows of 16.
+            let v = unsafe { widen(values.as_ptr().add(j * LANES)) };
+            for (g, a) in acc.iter_mut().enumerate() {
+                // SAFETY: within `weights`, asserted above.
+                let w = _mm256_set1_ps(unsafe { *weights.get_unchecked(g * stride + j) });
+                a[0] = _mm256_fmadd_ps(w, v[0], a[0]);
+                a[1] = _mm256_fmadd_ps(w, v[1], a[1]);
+            }
+        }
+        for (g, a) in acc.iter().enumerate() {
+            let out = &mut o[g * d..][..LANES];
+            // SAFETY: `out` holds 16 f32.
+            unsafe {
+                _mm256_storeu_ps(out.as_mut_ptr(), a[0]);
+                _mm256_storeu_ps(out.as_mut_ptr().add(8), a[1]);
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -311,6 +533,23 @@ mod tests {
                 (h >> 8) as f32 / (1u32 << 24) as f32 - 0.5
             })
             .collect()
+    }
+
+    /// Every kernel this CPU runs.
+    fn kernels() -> Vec<Kernel> {
+        #[allow(unused_mut)]
+        let mut all = vec![Kernel::Portable];
+        #[cfg(target_arch = "x86_64")]
+        {
+            use crate::backend::cpu::quant_dots::Isa;
+            if let Some(isa) = Isa::best() {
+                all.push(Kernel::Avx2);
+                if isa != Isa::Avx2 {
+                    all.push(Kernel::Avx512);
+                }
+            }
+        }
+        all
     }
 
     /// Attention in f64 over the page's fp16-rounded keys and values, per query head.
@@ -370,15 +609,15 @@ mod tests {
                 frozen: None,
             };
             let frozen = FrozenPage::pack(shape.kv_heads, shape.head_dim, &page);
-            let got = attend(&frozen, shape, &q, pos);
             let want = reference(shape, &q, &k, &v, (pos + 1).min(len));
-            for (h, want) in want.iter().enumerate() {
-                for (i, w) in want.iter().enumerate() {
-                    let g = got.o[h * d + i] as f64;
-                    assert!(
-                        (g - w).abs() < 2e-5,
-                        "{q_heads}/{kv_heads}/{d}/{len}: {g} vs {w}"
-                    );
+            for kernel in kernels() {
+                let got = attend_with(kernel, &frozen, shape, &q, pos);
+                for (h, want) in want.iter().enumerate() {
+                    for (i, w) in want.iter().enumerate() {
+                        let g = got.o[h * d + i] as f64;
+                        let case = format!("{kernel:?} {q_heads}/{kv_heads}/{d}/{len}");
+                        assert!((g - w).abs() < 2e-5, "{case}: {g} vs {w}");
+                    }
                 }
             }
         }

@@ -395,8 +395,12 @@ impl Backend for CpuBackend {
         q_pos: &[usize],
         pages: &[&KvPage],
     ) -> Vec<ActPartials> {
-        let attend = |page: &KvPage| match (&page.frozen, q_pos) {
-            (Some(frozen), &[pos]) => frozen::attend(frozen, shape, host(q), pos),
+        // Fewer rows than a step's (decode, a speculative verify, a batch's sequence) read a
+        // frozen page row by row, each as its decode step does; prefill reads the rows.
+        let attend = |page: &KvPage| match &page.frozen {
+            Some(frozen) if q_pos.len() < super::STEP_ROWS => {
+                frozen::attend_rows(frozen, shape, host(q), q_pos)
+            }
             _ => attention::attend_page(shape, host(q), q_pos, page),
         };
         pages.iter().map(|page| attend(page).into()).collect()
