@@ -32,9 +32,10 @@ pub struct EngineArgs {
     #[command(flatten)]
     pub cache: CacheArgs,
     /// Pack each KV page held here into fp16 as it fills, for the frozen-page decode kernel
-    /// (CPU backend; heads of whole 16-value chunks): decode attention at depth reads it at
-    /// near memory speed. Opt-in: it keeps a second, fp16 copy of each full page (the plan
-    /// does not count it yet), and its sums run in another order (docs/FROZEN_PAGES.md).
+    /// (CPU backend; the GPU keeps its paged kernel; heads of whole 16-value chunks): decode
+    /// attention at depth reads it at near memory speed. Opt-in: it keeps a second, fp16 copy
+    /// of each full page (the plan does not count it yet), and its sums run in another order
+    /// (docs/FROZEN_PAGES.md).
     #[arg(long)]
     pub freeze_pages: bool,
     #[command(flatten)]
