@@ -25,6 +25,17 @@ pub fn fixtures_dir() -> PathBuf {
     PathBuf::from("/work/shared/fixtures")
 }
 
+/// The tiny256 preset (heads of 64 values: whole blocks of every KV type, and Qwen3.5's groups
+/// of 4 query heads per KV head) with f32 weights, seeded.
+pub fn tiny256() -> Model {
+    let synth = engine_core::source::LoadOptions {
+        weight_dtype: "f32".into(),
+        weight_seed: 5,
+        ..Default::default()
+    };
+    engine_core::source::load_model("tiny256", &synth).unwrap()
+}
+
 /// A model from the committed GGUF fixtures (tests/fixtures/gguf), read as the engine reads it.
 pub fn gguf_model(name: &str) -> Model {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(format!("fixtures/gguf/{name}"));

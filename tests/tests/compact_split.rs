@@ -12,20 +12,10 @@ use engine_core::host::Sequence;
 use engine_core::link::{pair, Link};
 use engine_core::protocol::{decode, encode, Configure, Message, WireTensor};
 use engine_core::{CpuBackend, Logits, Model};
-use tests::{attach, fixtures_dir, page_file, spawn_helper};
+use tests::{attach, fixtures_dir, page_file, spawn_helper, tiny256};
 
 const PAGE: usize = 8;
 const BUDGET: usize = 16;
-
-/// The tiny256 preset (heads of 64 values: whole blocks of every type), seeded.
-fn tiny256() -> Model {
-    let synth = engine_core::source::LoadOptions {
-        weight_dtype: "f32".into(),
-        weight_seed: 5,
-        ..Default::default()
-    };
-    engine_core::source::load_model("tiny256", &synth).unwrap()
-}
 
 fn types(k: KvType, v: KvType) -> CacheTypes {
     CacheTypes { k, v }

@@ -9,7 +9,7 @@ use engine_core::config::LayerKind;
 use engine_core::host::Sequence;
 use engine_core::model::LayerState;
 use engine_core::{CpuBackend, Logits, Model};
-use tests::{fixtures_dir, max_abs_diff, Reference};
+use tests::{fixtures_dir, max_abs_diff, tiny256, Reference};
 
 const PAGE: usize = 16;
 const TOKENS: usize = 256;
@@ -53,15 +53,6 @@ fn attention_layers(m: &Model) -> usize {
     kinds
         .filter(|k| matches!(k, LayerKind::FullAttention))
         .count()
-}
-
-fn tiny256() -> Model {
-    let synth = engine_core::source::LoadOptions {
-        weight_dtype: "f32".into(),
-        weight_seed: 5,
-        ..Default::default()
-    };
-    engine_core::source::load_model("tiny256", &synth).unwrap()
 }
 
 #[test]
