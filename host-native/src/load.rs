@@ -182,9 +182,6 @@ pub fn load(spec: &str, o: &LoadOptions, tokenizer: Option<&Path>) -> Result<Loa
     })
 }
 
-/// Where this process reads its weights from, for messages: a copy in huge pages, which
-/// decodes faster, or the file's mapping (with `--mmap`, or when the copy would not fit in
-/// 7/8 of the memory available), so that a user sees why decode is slower than expected.
 /// A fresh sequence on `be` alone: KV pages of `page_size` positions stored as `types`,
 /// frozen as they fill where `freeze` (`--freeze-pages`).
 pub fn fresh_sequence(
@@ -201,6 +198,9 @@ pub fn fresh_sequence(
     Ok(seq)
 }
 
+/// Where this process reads its weights from, for messages: a copy in huge pages, which
+/// decodes faster, or the file's mapping (with `--mmap`, or when the copy would not fit in
+/// 7/8 of the memory available), so that a user sees why decode is slower than expected.
 pub fn residence() -> String {
     match engine_core::resident::copied() {
         0 => "mapped from the file".to_string(),

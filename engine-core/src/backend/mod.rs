@@ -249,9 +249,6 @@ pub trait Backend: Send + Sync {
         true
     }
 
-    /// Whether this backend keeps KV rows of compact type `ty` on its device, packed in
-    /// 32-bit words as the host would store their bytes ([`PageRows::Device`], written by
-    /// [`Self::write_packed`]); otherwise compact rows live on the host ([`PageRows::Packed`]).
     /// `page` (full, and read only from now on) packed for this backend's frozen-page decode
     /// kernel, if it has one and can take heads of `head_dim` (`--freeze-pages`).
     fn freeze_page(
@@ -264,6 +261,9 @@ pub trait Backend: Send + Sync {
         None
     }
 
+    /// Whether this backend keeps KV rows of compact type `ty` on its device, packed in
+    /// 32-bit words as the host would store their bytes ([`PageRows::Device`], written by
+    /// [`Self::write_packed`]); otherwise compact rows live on the host ([`PageRows::Packed`]).
     fn packs_kv(&self, ty: KvType) -> bool {
         let _ = ty;
         false
